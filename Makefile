@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both bootstrap
+# what is missing (OpenMPI, a virtualenv, torch, a cached Horovod build).
+PY := .venv/bin/python
+STAMP := .venv/.bootstrapped
+
+.PHONY: bootstrap demo test test-fast lint protos bench clean
+
+bootstrap: $(STAMP)
+
+$(STAMP): scripts/bootstrap.sh requirements-dev.txt setup.py
+	./scripts/bootstrap.sh
+	touch $@
+
+# pytest exits 5 when it collects nothing, so an empty run cannot pass.
+test: bootstrap
+	$(PY) -m pytest -ra
+
+test-fast: bootstrap
+	$(PY) -m pytest -ra -m "not multiprocess and not netns"
+
+demo: bootstrap
+	$(PY) scripts/demo.py
+
+lint: bootstrap
+	.venv/bin/ruff check client daemon plugins scripts tests bench
+
+protos: bootstrap
+	$(PY) scripts/gen_protos.py
+
+bench: bootstrap
+	$(PY) bench/overhead.py
+
+clean:
+	rm -rf .venv build *.egg-info results .pytest_cache

@@ -1,0 +1,194 @@
+"""`crossover`: look at and steer the node's crossoverd.
+
+Results go to stdout (a table, or versioned JSON with --json); diagnostics go
+to stderr as one line. Exit codes are named in `ExitCode`.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import sys
+import time
+from typing import Any, Callable, NoReturn
+
+import click
+import grpc
+from rich.console import Console, Group
+from rich.live import Live
+
+from . import formatting
+from .protos import crossover_v1_pb2 as pb
+from .protos import crossover_v1_pb2_grpc as pb_grpc
+from .session import PROTOCOL_VERSION, channel_for
+from .settings import default_socket_path
+
+__all__ = ["main", "ExitCode"]
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    ERROR = 1          # unexpected failure
+    USAGE = 2          # bad command line (click's own code)
+    UNREACHABLE = 3    # no daemon answered
+    REFUSED = 4        # the daemon rejected the request (invalid, unknown device/policy, ...)
+    UNAUTHENTICATED = 5
+
+
+class _Fail(click.ClickException):
+    def __init__(self, message: str, code: ExitCode) -> None:
+        super().__init__(message)
+        self.exit_code = int(code)
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"crossover: {self.format_message()}", err=True)
+
+
+def _rpc_error(exc: grpc.RpcError, target: str) -> NoReturn:
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        raise _Fail(f"no crossoverd answers at {target} ({exc.details()}); is it running? "
+                    "(start it with `crossoverd`, or pass --socket/--address)", ExitCode.UNREACHABLE)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        raise _Fail(f"daemon refused the token: {exc.details()}", ExitCode.UNAUTHENTICATED)
+    raise _Fail(f"{exc.details()} ({code.name})", ExitCode.REFUSED)
+
+
+class _Ctx:
+    def __init__(self, socket: str, address: str | None, token: str | None, as_json: bool, timeout: float) -> None:
+        self.target = address or f"unix://{socket}"
+        self.token = token or ""
+        self.as_json = as_json
+        self.timeout = timeout
+        self._channel: grpc.Channel | None = None
+
+    def call(self, method: str, request: Any) -> Any:
+        if self._channel is None:
+            self._channel, self._md = channel_for(self.target, self.token)
+        stub = pb_grpc.AdminStub(self._channel)
+        try:
+            return getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            _rpc_error(exc, self.target)
+
+    def emit(self, kind: str, message: Any, render: Callable[[dict[str, Any]], Any]) -> None:
+        data = formatting.to_json(kind, message)
+        if self.as_json:
+            click.echo(json.dumps(data, indent=2, sort_keys=True))
+        else:
+            Console().print(render(data))
+
+
+_common = [
+    click.option("--socket", default=default_socket_path, show_default="$CROSSOVER_SOCKET or the daemon's default",
+                 help="Unix socket of the daemon."),
+    click.option("--address", envvar="CROSSOVER_ADDRESS", help="host:port of a TCP daemon (overrides --socket)."),
+    click.option("--token", envvar="CROSSOVER_TOKEN", help="Token for a TCP daemon [env CROSSOVER_TOKEN]."),
+    click.option("--json", "as_json", is_flag=True, help="Print versioned JSON instead of a table."),
+    click.option("--timeout", type=click.FloatRange(0.01, 600), default=3.0, show_default=True,
+                 help="Seconds to wait for the daemon."),
+]
+
+
+def _with_common(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed(_common):
+        fn = opt(fn)
+    return fn
+
+
+def _ctx(kw: dict[str, Any]) -> _Ctx:
+    return _Ctx(kw.pop("socket"), kw.pop("address"), kw.pop("token"), kw.pop("as_json"), kw.pop("timeout"))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="horovod-crossover", prog_name="crossover")
+def main() -> None:
+    """Inspect and steer the Crossover daemon of this node.
+
+    Each device (GPU, or CPU core under --cpu-devices) has a queue: the rank
+    holding it computes; the others wait in grant order or are in their
+    allreduce. Start with `crossover queue`.
+
+    \b
+    Exit codes: 0 ok, 1 error, 2 usage, 3 daemon unreachable,
+                4 request refused, 5 token refused.
+    """
+
+
+@main.command()
+@_with_common
+@click.option("--device", type=click.IntRange(-1), default=-1, help="Only this device (-1: all).")
+@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
+    """Show each device's holder, waiting ranks, phases and timings.
+
+    \b
+    Columns: phase (compute/waiting/comm/other), iter (the rank's iteration),
+    compute/comm ms (mean phase length), waiting (share of the rank's time
+    spent waiting for grants), cpu % and rss (psutil), gpu mem (NVML).
+    """
+    ctx = _ctx(kw)
+    req = pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=device)
+
+    def render(d: dict[str, Any]) -> Group:
+        head = f"node {d['node']}  policy {d['policy']}  up {d['uptime_s']:.0f}s"
+        return Group(head, *formatting.queue_tables(d))
+
+    if not watch:
+        ctx.emit("queue", ctx.call("GetQueue", req), render)
+        return
+    try:
+        if ctx.as_json:
+            while True:
+                click.echo(json.dumps(formatting.to_json("queue", ctx.call("GetQueue", req)), sort_keys=True))
+                time.sleep(interval)
+        with Live(render(formatting.to_json("queue", ctx.call("GetQueue", req))), auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render(formatting.to_json("queue", ctx.call("GetQueue", req))), refresh=True)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@_with_common
+def jobs(**kw: Any) -> None:
+    """List the jobs with ranks on this node."""
+    ctx = _ctx(kw)
+    ctx.emit("jobs", ctx.call("ListJobs", pb.JobsRequest(protocol_version=PROTOCOL_VERSION)), formatting.jobs_table)
+
+
+@main.command()
+@_with_common
+@click.argument("name", required=False)
+def policy(name: str | None, **kw: Any) -> None:
+    """Show the policy, or switch to NAME (ranks waiting are re-queued under it).
+
+    \b
+    passthrough  observe and record only; never blocks
+    exclusive    FIFO; at most one compute phase per device
+    """
+    ctx = _ctx(kw)
+    req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "")
+    reply = ctx.call("SetPolicy" if name else "GetPolicy", req)
+    ctx.emit("policy", reply, lambda d: f"policy {d['name']} (available: {', '.join(d['available'])})")
+
+
+def _device_cmd(method: str, verb: str) -> Callable[..., None]:
+    def cmd(device: int, **kw: Any) -> None:
+        ctx = _ctx(kw)
+        reply = ctx.call(method, pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=device))
+        ctx.emit(verb, reply, lambda d: f"device {d['device']} {'draining' if d['draining'] else 'accepting ranks'}")
+
+    return cmd
+
+
+main.command("drain", help="Stop placing new ranks on DEVICE; ranks already there run to completion.")(
+    _with_common(click.argument("device", type=click.IntRange(0))(_device_cmd("Drain", "drain"))))
+main.command("resume", help="Accept new ranks on DEVICE again.")(
+    _with_common(click.argument("device", type=click.IntRange(0))(_device_cmd("Resume", "resume"))))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Pure formatters for the CLI: protobuf replies → versioned JSON dicts → rich tables.
+
+Kept free of I/O so they are tested directly and reused by `--watch`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["JSON_VERSION", "to_json", "queue_tables", "jobs_table"]
+
+JSON_VERSION = 1
+
+_PHASE_STYLE = {"COMPUTE": "bold green", "WAITING": "yellow", "COMM": "cyan", "OTHER": "dim", "IDLE": "dim"}
+
+
+def to_json(kind: str, message: Any) -> dict[str, Any]:
+    """`{"version": 1, "kind": ..., <message fields>}`; defaults included so keys are stable."""
+    body = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return {"version": JSON_VERSION, "kind": kind, **body}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}" if seconds else "-"
+
+
+def _bytes(n: int) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.0f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n:.0f}PiB"
+
+
+def _phase(rank: dict[str, Any]) -> Text:
+    phase = rank.get("phase", "IDLE")
+    return Text(phase.lower(), style=_PHASE_STYLE.get(phase, ""))
+
+
+def queue_tables(state: dict[str, Any]) -> list[Table]:
+    """One table per device: holder first, then waiting ranks in grant order, then the rest."""
+    tables = []
+    for dev in state.get("devices", []):
+        title = f"device {dev['index']} ({dev['kind']} {dev['name']})"
+        extras = []
+        if dev.get("draining"):
+            extras.append("DRAINING")
+        if dev.get("utilization", -1) >= 0:
+            extras.append(f"util {dev['utilization']:.0f}%")
+        if int(dev.get("memory_total_bytes", 0)):
+            extras.append(f"mem {_bytes(int(dev['memory_used_bytes']))}/{_bytes(int(dev['memory_total_bytes']))}")
+        if dev.get("order"):
+            extras.append("order " + " → ".join(dev["order"]))
+        if extras:
+            title += "  " + "  ".join(extras)
+        t = Table(title=title, title_justify="left", expand=False)
+        for col, kw in (("", {}), ("job", {}), ("rank", {"justify": "right"}), ("pid", {"justify": "right"}),
+                        ("phase", {}), ("iter", {"justify": "right"}), ("compute ms", {"justify": "right"}),
+                        ("comm ms", {"justify": "right"}), ("waiting", {"justify": "right"}),
+                        ("cpu %", {"justify": "right"}), ("rss", {"justify": "right"}),
+                        ("gpu mem", {"justify": "right"})):
+            t.add_column(col, **kw)
+        rows = [("holds", r) for r in dev.get("holders", [])]
+        rows += [(f"#{i + 1}", r) for i, r in enumerate(dev.get("waiting", []))]
+        rows += [("", r) for r in dev.get("others", [])]
+        for mark, r in rows:
+            cpu = r.get("cpu_percent", -1)
+            t.add_row(mark, r.get("job_name", ""), str(r.get("rank", 0)), str(r.get("pid", 0)), _phase(r),
+                      str(r.get("iteration", 0)), _ms(r.get("mean_compute_s", 0.0)), _ms(r.get("mean_comm_s", 0.0)),
+                      f"{100 * r.get('wait_fraction', 0.0):.0f}%", f"{cpu:.0f}" if cpu >= 0 else "-",
+                      _bytes(int(r.get("rss_bytes", 0))), _bytes(int(r.get("gpu_memory_bytes", 0))))
+        if not rows:
+            t.add_row("", Text("idle: no ranks", style="dim"), *[""] * 10)
+        tables.append(t)
+    return tables
+
+
+def jobs_table(state: dict[str, Any]) -> Table:
+    t = Table(title="jobs on this node", title_justify="left")
+    for col in ("job", "id", "world", "ranks here", "phases", "iter", "registered s"):
+        t.add_column(col)
+    for job in state.get("jobs", []):
+        ranks = job.get("ranks", [])
+        phases = ", ".join(f"{r['rank']}:{r.get('phase', 'IDLE').lower()}" for r in ranks)
+        iters = max((int(r.get("iteration", 0)) for r in ranks), default=0)
+        t.add_row(job["job_name"], job["job_id"][:12], str(job["world_size"]), str(len(ranks)), phases,
+                  str(iters), f"{job.get('registered_s', 0.0):.0f}")
+    if not state.get("jobs"):
+        t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "")
+    return t

@@ -1,0 +1,244 @@
+"""A rank's session with its node's daemon.
+
+Fail-open by construction: when the daemon is absent, dies or stops answering,
+every call returns at once and training continues unscheduled; a background
+thread re-attaches when the daemon is back. The first loss of contact is
+logged once as a warning, later ones at INFO.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import grpc
+
+from .protos import crossover_v1_pb2 as pb
+from .protos import crossover_v1_pb2_grpc as pb_grpc
+from .settings import TOKEN_METADATA_KEY, PluginSettings
+
+__all__ = ["RankInfo", "Session", "channel_for"]
+
+_log = logging.getLogger(__name__)
+PROTOCOL_VERSION = 1
+_CLOSE = object()
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    job_id: str
+    job_name: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_size: int
+    device: int = -1
+    pid: int = 0
+    node: str = ""
+
+
+def channel_for(target: str, token: str = "", tls_ca: str = "") -> tuple[grpc.Channel, list[tuple[str, str]]]:
+    """A channel to a daemon (`unix:///path` or `host:port`) and the metadata every call must carry."""
+    metadata = [(TOKEN_METADATA_KEY, token)] if token else []
+    if tls_ca and not target.startswith("unix:"):
+        with open(tls_ca, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        return grpc.secure_channel(target, creds), metadata
+    return grpc.insecure_channel(target), metadata
+
+
+class Session:
+    """Brackets a rank's phases for the daemon; never raises into training code."""
+
+    def __init__(self, info: RankInfo, settings: PluginSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.info = replace(info, pid=info.pid or os.getpid(), node=info.node or os.uname().nodename)
+        self.settings = settings
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._seq = itertools.count(1)
+        self._generation = 0
+        self._attached = False
+        self._blocks = False
+        self._granted_seq = 0
+        self._outbox: queue.SimpleQueue | None = None
+        self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
+        self._warned = False
+        self._stop = threading.Event()
+        self._channel: grpc.Channel | None = None
+        self.registration: pb.RegisterResponse | None = None
+        self.on_attach: Callable[[pb.RegisterResponse], None] | None = None
+        self.grant_waits: list[float] = []  # seconds each blocking acquire took (benchmarks read it)
+        self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
+
+    # ---- phase calls (made from the training thread) --------------------
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def acquire(self, iteration: int) -> bool:
+        """Ask for the device; block until granted when the policy gates. True when scheduled."""
+        with self._cond:
+            if not self._attached or self._requested_gen == self._generation:
+                return False
+            seq = next(self._seq)
+            gen = self._generation
+            self._requested_gen = gen
+            self._send(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq))
+            if not self._blocks:
+                return True
+            start = self._clock()
+            deadline = start + self.settings.grant_timeout_s
+            while self._granted_seq < seq and self._attached and self._generation == gen and self._blocks:
+                left = deadline - self._clock()
+                if left <= 0:
+                    _log.warning("no grant after %.1fs (iteration %d); computing unscheduled this iteration",
+                                 self.settings.grant_timeout_s, iteration)
+                    return False
+                self._cond.wait(left)
+            self.grant_waits.append(self._clock() - start)
+            return self._granted_seq >= seq
+
+    def release(self, iteration: int, duration_s: float = 0.0) -> None:
+        """The device work of this iteration is complete."""
+        with self._cond:
+            if self._attached and self._requested_gen == self._generation:
+                self._requested_gen = -1
+                self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=iteration, duration_s=duration_s))
+
+    def comm_begin(self, iteration: int) -> None:
+        with self._cond:
+            if self._attached:
+                self._requested_gen = -1  # entering comm implicitly releases
+                self._send(pb.RankEvent(kind=pb.COMM_BEGIN, iteration=iteration))
+
+    def comm_end(self, iteration: int, duration_s: float) -> None:
+        with self._cond:
+            if self._attached:
+                self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration, duration_s=duration_s))
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def start(self) -> Session:
+        """Try to attach now (bounded by CROSSOVER_CONNECT_TIMEOUT), then keep trying in the background."""
+        self._attach()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._detach_locked()
+        if self._channel is not None:
+            self._channel.close()
+
+    # ---- internals -------------------------------------------------------
+
+    def _send(self, event: pb.RankEvent) -> None:
+        if self._outbox is not None:
+            self._outbox.put(event)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._attached:
+                interval = self.registration.heartbeat_interval_s if self.registration else 0.2
+                if self._stop.wait(interval):
+                    return
+                with self._cond:
+                    if self._attached:
+                        self._send(pb.RankEvent(kind=pb.HEARTBEAT))
+            else:
+                if self._stop.wait(self.settings.reconnect_interval_s):
+                    return
+                self._attach()
+
+    def _attach(self) -> None:
+        s = self.settings
+        if self._channel is None:
+            self._channel, self._metadata = channel_for(s.target, s.token, s.tls_ca)
+        stub = pb_grpc.SchedulerStub(self._channel)
+        i = self.info
+        identity = pb.RankIdentity(job_id=i.job_id, job_name=i.job_name, rank=i.rank, local_rank=i.local_rank,
+                                   world_size=i.world_size, local_size=i.local_size, node=i.node,
+                                   device=i.device, pid=i.pid)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
+            reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity),
+                                timeout=s.connect_timeout_s, metadata=self._metadata)
+        except grpc.FutureTimeoutError:
+            self._lost(f"no daemon answers at {s.target}")
+            return
+        except grpc.RpcError as exc:
+            self._lost(f"daemon at {s.target} refused registration: {exc.code().name}: {exc.details()}")
+            return
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        outbox.put(pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id))
+        responses = stub.Session(_drain(outbox), metadata=self._metadata)
+        with self._cond:
+            self._generation += 1
+            self._outbox = outbox
+            self._attached = True
+            self._blocks = reg.policy_blocks
+            self._granted_seq = 0
+            self.registration = reg
+        threading.Thread(target=self._receive, args=(responses, self._generation), name="crossover-recv",
+                         daemon=True).start()
+        if self._warned:
+            _log.warning("re-attached to crossoverd at %s (session %s); training is scheduled again",
+                         s.target, reg.session_id[:8])
+        else:
+            _log.info("attached to crossoverd at %s: node %s device %d policy %s",
+                      s.target, reg.node, reg.device, reg.policy)
+        if self.on_attach is not None:
+            try:
+                self.on_attach(reg)
+            except Exception:  # a failing callback must not break training
+                _log.exception("on_attach callback failed")
+
+    def _receive(self, responses: Iterator[pb.Directive], gen: int) -> None:
+        reason = "daemon closed the session"
+        try:
+            for d in responses:
+                with self._cond:
+                    if d.HasField("grant"):
+                        self._granted_seq = max(self._granted_seq, d.grant.seq)
+                    elif d.HasField("policy"):
+                        self._blocks = d.policy.policy_blocks
+                        _log.info("daemon switched policy to %s", d.policy.policy)
+                    self._cond.notify_all()
+        except grpc.RpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        with self._cond:
+            if self._generation == gen and self._attached:
+                self._detach_locked()
+                if not self._stop.is_set():
+                    self._lost(f"lost crossoverd ({reason})")
+
+    def _detach_locked(self) -> None:
+        self._attached = False
+        self._requested_gen = -1
+        if self._outbox is not None:
+            self._outbox.put(_CLOSE)
+            self._outbox = None
+        self._cond.notify_all()
+
+    def _lost(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            _log.warning("%s; training continues unscheduled and re-attaches when the daemon is back", why)
+        else:
+            _log.info("%s", why)
+
+
+def _drain(outbox: queue.SimpleQueue) -> Iterator[pb.RankEvent]:
+    while True:
+        item = outbox.get()
+        if item is _CLOSE:
+            return
+        yield item

@@ -1,0 +1,112 @@
+"""Every Crossover setting in one place: names, defaults, validation.
+
+Order everywhere: command-line flag, then `CROSSOVER_*` environment variable,
+then the default below. The README's settings table mirrors `PLUGIN_SETTINGS`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["default_socket_path", "PluginSettings", "PLUGIN_SETTINGS", "SettingError", "TOKEN_METADATA_KEY"]
+
+TOKEN_METADATA_KEY = "x-crossover-token"
+
+
+class SettingError(ValueError):
+    """A `CROSSOVER_*` variable or flag has a value we cannot use."""
+
+
+def default_socket_path() -> str:
+    """`$CROSSOVER_SOCKET`, else /run/crossover/crossoverd.sock for root, else a per-user runtime dir."""
+    env = os.environ.get("CROSSOVER_SOCKET")
+    if env:
+        return env
+    if os.geteuid() == 0:
+        return "/run/crossover/crossoverd.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/crossover-{os.getuid()}"
+    return str(Path(runtime) / "crossover" / "crossoverd.sock")
+
+
+# name -> (default, help); the README table is generated from this.
+PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
+    "CROSSOVER_SOCKET": ("(see daemon)", "Unix socket of the node's daemon."),
+    "CROSSOVER_ADDRESS": ("", "host:port of a daemon listening on TCP (overrides the socket)."),
+    "CROSSOVER_TOKEN": ("", "Shared token for a TCP daemon."),
+    "CROSSOVER_TLS_CA": ("", "CA certificate (PEM) to verify a TLS daemon."),
+    "CROSSOVER_DISABLE": ("0", "1: the import does nothing at all."),
+    "CROSSOVER_JOB_NAME": ("script name", "Readable job name shown by `crossover queue`."),
+    "CROSSOVER_DEVICE": ("-1", "Device index to ask for; -1 lets the daemon choose (local rank)."),
+    "CROSSOVER_GRANT_TIMEOUT": ("30", "Seconds to wait for a grant before computing unscheduled."),
+    "CROSSOVER_CONNECT_TIMEOUT": ("1", "Seconds to wait for the daemon when attaching."),
+    "CROSSOVER_RECONNECT_INTERVAL": ("2", "Seconds between attempts to re-attach to a lost daemon."),
+    "CROSSOVER_PIN": ("1", "0: do not pin to the CPU core a CPU device names."),
+    "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
+}
+
+
+def _float(name: str, default: float, lo: float, hi: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a number") from None
+    if not lo <= value <= hi:
+        raise SettingError(f"{name}={raw} is outside {lo}..{hi}")
+    return value
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise SettingError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin's settings, read from `CROSSOVER_*` variables once at import."""
+
+    target: str
+    token: str
+    tls_ca: str
+    disabled: bool
+    job_name: str
+    device: int
+    grant_timeout_s: float
+    connect_timeout_s: float
+    reconnect_interval_s: float
+    pin: bool
+    log_level: str
+
+    @classmethod
+    def from_env(cls, script_name: str = "") -> PluginSettings:
+        address = os.environ.get("CROSSOVER_ADDRESS", "")
+        target = address if address else f"unix://{default_socket_path()}"
+        device_raw = os.environ.get("CROSSOVER_DEVICE", "-1")
+        try:
+            device = int(device_raw)
+        except ValueError:
+            raise SettingError(f"CROSSOVER_DEVICE={device_raw!r} is not an integer") from None
+        if device < -1:
+            raise SettingError(f"CROSSOVER_DEVICE={device} must be -1 or a device index")
+        return cls(
+            target=target,
+            token=os.environ.get("CROSSOVER_TOKEN", ""),
+            tls_ca=os.environ.get("CROSSOVER_TLS_CA", ""),
+            disabled=_bool("CROSSOVER_DISABLE", False),
+            job_name=os.environ.get("CROSSOVER_JOB_NAME", "") or script_name or "job",
+            device=device,
+            grant_timeout_s=_float("CROSSOVER_GRANT_TIMEOUT", 30.0, 0.001, 3600.0),
+            connect_timeout_s=_float("CROSSOVER_CONNECT_TIMEOUT", 1.0, 0.01, 60.0),
+            reconnect_interval_s=_float("CROSSOVER_RECONNECT_INTERVAL", 2.0, 0.05, 600.0),
+            pin=_bool("CROSSOVER_PIN", True),
+            log_level=os.environ.get("CROSSOVER_LOG_LEVEL", "WARNING").upper(),
+        )

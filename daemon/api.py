@@ -1,0 +1,149 @@
+"""The daemon's contract: ranks, phases, grants, the policy interface and errors.
+
+Everything the scheduler core, the policies, the simulator and the tests agree
+on lives here; implementations live beside it (`policies/`, `scheduler.py`,
+`server.py`). Policies are pure: they receive events with an explicit `now`
+and return the ranks they grant, and never touch gRPC, threads or clocks.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "RankKey",
+    "RankRef",
+    "Phase",
+    "DeviceView",
+    "Policy",
+    "CrossoverError",
+    "InvalidRequest",
+    "NotFound",
+    "AlreadyExists",
+    "FailedPrecondition",
+    "UnsupportedVersion",
+]
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True, order=True)
+class RankKey:
+    """A rank's identity across the cluster: the job it belongs to and its global rank."""
+
+    job_id: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.job_id[:8]}/{self.rank}"
+
+
+@dataclass(frozen=True)
+class RankRef:
+    """What a policy knows about a rank: who it is, where it runs, when it joined.
+
+    `job_name` and `world_size` let policies order jobs the same way on every
+    node without talking to each other (see `policies/crossover.py`).
+    """
+
+    key: RankKey
+    job_name: str
+    device: int
+    world_size: int
+    joined_at: float
+
+
+class Phase(enum.Enum):
+    """A rank's phase as the daemon sees it.
+
+    Transitions (driven by rank events, each recorded in the event log):
+      IDLE    -> WAITING  (COMPUTE_REQUEST)
+      WAITING -> COMPUTE  (policy grants)
+      COMPUTE -> OTHER    (COMPUTE_DONE)
+      OTHER/COMPUTE -> COMM (COMM_BEGIN; a rank entering comm while holding a grant releases it)
+      COMM    -> OTHER    (COMM_END)
+      any     -> removed  (stream ended, heartbeat lost, process gone)
+    """
+
+    IDLE = "idle"
+    WAITING = "waiting"
+    COMPUTE = "compute"
+    COMM = "comm"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """A policy's picture of one device: who holds it, who waits (in grant order).
+
+    `holders` has at most one entry under a blocking policy; `passthrough`
+    lets any number of ranks compute at once.
+    """
+
+    device: int
+    holders: tuple[RankKey, ...]
+    waiting: tuple[RankKey, ...]
+    order: tuple[str, ...] = ()
+
+
+class Policy(Protocol):
+    """Decides compute grants. One instance serves all devices of a node.
+
+    Every method takes `now` (seconds, monotonic) and returns the ranks that
+    are granted the device as a consequence of the event, in grant order.
+    The scheduler guarantees calls are serialized, a rank joins before any
+    other event about it, and `request` is only called for a rank that holds
+    no grant and has no pending request.
+    """
+
+    name: str
+    blocks: bool  # False: ranks need not wait for grants (observe-only)
+
+    def join(self, rank: RankRef, now: float) -> list[RankKey]: ...
+
+    def leave(self, key: RankKey, now: float) -> list[RankKey]: ...
+
+    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]: ...
+
+    def release(self, key: RankKey, now: float) -> list[RankKey]: ...
+
+    def cancel(self, key: RankKey, now: float) -> list[RankKey]:
+        """Withdraw a pending request (the rank went ahead without its grant)."""
+
+    def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
+        """A measured phase length (`compute` or `comm`) reported by a rank."""
+
+    def tick(self, now: float) -> list[RankKey]:
+        """Called periodically; lets a policy act on deadlines (bounded waiting)."""
+
+    def holds(self, key: RankKey) -> bool: ...
+
+    def is_waiting(self, key: RankKey) -> bool: ...
+
+    def view(self, device: int) -> DeviceView: ...
+
+
+class CrossoverError(Exception):
+    """Base class of every error Crossover raises on purpose."""
+
+
+class InvalidRequest(CrossoverError, ValueError):
+    """A request's field is malformed or out of range."""
+
+
+class NotFound(CrossoverError, LookupError):
+    """The request names a session, rank, device or policy the daemon does not know."""
+
+
+class AlreadyExists(CrossoverError):
+    """The rank is already registered with this daemon."""
+
+
+class FailedPrecondition(CrossoverError):
+    """The request is well-formed but not allowed in the current state."""
+
+
+class UnsupportedVersion(CrossoverError):
+    """The client speaks a protocol version this daemon does not."""

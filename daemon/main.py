@@ -1,0 +1,101 @@
+"""`crossoverd`: the per-node scheduling daemon."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from ..settings import default_socket_path
+from . import policies
+from .api import CrossoverError
+from .event_log import EventLog
+from .inventory import Inventory, parse_cpu_devices
+from .scheduler import Scheduler
+from .server import Daemon
+
+_log = logging.getLogger("crossover.daemon")
+
+
+def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
+    if file:
+        try:
+            return Path(file).read_text().strip()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {what} file: {exc}") from None
+    return value
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--socket", "socket_path", default=default_socket_path, show_default="$CROSSOVER_SOCKET or a per-user path",
+              help="Unix socket to serve on (created 0660, its folder 0770). Ranks and `crossover` find it here.")
+@click.option("--no-socket", is_flag=True, help="Serve only on --listen.")
+@click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (needs --token or --token-file).")
+@click.option("--token", envvar="CROSSOVER_TOKEN", help="Shared token TCP clients must send [env CROSSOVER_TOKEN].")
+@click.option("--token-file", type=click.Path(dir_okay=False), help="Read the token from this file.")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="PEM certificate: serve TCP with TLS.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key for --tls-cert.")
+@click.option("--cpu-devices", metavar="N|IDS", help="Manage CPU cores as devices: a count (2) or core ids (0,1 or 2-3). "
+              "Without it, GPUs are found through NVML.")
+@click.option("--policy", type=click.Choice(policies.available()), default="exclusive", show_default=True,
+              help="passthrough: observe only. exclusive: FIFO, one compute phase per device.")
+@click.option("--node-name", default=lambda: os.uname().nodename, show_default="hostname",
+              help="Name this node reports; must be unique in the cluster.")
+@click.option("--event-log", type=click.Path(dir_okay=False), help="Append every phase change to this JSON-lines file.")
+@click.option("--event-log-size", type=click.IntRange(1), default=100_000, show_default=True,
+              help="Events kept in memory.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(0.05, 60), default=0.8, show_default=True,
+              help="Seconds without a heartbeat before a rank is evicted and its grant freed.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              default="INFO", show_default=True)
+def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
+         tls_cert: str | None, tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
+         event_log: str | None, event_log_size: int, heartbeat_timeout: float, log_level: str) -> None:
+    """Schedule the compute phases of co-located Horovod jobs on this node's devices.
+
+    Run one per node (GPU machine), then start jobs whose script begins with
+    `import crossover.auto`. Watch with `crossover queue`. SIGTERM or Ctrl-C
+    stops the daemon cleanly: waiting ranks are released and keep training.
+
+    \b
+    Examples:
+      crossoverd --cpu-devices 2 --policy exclusive
+      crossoverd --listen 0.0.0.0:7070 --token-file /etc/crossover/token
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = _read_secret(token, token_file, "token")
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    try:
+        cores = parse_cpu_devices(cpu_devices, os.cpu_count() or 1) if cpu_devices else None
+        inventory = Inventory.detect(cores)
+        log = EventLog(maxlen=event_log_size, path=event_log)
+        heartbeat_interval = min(0.2, heartbeat_timeout / 4)
+        core = Scheduler(inventory, policy, node=node_name, event_log=log,
+                         heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout)
+        tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
+        daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls).start()
+    except CrossoverError as exc:
+        click.echo(f"crossoverd: {exc}", err=True)
+        sys.exit(2)
+    except (OSError, RuntimeError) as exc:
+        click.echo(f"crossoverd: cannot start: {exc}", err=True)
+        sys.exit(1)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        _log.info("received %s, shutting down", signal.Signals(signum).name)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if daemon.port:
+        _log.info("TCP port %d", daemon.port)
+    daemon.wait()
+
+
+if __name__ == "__main__":
+    main()

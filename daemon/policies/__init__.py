@@ -1,0 +1,28 @@
+"""Grant policies. Each is a pure class implementing `crossover.daemon.api.Policy`."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..api import NotFound, Policy
+from .exclusive import ExclusivePolicy
+from .passthrough import PassthroughPolicy
+
+__all__ = ["available", "create", "ExclusivePolicy", "PassthroughPolicy"]
+
+_FACTORIES: dict[str, Callable[[], Policy]] = {
+    "passthrough": PassthroughPolicy,
+    "exclusive": ExclusivePolicy,
+}
+
+
+def available() -> list[str]:
+    """Names accepted by `create`, `crossoverd --policy` and `crossover policy NAME`."""
+    return sorted(_FACTORIES)
+
+
+def create(name: str) -> Policy:
+    """A fresh policy instance by name; `NotFound` names the valid choices."""
+    try:
+        return _FACTORIES[name]()
+    except KeyError:
+        raise NotFound(f"unknown policy {name!r}; choose one of: {', '.join(available())}") from None

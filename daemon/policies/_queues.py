@@ -1,0 +1,74 @@
+"""Per-device bookkeeping shared by the queue-based policies."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..api import FailedPrecondition, NotFound, RankKey, RankRef
+
+
+@dataclass
+class _Device:
+    holders: list[RankKey] = field(default_factory=list)
+    waiting: deque[RankKey] = field(default_factory=deque)
+
+
+class DeviceQueues:
+    """Ranks per device, who holds each device and who waits, in request order."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[RankKey, RankRef] = {}
+        self.devices: dict[int, _Device] = {}
+        self.requested_at: dict[RankKey, float] = {}
+
+    def add(self, rank: RankRef) -> None:
+        self.ranks[rank.key] = rank
+        self.devices.setdefault(rank.device, _Device())
+
+    def remove(self, key: RankKey) -> int:
+        ref = self._ref(key)
+        dev = self.devices[ref.device]
+        if key in dev.holders:
+            dev.holders.remove(key)
+        if key in dev.waiting:
+            dev.waiting.remove(key)
+        self.requested_at.pop(key, None)
+        del self.ranks[key]
+        return ref.device
+
+    def enqueue(self, key: RankKey, now: float) -> _Device:
+        dev = self.device_of(key)
+        if key in dev.holders or key in dev.waiting:
+            raise FailedPrecondition(f"rank {key} already holds or waits for its device")
+        dev.waiting.append(key)
+        self.requested_at[key] = now
+        return dev
+
+    def grant(self, dev: _Device, key: RankKey) -> None:
+        dev.waiting.remove(key)
+        self.requested_at.pop(key, None)
+        dev.holders.append(key)
+
+    def release(self, key: RankKey) -> _Device:
+        dev = self.device_of(key)
+        if key not in dev.holders:
+            raise FailedPrecondition(f"rank {key} released a grant it does not hold")
+        dev.holders.remove(key)
+        return dev
+
+    def cancel(self, key: RankKey) -> _Device:
+        dev = self.device_of(key)
+        if key not in dev.waiting:
+            raise FailedPrecondition(f"rank {key} has no pending request to withdraw")
+        dev.waiting.remove(key)
+        self.requested_at.pop(key, None)
+        return dev
+
+    def device_of(self, key: RankKey) -> _Device:
+        return self.devices[self._ref(key).device]
+
+    def _ref(self, key: RankKey) -> RankRef:
+        try:
+            return self.ranks[key]
+        except KeyError:
+            raise NotFound(f"rank {key} is not known to the policy") from None

@@ -1,0 +1,469 @@
+"""The daemon's core: sessions, event handling, grant dispatch and liveness.
+
+The policy decides; this module acts. It keeps the registry of rank sessions,
+feeds their events to the policy under one lock, delivers grants to each
+session's outbox (a queue the gRPC stream drains), and evicts ranks whose
+stream ended, whose process died or whose heartbeats stopped. It knows
+nothing of gRPC: `server.py` translates.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psutil
+
+from . import policies
+from .api import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    Phase,
+    Policy,
+    RankKey,
+    RankRef,
+)
+from .event_log import EventLog
+from .inventory import Inventory
+
+__all__ = ["Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "CloseMsg", "RankSnapshot"]
+
+_log = logging.getLogger(__name__)
+
+_MAX_WORLD = 1 << 20
+
+
+@dataclass(frozen=True)
+class Identity:
+    job_id: str
+    job_name: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_size: int
+    node: str
+    device: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Registration:
+    session_id: str
+    node: str
+    device: int
+    cpu_affinity: tuple[int, ...]
+    heartbeat_interval_s: float
+    policy: str
+    policy_blocks: bool
+
+
+@dataclass(frozen=True)
+class GrantMsg:
+    seq: int
+    iteration: int
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class PolicyMsg:
+    policy: str
+    blocks: bool
+
+
+@dataclass(frozen=True)
+class CloseMsg:
+    """Ends a session's stream; `error` set means the rank sent something invalid."""
+
+    reason: str
+    error: Exception | None = None
+
+
+Outbox = "queue.SimpleQueue[GrantMsg | PolicyMsg | CloseMsg]"
+
+
+@dataclass
+class _Stats:
+    compute_total: float = 0.0
+    compute_n: int = 0
+    comm_total: float = 0.0
+    comm_n: int = 0
+    waited_total: float = 0.0
+
+
+@dataclass
+class _Session:
+    id: str
+    ident: Identity
+    ref: RankRef
+    registered_at: float
+    last_seen: float
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    attached: bool = False
+    phase: Phase = Phase.IDLE
+    phase_since: float = 0.0
+    iteration: int = -1
+    pending_seq: int = 0
+    requested_at: float = 0.0
+    stats: _Stats = field(default_factory=_Stats)
+    process: psutil.Process | None = None
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    ident: Identity
+    phase: Phase
+    iteration: int
+    mean_compute_s: float
+    mean_comm_s: float
+    wait_fraction: float
+    since_s: float
+    registered_s: float
+    cpu_percent: float
+    rss_bytes: int
+
+
+class Scheduler:
+    """Thread-safe registry plus policy executor for one node.
+
+    Every public method takes the lock briefly and never blocks on I/O while
+    holding it: grants go into unbounded per-session queues.
+    """
+
+    def __init__(
+        self,
+        inventory: Inventory,
+        policy: str | Policy = "exclusive",
+        node: str = "",
+        event_log: EventLog | None = None,
+        heartbeat_interval_s: float = 0.2,
+        heartbeat_timeout_s: float = 0.8,
+        clock: Callable[[], float] = time.monotonic,
+        pid_alive: Callable[[int], bool] = psutil.pid_exists,
+    ) -> None:
+        self.inventory = inventory
+        self.node = node or os.uname().nodename
+        self.events = event_log or EventLog()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._pid_alive = pid_alive
+        self._lock = threading.Lock()
+        self._policy: Policy = policies.create(policy) if isinstance(policy, str) else policy
+        self._sessions: dict[str, _Session] = {}
+        self._by_key: dict[RankKey, _Session] = {}
+        self._draining: set[int] = set()
+        self._started = clock()
+        self._closed = False
+        self._ids = itertools.count()
+
+    # ---- rank lifecycle ------------------------------------------------
+
+    def register(self, ident: Identity) -> Registration:
+        _validate(ident, len(self.inventory.devices))
+        now = self._clock()
+        device_index = ident.device if ident.device >= 0 else ident.local_rank % len(self.inventory.devices)
+        device = self.inventory.by_index(device_index)
+        key = RankKey(ident.job_id, ident.rank)
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("the daemon is shutting down")
+            if key in self._by_key:
+                raise AlreadyExists(
+                    f"rank {ident.rank} of job {ident.job_name!r} ({ident.job_id}) is already registered "
+                    f"(pid {self._by_key[key].ident.pid})"
+                )
+            if device.index in self._draining:
+                raise FailedPrecondition(
+                    f"device {device.index} is draining and takes no new ranks; `crossover resume {device.index}`"
+                )
+            sid = f"{uuid.uuid4().hex}{next(self._ids):x}"
+            ref = RankRef(key, ident.job_name, device.index, ident.world_size, now)
+            ident = Identity(**{**ident.__dict__, "node": self.node, "device": device.index})
+            sess = _Session(sid, ident, ref, registered_at=now, last_seen=now, phase_since=now)
+            try:
+                sess.process = psutil.Process(ident.pid)
+            except (psutil.Error, ValueError):
+                sess.process = None
+            self._sessions[sid] = sess
+            self._by_key[key] = sess
+            self._deliver(self._policy.join(ref, now), now)
+            blocks = self._policy.blocks
+            name = self._policy.name
+        self._record("register", sess, pid=ident.pid)
+        _log.info("registered %s rank %d (pid %d) on device %d", ident.job_name, ident.rank, ident.pid, device.index)
+        return Registration(sid, self.node, device.index, device.cpu_affinity, self.heartbeat_interval_s, name, blocks)
+
+    def attach(self, session_id: str) -> queue.SimpleQueue:
+        """Bind a session's stream; returns the outbox the stream must drain."""
+        with self._lock:
+            sess = self._session(session_id)
+            if sess.attached:
+                raise AlreadyExists(f"session {session_id} already has an open stream")
+            sess.attached = True
+            sess.last_seen = self._clock()
+            return sess.outbox
+
+    def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0) -> None:
+        """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`."""
+        if duration_s < 0 or duration_s > 86_400 or duration_s != duration_s:
+            raise InvalidRequest(f"duration_s={duration_s} is not a plausible phase length")
+        if iteration < -1:
+            raise InvalidRequest(f"iteration={iteration} is negative")
+        now = self._clock()
+        record: list[tuple[str, _Session, dict]] = []
+        with self._lock:
+            sess = self._session(session_id)
+            sess.last_seen = now
+            key = sess.ref.key
+            if kind == "heartbeat":
+                return
+            if kind == "compute_request":
+                if sess.phase in (Phase.WAITING, Phase.COMPUTE):
+                    raise FailedPrecondition(f"rank {key} requested the device while in phase {sess.phase.value}")
+                sess.iteration = max(sess.iteration, iteration)
+                sess.pending_seq = seq
+                sess.requested_at = now
+                self._set_phase(sess, Phase.WAITING, now)
+                record.append(("request", sess, {"iteration": iteration, "seq": seq}))
+                self._deliver(self._policy.request(key, iteration, now), now, record)
+            elif kind == "compute_done":
+                self._finish_compute(sess, now, record, duration_s, strict=True)
+            elif kind == "comm_begin":
+                if sess.phase in (Phase.COMPUTE, Phase.WAITING):
+                    self._finish_compute(sess, now, record, 0.0, strict=False)
+                self._set_phase(sess, Phase.COMM, now)
+                record.append(("comm_begin", sess, {"iteration": iteration}))
+            elif kind == "comm_end":
+                measured = duration_s or (now - sess.phase_since if sess.phase is Phase.COMM else 0.0)
+                sess.stats.comm_total += measured
+                sess.stats.comm_n += 1
+                self._policy.observe(key, "comm", measured, now)
+                self._set_phase(sess, Phase.OTHER, now)
+                record.append(("comm_end", sess, {"iteration": iteration, "duration_s": measured}))
+            else:
+                raise InvalidRequest(f"unknown event kind {kind!r}")
+        for name, s, fields in record:
+            self._record(name, s, **fields)
+
+    def close(self, session_id: str, reason: str) -> bool:
+        """Remove a session (stream ended, process died, heartbeat lost); frees its grant."""
+        now = self._clock()
+        with self._lock:
+            sess = self._sessions.pop(session_id, None)
+            if sess is None:
+                return False
+            del self._by_key[sess.ref.key]
+            record: list[tuple[str, _Session, dict]] = []
+            if sess.phase is Phase.COMPUTE:
+                record.append(("release", sess, {"reason": reason}))
+            self._deliver(self._policy.leave(sess.ref.key, now), now, record)
+            sess.outbox.put(CloseMsg(reason))
+        record.insert(0, ("leave", sess, {"reason": reason}))
+        for name, s, fields in record:
+            self._record(name, s, **fields)
+        _log.info("removed %s rank %d: %s", sess.ident.job_name, sess.ident.rank, reason)
+        return True
+
+    def reap(self) -> list[str]:
+        """Evict ranks whose heartbeats stopped or whose process is gone; returns their session ids."""
+        now = self._clock()
+        with self._lock:
+            doomed = []
+            for sess in self._sessions.values():
+                if sess.attached and now - sess.last_seen > self.heartbeat_timeout_s:
+                    doomed.append((sess.id, f"no heartbeat for {now - sess.last_seen:.2f}s"))
+                elif not sess.attached and now - sess.registered_at > max(5.0, 4 * self.heartbeat_timeout_s):
+                    doomed.append((sess.id, "registered but never opened its stream"))
+                elif not self._pid_alive(sess.ident.pid):
+                    doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
+            granted = self._policy.tick(now)
+            record: list[tuple[str, _Session, dict]] = []
+            self._deliver(granted, now, record)
+        for name, s, fields in record:
+            self._record(name, s, **fields)
+        for sid, reason in doomed:
+            self.close(sid, reason)
+        return [sid for sid, _ in doomed]
+
+    def shutdown(self) -> None:
+        """Fail open: every waiting rank is granted, every stream is closed."""
+        now = self._clock()
+        with self._lock:
+            self._closed = True
+            sessions = list(self._sessions.values())
+            for sess in sessions:
+                if sess.phase is Phase.WAITING:
+                    sess.outbox.put(GrantMsg(sess.pending_seq, sess.iteration, now - sess.requested_at))
+                sess.outbox.put(CloseMsg("daemon shutting down"))
+            self._sessions.clear()
+            self._by_key.clear()
+        for sess in sessions:
+            self._record("leave", sess, reason="daemon shutdown")
+        self.events.close()
+
+    # ---- operator side -------------------------------------------------
+
+    @property
+    def policy_name(self) -> str:
+        return self._policy.name
+
+    def set_policy(self, name: str) -> str:
+        """Switch policy at once; ranks computing or waiting are re-queued under the new one."""
+        new = policies.create(name)
+        now = self._clock()
+        record: list[tuple[str, _Session, dict]] = []
+        with self._lock:
+            old = self._policy.name
+            self._policy = new
+            for sess in sorted(self._sessions.values(), key=lambda s: s.registered_at):
+                new.join(sess.ref, now)
+            active = [s for s in self._sessions.values() if s.phase in (Phase.COMPUTE, Phase.WAITING)]
+            active.sort(key=lambda s: (s.phase is not Phase.COMPUTE, s.requested_at))
+            for sess in active:
+                self._deliver(new.request(sess.ref.key, sess.iteration, now), now, record)
+            for sess in self._sessions.values():
+                sess.outbox.put(PolicyMsg(new.name, new.blocks))
+        for name_, s, fields in record:
+            self._record(name_, s, **fields)
+        self.events.record("policy", old=old, new=name)
+        _log.info("policy %s -> %s", old, name)
+        return name
+
+    def drain(self, device: int, draining: bool) -> bool:
+        self.inventory.by_index(device)
+        with self._lock:
+            (self._draining.add if draining else self._draining.discard)(device)
+        self.events.record("drain" if draining else "resume", device=device)
+        return draining
+
+    def is_draining(self, device: int) -> bool:
+        with self._lock:
+            return device in self._draining
+
+    def uptime(self) -> float:
+        return self._clock() - self._started
+
+    def snapshot(self) -> tuple[dict[int, tuple[list[RankSnapshot], list[RankSnapshot], list[RankSnapshot], tuple[str, ...]]], list[RankSnapshot]]:
+        """Per device: (holders, waiting in order, others, job order); plus all ranks."""
+        now = self._clock()
+        with self._lock:
+            snaps = {sid: self._rank_snapshot(s, now) for sid, s in self._sessions.items()}
+            by_key = {s.ref.key: snaps[s.id] for s in self._sessions.values()}
+            out = {}
+            for dev in self.inventory.devices:
+                view = self._policy.view(dev.index)
+                holders = [by_key[k] for k in view.holders if k in by_key]
+                waiting = [by_key[k] for k in view.waiting if k in by_key]
+                seen = set(view.holders) | set(view.waiting)
+                others = [snaps[s.id] for s in self._sessions.values() if s.ref.device == dev.index and s.ref.key not in seen]
+                out[dev.index] = (holders, waiting, others, view.order)
+            return out, list(snaps.values())
+
+    # ---- internals -----------------------------------------------------
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise NotFound(f"unknown session {session_id!r}: register first (or it was evicted)") from None
+
+    def _set_phase(self, sess: _Session, phase: Phase, now: float) -> None:
+        sess.phase = phase
+        sess.phase_since = now
+
+    def _finish_compute(self, sess: _Session, now: float, record: list, duration_s: float, strict: bool) -> None:
+        key = sess.ref.key
+        if sess.phase is Phase.COMPUTE and self._policy.holds(key):
+            held = now - sess.phase_since
+            sess.stats.compute_total += held
+            sess.stats.compute_n += 1
+            self._policy.observe(key, "compute", duration_s or held, now)
+            self._set_phase(sess, Phase.OTHER, now)
+            record.append(("release", sess, {"held_s": held}))
+            self._deliver(self._policy.release(key, now), now, record)
+        elif sess.phase is Phase.WAITING and self._policy.is_waiting(key):
+            # The rank stopped waiting (grant timeout, or it never waits under a
+            # non-blocking policy it still believed in): withdraw the request.
+            self._set_phase(sess, Phase.OTHER, now)
+            record.append(("cancel", sess, {}))
+            self._deliver(self._policy.cancel(key, now), now, record)
+        elif sess.phase is Phase.COMPUTE:
+            self._set_phase(sess, Phase.OTHER, now)  # re-queued by a policy switch, already done
+        elif strict:
+            raise FailedPrecondition(f"rank {key} reported compute done but holds no grant (phase {sess.phase.value})")
+
+    def _deliver(self, keys: Iterable[RankKey], now: float, record: list | None = None) -> None:
+        for key in keys:
+            sess = self._by_key.get(key)
+            if sess is None:
+                continue
+            if sess.phase is Phase.COMPUTE:
+                continue
+            waited = now - sess.requested_at
+            sess.stats.waited_total += waited
+            self._set_phase(sess, Phase.COMPUTE, now)
+            sess.outbox.put(GrantMsg(sess.pending_seq, sess.iteration, waited))
+            if record is not None:
+                record.append(("grant", sess, {"iteration": sess.iteration, "waited_s": waited}))
+
+    def _record(self, event: str, sess: _Session, **fields) -> None:
+        self.events.record(
+            event,
+            job=sess.ident.job_id,
+            job_name=sess.ident.job_name,
+            rank=sess.ident.rank,
+            device=sess.ref.device,
+            node=self.node,
+            **fields,
+        )
+
+    def _rank_snapshot(self, s: _Session, now: float) -> RankSnapshot:
+        st = s.stats
+        alive = max(now - s.registered_at, 1e-9)
+        waiting_now = now - s.requested_at if s.phase is Phase.WAITING else 0.0
+        cpu, rss = -1.0, 0
+        if s.process is not None:
+            try:
+                with s.process.oneshot():
+                    cpu = s.process.cpu_percent(None)
+                    rss = s.process.memory_info().rss
+            except psutil.Error:
+                pass
+        return RankSnapshot(
+            ident=s.ident,
+            phase=s.phase,
+            iteration=s.iteration,
+            mean_compute_s=st.compute_total / st.compute_n if st.compute_n else 0.0,
+            mean_comm_s=st.comm_total / st.comm_n if st.comm_n else 0.0,
+            wait_fraction=min(1.0, (st.waited_total + waiting_now) / alive),
+            since_s=now - s.phase_since,
+            registered_s=alive,
+            cpu_percent=cpu,
+            rss_bytes=rss,
+        )
+
+
+def _validate(ident: Identity, n_devices: int) -> None:
+    if not ident.job_id or len(ident.job_id) > 128:
+        raise InvalidRequest("job_id must be 1-128 characters")
+    if len(ident.job_name) > 256:
+        raise InvalidRequest("job_name is longer than 256 characters")
+    if not 1 <= ident.world_size <= _MAX_WORLD:
+        raise InvalidRequest(f"world_size={ident.world_size} is out of range 1..{_MAX_WORLD}")
+    if not 0 <= ident.rank < ident.world_size:
+        raise InvalidRequest(f"rank={ident.rank} is outside 0..world_size-1={ident.world_size - 1}")
+    if not 0 <= ident.local_rank < max(ident.local_size, 1) or ident.local_size > ident.world_size:
+        raise InvalidRequest(f"local_rank={ident.local_rank} / local_size={ident.local_size} are inconsistent")
+    if ident.pid <= 0:
+        raise InvalidRequest(f"pid={ident.pid} is not a process id")
+    if ident.device >= n_devices or ident.device < -1:
+        raise InvalidRequest(f"device={ident.device} does not exist (this node has {n_devices}; -1 lets the daemon choose)")

@@ -1,0 +1,356 @@
+"""gRPC edge of `crossoverd`: translates the wire contract to the scheduler core.
+
+Domain errors become gRPC status codes with the message intact; everything
+else about a rank is the scheduler's business. Calls on a TCP port need the
+shared token; calls on the Unix socket are trusted (the socket is 0660).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable
+
+import grpc
+
+from ..protos import crossover_v1_pb2 as pb
+from ..protos import crossover_v1_pb2_grpc as pb_grpc
+from ..settings import TOKEN_METADATA_KEY
+from . import policies
+from .api import (
+    PROTOCOL_VERSION,
+    AlreadyExists,
+    CrossoverError,
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    Phase,
+    UnsupportedVersion,
+)
+from .scheduler import CloseMsg, GrantMsg, Identity, PolicyMsg, RankSnapshot, Scheduler
+
+__all__ = ["Daemon", "status_code"]
+
+_log = logging.getLogger(__name__)
+
+_KINDS = {
+    pb.COMPUTE_REQUEST: "compute_request",
+    pb.COMPUTE_DONE: "compute_done",
+    pb.COMM_BEGIN: "comm_begin",
+    pb.COMM_END: "comm_end",
+    pb.HEARTBEAT: "heartbeat",
+}
+_PHASES = {
+    Phase.IDLE: pb.IDLE,
+    Phase.WAITING: pb.WAITING,
+    Phase.COMPUTE: pb.COMPUTE,
+    Phase.COMM: pb.COMM,
+    Phase.OTHER: pb.OTHER,
+}
+
+
+def status_code(exc: Exception) -> grpc.StatusCode:
+    """The gRPC status a domain error travels as."""
+    for cls, code in (
+        (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+        (NotFound, grpc.StatusCode.NOT_FOUND),
+        (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+        (UnsupportedVersion, grpc.StatusCode.FAILED_PRECONDITION),
+        (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    ):
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"protocol_version={version} is not supported by this daemon (it speaks {PROTOCOL_VERSION}); "
+            "upgrade the client or the daemon so they match"
+        )
+
+
+def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except CrossoverError as exc:
+            context.abort(status_code(exc), str(exc))
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class _SchedulerService(pb_grpc.SchedulerServicer):
+    def __init__(self, core: Scheduler) -> None:
+        self._core = core
+
+    @_unary
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
+        _check_version(request.protocol_version)
+        if not request.HasField("identity"):
+            raise InvalidRequest("identity is missing")
+        i = request.identity
+        reg = self._core.register(
+            Identity(i.job_id, i.job_name, i.rank, i.local_rank, i.world_size, i.local_size, i.node, i.device, i.pid)
+        )
+        return pb.RegisterResponse(
+            session_id=reg.session_id,
+            node=reg.node,
+            device=reg.device,
+            cpu_affinity=list(reg.cpu_affinity),
+            heartbeat_interval_s=reg.heartbeat_interval_s,
+            policy=reg.policy,
+            policy_blocks=reg.policy_blocks,
+        )
+
+    def Session(self, request_iterator: Iterator[pb.RankEvent], context: grpc.ServicerContext) -> Iterator[pb.Directive]:
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            return
+        if first.kind != pb.OPEN or not first.session_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first event of a session must be OPEN with the session_id from Register")
+        sid = first.session_id
+        try:
+            outbox = self._core.attach(sid)
+        except CrossoverError as exc:
+            context.abort(status_code(exc), str(exc))
+        threading.Thread(target=self._read, args=(sid, request_iterator, outbox), name=f"session-{sid[:8]}", daemon=True).start()
+        context.add_callback(lambda: self._core.close(sid, "stream closed"))
+        while True:
+            msg = outbox.get()
+            if isinstance(msg, CloseMsg):
+                if msg.error is not None:
+                    context.abort(status_code(msg.error), str(msg.error))
+                return
+            if isinstance(msg, GrantMsg):
+                yield pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration, waited_s=msg.waited_s))
+            elif isinstance(msg, PolicyMsg):
+                yield pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy, policy_blocks=msg.blocks))
+
+    def _read(self, sid: str, events: Iterator[pb.RankEvent], outbox: Any) -> None:
+        reason = "stream ended"
+        try:
+            for ev in events:
+                kind = _KINDS.get(ev.kind)
+                try:
+                    if kind is None:
+                        raise InvalidRequest(f"event kind {ev.kind} is not valid after OPEN")
+                    self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s)
+                except CrossoverError as exc:
+                    _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
+                    outbox.put(CloseMsg(str(exc), exc))
+                    reason = f"invalid event: {exc}"
+                    return
+        except grpc.RpcError:
+            reason = "stream broken"
+        finally:
+            self._core.close(sid, reason)
+
+
+def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
+    i = r.ident
+    return pb.RankState(
+        job_id=i.job_id, job_name=i.job_name, rank=i.rank, local_rank=i.local_rank, pid=i.pid,
+        phase=_PHASES[r.phase], iteration=r.iteration, mean_compute_s=r.mean_compute_s,
+        mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
+        rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s,
+    )
+
+
+class _AdminService(pb_grpc.AdminServicer):
+    def __init__(self, core: Scheduler) -> None:
+        self._core = core
+
+    @_unary
+    def GetQueue(self, request: pb.QueueRequest, context: grpc.ServicerContext) -> pb.QueueState:
+        _check_version(request.protocol_version)
+        if request.device >= 0:
+            self._core.inventory.by_index(request.device)
+        per_device, _ = self._core.snapshot()
+        out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime())
+        for dev in self._core.inventory.devices:
+            if request.device >= 0 and dev.index != request.device:
+                continue
+            holders, waiting, others, order = per_device[dev.index]
+            st = self._core.inventory.stats(dev.index)
+            mem = st.process_memory
+            out.devices.append(pb.DeviceState(
+                index=dev.index, kind=dev.kind, name=dev.name, draining=self._core.is_draining(dev.index),
+                holders=[_rank_state(r, mem) for r in holders], waiting=[_rank_state(r, mem) for r in waiting],
+                others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
+                memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total, order=list(order),
+            ))
+        return out
+
+    @_unary
+    def ListJobs(self, request: pb.JobsRequest, context: grpc.ServicerContext) -> pb.JobList:
+        _check_version(request.protocol_version)
+        _, ranks = self._core.snapshot()
+        jobs: dict[str, pb.JobState] = {}
+        for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
+            job = jobs.setdefault(r.ident.job_id, pb.JobState(job_id=r.ident.job_id, job_name=r.ident.job_name, world_size=r.ident.world_size))
+            job.ranks.append(_rank_state(r, {}))
+            job.registered_s = max(job.registered_s, r.registered_s)
+        return pb.JobList(jobs=list(jobs.values()))
+
+    @_unary
+    def GetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
+        _check_version(request.protocol_version)
+        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available())
+
+    @_unary
+    def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
+        _check_version(request.protocol_version)
+        if not request.name:
+            raise InvalidRequest("name is empty; give the policy to switch to")
+        self._core.set_policy(request.name)
+        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available())
+
+    @_unary
+    def Drain(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
+        _check_version(request.protocol_version)
+        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, True))
+
+    @_unary
+    def Resume(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
+        _check_version(request.protocol_version)
+        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Rejects TCP calls without the shared token; Unix-socket peers pass."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_METADATA_KEY} metadata")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(lambda it, ctx: deny(None, ctx))
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        md = dict(details.invocation_metadata or ())
+        if md.get(TOKEN_METADATA_KEY) == self._token:
+            return continuation(details)
+        # The peer is not known here; the servicer context is. Wrap to decide per call.
+        handler = continuation(details)
+        if handler is None:
+            return None
+        return _peer_gate(handler, self._deny_unary, self._deny_stream)
+
+
+def _peer_gate(handler: Any, deny_unary: Any, deny_stream: Any) -> Any:
+    if handler.unary_unary:
+        inner = handler.unary_unary
+
+        def uu(req: Any, ctx: grpc.ServicerContext) -> Any:
+            if ctx.peer().startswith("unix:"):
+                return inner(req, ctx)
+            return deny_unary.unary_unary(req, ctx)
+
+        return grpc.unary_unary_rpc_method_handler(uu, handler.request_deserializer, handler.response_serializer)
+    if handler.stream_stream:
+        inner_s = handler.stream_stream
+
+        def ss(it: Any, ctx: grpc.ServicerContext) -> Any:
+            if ctx.peer().startswith("unix:"):
+                yield from inner_s(it, ctx)
+            else:
+                deny_stream.stream_stream(it, ctx)
+
+        return grpc.stream_stream_rpc_method_handler(ss, handler.request_deserializer, handler.response_serializer)
+    return handler
+
+
+class Daemon:
+    """A running `crossoverd`: gRPC server, scheduler core and the liveness reaper."""
+
+    def __init__(
+        self,
+        core: Scheduler,
+        socket_path: str | None,
+        listen: str | None = None,
+        token: str | None = None,
+        tls: tuple[bytes, bytes] | None = None,
+        reap_interval_s: float = 0.1,
+        max_workers: int = 256,
+    ) -> None:
+        if listen and not token:
+            raise InvalidRequest("--listen needs --token (or --token-file): TCP calls must be authenticated")
+        if not socket_path and not listen:
+            raise InvalidRequest("nothing to listen on: give a socket path or --listen")
+        self.core = core
+        self.socket_path = socket_path
+        self.listen = listen
+        self.port: int | None = None
+        self._stop = threading.Event()
+        self._reap_interval = reap_interval_s
+        interceptors = [_TokenCheck(token)] if token else []
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            interceptors=interceptors,
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_SchedulerServicer_to_server(_SchedulerService(core), self._server)
+        pb_grpc.add_AdminServicer_to_server(_AdminService(core), self._server)
+        if socket_path:
+            path = Path(socket_path)
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
+            if path.exists() or path.is_symlink():
+                if not stat.S_ISSOCK(path.lstat().st_mode):
+                    raise FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
+                path.unlink()
+            self._server.add_insecure_port(f"unix://{path}")
+        if listen:
+            creds = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls else None
+            self.port = (self._server.add_secure_port(listen, creds) if creds else self._server.add_insecure_port(listen))
+            if not self.port:
+                raise FailedPrecondition(f"could not listen on {listen}")
+        self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
+
+    def start(self) -> Daemon:
+        old = os.umask(0o117)  # the socket gets 0660 from the moment it exists
+        try:
+            self._server.start()
+        finally:
+            os.umask(old)
+        if self.socket_path:
+            os.chmod(self.socket_path, 0o660)
+        self._reaper.start()
+        _log.info("crossoverd serving on %s%s (policy %s, %d device(s))",
+                  self.socket_path or "", f" and {self.listen}" if self.listen else "",
+                  self.core.policy_name, len(self.core.inventory.devices))
+        return self
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Fail open: release every waiting rank, then stop serving."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.core.shutdown()
+        self._server.stop(grace).wait()
+        if self.socket_path:
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        _log.info("crossoverd stopped")
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self._reap_interval):
+            try:
+                self.core.reap()
+            except Exception:  # never let the liveness loop die
+                _log.exception("reaper pass failed")

@@ -1,0 +1,256 @@
+"""Hook `horovod.torch.DistributedOptimizer` so each rank's iteration is scheduled.
+
+Phase brackets, per optimizer (DESIGN.md, "Data flow of one iteration"):
+  * comm: around Horovod's `synchronize()` (for the Adasum optimizer, whose
+    `synchronize()` is a no-op, around `step()`);
+  * compute: a grant is requested as soon as comm ends (before the update) or
+    at `zero_grad()` when not yet held (first iteration), and released when the
+    last gradient of the step has been accumulated and the device work is
+    complete (a CUDA event on GPUs), or at the latest on entering comm.
+
+Nothing here changes gradients, parameters or Horovod's calls: with the
+`passthrough` policy a script computes bit-identical results. Every hook
+swallows its own errors (logged) so Crossover can never break training.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from ..session import RankInfo, Session
+from ..settings import PluginSettings
+
+__all__ = ["install", "uninstall", "current_session"]
+
+_log = logging.getLogger(__name__)
+
+_state: dict[str, Any] = {"original": None, "session": None, "settings": None}
+
+
+def current_session() -> Session | None:
+    """The rank's session once the first DistributedOptimizer exists (None before, or when disabled)."""
+    return _state["session"]
+
+
+def install(settings: PluginSettings | None = None) -> bool:
+    """Wrap `horovod.torch.DistributedOptimizer`; idempotent. False when Horovod is missing or disabled."""
+    settings = settings or PluginSettings.from_env(_script_name())
+    if settings.disabled:
+        _log.info("CROSSOVER_DISABLE is set; not hooking Horovod")
+        return False
+    try:
+        import horovod.torch as hvd
+        import horovod.torch.optimizer as hvd_opt
+    except ImportError as exc:
+        _log.warning("horovod.torch is not importable (%s); crossover does nothing", exc)
+        return False
+    if _state["original"] is not None:
+        return True
+    original = hvd.DistributedOptimizer
+    _state["original"] = original
+    _state["settings"] = settings
+
+    @functools.wraps(original)
+    def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
+        opt = original(optimizer, *args, **kwargs)
+        try:
+            session = _ensure_session(hvd, kwargs.get("process_set"))
+            _PhaseTracker(opt, session).attach()
+        except Exception:  # never break the user's script
+            _log.exception("crossover could not hook this optimizer; it trains unscheduled")
+        return opt
+
+    DistributedOptimizer._crossover_original = original  # type: ignore[attr-defined]
+    hvd.DistributedOptimizer = DistributedOptimizer
+    hvd_opt.DistributedOptimizer = DistributedOptimizer
+    return True
+
+
+def uninstall() -> None:
+    """Restore Horovod's factory and close the session (tests use it)."""
+    original = _state["original"]
+    if original is not None:
+        import horovod.torch as hvd
+        import horovod.torch.optimizer as hvd_opt
+
+        hvd.DistributedOptimizer = original
+        hvd_opt.DistributedOptimizer = original
+    if _state["session"] is not None:
+        _state["session"].close()
+    _state.update(original=None, session=None)
+
+
+def _script_name() -> str:
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else ""
+    return Path(argv0).stem if argv0 else ""
+
+
+def _ensure_session(hvd: Any, process_set: Any) -> Session:
+    if _state["session"] is not None:
+        return _state["session"]
+    settings: PluginSettings = _state["settings"]
+    job_id = _agree_job_id(hvd, process_set)
+    device = settings.device
+    try:
+        import torch
+
+        if device < 0 and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+    except Exception:  # torch without CUDA runtime: let the daemon choose
+        pass
+    info = RankInfo(job_id=job_id, job_name=settings.job_name, rank=hvd.rank(), local_rank=hvd.local_rank(),
+                    world_size=hvd.size(), local_size=hvd.local_size(), device=device)
+    session = Session(info, settings)
+    if settings.pin:
+        session.on_attach = _pin
+    _state["session"] = session.start()
+    return session
+
+
+def _agree_job_id(hvd: Any, process_set: Any) -> str:
+    """One id for the whole job: rank 0 (of the optimizer's process set) draws it, Horovod broadcasts it."""
+    mine = uuid.uuid4().hex
+    if hvd.size() == 1:
+        return mine
+    kwargs: dict[str, Any] = {"name": "crossover.job_id"}
+    root = 0
+    if process_set is not None:
+        kwargs["process_set"] = process_set
+        ranks = getattr(process_set, "ranks", None)
+        root = ranks[0] if ranks else 0
+    return str(hvd.broadcast_object(mine, root_rank=root, **kwargs))
+
+
+def _pin(reg: Any) -> None:
+    """CPU devices: pin every thread of this process to the device's cores."""
+    cores = set(reg.cpu_affinity)
+    if not cores:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:
+            pass
+    os.sched_setaffinity(0, cores)
+    try:
+        import torch
+
+        torch.set_num_threads(len(cores))
+    except Exception:
+        pass
+    _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)
+
+
+def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            _log.exception("crossover phase hook failed; continuing unscheduled")
+            return None
+
+    return wrapper
+
+
+class _PhaseTracker:
+    """Reports one optimizer's phases to the session. State is touched only by the training thread."""
+
+    def __init__(self, opt: Any, session: Session) -> None:
+        self.opt = opt
+        self.session = session
+        self.iteration = 0
+        self.holding = False
+        self.compute_start = 0.0
+        self.hooks_fired = 0
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        self.params = params
+        self.expected = len(params) * max(1, int(getattr(opt, "backward_passes_per_step", 1)))
+        self.cuda = any(p.is_cuda for p in params)
+
+    def attach(self) -> None:
+        import horovod.torch.optimizer as hvd_opt
+
+        opt = self.opt
+        adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
+        orig_step, orig_sync, orig_zero = opt.step, opt.synchronize, opt.zero_grad
+
+        if adasum:
+            # The Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
+            def step(*args: Any, **kwargs: Any) -> Any:
+                self._comm_begin()
+                t0 = time.perf_counter()
+                try:
+                    return orig_step(*args, **kwargs)
+                finally:
+                    self._comm_end(time.perf_counter() - t0)
+        else:
+            def synchronize() -> Any:
+                self._comm_begin()
+                t0 = time.perf_counter()
+                try:
+                    return orig_sync()
+                finally:
+                    self._comm_end(time.perf_counter() - t0)
+
+            def step(*args: Any, **kwargs: Any) -> Any:
+                out = orig_step(*args, **kwargs)
+                self._ensure_holding()
+                return out
+
+            opt.synchronize = synchronize
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            self._ensure_holding()
+            return orig_zero(*args, **kwargs)
+
+        opt.step = step
+        opt.zero_grad = zero_grad
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @_guard
+    def _on_grad(self, _param: Any) -> None:
+        self.hooks_fired += 1
+        if self.hooks_fired >= self.expected and self.holding:
+            self._release()
+
+    @_guard
+    def _comm_begin(self) -> None:
+        if self.holding:
+            self._release()
+        self.session.comm_begin(self.iteration)
+
+    @_guard
+    def _comm_end(self, duration: float) -> None:
+        self.session.comm_end(self.iteration, duration)
+        self.iteration += 1
+        self._acquire()
+
+    @_guard
+    def _ensure_holding(self) -> None:
+        if not self.holding:
+            self._acquire()
+
+    def _acquire(self) -> None:
+        self.hooks_fired = 0
+        self.session.acquire(self.iteration)
+        self.holding = True
+        self.compute_start = time.perf_counter()
+
+    def _release(self) -> None:
+        if self.cuda:
+            import torch
+
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+        self.holding = False
+        self.session.release(self.iteration, time.perf_counter() - self.compute_start)

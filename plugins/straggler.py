@@ -1,0 +1,185 @@
+"""Deterministic straggler injection for experiments on heterogeneous clusters.
+
+A spec such as ``"3:3.0"`` or ``"1:2.0,3:3.0"`` (``rank:factor``) makes the
+listed ranks run ``factor`` times slower than they really are: after each
+compute phase that took ``t`` seconds, :meth:`Straggler.slow_down` performs
+``(factor - 1) × t`` seconds of extra work.
+
+Why busy work and not ``time.sleep``: a sleeping straggler releases the CPU or
+GPU, so a co-located job (the very thing Crossover schedules) would get the
+device for free during the "slow" part, and a slower device does not behave
+like that. Repeated small matrix multiplications on the rank's own device
+contend for it like real compute does. Why proportional to the measured
+compute time: the slowdown then follows the model's real cost (batch size,
+contention) instead of a constant delay, which is what a slower device does.
+
+The clock and the unit of work are injectable, so tests run instantly and
+deterministically with a fake clock.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Callable, Optional, Union
+
+__all__ = [
+    "Straggler",
+    "StragglerSpecError",
+    "make_matmul_work",
+    "parse_straggler_spec",
+]
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+Work = Callable[[], None]
+
+
+class StragglerSpecError(ValueError):
+    """A straggler spec string or factor is malformed."""
+
+
+def parse_straggler_spec(spec: str) -> dict[int, float]:
+    """Parse ``"rank:factor[,rank:factor...]"`` into ``{rank: factor}``.
+
+    Whitespace around items is ignored and an empty (or blank) spec means no
+    straggler. Ranks are non-negative ints listed at most once; factors are
+    finite numbers ``>= 1`` (1 means no slowdown).
+    """
+    result: dict[int, float] = {}
+    if not spec.strip():
+        return result
+    for item in spec.split(","):
+        text = item.strip()
+        rank_text, sep, factor_text = text.partition(":")
+        if not sep:
+            raise StragglerSpecError(f"straggler item {text!r} in {spec!r} is not 'rank:factor'")
+        try:
+            rank = int(rank_text.strip())
+        except ValueError:
+            raise StragglerSpecError(
+                f"straggler rank {rank_text.strip()!r} in {spec!r} is not an integer"
+            ) from None
+        try:
+            factor = float(factor_text.strip())
+        except ValueError:
+            raise StragglerSpecError(
+                f"straggler factor {factor_text.strip()!r} in {spec!r} is not a number"
+            ) from None
+        if rank < 0:
+            raise StragglerSpecError(f"straggler rank {rank} in {spec!r} must be >= 0")
+        if not math.isfinite(factor) or factor < 1.0:
+            raise StragglerSpecError(
+                f"straggler factor {factor_text.strip()!r} for rank {rank} must be finite and >= 1"
+            )
+        if rank in result:
+            raise StragglerSpecError(f"straggler rank {rank} appears twice in {spec!r}")
+        result[rank] = factor
+    return result
+
+
+def make_matmul_work(device: str = "cpu", size: int = 64) -> Work:
+    """Return one unit of busy work: a ``size × size`` float32 matmul on ``device``.
+
+    The unit is small (tens of microseconds on a CPU) so that the total extra
+    time overshoots its target by little. On CUDA it waits for the kernel, so
+    the clock measures device time. torch is imported here, lazily.
+    """
+    import torch
+
+    target = torch.device(device)
+    left = torch.rand(size, size, device=target)
+    right = torch.rand(size, size, device=target)
+
+    def work() -> None:
+        torch.mm(left, right)
+        if target.type == "cuda":
+            torch.cuda.synchronize(target)
+
+    return work
+
+
+class Straggler:
+    """Makes one rank ``factor`` times slower by adding proportional busy work.
+
+    Args:
+        factor: slowdown factor, ``>= 1``; 1 makes :meth:`slow_down` a no-op.
+        clock: monotonic seconds, ``time.perf_counter`` by default.
+        work: one unit of busy work; :func:`make_matmul_work` (CPU) by default,
+            created on first use.
+
+    Over- or undershoot of one call (at most one unit of work) is carried into
+    the next call, so the cumulative extra time tracks
+    ``(factor - 1) × cumulative compute time``.
+    """
+
+    def __init__(
+        self, factor: float, *, clock: Clock = time.perf_counter, work: Optional[Work] = None
+    ) -> None:
+        if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1.0:
+            raise StragglerSpecError(f"straggler factor must be finite and >= 1, got {factor!r}")
+        self._factor = float(factor)
+        self._clock = clock
+        self._work = work
+        self._carry = 0.0
+        self._total_extra = 0.0
+
+    @classmethod
+    def for_rank(
+        cls,
+        spec: Union[str, Mapping[int, float]],
+        rank: int,
+        *,
+        clock: Clock = time.perf_counter,
+        work: Optional[Work] = None,
+    ) -> Straggler:
+        """The straggler of ``rank`` under ``spec`` (factor 1, a no-op, if unlisted)."""
+        factors = parse_straggler_spec(spec) if isinstance(spec, str) else dict(spec)
+        factor = factors.get(rank, 1.0)
+        if factor != 1.0:
+            logger.info("rank %d is an injected straggler, factor %.2f", rank, factor)
+        return cls(factor, clock=clock, work=work)
+
+    @property
+    def factor(self) -> float:
+        """The slowdown factor."""
+        return self._factor
+
+    @property
+    def active(self) -> bool:
+        """Whether this straggler adds any work."""
+        return self._factor > 1.0
+
+    @property
+    def total_extra_seconds(self) -> float:
+        """Extra seconds spent in :meth:`slow_down` so far, per the clock."""
+        return self._total_extra
+
+    def slow_down(self, real_compute_seconds: float) -> float:
+        """Busy-work for ``(factor - 1) × real_compute_seconds``; return the seconds spent.
+
+        Call it right after the compute phase it stretches, while the rank
+        still holds its device.
+        """
+        if not math.isfinite(real_compute_seconds) or real_compute_seconds < 0:
+            raise ValueError(
+                f"real_compute_seconds must be finite and >= 0, got {real_compute_seconds!r}"
+            )
+        if not self.active:
+            return 0.0
+        target = (self._factor - 1.0) * real_compute_seconds + self._carry
+        if target <= 0:
+            self._carry = target
+            return 0.0
+        if self._work is None:
+            self._work = make_matmul_work()
+        start = self._clock()
+        elapsed = 0.0
+        while elapsed < target:
+            self._work()
+            elapsed = self._clock() - start
+        self._carry = target - elapsed
+        self._total_extra += elapsed
+        return elapsed

@@ -1,0 +1,264 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    OPEN: _ClassVar[EventKind]
+    COMPUTE_REQUEST: _ClassVar[EventKind]
+    COMPUTE_DONE: _ClassVar[EventKind]
+    COMM_BEGIN: _ClassVar[EventKind]
+    COMM_END: _ClassVar[EventKind]
+    HEARTBEAT: _ClassVar[EventKind]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    IDLE: _ClassVar[Phase]
+    WAITING: _ClassVar[Phase]
+    COMPUTE: _ClassVar[Phase]
+    COMM: _ClassVar[Phase]
+    OTHER: _ClassVar[Phase]
+EVENT_KIND_UNSPECIFIED: EventKind
+OPEN: EventKind
+COMPUTE_REQUEST: EventKind
+COMPUTE_DONE: EventKind
+COMM_BEGIN: EventKind
+COMM_END: EventKind
+HEARTBEAT: EventKind
+PHASE_UNSPECIFIED: Phase
+IDLE: Phase
+WAITING: Phase
+COMPUTE: Phase
+COMM: Phase
+OTHER: Phase
+
+class RankIdentity(_message.Message):
+    __slots__ = ("job_id", "job_name", "rank", "local_rank", "world_size", "local_size", "node", "device", "pid")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_name: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_size: int
+    node: str
+    device: int
+    pid: int
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_size: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("protocol_version", "identity")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    identity: RankIdentity
+    def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("session_id", "node", "device", "cpu_affinity", "heartbeat_interval_s", "policy", "policy_blocks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CPU_AFFINITY_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    node: str
+    device: int
+    cpu_affinity: _containers.RepeatedScalarFieldContainer[int]
+    heartbeat_interval_s: float
+    policy: str
+    policy_blocks: bool
+    def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
+
+class RankEvent(_message.Message):
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    kind: EventKind
+    session_id: str
+    iteration: int
+    seq: int
+    duration_s: float
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class Directive(_message.Message):
+    __slots__ = ("grant", "policy")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    grant: Grant
+    policy: PolicyUpdate
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ...) -> None: ...
+
+class Grant(_message.Message):
+    __slots__ = ("seq", "iteration", "waited_s")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    iteration: int
+    waited_s: float
+    def __init__(self, seq: _Optional[int] = ..., iteration: _Optional[int] = ..., waited_s: _Optional[float] = ...) -> None: ...
+
+class PolicyUpdate(_message.Message):
+    __slots__ = ("policy", "policy_blocks")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    policy_blocks: bool
+    def __init__(self, policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
+
+class RankState(_message.Message):
+    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_COMM_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SINCE_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_name: str
+    rank: int
+    local_rank: int
+    pid: int
+    phase: Phase
+    iteration: int
+    mean_compute_s: float
+    mean_comm_s: float
+    wait_fraction: float
+    cpu_percent: float
+    rss_bytes: int
+    gpu_memory_bytes: int
+    since_s: float
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ...) -> None: ...
+
+class DeviceState(_message.Message):
+    __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    kind: str
+    name: str
+    draining: bool
+    holders: _containers.RepeatedCompositeFieldContainer[RankState]
+    waiting: _containers.RepeatedCompositeFieldContainer[RankState]
+    others: _containers.RepeatedCompositeFieldContainer[RankState]
+    utilization: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    order: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QueueRequest(_message.Message):
+    __slots__ = ("protocol_version", "device")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    device: int
+    def __init__(self, protocol_version: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+
+class QueueState(_message.Message):
+    __slots__ = ("node", "policy", "uptime_s", "devices")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    policy: str
+    uptime_s: float
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceState]
+    def __init__(self, node: _Optional[str] = ..., policy: _Optional[str] = ..., uptime_s: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ...) -> None: ...
+
+class JobsRequest(_message.Message):
+    __slots__ = ("protocol_version",)
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
+
+class JobState(_message.Message):
+    __slots__ = ("job_id", "job_name", "world_size", "ranks", "registered_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_name: str
+    world_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankState]
+    registered_s: float
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., registered_s: _Optional[float] = ...) -> None: ...
+
+class JobList(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobState]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobState, _Mapping]]] = ...) -> None: ...
+
+class PolicyRequest(_message.Message):
+    __slots__ = ("protocol_version", "name")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    name: str
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class PolicyInfo(_message.Message):
+    __slots__ = ("name", "available")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    available: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeviceRequest(_message.Message):
+    __slots__ = ("protocol_version", "device")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    device: int
+    def __init__(self, protocol_version: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+
+class DeviceAck(_message.Message):
+    __slots__ = ("device", "draining")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    draining: bool
+    def __init__(self, device: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
