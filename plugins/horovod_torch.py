@@ -59,7 +59,11 @@ def install(settings: PluginSettings | None = None) -> bool:
     def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
         opt = original(optimizer, *args, **kwargs)
         try:
-            session = _ensure_session(hvd, kwargs.get("process_set"))
+            pset = kwargs.get("process_set")
+            if pset is not None and not pset.included():
+                _log.info("this rank is outside the optimizer's process set; nothing to schedule")
+                return opt
+            session = _ensure_session(hvd, pset)
             _PhaseTracker(opt, session).attach()
         except Exception:  # never break the user's script
             _log.exception("crossover could not hook this optimizer; it trains unscheduled")
@@ -115,16 +119,20 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
 
 
 def _agree_job_id(hvd: Any, process_set: Any) -> str:
-    """One id for the whole job: rank 0 (of the optimizer's process set) draws it, Horovod broadcasts it."""
+    """One id for the whole job: rank 0 (of the optimizer's process set) draws it, Horovod broadcasts it.
+
+    Every rank of the set builds the optimizer at the same point of the script,
+    so the broadcast is a collective they all reach.
+    """
     mine = uuid.uuid4().hex
     if hvd.size() == 1:
         return mine
     kwargs: dict[str, Any] = {"name": "crossover.job_id"}
     root = 0
-    if process_set is not None:
+    ranks = getattr(process_set, "ranks", None) if process_set is not None else None
+    if ranks:
         kwargs["process_set"] = process_set
-        ranks = getattr(process_set, "ranks", None)
-        root = ranks[0] if ranks else 0
+        root = ranks[0]
     return str(hvd.broadcast_object(mine, root_rank=root, **kwargs))
 
 

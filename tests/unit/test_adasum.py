@@ -7,9 +7,6 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from crossover.plugins.adasum import (
     AdasumError,
     adasum_allreduce,
@@ -18,6 +15,8 @@ from crossover.plugins.adasum import (
     adasum_reference,
     adasum_tree,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ALGORITHMS = ["allgather", "recursive_doubling"]
 

@@ -1,0 +1,139 @@
+"""Real processes for multi-process tests: a crossoverd, horovodrun jobs, event-log checks.
+
+Every process starts in its own session so teardown can kill its whole group,
+even when a test fails half way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ROOT / "tests" / "workloads"
+BIN = Path(sys.executable).parent
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class DaemonProc:
+    socket: Path
+    event_log: Path
+    log: Path
+    args: list[str]
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 15.0) -> DaemonProc:
+        cmd = [str(BIN / "crossoverd"), "--socket", str(self.socket), "--event-log", str(self.event_log), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"crossoverd exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            if self.socket.exists() and cli("queue", "--json", socket=self.socket, check=False).returncode == 0:
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"crossoverd did not come up: {self.log.read_text()[-2000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            self.proc.wait()
+            raise
+
+    def events(self) -> list[dict[str, Any]]:
+        from crossover.daemon.event_log import read_jsonl
+
+        return read_jsonl(self.event_log) if self.event_log.exists() else []
+
+
+def cli(*args: str, socket: Path, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(BIN / "crossover"), *args, "--socket", str(socket)], capture_output=True, text=True,
+                         timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"crossover {' '.join(args)} exited {res.returncode}: {res.stderr}")
+    return res
+
+
+def with_import(tmp: Path, script: str = "train_mlp.py") -> Path:
+    """The workload with `import crossover.auto` added as its first line, nothing else changed."""
+    src = (WORKLOADS / script).read_text()
+    out = tmp / f"xo_{script}"
+    out.write_text("import crossover.auto\n" + src)
+    return out
+
+
+@dataclass
+class Job:
+    name: str
+    proc: subprocess.Popen
+    out: Path
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            raise AssertionError(f"job {self.name} did not finish in {timeout}s; log tail:\n{self.output()[-3000:]}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("rank*.json"))]
+
+
+def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str, ...] = (),
+               env: dict[str, str] | None = None, mpi: bool = False) -> Job:
+    """Start `horovodrun -np N` on localhost with Gloo (or MPI) running `script`."""
+    out = tmp / f"out_{name}"
+    log = tmp / f"{name}.log"
+    full_env = {**os.environ, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if mpi:
+        full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi" if mpi else "--gloo"]
+    if mpi:
+        cmd += ["--mpi-args=--oversubscribe"]
+    cmd += [sys.executable, str(script), "--out", str(out), *args]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True)
+    return Job(name, proc, out, log)
+
+
+def compute_intervals(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, str, int]]]:
+    """Per device, the [grant, release) intervals from the event log."""
+    open_: dict[tuple[str, int], tuple[float, int]] = {}
+    out: dict[int, list[tuple[float, float, str, int]]] = {}
+    for e in events:
+        key = (e.get("job"), e.get("rank"))
+        if e["event"] == "grant":
+            open_[key] = (e["t"], e["device"])
+        elif e["event"] in ("release", "leave") and key in open_:
+            t0, dev = open_.pop(key)
+            out.setdefault(dev, []).append((t0, e["t"], key[0], key[1]))
+    return out
+
+
+def overlaps(intervals: list[tuple[float, float, str, int]]) -> list[tuple]:
+    s = sorted(intervals)
+    return [(a, b) for a, b in zip(s, s[1:]) if b[0] < a[1]]

@@ -1,0 +1,87 @@
+"""Two real co-located horovodrun jobs scheduled by a real crossoverd."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from helpers import cli, compute_intervals, horovodrun, overlaps, with_import
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def _queue(socket) -> dict:
+    return json.loads(cli("queue", "--json", socket=socket).stdout)
+
+
+def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "2", "--policy", "exclusive")
+    script = with_import(tmp_path)
+    env = {"CROSSOVER_SOCKET": str(d.socket)}
+    for name in ("alpha", "beta"):
+        jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", "150"), env=env))
+
+    seen: set[str] = set()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and seen != {"alpha", "beta"} and all(j.proc.poll() is None for j in jobs):
+        state = _queue(d.socket)
+        assert state["version"] == 1 and state["policy"] == "exclusive"
+        for dev in state["devices"]:
+            assert len(dev["holders"]) <= 1
+            for r in dev["holders"] + dev["waiting"] + dev["others"]:
+                seen.add(r["job_name"])
+        time.sleep(0.2)
+    assert seen == {"alpha", "beta"}, f"crossover queue --json never showed both jobs while running (saw {seen})"
+
+    for j in jobs:
+        assert j.wait(120) == 0, j.output()[-3000:]
+        digests = {s["digest"] for s in j.summaries()}
+        assert len(j.summaries()) == 2 and len(digests) == 1, "ranks of one job diverged"
+
+    events = d.events()
+    per_dev = compute_intervals(events)
+    assert set(per_dev) == {0, 1}
+    for dev, intervals in per_dev.items():
+        assert {job for _, _, job, _ in intervals}.__len__() == 2, f"device {dev} did not serve both jobs"
+        assert overlaps(intervals) == [], f"compute phases overlap on device {dev}"
+    assert sum(1 for e in events if e["event"] == "grant") >= 4 * 150
+
+
+def test_killed_grant_holder_frees_device_within_one_second(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
+    script = with_import(tmp_path)
+    env = {"CROSSOVER_SOCKET": str(d.socket)}
+    # `slow` holds the device for long compute phases; `fast` queues behind it on the same device.
+    slow = horovodrun("slow", script, tmp_path, np=1, args=("--iters", "400", "--width", "1024", "--batch", "512"),
+                      env=env)
+    fast = horovodrun("fast", script, tmp_path, np=1, args=("--iters", "60"), env=env)
+    jobs += [slow, fast]
+
+    victim = None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and victim is None:
+        dev = _queue(d.socket)["devices"][0]
+        names = [r["job_name"] for r in dev["waiting"]]
+        if dev["holders"] and dev["holders"][0]["job_name"] == "slow" and "fast" in names:
+            victim = dev["holders"][0]["pid"]
+        else:
+            time.sleep(0.02)
+    assert victim, "never saw `slow` holding the device with `fast` waiting"
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()  # CLOCK_MONOTONIC is shared by every process on the host
+
+    deadline = time.monotonic() + 5
+    granted_at = None
+    while time.monotonic() < deadline and granted_at is None:
+        for e in d.events():
+            if e["event"] == "grant" and e["job_name"] == "fast" and e["t"] > killed_at:
+                granted_at = e["t"]
+                break
+        time.sleep(0.05)
+    assert granted_at is not None, "the waiting job was never granted after the holder died"
+    assert granted_at - killed_at <= 1.0, f"device freed {granted_at - killed_at:.3f}s after the kill"
+    leave = [e for e in d.events() if e["event"] == "leave" and e["job_name"] == "slow"]
+    assert leave and ("gone" in leave[0]["reason"] or "stream" in leave[0]["reason"])
+    assert fast.wait(120) == 0, fast.output()[-3000:]

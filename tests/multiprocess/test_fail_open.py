@@ -1,0 +1,74 @@
+"""Crossover never hangs or crashes training: no daemon, a dead daemon, a stopped daemon."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from helpers import DaemonProc, horovodrun, with_import
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_no_daemon_trains_unscheduled_and_warns_once(jobs, tmp_path):
+    script = with_import(tmp_path)
+    job = horovodrun("lonely", script, tmp_path, np=2, args=("--iters", "30"),
+                     env={"CROSSOVER_SOCKET": str(tmp_path / "absent.sock"), "CROSSOVER_RECONNECT_INTERVAL": "0.2"})
+    jobs.append(job)
+    assert job.wait(90) == 0, job.output()[-3000:]
+    out = job.output()
+    assert len(job.summaries()) == 2
+    for rank in (0, 1):
+        rank_lines = [line for line in out.splitlines() if line.startswith(f"[{rank}]") and "unscheduled" in line]
+        assert len(rank_lines) == 1, f"rank {rank} should warn exactly once, got: {rank_lines}"
+
+
+def test_daemon_killed_mid_run_then_restarted_job_reattaches(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "2", "--policy", "exclusive")
+    script = with_import(tmp_path)
+    env = {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_RECONNECT_INTERVAL": "0.3"}
+    job = horovodrun("phoenix", script, tmp_path, np=2, args=("--iters", "700"), env=env)
+    jobs.append(job)
+    _wait_for(lambda: sum(e["event"] == "grant" for e in d.events()) >= 20, 60, "first grants")
+
+    d.proc.send_signal(signal.SIGKILL)  # no clean shutdown: streams just break
+    d.proc.wait()
+    time.sleep(1.0)
+    assert job.proc.poll() is None, "the job died with the daemon"
+
+    d2 = DaemonProc(socket=d.socket, event_log=tmp_path / "d2.events.jsonl", log=tmp_path / "d2.log",
+                    args=["--cpu-devices", "2", "--policy", "exclusive"]).start()
+    try:
+        _wait_for(lambda: sum(e["event"] == "grant" and e["job_name"] == "phoenix" for e in d2.events()) >= 4,
+                  60, "grants from the restarted daemon")
+        assert job.wait(120) == 0, job.output()[-3000:]
+    finally:
+        d2.stop()
+    out = job.output()
+    assert "lost crossoverd" in out and "re-attached" in out
+    assert len({s["digest"] for s in job.summaries()}) == 1
+
+
+def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
+    script = with_import(tmp_path)
+    env = {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_RECONNECT_INTERVAL": "60"}
+    for name in ("one", "two"):
+        jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "300"), env=env))
+    _wait_for(lambda: {e["job_name"] for e in d.events() if e["event"] == "grant"} == {"one", "two"}, 60,
+              "both jobs scheduled")
+    t0 = time.monotonic()
+    assert d.stop(signal.SIGTERM, timeout=10) == 0
+    assert time.monotonic() - t0 < 5, "daemon took too long to stop"
+    for j in jobs:
+        assert j.wait(120) == 0, j.output()[-3000:]
+    assert {e["reason"] for e in d.events() if e["event"] == "leave"} == {"daemon shutdown"}

@@ -1,0 +1,268 @@
+"""LB-BSP batch-size controller: config validation, apportioning, the ema and
+numerical methods, period, hysteresis and cross-rank determinism."""
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from typing import Callable
+
+import pytest
+from crossover.plugins.batch_size import (
+    BatchSizeConfig,
+    BatchSizeConfigError,
+    BatchSizeController,
+    BatchSizeError,
+    Measurement,
+    MeasurementError,
+    aggregation_weights,
+    apportion,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+Curve = Callable[[int], float]
+
+
+def linear(seconds_per_sample: float) -> Curve:
+    return lambda batch: seconds_per_sample * batch
+
+
+def measure(
+    sizes: Sequence[int], curves: Sequence[Curve], noise: float = 0.0, rng: random.Random | None = None
+) -> list[Measurement]:
+    out = []
+    for rank, (size, curve) in enumerate(zip(sizes, curves)):
+        factor = 1.0 + (rng.uniform(-noise, noise) if rng else 0.0)
+        out.append(Measurement(rank, size, curve(size) * factor))
+    return out
+
+
+def simulate(
+    config: BatchSizeConfig, curves: Sequence[Curve], iterations: int, noise: float = 0.0, seed: int = 0
+) -> tuple[BatchSizeController, list[tuple[int, ...]]]:
+    """Run the controller against synthetic ranks; return it and the sizes used per iteration."""
+    rng = random.Random(seed)
+    controller = BatchSizeController(config)
+    history = []
+    for iteration in range(iterations):
+        history.append(controller.sizes)
+        controller.update(iteration, measure(controller.sizes, curves, noise, rng))
+    return controller, history
+
+
+def makespan(sizes: Sequence[int], curves: Sequence[Curve]) -> float:
+    return max(curve(size) for curve, size in zip(curves, sizes))
+
+
+# --- config -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"global_batch": 0}, "global_batch"),
+        ({"world_size": 0}, "world_size"),
+        ({"period": 0}, "period"),
+        ({"ema_alpha": 1.5}, "1.5"),
+        ({"ema_alpha": 0.0}, "ema_alpha"),
+        ({"hysteresis": -0.1}, "-0.1"),
+        ({"method": "magic"}, "magic"),
+        ({"history": 1}, "history"),
+        ({"min_batch": (1, 2)}, "min_batch"),
+        ({"min_batch": 0}, "min_batch"),
+        ({"max_batch": (8, 8, 2, 8), "min_batch": 3}, "max_batch"),
+        ({"min_batch": 9}, "32"),
+        ({"max_batch": 7}, "exceeds"),
+        ({"global_batch": 32.0}, "32.0"),
+    ],
+)
+def test_bad_config_raises_typed_error(kwargs: dict, named: str) -> None:
+    settings_ = {"global_batch": 32, "world_size": 4, **kwargs}
+    with pytest.raises(BatchSizeConfigError, match=named) as info:
+        BatchSizeConfig(**settings_)
+    assert isinstance(info.value, ValueError)
+
+
+def test_config_normalises_per_rank_caps() -> None:
+    config = BatchSizeConfig(global_batch=10, world_size=2, min_batch=[1, 2], max_batch=[8, 9])  # type: ignore[arg-type]
+    assert config.min_sizes() == (1, 2) and config.max_sizes() == (8, 9)
+    assert BatchSizeConfig(10, 2).max_sizes() == (10, 10)
+    hash(config)  # frozen and hashable
+
+
+# --- apportion and weights --------------------------------------------------------
+
+def test_apportion_largest_remainder_ties_by_rank() -> None:
+    assert apportion(10, [1.0, 1.0, 1.0]) == [4, 3, 3]
+    assert apportion(11, [1.0, 1.0, 1.0]) == [4, 4, 3]
+    assert apportion(100, [3.0, 3.0, 3.0, 1.0]) == [30, 30, 30, 10]
+
+
+def test_apportion_respects_caps() -> None:
+    # rank 0 would get 90 but is capped at 50; the rest is shared 1:1
+    assert apportion(100, [9.0, 0.5, 0.5], mins=[1, 1, 1], maxs=[50, 100, 100]) == [50, 25, 25]
+    # a very slow rank still gets its minimum
+    assert apportion(100, [1.0, 1e-6], mins=[1, 5], maxs=[100, 100]) == [95, 5]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_apportion_sums_and_caps_property(data: st.DataObject) -> None:
+    count = data.draw(st.integers(1, 8))
+    mins = data.draw(st.lists(st.integers(0, 20), min_size=count, max_size=count))
+    maxs = [low + data.draw(st.integers(0, 50)) for low in mins]
+    total = data.draw(st.integers(sum(mins), sum(maxs)))
+    weights = data.draw(st.lists(st.floats(1e-3, 1e3), min_size=count, max_size=count))
+    sizes = apportion(total, weights, mins, maxs)
+    assert sum(sizes) == total
+    assert all(low <= size <= high for size, low, high in zip(sizes, mins, maxs))
+    assert sizes == apportion(total, list(weights), list(mins), list(maxs))
+
+
+def test_apportion_rejects_impossible_input() -> None:
+    with pytest.raises(BatchSizeError):
+        apportion(10, [1.0, 0.0])
+    with pytest.raises(BatchSizeError):
+        apportion(10, [1.0, 1.0], maxs=[4, 4])
+
+
+def test_aggregation_weights() -> None:
+    assert aggregation_weights([1, 3]) == [0.25, 0.75]
+    assert sum(aggregation_weights([7, 5, 20])) == pytest.approx(1.0)
+    with pytest.raises(BatchSizeError):
+        aggregation_weights([0, 0])
+    with pytest.raises(BatchSizeError):
+        aggregation_weights([2, -1])
+
+
+# --- controller -------------------------------------------------------------------
+
+def test_initial_assignment_is_an_even_split() -> None:
+    assert BatchSizeController(BatchSizeConfig(10, 3)).sizes == (4, 3, 3)
+    assert BatchSizeController(BatchSizeConfig(10, 2), initial_sizes=[7, 3]).sizes == (7, 3)
+    with pytest.raises(BatchSizeConfigError):
+        BatchSizeController(BatchSizeConfig(10, 2), initial_sizes=[7, 4])
+
+
+def test_three_times_slower_rank_gets_a_third_of_a_fast_share() -> None:
+    curves = [linear(0.001), linear(0.001), linear(0.003), linear(0.001)]
+    config = BatchSizeConfig(global_batch=100, world_size=4, period=1)
+    controller, _ = simulate(config, curves, iterations=3)
+    assert controller.sizes == (30, 30, 10, 30)
+    fast, slow = controller.sizes[0], controller.sizes[2]
+    assert slow / fast == pytest.approx(1 / 3, rel=0.05)
+    times = [curve(size) for curve, size in zip(curves, controller.sizes)]
+    assert max(times) / min(times) == pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["ema", "numerical"])
+def test_sums_to_global_batch_and_respects_caps(method: str) -> None:
+    curves = [linear(0.001), linear(0.010), linear(0.0005), linear(0.002)]
+    config = BatchSizeConfig(
+        global_batch=200, world_size=4, min_batch=(10, 20, 1, 1), max_batch=(100, 100, 70, 100),
+        period=2, method=method,  # type: ignore[arg-type]
+    )
+    _, history = simulate(config, curves, iterations=30, noise=0.2)
+    for sizes in history:
+        assert sum(sizes) == 200
+        assert all(lo <= s <= hi for s, lo, hi in zip(sizes, config.min_sizes(), config.max_sizes()))
+    assert history[-1][1] == 20 and history[-1][2] == 70  # slow rank at its floor, fast at its cap
+
+
+def test_sizes_change_only_at_period_boundaries() -> None:
+    curves = [linear(0.001), linear(0.002)]
+    config = BatchSizeConfig(global_batch=60, world_size=2, period=4, ema_alpha=0.5)
+    _, history = simulate(config, curves, iterations=20, noise=0.3, seed=3)
+    # history[i] are the sizes used in iteration i; a change may appear only in
+    # an iteration right after a boundary (i % period == 0)
+    changed = [i for i in range(1, len(history)) if history[i] != history[i - 1]]
+    assert changed, "the slower rank should lose samples"
+    assert all(i % 4 == 0 for i in changed)
+    assert history[:4] == [(30, 30)] * 4
+
+
+def test_hysteresis_stops_oscillation_under_noise() -> None:
+    curves = [linear(0.01), linear(0.01)]
+    noisy = BatchSizeConfig(global_batch=100, world_size=2, period=5, hysteresis=0.0)
+    _, history = simulate(noisy, curves, iterations=200, noise=0.1, seed=7)
+    flips = sum(1 for a, b in zip(history, history[1:]) if a != b)
+    assert flips >= 5  # without hysteresis the noise alone moves the sizes around
+    damped = BatchSizeConfig(global_batch=100, world_size=2, period=5, hysteresis=0.1)
+    _, history = simulate(damped, curves, iterations=200, noise=0.1, seed=7)
+    assert set(history) == {(50, 50)}
+
+
+def test_hysteresis_still_lets_real_changes_through() -> None:
+    curves = [linear(0.01), linear(0.02)]
+    config = BatchSizeConfig(global_batch=90, world_size=2, period=5, hysteresis=0.1)
+    controller, _ = simulate(config, curves, iterations=20, noise=0.05, seed=1)
+    assert controller.sizes[0] == pytest.approx(60, abs=3)
+
+
+@pytest.mark.parametrize("method", ["ema", "numerical"])
+def test_controllers_on_all_ranks_agree(method: str) -> None:
+    rng = random.Random(11)
+    config = BatchSizeConfig(global_batch=256, world_size=5, period=3, hysteresis=0.02, method=method)  # type: ignore[arg-type]
+    ranks = [BatchSizeController(config) for _ in range(5)]
+    for iteration in range(60):
+        sizes = ranks[0].sizes
+        batch = [
+            Measurement(r, sizes[r], (0.01 + 1e-4 * (r + 1) * sizes[r] ** 1.5) * rng.uniform(0.8, 1.2))
+            for r in range(5)
+        ]
+        results = {tuple(c.update(iteration, batch)) for c in ranks}
+        assert len(results) == 1
+
+
+def test_no_decision_until_every_rank_reported() -> None:
+    controller = BatchSizeController(BatchSizeConfig(global_batch=20, world_size=2, period=1))
+    assert controller.update(0, [Measurement(0, 10, 0.1)]) == [10, 10]
+    assert controller.propose() is None and controller.predicted_times([10, 10]) is None
+    assert controller.update(1, [Measurement(1, 10, 0.3)]) == [15, 5]
+
+
+@pytest.mark.parametrize(
+    "measurement",
+    [Measurement(2, 10, 0.1), Measurement(0, 0, 0.1), Measurement(0, 10, 0.0), Measurement(0, 10, float("nan"))],
+)
+def test_bad_measurements_raise(measurement: Measurement) -> None:
+    controller = BatchSizeController(BatchSizeConfig(global_batch=20, world_size=2))
+    with pytest.raises(MeasurementError):
+        controller.update(0, [measurement])
+    with pytest.raises(MeasurementError):
+        controller.update(-1, [])
+
+
+def _optimum(total: int, curves: Sequence[Curve]) -> float:
+    best = float("inf")
+    for head in itertools.product(range(1, total), repeat=len(curves) - 1):
+        last = total - sum(head)
+        if last >= 1:
+            best = min(best, makespan((*head, last), curves))
+    return best
+
+
+def test_numerical_method_converges_on_quadratic_curves() -> None:
+    curves = [lambda b: 0.01 + 1e-5 * b * b, lambda b: 0.01 + 4e-5 * b * b, lambda b: 0.02 + 2e-5 * b * b]
+    config = BatchSizeConfig(
+        global_batch=192, world_size=3, period=2, hysteresis=0.0, ema_alpha=1.0, method="numerical"
+    )
+    controller, history = simulate(config, curves, iterations=20)
+    spans = [makespan(sizes, curves) for sizes in history[::2]]
+    assert all(later <= earlier + 1e-12 for earlier, later in zip(spans, spans[1:]))  # no oscillation
+    assert makespan(controller.sizes, curves) <= 1.05 * _optimum(192, curves)
+    assert spans[0] / spans[-1] > 1.5
+
+
+def test_numerical_method_with_fixed_overhead() -> None:
+    # one rank has a large fixed cost (an under-used GPU), the other is steeply convex
+    curves = [lambda b: 0.1 + 1e-6 * b * b, lambda b: 1e-4 * b * b]
+    config = BatchSizeConfig(
+        global_batch=256, world_size=2, period=1, hysteresis=0.0, ema_alpha=1.0, method="numerical"
+    )
+    controller, history = simulate(config, curves, iterations=12)
+    spans = [makespan(sizes, curves) for sizes in history]
+    assert all(later <= earlier + 1e-12 for earlier, later in zip(spans, spans[1:]))
+    assert makespan(controller.sizes, curves) <= 1.02 * _optimum(256, curves)
+    times = controller.predicted_times(controller.sizes)
+    assert times is not None and len(times) == 2
