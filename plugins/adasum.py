@@ -370,4 +370,5 @@ def adasum_allreduce_tensors(
         for index, length in zip(indices, lengths):
             results[index] = reduced.narrow(0, start, length).reshape(tensors[index].shape)
             start += length
+    # every index belongs to exactly one fusion group, so no slot is left None
     return [result for result in results if result is not None]
