@@ -43,6 +43,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_RECONNECT_INTERVAL": ("2", "Seconds between attempts to re-attach to a lost daemon."),
     "CROSSOVER_PIN": ("1", "0: do not pin to the CPU core a CPU device names."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
+    "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats (grant waits) as JSON here; "
+                             "`{rank}` is replaced by the Horovod rank."),
 }
 
 
@@ -85,6 +87,7 @@ class PluginSettings:
     reconnect_interval_s: float
     pin: bool
     log_level: str
+    stats_file: str = ""
 
     @classmethod
     def from_env(cls, script_name: str = "") -> PluginSettings:
@@ -109,4 +112,5 @@ class PluginSettings:
             reconnect_interval_s=_float("CROSSOVER_RECONNECT_INTERVAL", 2.0, 0.05, 600.0),
             pin=_bool("CROSSOVER_PIN", True),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", "WARNING").upper(),
+            stats_file=os.environ.get("CROSSOVER_STATS_FILE", ""),
         )

@@ -16,8 +16,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, NamedTuple
 
 import psutil
 
@@ -35,7 +35,7 @@ from .api import (
 from .event_log import EventLog
 from .inventory import Inventory
 
-__all__ = ["Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "CloseMsg", "RankSnapshot"]
+__all__ = ["Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "CloseMsg", "RankSnapshot", "DeviceSnapshot"]
 
 _log = logging.getLogger(__name__)
 
@@ -87,9 +87,6 @@ class CloseMsg:
     error: Exception | None = None
 
 
-Outbox = "queue.SimpleQueue[GrantMsg | PolicyMsg | CloseMsg]"
-
-
 @dataclass
 class _Stats:
     compute_total: float = 0.0
@@ -106,7 +103,8 @@ class _Session:
     ref: RankRef
     registered_at: float
     last_seen: float
-    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    deliver: Callable[[Any], None] | None = None
+    undelivered: list = field(default_factory=list)  # messages sent before the stream attached
     attached: bool = False
     phase: Phase = Phase.IDLE
     phase_since: float = 0.0
@@ -115,6 +113,19 @@ class _Session:
     requested_at: float = 0.0
     stats: _Stats = field(default_factory=_Stats)
     process: psutil.Process | None = None
+
+    def send(self, msg: Any) -> None:
+        if self.deliver is None:
+            self.undelivered.append(msg)
+        else:
+            self.deliver(msg)
+
+
+class DeviceSnapshot(NamedTuple):
+    holders: list[RankSnapshot]
+    waiting: list[RankSnapshot]
+    others: list[RankSnapshot]
+    order: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -202,15 +213,24 @@ class Scheduler:
         _log.info("registered %s rank %d (pid %d) on device %d", ident.job_name, ident.rank, ident.pid, device.index)
         return Registration(sid, self.node, device.index, device.cpu_affinity, self.heartbeat_interval_s, name, blocks)
 
-    def attach(self, session_id: str) -> queue.SimpleQueue:
-        """Bind a session's stream; returns the outbox the stream must drain."""
+    def attach(self, session_id: str, deliver: Callable[[Any], None] | None = None) -> queue.SimpleQueue | None:
+        """Bind a session's stream. `deliver` receives every message for it (from any thread,
+        never blocking); without one, an outbox queue is returned for the caller to drain."""
+        outbox: queue.SimpleQueue | None = None
+        if deliver is None:
+            outbox = queue.SimpleQueue()
+            deliver = outbox.put
         with self._lock:
             sess = self._session(session_id)
             if sess.attached:
                 raise AlreadyExists(f"session {session_id} already has an open stream")
             sess.attached = True
             sess.last_seen = self._clock()
-            return sess.outbox
+            sess.deliver = deliver
+            for msg in sess.undelivered:
+                deliver(msg)
+            sess.undelivered.clear()
+        return outbox
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0) -> None:
         """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`."""
@@ -266,7 +286,7 @@ class Scheduler:
             if sess.phase is Phase.COMPUTE:
                 record.append(("release", sess, {"reason": reason}))
             self._deliver(self._policy.leave(sess.ref.key, now), now, record)
-            sess.outbox.put(CloseMsg(reason))
+            sess.send(CloseMsg(reason))
         record.insert(0, ("leave", sess, {"reason": reason}))
         for name, s, fields in record:
             self._record(name, s, **fields)
@@ -302,8 +322,8 @@ class Scheduler:
             sessions = list(self._sessions.values())
             for sess in sessions:
                 if sess.phase is Phase.WAITING:
-                    sess.outbox.put(GrantMsg(sess.pending_seq, sess.iteration, now - sess.requested_at))
-                sess.outbox.put(CloseMsg("daemon shutting down"))
+                    sess.send(GrantMsg(sess.pending_seq, sess.iteration, now - sess.requested_at))
+                sess.send(CloseMsg("daemon shutting down"))
             self._sessions.clear()
             self._by_key.clear()
         for sess in sessions:
@@ -331,7 +351,7 @@ class Scheduler:
             for sess in active:
                 self._deliver(new.request(sess.ref.key, sess.iteration, now), now, record)
             for sess in self._sessions.values():
-                sess.outbox.put(PolicyMsg(new.name, new.blocks))
+                sess.send(PolicyMsg(new.name, new.blocks))
         for name_, s, fields in record:
             self._record(name_, s, **fields)
         self.events.record("policy", old=old, new=name)
@@ -352,21 +372,29 @@ class Scheduler:
     def uptime(self) -> float:
         return self._clock() - self._started
 
-    def snapshot(self) -> tuple[dict[int, tuple[list[RankSnapshot], list[RankSnapshot], list[RankSnapshot], tuple[str, ...]]], list[RankSnapshot]]:
-        """Per device: (holders, waiting in order, others, job order); plus all ranks."""
+    def snapshot(self) -> tuple[dict[int, DeviceSnapshot], list[RankSnapshot]]:
+        """Per device: (holders, waiting in grant order, others, job order); plus all ranks."""
         now = self._clock()
         with self._lock:
             snaps = {sid: self._rank_snapshot(s, now) for sid, s in self._sessions.items()}
-            by_key = {s.ref.key: snaps[s.id] for s in self._sessions.values()}
-            out = {}
-            for dev in self.inventory.devices:
-                view = self._policy.view(dev.index)
-                holders = [by_key[k] for k in view.holders if k in by_key]
-                waiting = [by_key[k] for k in view.waiting if k in by_key]
-                seen = set(view.holders) | set(view.waiting)
-                others = [snaps[s.id] for s in self._sessions.values() if s.ref.device == dev.index and s.ref.key not in seen]
-                out[dev.index] = (holders, waiting, others, view.order)
-            return out, list(snaps.values())
+            processes = [(sid, s.process) for sid, s in self._sessions.items() if s.process is not None]
+            by_key = {s.ref.key: s.id for s in self._sessions.values()}
+            views = {dev.index: self._policy.view(dev.index) for dev in self.inventory.devices}
+            devices = {sid: s.ref.device for sid, s in self._sessions.items()}
+        for sid, proc in processes:  # psutil reads /proc: keep it outside the lock
+            try:
+                with proc.oneshot():
+                    snaps[sid] = replace(snaps[sid], cpu_percent=proc.cpu_percent(None), rss_bytes=proc.memory_info().rss)
+            except psutil.Error:
+                pass
+        out = {}
+        for index, view in views.items():
+            holders = [snaps[by_key[k]] for k in view.holders if k in by_key]
+            waiting = [snaps[by_key[k]] for k in view.waiting if k in by_key]
+            seen = {by_key[k] for k in (*view.holders, *view.waiting) if k in by_key}
+            others = [snaps[sid] for sid, d in devices.items() if d == index and sid not in seen]
+            out[index] = DeviceSnapshot(holders, waiting, others, view.order)
+        return out, list(snaps.values())
 
     # ---- internals -----------------------------------------------------
 
@@ -397,7 +425,15 @@ class Scheduler:
             record.append(("cancel", sess, {}))
             self._deliver(self._policy.cancel(key, now), now, record)
         elif sess.phase is Phase.COMPUTE:
-            self._set_phase(sess, Phase.OTHER, now)  # re-queued by a policy switch, already done
+            # Re-queued by a policy switch while it computed, and not yet granted
+            # under the new policy: it is done now, so withdraw that request too,
+            # or the new policy would later grant (and block the device for) a
+            # rank that no longer asks.
+            held = now - sess.phase_since
+            self._set_phase(sess, Phase.OTHER, now)
+            record.append(("release", sess, {"held_s": held}))
+            if self._policy.is_waiting(key):
+                self._deliver(self._policy.cancel(key, now), now, record)
         elif strict:
             raise FailedPrecondition(f"rank {key} reported compute done but holds no grant (phase {sess.phase.value})")
 
@@ -411,7 +447,7 @@ class Scheduler:
             waited = now - sess.requested_at
             sess.stats.waited_total += waited
             self._set_phase(sess, Phase.COMPUTE, now)
-            sess.outbox.put(GrantMsg(sess.pending_seq, sess.iteration, waited))
+            sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
             if record is not None:
                 record.append(("grant", sess, {"iteration": sess.iteration, "waited_s": waited}))
 
@@ -430,14 +466,6 @@ class Scheduler:
         st = s.stats
         alive = max(now - s.registered_at, 1e-9)
         waiting_now = now - s.requested_at if s.phase is Phase.WAITING else 0.0
-        cpu, rss = -1.0, 0
-        if s.process is not None:
-            try:
-                with s.process.oneshot():
-                    cpu = s.process.cpu_percent(None)
-                    rss = s.process.memory_info().rss
-            except psutil.Error:
-                pass
         return RankSnapshot(
             ident=s.ident,
             phase=s.phase,
@@ -447,8 +475,8 @@ class Scheduler:
             wait_fraction=min(1.0, (st.waited_total + waiting_now) / alive),
             since_s=now - s.phase_since,
             registered_s=alive,
-            cpu_percent=cpu,
-            rss_bytes=rss,
+            cpu_percent=-1.0,
+            rss_bytes=0,
         )
 
 

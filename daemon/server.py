@@ -6,11 +6,11 @@ shared token; calls on the Unix socket are trusted (the socket is 0660).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import stat
 import threading
-from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable
@@ -75,8 +75,28 @@ def _check_version(version: int) -> None:
         )
 
 
+class _Service:
+    """Shared by both services: the scheduler core and the TCP token check."""
+
+    def __init__(self, core: Scheduler, token: str | None) -> None:
+        self._core = core
+        self._token = token
+
+    def _auth(self, context: Any) -> str:
+        """Empty when the call may proceed; Unix-socket peers are trusted (the socket is 0660)."""
+        if not self._token or context.peer().startswith("unix:"):
+            return ""
+        md = dict(context.invocation_metadata() or ())
+        if md.get(TOKEN_METADATA_KEY) != self._token:
+            return f"missing or wrong {TOKEN_METADATA_KEY} metadata"
+        return ""
+
+
 def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        denied = self._auth(context)
+        if denied:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
         try:
             return fn(self, request, context)
         except CrossoverError as exc:
@@ -87,9 +107,7 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class _SchedulerService(pb_grpc.SchedulerServicer):
-    def __init__(self, core: Scheduler) -> None:
-        self._core = core
+class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
 
     @_unary
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
@@ -110,35 +128,54 @@ class _SchedulerService(pb_grpc.SchedulerServicer):
             policy_blocks=reg.policy_blocks,
         )
 
-    def Session(self, request_iterator: Iterator[pb.RankEvent], context: grpc.ServicerContext) -> Iterator[pb.Directive]:
-        try:
-            first = next(request_iterator)
-        except StopIteration:
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Runs on the event loop: reading an event, deciding and writing the grant
+        # happen on one thread, which keeps the grant round trip short.
+        denied = self._auth(context)
+        if denied:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
+        first = await context.read()
+        if first is grpc.aio.EOF:
             return
         if first.kind != pb.OPEN or not first.session_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first event of a session must be OPEN with the session_id from Register")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first event of a session must be OPEN with the session_id from Register")
         sid = first.session_id
-        try:
-            outbox = self._core.attach(sid)
-        except CrossoverError as exc:
-            context.abort(status_code(exc), str(exc))
-        threading.Thread(target=self._read, args=(sid, request_iterator, outbox), name=f"session-{sid[:8]}", daemon=True).start()
-        context.add_callback(lambda: self._core.close(sid, "stream closed"))
-        while True:
-            msg = outbox.get()
-            if isinstance(msg, CloseMsg):
-                if msg.error is not None:
-                    context.abort(status_code(msg.error), str(msg.error))
-                return
-            if isinstance(msg, GrantMsg):
-                yield pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration, waited_s=msg.waited_s))
-            elif isinstance(msg, PolicyMsg):
-                yield pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy, policy_blocks=msg.blocks))
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
 
-    def _read(self, sid: str, events: Iterator[pb.RankEvent], outbox: Any) -> None:
+        def deliver(msg: Any) -> None:  # called from any thread by the scheduler
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+
+        try:
+            self._core.attach(sid, deliver)
+        except CrossoverError as exc:
+            await context.abort(status_code(exc), str(exc))
+        reader = asyncio.create_task(self._read(sid, context, inbox))
+        try:
+            while True:
+                msg = await inbox.get()
+                if isinstance(msg, CloseMsg):
+                    if msg.error is not None:
+                        await context.abort(status_code(msg.error), str(msg.error))
+                    return
+                if isinstance(msg, GrantMsg):
+                    await context.write(pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration,
+                                                                    waited_s=msg.waited_s)))
+                elif isinstance(msg, PolicyMsg):
+                    await context.write(pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy,
+                                                                            policy_blocks=msg.blocks)))
+        finally:
+            reader.cancel()
+            self._core.close(sid, "stream closed")
+
+    async def _read(self, sid: str, context: grpc.aio.ServicerContext, inbox: asyncio.Queue) -> None:
         reason = "stream ended"
         try:
-            for ev in events:
+            while True:
+                ev = await context.read()
+                if ev is grpc.aio.EOF:
+                    return
                 kind = _KINDS.get(ev.kind)
                 try:
                     if kind is None:
@@ -146,10 +183,12 @@ class _SchedulerService(pb_grpc.SchedulerServicer):
                     self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s)
                 except CrossoverError as exc:
                     _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
-                    outbox.put(CloseMsg(str(exc), exc))
+                    inbox.put_nowait(CloseMsg(str(exc), exc))
                     reason = f"invalid event: {exc}"
                     return
-        except grpc.RpcError:
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the peer vanished mid-read (process killed, connection reset)
             reason = "stream broken"
         finally:
             self._core.close(sid, reason)
@@ -165,9 +204,7 @@ def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
     )
 
 
-class _AdminService(pb_grpc.AdminServicer):
-    def __init__(self, core: Scheduler) -> None:
-        self._core = core
+class _AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def GetQueue(self, request: pb.QueueRequest, context: grpc.ServicerContext) -> pb.QueueState:
@@ -225,54 +262,8 @@ class _AdminService(pb_grpc.AdminServicer):
         return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
 
 
-class _TokenCheck(grpc.ServerInterceptor):
-    """Rejects TCP calls without the shared token; Unix-socket peers pass."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_METADATA_KEY} metadata")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.stream_stream_rpc_method_handler(lambda it, ctx: deny(None, ctx))
-
-    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        md = dict(details.invocation_metadata or ())
-        if md.get(TOKEN_METADATA_KEY) == self._token:
-            return continuation(details)
-        # The peer is not known here; the servicer context is. Wrap to decide per call.
-        handler = continuation(details)
-        if handler is None:
-            return None
-        return _peer_gate(handler, self._deny_unary, self._deny_stream)
-
-
-def _peer_gate(handler: Any, deny_unary: Any, deny_stream: Any) -> Any:
-    if handler.unary_unary:
-        inner = handler.unary_unary
-
-        def uu(req: Any, ctx: grpc.ServicerContext) -> Any:
-            if ctx.peer().startswith("unix:"):
-                return inner(req, ctx)
-            return deny_unary.unary_unary(req, ctx)
-
-        return grpc.unary_unary_rpc_method_handler(uu, handler.request_deserializer, handler.response_serializer)
-    if handler.stream_stream:
-        inner_s = handler.stream_stream
-
-        def ss(it: Any, ctx: grpc.ServicerContext) -> Any:
-            if ctx.peer().startswith("unix:"):
-                yield from inner_s(it, ctx)
-            else:
-                deny_stream.stream_stream(it, ctx)
-
-        return grpc.stream_stream_rpc_method_handler(ss, handler.request_deserializer, handler.response_serializer)
-    return handler
-
-
 class Daemon:
-    """A running `crossoverd`: gRPC server, scheduler core and the liveness reaper."""
+    """A running `crossoverd`: gRPC server (asyncio, on its own thread), scheduler core, liveness reaper."""
 
     def __init__(
         self,
@@ -282,7 +273,7 @@ class Daemon:
         token: str | None = None,
         tls: tuple[bytes, bytes] | None = None,
         reap_interval_s: float = 0.1,
-        max_workers: int = 256,
+        max_workers: int = 32,
     ) -> None:
         if listen and not token:
             raise InvalidRequest("--listen needs --token (or --token-file): TCP calls must be authenticated")
@@ -292,35 +283,31 @@ class Daemon:
         self.socket_path = socket_path
         self.listen = listen
         self.port: int | None = None
+        self._token = token
+        self._tls = tls
+        self._max_workers = max_workers
         self._stop = threading.Event()
         self._reap_interval = reap_interval_s
-        interceptors = [_TokenCheck(token)] if token else []
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-            interceptors=interceptors,
-            options=[("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_SchedulerServicer_to_server(_SchedulerService(core), self._server)
-        pb_grpc.add_AdminServicer_to_server(_AdminService(core), self._server)
-        if socket_path:
-            path = Path(socket_path)
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop", daemon=True)
+        self._server: grpc.aio.Server | None = None
+        self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
+
+    def start(self) -> Daemon:
+        if self.socket_path:
+            path = Path(self.socket_path)
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
             if path.exists() or path.is_symlink():
                 if not stat.S_ISSOCK(path.lstat().st_mode):
                     raise FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
                 path.unlink()
-            self._server.add_insecure_port(f"unix://{path}")
-        if listen:
-            creds = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls else None
-            self.port = (self._server.add_secure_port(listen, creds) if creds else self._server.add_insecure_port(listen))
-            if not self.port:
-                raise FailedPrecondition(f"could not listen on {listen}")
-        self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
-
-    def start(self) -> Daemon:
-        old = os.umask(0o117)  # the socket gets 0660 from the moment it exists
+        self._loop_thread.start()
+        old = os.umask(0o117)  # the socket is 0660 from the moment it exists
         try:
-            self._server.start()
+            asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=30)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
         finally:
             os.umask(old)
         if self.socket_path:
@@ -331,16 +318,41 @@ class Daemon:
                   self.core.policy_name, len(self.core.inventory.devices))
         return self
 
+    async def _serve(self) -> None:
+        server = grpc.aio.server(
+            migration_thread_pool=futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="admin"),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_SchedulerServicer_to_server(_SchedulerService(self.core, self._token), server)
+        pb_grpc.add_AdminServicer_to_server(_AdminService(self.core, self._token), server)
+        if self.socket_path:
+            server.add_insecure_port(f"unix://{self.socket_path}")
+        if self.listen:
+            if self._tls:
+                creds = grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])
+                self.port = server.add_secure_port(self.listen, creds)
+            else:
+                self.port = server.add_insecure_port(self.listen)
+        await server.start()
+        self._server = server
+
     def stop(self, grace: float = 1.0) -> None:
         """Fail open: release every waiting rank, then stop serving."""
         if self._stop.is_set():
             return
         self._stop.set()
         self.core.shutdown()
-        self._server.stop(grace).wait()
+        if self._server is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result(timeout=grace + 5)
+            except Exception:  # stopping must not fail the shutdown path
+                _log.exception("gRPC server did not stop cleanly")
+        self._loop.call_soon_threadsafe(self._loop.stop)
         if self.socket_path:
             try:
-                os.unlink(self.socket_path)
+                # Only our socket: after a failed start() the path may be a file we refused to replace.
+                if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                    os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
         _log.info("crossoverd stopped")

@@ -14,7 +14,9 @@ swallows its own errors (logged) so Crossover can never break training.
 """
 from __future__ import annotations
 
+import atexit
 import functools
+import json
 import logging
 import os
 import time
@@ -115,7 +117,21 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
     if settings.pin:
         session.on_attach = _pin
     _state["session"] = session.start()
+    # Close the stream on exit: the daemon then sees a clean end at once instead of
+    # waiting for heartbeats that stop while the interpreter shuts down.
+    atexit.register(session.close)
+    if settings.stats_file:
+        atexit.register(_write_stats, session, settings.stats_file.replace("{rank}", str(info.rank)))
     return session
+
+
+def _write_stats(session: Session, path: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
+                       "grant_waits_s": session.grant_waits}, f)
+    except OSError as exc:
+        _log.warning("could not write CROSSOVER_STATS_FILE %s: %s", path, exc)
 
 
 def _agree_job_id(hvd: Any, process_set: Any) -> str:

@@ -73,6 +73,19 @@ def cli(*args: str, socket: Path, check: bool = True, timeout: float = 20.0) -> 
     return res
 
 
+def queue_state(socket: Path, timeout: float = 5.0) -> dict[str, Any]:
+    """The daemon's queue as `crossover queue --json` prints it, fetched in-process (cheap enough to poll)."""
+    import grpc
+
+    from crossover.formatting import to_json
+    from crossover.protos import crossover_v1_pb2 as pb
+    from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix://{socket}") as ch:
+        reply = pb_grpc.AdminStub(ch).GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=timeout)
+    return to_json("queue", reply)
+
+
 def with_import(tmp: Path, script: str = "train_mlp.py") -> Path:
     """The workload with `import crossover.auto` added as its first line, nothing else changed."""
     src = (WORKLOADS / script).read_text()

@@ -1,0 +1,101 @@
+"""Plugin overhead: one 2-rank job, plain Horovod vs. the plugin under passthrough and exclusive.
+
+Variants run interleaved, round after round, so machine noise hits all of
+them alike; the table reports the median over rounds of each variant's mean
+iteration time, the overhead relative to plain Horovod measured in the same
+round, and the grant round-trip (time a rank spends in a blocking acquire
+that nobody contends, measured inside the ranks).
+
+    python bench/overhead.py [--rounds 3] [--iters 80] [--out results/overhead.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import (  # noqa: E402
+    WORKLOAD, Daemon, finish_job, machine, mean, percentile, script_with_import, start_job, write_json,
+)
+
+VARIANTS = ("plain", "passthrough", "exclusive")
+
+
+def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int) -> dict:
+    job_args = ["--iters", str(args.iters), "--width", str(args.width), "--batch", str(args.batch)]
+    name = f"{variant}{rnd}"
+    if variant == "plain":
+        proc, out = start_job(name, WORKLOAD, workdir, 2, job_args, {})
+        ranks = finish_job(proc, out)
+        waits: list[float] = []
+    else:
+        with Daemon(workdir, "--cpu-devices", "2", "--policy", variant, name=name) as d:
+            stats = workdir / f"{name}.stats.{{rank}}.json"
+            proc, out = start_job(name, script_with_import(workdir), workdir, 2, job_args,
+                                  {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats)})
+            ranks = finish_job(proc, out)
+        waits = []
+        for r in range(2):
+            s = json.loads(Path(str(stats).replace("{rank}", str(r))).read_text())
+            assert s["attached"], f"{variant}: rank {r} ran unattached; the measurement would be meaningless"
+            waits += s["grant_waits_s"][args.warmup:]
+    iters = [t for r in ranks for t in r["iter_times"][args.warmup:]]
+    return {"iter_mean_s": mean(iters), "iter_p50_s": percentile(iters, 50), "grant_waits_s": waits}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=80)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--batch", type=int, default=192, help="sized for a ~50 ms iteration on these machines")
+    p.add_argument("--out", type=Path, default=Path("results/overhead.json"))
+    args = p.parse_args()
+
+    rounds: list[dict[str, dict]] = []
+    with tempfile.TemporaryDirectory(prefix="xo-overhead-") as tmp, Progress(transient=True) as progress:
+        task = progress.add_task("overhead", total=args.rounds * len(VARIANTS))
+        for rnd in range(args.rounds):
+            res = {}
+            for v in VARIANTS:
+                progress.update(task, description=f"round {rnd + 1}/{args.rounds}: {v}")
+                res[v] = run_variant(v, Path(tmp), args, rnd)
+                progress.advance(task)
+            rounds.append(res)
+
+    summary = {}
+    for v in VARIANTS:
+        means = [r[v]["iter_mean_s"] for r in rounds]
+        rel = [r[v]["iter_mean_s"] / r["plain"]["iter_mean_s"] - 1 for r in rounds]
+        waits = [w for r in rounds for w in r[v]["grant_waits_s"]]
+        summary[v] = {"iter_ms_median": 1000 * statistics.median(means), "overhead_pct_median": 100 * statistics.median(rel),
+                      "overhead_pct_rounds": [100 * x for x in rel],
+                      "grant_rtt_p50_ms": 1000 * percentile(waits, 50) if waits else None,
+                      "grant_rtt_p99_ms": 1000 * percentile(waits, 99) if waits else None, "grants": len(waits)}
+
+    t = Table(title=f"plugin overhead: 1 job x 2 ranks, {args.rounds} interleaved rounds, {args.iters} iters")
+    for c in ("variant", "iter ms (median)", "overhead vs plain", "per round", "grant RTT p50 ms", "p99 ms"):
+        t.add_column(c, justify="right")
+    for v, s in summary.items():
+        t.add_row(v, f"{s['iter_ms_median']:.2f}", f"{s['overhead_pct_median']:+.2f}%",
+                  " ".join(f"{x:+.1f}" for x in s["overhead_pct_rounds"]),
+                  "-" if s["grant_rtt_p50_ms"] is None else f"{s['grant_rtt_p50_ms']:.3f}",
+                  "-" if s["grant_rtt_p99_ms"] is None else f"{s['grant_rtt_p99_ms']:.3f}")
+    Console().print(t)
+    write_json(args.out, {"benchmark": "overhead", "time": time.time(), "machine": machine(), "args": vars(args) | {"out": str(args.out)},
+                          "summary": summary, "rounds": [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
