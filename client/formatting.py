@@ -58,24 +58,27 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
             extras.append("order " + " → ".join(dev["order"]))
         if extras:
             title += "  " + "  ".join(extras)
-        t = Table(title=title, title_justify="left", expand=False)
-        for col, kw in (("", {}), ("job", {}), ("rank", {"justify": "right"}), ("pid", {"justify": "right"}),
-                        ("phase", {}), ("iter", {"justify": "right"}), ("compute ms", {"justify": "right"}),
-                        ("comm ms", {"justify": "right"}), ("waiting", {"justify": "right"}),
-                        ("cpu %", {"justify": "right"}), ("rss", {"justify": "right"}),
-                        ("gpu mem", {"justify": "right"})):
-            t.add_column(col, **kw)
         rows = [("holds", r) for r in dev.get("holders", [])]
         rows += [(f"#{i + 1}", r) for i, r in enumerate(dev.get("waiting", []))]
         rows += [("", r) for r in dev.get("others", [])]
+        gpu = any(int(r.get("gpu_memory_bytes", 0)) for _, r in rows)
+        t = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+        t.add_column("", no_wrap=True)
+        t.add_column("job", no_wrap=True, min_width=6)
+        for col in ("rank", "pid"):
+            t.add_column(col, justify="right")
+        t.add_column("phase", no_wrap=True, min_width=7)
+        for col in ("iter", "comp ms", "comm ms", "wait", "cpu%", "rss") + (("gpu mem",) if gpu else ()):
+            t.add_column(col, justify="right", no_wrap=True)
         for mark, r in rows:
             cpu = r.get("cpu_percent", -1)
             t.add_row(mark, r.get("job_name", ""), str(r.get("rank", 0)), str(r.get("pid", 0)), _phase(r),
                       str(r.get("iteration", 0)), _ms(r.get("mean_compute_s", 0.0)), _ms(r.get("mean_comm_s", 0.0)),
                       f"{100 * r.get('wait_fraction', 0.0):.0f}%", f"{cpu:.0f}" if cpu >= 0 else "-",
-                      _bytes(int(r.get("rss_bytes", 0))), _bytes(int(r.get("gpu_memory_bytes", 0))))
+                      _bytes(int(r.get("rss_bytes", 0))),
+                      *((_bytes(int(r.get("gpu_memory_bytes", 0))),) if gpu else ()))
         if not rows:
-            t.add_row("", Text("idle: no ranks", style="dim"), *[""] * 10)
+            t.add_row("", Text("idle: no ranks", style="dim"), *[""] * 9)
         tables.append(t)
     return tables
 
