@@ -3,14 +3,29 @@
 The top-level folders are mapped into one import namespace, `crossover`, so
 nothing generic (`daemon`, `client`, ...) lands at the top of site-packages.
 """
+from pathlib import Path
+
 from setuptools import setup
 
-_PACKAGE_DIRS = {
+_TOP = {
     "crossover": "client",
     "crossover.daemon": "daemon",
     "crossover.plugins": "plugins",
     "crossover.protos": "protos",
 }
+
+
+def _packages() -> dict[str, str]:
+    """Each mapped folder and every sub-folder with an __init__.py, as `crossover.*` packages."""
+    found = {}
+    for pkg, folder in _TOP.items():
+        for init in sorted(Path(folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(folder)
+            found[".".join([pkg, *rel.parts])] = str(init.parent)
+    return found
+
+
+_PACKAGE_DIRS = _packages()
 
 setup(
     name="horovod-crossover",

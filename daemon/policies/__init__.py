@@ -4,14 +4,16 @@ from __future__ import annotations
 from typing import Callable
 
 from ..api import NotFound, Policy
+from .crossover import CrossoverPolicy, CrossoverSettings
 from .exclusive import ExclusivePolicy
 from .passthrough import PassthroughPolicy
 
-__all__ = ["available", "create", "ExclusivePolicy", "PassthroughPolicy"]
+__all__ = ["available", "create", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy", "PassthroughPolicy"]
 
 _FACTORIES: dict[str, Callable[[], Policy]] = {
     "passthrough": PassthroughPolicy,
     "exclusive": ExclusivePolicy,
+    "crossover": CrossoverPolicy,
 }
 
 

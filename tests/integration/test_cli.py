@@ -1,0 +1,218 @@
+"""The `crossover` CLI through click's runner against an in-process daemon,
+and the `crossoverd` entry point's refusals as a real subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from crossover.cli import ExitCode, main
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.server import Daemon
+from crossover.session import RankInfo, Session
+from crossover.settings import PluginSettings
+
+pytestmark = pytest.mark.timeout(60)
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))]), "exclusive",
+                     node="node-cli", event_log=EventLog(), heartbeat_interval_s=0.1, heartbeat_timeout_s=0.8)
+    d = Daemon(core, socket_path=str(tmp_path / "cli.sock"), reap_interval_s=0.05).start()
+    yield d
+    d.stop(grace=0.5)
+
+
+@pytest.fixture
+def run(daemon):
+    """`run(*args)` → click Result of `crossover ARGS --socket <daemon's socket>`."""
+    runner = CliRunner(env={"COLUMNS": "200", "CROSSOVER_ADDRESS": None, "CROSSOVER_TOKEN": None})
+
+    def invoke(*args: str, socket: str | None = None):
+        return runner.invoke(main, [*args, "--socket", socket or daemon.socket_path, "--timeout", "5"])
+
+    return invoke
+
+
+@pytest.fixture
+def session(daemon):
+    made: list[Session] = []
+
+    def make(job: str) -> Session:
+        settings = PluginSettings(target=f"unix://{daemon.socket_path}", token="", tls_ca="", disabled=False,
+                                  job_name=job, device=0, grant_timeout_s=5.0, connect_timeout_s=2.0,
+                                  reconnect_interval_s=30.0, pin=False, log_level="WARNING")
+        s = Session(RankInfo(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
+                             device=0), settings)
+        made.append(s)
+        return s.start()
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got {lines!r}"
+    return lines[0]
+
+
+def test_queue_json_is_versioned_and_lists_devices(run):
+    res = run("queue", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["version"] == 1 and data["kind"] == "queue"
+    assert data["node"] == "node-cli" and data["policy"] == "exclusive"
+    assert [d["index"] for d in data["devices"]] == [0, 1]
+    assert {d["kind"] for d in data["devices"]} == {"cpu"}
+    for dev in data["devices"]:  # defaults are printed so keys are stable
+        assert dev["holders"] == [] and dev["waiting"] == [] and dev["draining"] is False
+    assert res.stderr == ""
+
+
+def test_queue_json_for_one_device(run):
+    res = run("queue", "--json", "--device", "1")
+    assert res.exit_code == 0, res.output
+    assert [d["index"] for d in json.loads(res.stdout)["devices"]] == [1]
+    res = run("queue", "--json", "--device", "5")
+    assert res.exit_code == ExitCode.REFUSED
+    assert "device 5" in one_line(res.stderr)
+
+
+def test_queue_table_shows_a_registered_job(run, session):
+    s = session("tablejob")
+    assert s.acquire(0) is True
+    res = run("queue")
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "node node-cli" in out and "policy exclusive" in out
+    assert "device 0 (cpu cpu0)" in out and "device 1 (cpu cpu1)" in out
+    assert "tablejob" in out and "holds" in out and "compute" in out
+    assert "idle: no ranks" in out  # device 1
+
+
+def test_jobs_lists_the_registered_job(run, session):
+    session("jobsjob")
+    res = run("jobs", "--json")
+    assert res.exit_code == 0, res.output
+    jobs = json.loads(res.stdout)["jobs"]
+    assert [(j["job_name"], j["world_size"], len(j["ranks"])) for j in jobs] == [("jobsjob", 1, 1)]
+    res = run("jobs")
+    assert res.exit_code == 0 and "jobsjob" in res.stdout
+
+
+def test_policy_show_and_switch(run, daemon):
+    res = run("policy", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["version"] == 1 and data["name"] == "exclusive" and "passthrough" in data["available"]
+
+    res = run("policy", "passthrough")
+    assert res.exit_code == 0, res.output
+    assert "policy passthrough" in res.stdout
+    assert daemon.core.policy_name == "passthrough"
+    res = run("policy", "--json")
+    assert json.loads(res.stdout)["name"] == "passthrough"
+
+
+def test_unknown_policy_is_refused_with_one_line(run, daemon):
+    res = run("policy", "bogus")
+    assert res.exit_code == ExitCode.REFUSED == 4
+    line = one_line(res.stderr)
+    assert line.startswith("crossover: ") and "bogus" in line and "exclusive" in line
+    assert res.stdout == ""
+    assert daemon.core.policy_name == "exclusive"
+
+
+def test_drain_unknown_device_is_refused(run):
+    res = run("drain", "9")
+    assert res.exit_code == ExitCode.REFUSED
+    assert "device 9" in one_line(res.stderr)
+
+
+def test_drain_and_resume(run, daemon):
+    res = run("drain", "0", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == {"version": 1, "kind": "drain", "device": 0, "draining": True}
+    assert daemon.core.is_draining(0)
+    q = json.loads(run("queue", "--json").stdout)
+    assert [d["draining"] for d in q["devices"]] == [True, False]
+    assert "DRAINING" in run("queue").stdout
+
+    res = run("resume", "0", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == {"version": 1, "kind": "resume", "device": 0, "draining": False}
+    assert not daemon.core.is_draining(0)
+    assert "accepting ranks" in run("resume", "0").stdout
+
+
+def test_negative_device_is_a_usage_error(run):
+    res = run("drain", "-1")
+    assert res.exit_code == ExitCode.USAGE
+
+
+def test_unreachable_daemon(run, tmp_path):
+    res = run("queue", "--json", socket=str(tmp_path / "nobody.sock"))
+    assert res.exit_code == ExitCode.UNREACHABLE == 3
+    line = one_line(res.stderr)
+    assert "no crossoverd answers" in line and "nobody.sock" in line
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize("args, words", [
+    ((), "Inspect and steer"),
+    (("queue",), "holder"),
+    (("jobs",), "jobs"),
+    (("policy",), "switch"),
+    (("drain",), "Stop placing new ranks"),
+    (("resume",), "Accept new ranks"),
+])
+def test_help_of_every_command(args, words):
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(main, [*args, "--help"])
+    assert res.exit_code == 0, res.output
+    assert words in res.stdout
+    if args:
+        assert "--socket" in res.stdout and "--json" in res.stdout
+
+
+def test_every_command_has_a_help_test():
+    assert set(main.commands) == {"queue", "jobs", "policy", "drain", "resume"}
+
+
+# ---- the crossoverd entry point ---------------------------------------
+
+
+def _crossoverd(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
+    return subprocess.run([str(BIN / "crossoverd"), "--socket", str(tmp_path / "d.sock"), *args],
+                          capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+
+
+def test_crossoverd_rejects_bad_cpu_devices(tmp_path):
+    res = _crossoverd(tmp_path, "--cpu-devices", "abc")
+    assert res.returncode != 0
+    line = one_line(res.stderr)
+    assert "--cpu-devices" in line and "abc" in line
+    assert not (tmp_path / "d.sock").exists()
+
+
+def test_crossoverd_listen_needs_a_token(tmp_path):
+    res = _crossoverd(tmp_path, "--cpu-devices", "1", "--listen", "127.0.0.1:0")
+    assert res.returncode != 0
+    assert "token" in one_line(res.stderr)
+
+
+def test_crossoverd_help():
+    res = subprocess.run([str(BIN / "crossoverd"), "--help"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0
+    assert "Schedule the compute phases" in res.stdout and "--cpu-devices" in res.stdout

@@ -1,0 +1,392 @@
+"""The gRPC edge against a real in-process daemon: status codes, auth, socket mode, liveness.
+
+Every daemon is stopped and every channel closed in fixture finalizers, so a
+failing assertion leaves no server thread or socket behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from crossover.daemon.api import FailedPrecondition, InvalidRequest
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.server import Daemon
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.session import RankInfo, Session
+from crossover.settings import TOKEN_METADATA_KEY, PluginSettings
+
+pytestmark = pytest.mark.timeout(60)
+
+_END = object()
+
+
+def make_core(**kw) -> Scheduler:
+    inv = Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))])
+    kw.setdefault("heartbeat_interval_s", 0.1)
+    kw.setdefault("heartbeat_timeout_s", 0.8)
+    return Scheduler(inv, kw.pop("policy", "exclusive"), node="node-rpc", event_log=EventLog(), **kw)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """`serve(**scheduler_kw)` → a started Daemon on a temp socket; stopped at teardown."""
+    daemons: list[Daemon] = []
+
+    def start(socket: Path | None = None, listen: str | None = None, token: str | None = None, **core_kw) -> Daemon:
+        sock = None if listen and socket is None else str(socket or tmp_path / "d.sock")
+        d = Daemon(make_core(**core_kw), socket_path=sock, listen=listen, token=token, reap_interval_s=0.05)
+        daemons.append(d)
+        return d.start()
+
+    yield start
+    for d in daemons:
+        d.stop(grace=0.5)
+
+
+@pytest.fixture
+def channels():
+    """`open(target)` → a grpc channel closed at teardown."""
+    opened: list[grpc.Channel] = []
+
+    def open_(target: str) -> grpc.Channel:
+        ch = grpc.insecure_channel(target)
+        opened.append(ch)
+        return ch
+
+    yield open_
+    for ch in opened:
+        ch.close()
+
+
+@pytest.fixture
+def streams():
+    """Hand-driven Session streams: `open(stub)` → (request queue, response iterator).
+
+    Requests are read from the queue until `_END`, so a stream stays open (and
+    silent) as long as the test wants; teardown ends every one of them.
+    """
+    opened: list[tuple[queue.SimpleQueue, grpc.Call]] = []
+
+    def open_(stub: pb_grpc.SchedulerStub, *first: pb.RankEvent, metadata=()) -> tuple[queue.SimpleQueue, grpc.Call]:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        for ev in first:
+            q.put(ev)
+
+        def requests() -> Iterator[pb.RankEvent]:
+            while (item := q.get()) is not _END:
+                yield item
+
+        call = stub.Session(requests(), metadata=metadata, timeout=20)
+        opened.append((q, call))
+        return q, call
+
+    yield open_
+    for q, call in opened:
+        q.put(_END)
+        call.cancel()
+
+
+@pytest.fixture
+def sessions():
+    """Real `crossover.session.Session` clients, closed at teardown."""
+    made: list[Session] = []
+
+    def make(target: str, job: str, rank: int = 0, world: int = 1, **kw) -> Session:
+        settings = PluginSettings(target=target, token=kw.pop("token", ""), tls_ca="", disabled=False, job_name=job,
+                                  device=kw.pop("device", 0), grant_timeout_s=kw.pop("grant_timeout_s", 5.0),
+                                  connect_timeout_s=2.0, reconnect_interval_s=30.0, pin=False, log_level="WARNING")
+        info = RankInfo(job_id=f"id-{job}", job_name=job, rank=rank, local_rank=rank, world_size=world,
+                        local_size=world, device=settings.device)
+        s = Session(info, settings)
+        made.append(s)
+        return s.start()
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def identity(job: str = "job-x", rank: int = 0, world: int = 2, device: int = 0, pid: int | None = None):
+    return pb.RankIdentity(job_id=f"id-{job}", job_name=job, rank=rank, local_rank=rank, world_size=world,
+                           local_size=world, node="n", device=device, pid=pid or os.getpid())
+
+
+def register(stub: pb_grpc.SchedulerStub, **kw) -> pb.RegisterResponse:
+    return stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(**kw)), timeout=5)
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def rpc_error(fn, *args, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*args, **kw)
+    return err.value
+
+
+def first_directive(call: grpc.Call, timeout: float = 5.0) -> pb.Directive:
+    """Next directive from a stream, with a bound; runs the blocking `next` in a helper thread."""
+    box: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=lambda: box.put(next(call, None)), daemon=True).start()
+    return box.get(timeout=timeout)
+
+
+def test_bad_requests_get_clear_statuses_and_the_daemon_keeps_serving(serve, channels, sessions, tmp_path):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+
+    err = rpc_error(stub.Register, pb.RegisterRequest(protocol_version=2, identity=identity()), timeout=5)
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol_version=2" in err.details() and "speaks 1" in err.details()
+
+    err = rpc_error(stub.Register, pb.RegisterRequest(protocol_version=1), timeout=5)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "identity" in err.details()
+
+    err = rpc_error(register, stub, rank=5, world=2)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "rank=5" in err.details()
+
+    err = rpc_error(register, stub, device=7)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "device=7" in err.details()
+
+    reg = register(stub, job="twice")
+    err = rpc_error(register, stub, job="twice")
+    assert err.code() is grpc.StatusCode.ALREADY_EXISTS and "already registered" in err.details()
+
+    # a stream whose first event is not OPEN
+    err = rpc_error(lambda: list(stub.Session(iter([pb.RankEvent(kind=pb.HEARTBEAT)]), timeout=5)))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "OPEN" in err.details()
+
+    # OPEN without a session id
+    err = rpc_error(lambda: list(stub.Session(iter([pb.RankEvent(kind=pb.OPEN)]), timeout=5)))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    # OPEN naming a session the daemon never issued
+    err = rpc_error(lambda: list(stub.Session(iter([pb.RankEvent(kind=pb.OPEN, session_id="forged")]), timeout=5)))
+    assert err.code() is grpc.StatusCode.NOT_FOUND and "forged" in err.details()
+
+    # COMPUTE_DONE without a grant ends that stream only
+    events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), pb.RankEvent(kind=pb.COMPUTE_DONE)]
+    err = rpc_error(lambda: list(stub.Session(iter(events), timeout=5)))
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "holds no grant" in err.details()
+
+    # an unspecified event kind after OPEN is refused as well
+    reg2 = register(stub, job="kind0")
+    events = [pb.RankEvent(kind=pb.OPEN, session_id=reg2.session_id), pb.RankEvent(kind=pb.EVENT_KIND_UNSPECIFIED)]
+    err = rpc_error(lambda: list(stub.Session(iter(events), timeout=5)))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    # the offending sessions are gone: their ranks may register again
+    wait_for(lambda: not any(r.ident.job_name in ("twice", "kind0") for r in d.core.snapshot()[1]))
+
+    # after all that, a well-behaved client still works end to end
+    good = sessions(target, "good-job")
+    assert good.attached and good.registration.policy == "exclusive"
+    assert good.acquire(0) is True
+    good.release(0, duration_s=0.01)
+    wait_for(lambda: any(e["event"] == "release" and e["job_name"] == "good-job" for e in d.core.events.snapshot()))
+    assert [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "good-job"][:4] == [
+        "register", "request", "grant", "release"]
+
+
+def test_admin_rpcs_check_version_and_device(serve, channels):
+    d = serve()
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
+    err = rpc_error(admin.GetQueue, pb.QueueRequest(protocol_version=0, device=-1), timeout=5)
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "protocol_version=0" in err.details()
+    err = rpc_error(admin.GetQueue, pb.QueueRequest(protocol_version=1, device=3), timeout=5)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=1, name=""), timeout=5)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "name" in err.details()
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=1, name="bogus"), timeout=5)
+    assert err.code() is grpc.StatusCode.NOT_FOUND and "exclusive" in err.details()
+    err = rpc_error(admin.Drain, pb.DeviceRequest(protocol_version=1, device=9), timeout=5)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    q = admin.GetQueue(pb.QueueRequest(protocol_version=1, device=1), timeout=5)
+    assert [dev.index for dev in q.devices] == [1] and q.node == "node-rpc" and q.policy == "exclusive"
+    info = admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5)
+    assert info.name == "passthrough" and "exclusive" in info.available
+
+
+def test_socket_is_not_world_accessible(serve, tmp_path):
+    sock = tmp_path / "run" / "xo" / "d.sock"
+    d = serve(socket=sock)
+    mode = os.stat(d.socket_path).st_mode
+    assert stat.S_ISSOCK(mode)
+    assert stat.S_IMODE(mode) == 0o660
+    assert stat.S_IMODE(os.stat(sock.parent).st_mode) & 0o007 == 0
+
+
+def test_socket_path_that_is_a_regular_file_is_not_replaced(tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("precious")
+    made: list[Daemon] = []
+    try:
+        with pytest.raises(FailedPrecondition, match="not a socket"):
+            made.append(Daemon(make_core(), socket_path=str(path)))  # refused here or at start()
+            made[0].start()
+    finally:
+        for d in made:
+            d.stop(grace=0.1)
+    assert path.read_text() == "precious"
+
+
+def test_stale_socket_is_replaced(serve, tmp_path, channels):
+    first = serve(socket=tmp_path / "s.sock")
+    first.stop(grace=0.1)
+    d = serve(socket=tmp_path / "s.sock")
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
+    assert admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5).name == "exclusive"
+
+
+def test_tcp_needs_the_token(serve, channels, tmp_path):
+    d = serve(socket=tmp_path / "t.sock", listen="127.0.0.1:0", token="s3cret")
+    assert d.port
+    tcp = channels(f"127.0.0.1:{d.port}")
+    admin = pb_grpc.AdminStub(tcp)
+    req = pb.QueueRequest(protocol_version=1, device=-1)
+
+    err = rpc_error(admin.GetQueue, req, timeout=5)
+    assert err.code() is grpc.StatusCode.UNAUTHENTICATED and TOKEN_METADATA_KEY in err.details()
+    err = rpc_error(admin.GetQueue, req, timeout=5, metadata=[(TOKEN_METADATA_KEY, "wrong")])
+    assert err.code() is grpc.StatusCode.UNAUTHENTICATED
+    ok = admin.GetQueue(req, timeout=5, metadata=[(TOKEN_METADATA_KEY, "s3cret")])
+    assert ok.node == "node-rpc" and len(ok.devices) == 2
+
+    sched = pb_grpc.SchedulerStub(tcp)
+    err = rpc_error(register, sched)
+    assert err.code() is grpc.StatusCode.UNAUTHENTICATED
+    err = rpc_error(lambda: list(sched.Session(iter([pb.RankEvent(kind=pb.OPEN, session_id="x")]), timeout=5)))
+    assert err.code() is grpc.StatusCode.UNAUTHENTICATED
+
+    # the Unix socket is trusted (its mode guards it): no token needed there
+    unix = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
+    assert unix.GetQueue(req, timeout=5).node == "node-rpc"
+
+
+def test_tcp_only_daemon_with_token(serve, channels):
+    d = serve(listen="127.0.0.1:0", token="s3cret")
+    assert d.socket_path is None
+    admin = pb_grpc.AdminStub(channels(f"127.0.0.1:{d.port}"))
+    info = admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5, metadata=[(TOKEN_METADATA_KEY, "s3cret")])
+    assert info.name == "exclusive"
+
+
+def test_session_client_over_tcp_sends_its_token(serve, sessions):
+    d = serve(listen="127.0.0.1:0", token="s3cret")
+    s = sessions(f"127.0.0.1:{d.port}", "tcp-job", token="s3cret")
+    assert s.attached
+    assert s.acquire(0) is True
+    s.release(0)
+
+
+@pytest.mark.parametrize("token", [None, ""])
+def test_listen_without_token_is_refused(token, tmp_path):
+    with pytest.raises(InvalidRequest, match="token"):
+        Daemon(make_core(), socket_path=str(tmp_path / "x.sock"), listen="127.0.0.1:0", token=token)
+    assert not (tmp_path / "x.sock").exists()
+
+
+def test_nothing_to_listen_on_is_refused():
+    with pytest.raises(InvalidRequest, match="nothing to listen on"):
+        Daemon(make_core(), socket_path=None)
+
+
+def test_silent_rank_is_evicted_and_its_grant_goes_to_the_waiter(serve, channels, streams, sessions):
+    d = serve(heartbeat_timeout_s=0.5)
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = register(stub, job="silent", world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=41))
+    grant = first_directive(call)
+    assert grant.WhichOneof("kind") == "grant" and grant.grant.seq == 41
+    # from here the silent rank sends nothing: no heartbeat, no release
+
+    waiter = sessions(target, "patient")
+    t0 = time.monotonic()
+    assert waiter.acquire(0) is True  # blocks until the silent rank is evicted
+    waited = time.monotonic() - t0
+    assert waited < 1.5, f"grant took {waited:.2f}s to move to the waiting rank"
+    assert first_directive(call) is None  # the daemon ended the silent rank's stream
+    leave = wait_for(lambda: [e for e in d.core.events.snapshot()
+                              if e["event"] == "leave" and e.get("job_name") == "silent"])
+    assert "heartbeat" in leave[0]["reason"]
+    assert not any(r.ident.job_name == "silent" for r in d.core.snapshot()[1])
+    waiter.release(0)
+    # the waiter kept heartbeating through it all and is still registered
+    time.sleep(0.7)
+    assert any(r.ident.job_name == "patient" for r in d.core.snapshot()[1])
+
+
+def test_stream_end_frees_the_grant(serve, channels, streams, sessions):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = register(stub, job="quitter", world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))
+    assert first_directive(call).grant.seq == 1
+    waiter = sessions(target, "next-in-line", grant_timeout_s=5.0)
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(waiter.acquire(0)), daemon=True)
+    t.start()
+    wait_for(lambda: d.core.snapshot()[0][0][1])  # device 0 has a waiting rank
+    q.put(_END)  # the client half-closes its stream: the daemon must free the grant at once
+    t.join(timeout=3)
+    assert result == [True]
+    waiter.release(0)
+
+
+def test_policy_switch_reaches_connected_sessions(serve, channels, sessions, caplog):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    s = sessions(target, "switcher")
+    assert s.registration.policy_blocks is True
+    admin = pb_grpc.AdminStub(channels(target))
+    with caplog.at_level(logging.INFO, logger="crossover.session"):
+        admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5)
+        wait_for(lambda: "switched policy to passthrough" in caplog.text)
+    assert s.acquire(0) is True
+    s.release(0)
+
+
+def test_stopping_the_daemon_releases_waiters(serve, channels, streams, sessions):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = register(stub, job="hog", world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))
+    assert first_directive(call).grant.seq == 1
+    for _ in range(3):  # keep the hog alive while the waiter blocks
+        q.put(pb.RankEvent(kind=pb.HEARTBEAT))
+    waiter = sessions(target, "blocked", grant_timeout_s=10.0)
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(waiter.acquire(0)), daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert not result
+    t0 = time.monotonic()
+    d.stop(grace=0.5)
+    t.join(timeout=5)
+    assert result == [True]  # granted by the shutdown, not timed out
+    assert time.monotonic() - t0 < 3

@@ -1,0 +1,37 @@
+"""The checked-in gRPC stubs are exactly what `scripts/gen_protos.py` makes from the .proto files."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTOS = ROOT / "protos"
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("_gen_protos_under_test", ROOT / "scripts" / "gen_protos.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_checked_in_stubs_match_the_proto(tmp_path):
+    generated = _load_generator().generate(tmp_path / "out")
+    names = sorted(p.name for p in generated)
+    assert names, "gen_protos.generate() wrote nothing"
+    checked_in = sorted(p.name for p in PROTOS.iterdir() if p.suffix in (".py", ".pyi") and "_pb2" in p.name)
+    assert names == checked_in, (
+        f"generated {names} but protos/ holds {checked_in}; run `make protos` and commit the result"
+    )
+    stale = [n for n in names if (tmp_path / "out" / n).read_bytes() != (PROTOS / n).read_bytes()]
+    assert not stale, f"protos/{', protos/'.join(stale)} differ from the .proto sources; run `make protos`"
+
+
+def test_stubs_use_package_relative_imports():
+    grpc_stubs = list(PROTOS.glob("*_pb2_grpc.py"))
+    assert grpc_stubs
+    for path in grpc_stubs:
+        text = path.read_text()
+        assert "\nimport crossover_v1_pb2" not in text, f"{path.name} has a top-level import; run `make protos`"
+        assert "from . import" in text

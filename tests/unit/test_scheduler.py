@@ -1,0 +1,451 @@
+"""The scheduler core without gRPC: a fake clock, a fake `pid_alive`, CPU devices.
+
+Grants are read from each session's outbox, exactly what the gRPC stream drains.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+
+import pytest
+from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, PolicyMsg, Scheduler
+
+# pids above Linux's largest pid_max (2**22): psutil never finds such a process.
+_PID = 10_000_000
+_pids = itertools.count(_PID)
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+class FakePids:
+    """`pid_alive` that says yes unless a pid was marked dead."""
+
+    def __init__(self) -> None:
+        self.dead: set[int] = set()
+
+    def __call__(self, pid: int) -> bool:
+        return pid not in self.dead
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def pids() -> FakePids:
+    return FakePids()
+
+
+@pytest.fixture
+def make(clock, pids):
+    """Build a scheduler on N CPU devices with the fakes injected."""
+    made: list[Scheduler] = []
+
+    def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5) -> Scheduler:
+        inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
+        s = Scheduler(inv, policy, node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
+                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids)
+        made.append(s)
+        return s
+
+    yield build
+    for s in made:
+        s.shutdown()
+
+
+def ident(job: str = "job-a", rank: int = 0, world: int = 2, device: int = 0, local_rank: int | None = None,
+          local_size: int | None = None, pid: int | None = None, name: str | None = None) -> Identity:
+    return Identity(job_id=job, job_name=name or f"name-{job}", rank=rank,
+                    local_rank=rank if local_rank is None else local_rank, world_size=world,
+                    local_size=world if local_size is None else local_size, node="ignored", device=device,
+                    pid=next(_pids) if pid is None else pid)
+
+
+def drain_outbox(box: queue.SimpleQueue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(box.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def join(s: Scheduler, **kw) -> tuple[str, queue.SimpleQueue]:
+    reg = s.register(ident(**kw))
+    return reg.session_id, s.attach(reg.session_id)
+
+
+# ---- registration ------------------------------------------------------
+
+
+def test_register_returns_placement_and_policy(make):
+    s = make()
+    reg = s.register(ident(rank=1, device=1))
+    assert reg.node == "node-t"
+    assert reg.device == 1
+    assert reg.cpu_affinity == (1,)
+    assert reg.heartbeat_interval_s == 0.1
+    assert (reg.policy, reg.policy_blocks) == ("exclusive", True)
+    assert reg.session_id
+
+
+def test_device_minus_one_is_chosen_from_local_rank(make):
+    s = make(n_devices=2)
+    assert s.register(ident(rank=0, device=-1, local_rank=0)).device == 0
+    assert s.register(ident(rank=1, device=-1, local_rank=1)).device == 1
+    assert s.register(ident(job="j3", rank=2, world=4, device=-1, local_rank=2, local_size=4)).device == 0
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(rank=2, world=2), "rank=2"),
+    (dict(rank=-1), "rank=-1"),
+    (dict(world=0, local_size=0, rank=0), "world_size=0"),
+    (dict(world=1 << 30, local_size=1), "world_size="),
+    (dict(pid=-5), "pid=-5"),
+    (dict(pid=0), "pid=0"),
+    (dict(device=2), "device=2"),
+    (dict(device=-2), "device=-2"),
+    (dict(job=""), "job_id"),
+    (dict(job="x" * 129), "job_id"),
+    (dict(name="n" * 257), "job_name"),
+    (dict(local_rank=3, local_size=2), "local_rank=3"),
+    (dict(local_size=5, world=2), "local_size=5"),
+])
+def test_register_rejects_invalid_identity(make, bad, words):
+    s = make(n_devices=2)
+    with pytest.raises(InvalidRequest) as err:
+        s.register(ident(**bad))
+    assert words in str(err.value)
+    assert s.snapshot()[1] == []  # nothing half-registered
+
+
+def test_double_registration_is_refused(make):
+    s = make()
+    s.register(ident(rank=0))
+    with pytest.raises(AlreadyExists, match="already registered"):
+        s.register(ident(rank=0, pid=_PID - 2))
+    # the same rank number of another job is a different rank
+    s.register(ident(job="job-b", rank=0))
+
+
+def test_unknown_session_is_not_found(make):
+    s = make()
+    with pytest.raises(NotFound, match="unknown session"):
+        s.attach("nope")
+    with pytest.raises(NotFound):
+        s.event("nope", "heartbeat")
+    assert s.close("nope", "test") is False
+
+
+def test_attach_twice_is_refused(make):
+    s = make()
+    sid, _ = join(s)
+    with pytest.raises(AlreadyExists, match="open stream"):
+        s.attach(sid)
+
+
+# ---- events ------------------------------------------------------------
+
+
+def test_grant_goes_to_the_outbox_with_the_request_seq(make, clock):
+    s = make()
+    sid, box = join(s)
+    s.event(sid, "compute_request", iteration=4, seq=17)
+    (msg,) = drain_outbox(box)
+    assert msg == GrantMsg(seq=17, iteration=4, waited_s=0.0)
+
+
+def test_waiter_is_granted_on_release_with_waited_time(make, clock):
+    s = make()
+    a, box_a = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    s.event(b, "compute_request", iteration=0, seq=5)
+    assert drain_outbox(box_b) == []
+    clock.advance(0.25)
+    s.event(a, "compute_done", iteration=0, duration_s=0.2)
+    (msg,) = drain_outbox(box_b)
+    assert msg.seq == 5 and msg.waited_s == pytest.approx(0.25)
+    assert [m.seq for m in drain_outbox(box_a)] == [1]
+
+
+def test_compute_done_without_grant_is_refused(make):
+    s = make()
+    sid, _ = join(s)
+    with pytest.raises(FailedPrecondition, match="holds no grant"):
+        s.event(sid, "compute_done", iteration=0)
+
+
+def test_second_request_while_waiting_is_refused(make):
+    s = make()
+    a, _ = join(s, rank=0)
+    b, _ = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    for sid in (a, b):
+        with pytest.raises(FailedPrecondition, match="requested the device"):
+            s.event(sid, "compute_request", seq=2)
+
+
+@pytest.mark.parametrize("duration", [-0.1, float("nan"), 1e9])
+def test_implausible_duration_is_refused(make, duration):
+    s = make()
+    sid, _ = join(s)
+    with pytest.raises(InvalidRequest, match="duration_s"):
+        s.event(sid, "comm_end", duration_s=duration)
+
+
+def test_negative_iteration_and_unknown_kind_are_refused(make):
+    s = make()
+    sid, _ = join(s)
+    with pytest.raises(InvalidRequest, match="iteration"):
+        s.event(sid, "compute_request", iteration=-7)
+    with pytest.raises(InvalidRequest, match="unknown event kind"):
+        s.event(sid, "dance")
+
+
+def test_comm_begin_while_holding_releases_the_grant(make):
+    s = make()
+    a, _ = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=2)
+    s.event(a, "comm_begin", iteration=0)
+    assert [m.seq for m in drain_outbox(box_b)] == [2]
+    s.event(a, "comm_end", iteration=0, duration_s=0.05)
+
+
+def test_compute_done_while_waiting_withdraws_the_request(make):
+    s = make()
+    a, _ = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    c, box_c = join(s, job="job-c", rank=0)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    s.event(c, "compute_request", seq=1)
+    s.event(b, "compute_done")  # b gave up waiting (grant timeout) and computed unscheduled
+    s.event(a, "compute_done")
+    assert drain_outbox(box_b) == []
+    assert [m.seq for m in drain_outbox(box_c)] == [1]
+
+
+# ---- liveness ----------------------------------------------------------
+
+
+def test_heartbeat_timeout_evicts_and_frees_the_grant(make, clock):
+    s = make(timeout=0.5)
+    a, box_a = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    clock.advance(0.3)
+    s.event(b, "heartbeat")
+    assert s.reap() == []
+    clock.advance(0.3)  # a silent for 0.6 s, b for 0.3 s
+    assert s.reap() == [a]
+    assert isinstance(drain_outbox(box_a)[-1], CloseMsg)
+    assert [type(m) for m in drain_outbox(box_b)] == [GrantMsg]
+    with pytest.raises(NotFound):
+        s.event(a, "heartbeat")
+    events = [e["event"] for e in s.events.snapshot() if e.get("job") == "job-a" and e.get("rank") == 0]
+    assert events[-2:] == ["leave", "release"]
+
+
+def test_dead_process_is_evicted(make, pids):
+    s = make()
+    a, box_a = join(s, rank=0, pid=_PID - 1)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=3)
+    pids.dead.add(_PID - 1)
+    assert s.reap() == [a]
+    msgs = drain_outbox(box_a)
+    assert isinstance(msgs[-1], CloseMsg) and "gone" in msgs[-1].reason
+    assert [m.seq for m in drain_outbox(box_b)] == [3]
+
+
+def test_registered_but_never_attached_is_evicted(make, clock):
+    s = make(timeout=0.5)
+    reg = s.register(ident())
+    clock.advance(4.0)
+    assert s.reap() == []
+    clock.advance(1.5)  # past max(5 s, 4 x timeout)
+    assert s.reap() == [reg.session_id]
+
+
+def test_close_is_idempotent_and_frees_the_grant(make):
+    s = make()
+    a, _ = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=9)
+    assert s.close(a, "stream ended") is True
+    assert s.close(a, "stream ended") is False
+    assert [m.seq for m in drain_outbox(box_b)] == [9]
+    # the rank may register again after it left
+    s.register(ident(rank=0))
+
+
+def test_shutdown_grants_every_waiter_and_closes_streams(make):
+    s = make()
+    a, box_a = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    c, box_c = join(s, job="job-c", rank=0)
+    d, box_d = join(s, job="job-d", rank=0)
+    s.event(a, "compute_request", iteration=3, seq=1)
+    s.event(b, "compute_request", iteration=3, seq=2)
+    s.event(c, "compute_request", iteration=8, seq=4)
+    drain_outbox(box_a)
+    s.shutdown()
+    assert [type(m) for m in drain_outbox(box_a)] == [CloseMsg]
+    b_msgs, c_msgs = drain_outbox(box_b), drain_outbox(box_c)
+    assert [type(m) for m in b_msgs] == [GrantMsg, CloseMsg] and b_msgs[0].seq == 2
+    assert [type(m) for m in c_msgs] == [GrantMsg, CloseMsg] and (c_msgs[0].seq, c_msgs[0].iteration) == (4, 8)
+    assert [type(m) for m in drain_outbox(box_d)] == [CloseMsg]
+    with pytest.raises(FailedPrecondition, match="shutting down"):
+        s.register(ident(job="late"))
+    assert s.snapshot()[1] == []
+
+
+# ---- operator side -----------------------------------------------------
+
+
+def test_set_policy_requeues_and_announces(make):
+    s = make("exclusive")
+    a, box_a = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    idle, box_idle = join(s, job="job-c", rank=0)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=2)
+    drain_outbox(box_a)
+    assert s.set_policy("passthrough") == "passthrough"
+    assert s.policy_name == "passthrough"
+    assert drain_outbox(box_a) == [PolicyMsg("passthrough", False)]  # no second grant for the holder
+    b_msgs = drain_outbox(box_b)
+    assert b_msgs[0] == GrantMsg(2, 0, 0.0) and b_msgs[1:] == [PolicyMsg("passthrough", False)]
+    assert drain_outbox(box_idle) == [PolicyMsg("passthrough", False)]
+    per_dev, _ = s.snapshot()
+    assert {r.ident.rank for r in per_dev[0][0]} == {0, 1}
+    # both finish normally under the new policy
+    s.event(a, "compute_done")
+    s.event(b, "compute_done")
+    assert [e["new"] for e in s.events.snapshot() if e["event"] == "policy"] == ["passthrough"]
+
+
+def test_set_policy_back_to_exclusive_leaves_no_ghost_request(make):
+    """Two ranks computing under passthrough; after a switch to exclusive the second is
+    queued behind the first. When it reports compute_done it must leave that queue, or a
+    stale grant would later mark it as computing and refuse its next request."""
+    s = make("passthrough")
+    a, box_a = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    s.set_policy("exclusive")
+    s.event(b, "compute_done")
+    s.event(a, "compute_done")
+    drain_outbox(box_a), drain_outbox(box_b)
+    per_dev, _ = s.snapshot()
+    assert per_dev[0][0] == [] and per_dev[0][1] == []
+    s.event(b, "comm_begin")
+    s.event(b, "comm_end", duration_s=0.01)
+    s.event(b, "compute_request", seq=2)  # must not raise
+    assert [m.seq for m in drain_outbox(box_b)] == [2]
+    s.event(a, "compute_request", seq=2)
+    assert drain_outbox(box_a) == []  # exclusive again: a waits for b
+    s.event(b, "compute_done")
+    assert [m.seq for m in drain_outbox(box_a)] == [2]
+
+
+def test_set_policy_unknown_keeps_the_old_one(make):
+    s = make("exclusive")
+    with pytest.raises(NotFound, match="choose one of"):
+        s.set_policy("bogus")
+    assert s.policy_name == "exclusive"
+
+
+def test_drain_refuses_new_ranks_and_resume_accepts_them(make):
+    s = make(n_devices=2)
+    s.register(ident(job="before", device=0))
+    assert s.drain(0, True) is True
+    assert s.is_draining(0) and not s.is_draining(1)
+    with pytest.raises(FailedPrecondition, match="draining"):
+        s.register(ident(job="during", device=0))
+    s.register(ident(job="other-device", device=1))
+    assert s.drain(0, False) is False
+    assert not s.is_draining(0)
+    s.register(ident(job="during", device=0))
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        s.drain(5, True)
+    assert [e["event"] for e in s.events.snapshot() if e["event"] in ("drain", "resume")] == ["drain", "resume"]
+
+
+def test_snapshot_shows_holder_waiting_order_and_stats(make, clock):
+    s = make()
+    a, _ = join(s, rank=0)
+    b, _ = join(s, rank=1)
+    c, _ = join(s, job="job-c", rank=0)
+    idle, _ = join(s, job="job-d", rank=0)
+    other_dev, _ = join(s, job="job-e", rank=0, device=1)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    clock.advance(0.1)
+    s.event(a, "compute_done", iteration=0)
+    s.event(a, "comm_begin", iteration=0)
+    clock.advance(0.3)
+    s.event(a, "comm_end", iteration=0)
+    s.event(a, "compute_request", iteration=1, seq=2)
+    s.event(c, "compute_request", iteration=5, seq=1)
+    s.event(b, "compute_request", iteration=1, seq=1)
+    clock.advance(0.2)
+    per_dev, ranks = s.snapshot()
+    holders, waiting, others, order = per_dev[0]
+    assert [(r.ident.job_id, r.ident.rank) for r in holders] == [("job-a", 0)]
+    assert [(r.ident.job_id, r.ident.rank) for r in waiting] == [("job-c", 0), ("job-a", 1)]
+    assert [r.ident.job_id for r in others] == ["job-d"]
+    assert order == ()
+    h = holders[0]
+    assert h.phase is Phase.COMPUTE and h.iteration == 1
+    assert h.mean_compute_s == pytest.approx(0.1)
+    assert h.mean_comm_s == pytest.approx(0.3)
+    assert h.since_s == pytest.approx(0.2)
+    assert h.ident.node == "node-t" and h.ident.device == 0
+    assert waiting[0].phase is Phase.WAITING and waiting[0].iteration == 5
+    assert 0 < waiting[0].wait_fraction <= 1
+    assert others[0].phase is Phase.IDLE
+    assert [r.ident.job_id for r in per_dev[1][2]] == ["job-e"]
+    assert len(ranks) == 5
+
+
+def test_event_log_records_grants_and_releases_with_device(make, clock):
+    s = make()
+    a, _ = join(s, rank=0, device=1)
+    s.event(a, "compute_request", iteration=2, seq=1)
+    clock.advance(0.05)
+    s.event(a, "compute_done", iteration=2)
+    log = [e for e in s.events.snapshot() if e.get("job") == "job-a"]
+    assert [e["event"] for e in log] == ["register", "request", "grant", "release"]
+    grant, release = log[2], log[3]
+    assert grant["device"] == 1 and release["device"] == 1
+    assert grant["node"] == "node-t" and grant["rank"] == 0 and grant["job_name"] == "name-job-a"
+    assert grant["iteration"] == 2
+    assert release["t"] - grant["t"] == pytest.approx(0.05)
+    assert release["held_s"] == pytest.approx(0.05)
+
+
+def test_uptime_follows_the_clock(make, clock):
+    s = make()
+    clock.advance(12.5)
+    assert s.uptime() == pytest.approx(12.5)
