@@ -13,6 +13,7 @@ $(STAMP): scripts/bootstrap.sh requirements-dev.txt setup.py
 
 # pytest exits 5 when it collects nothing, so an empty run cannot pass.
 test: bootstrap
+	.venv/bin/ruff check client daemon plugins scripts tests bench
 	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra
 
 test-fast: bootstrap

@@ -24,7 +24,15 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (  # noqa: E402
-    WORKLOAD, Daemon, finish_job, machine, mean, percentile, script_with_import, start_job, write_json,
+    WORKLOAD,
+    Daemon,
+    finish_job,
+    machine,
+    mean,
+    percentile,
+    script_with_import,
+    start_job,
+    write_json,
 )
 
 VARIANTS = ("plain", "passthrough", "exclusive")
@@ -78,7 +86,8 @@ def main() -> None:
         means = [r[v]["iter_mean_s"] for r in rounds]
         rel = [r[v]["iter_mean_s"] / r["plain"]["iter_mean_s"] - 1 for r in rounds]
         waits = [w for r in rounds for w in r[v]["grant_waits_s"]]
-        summary[v] = {"iter_ms_median": 1000 * statistics.median(means), "overhead_pct_median": 100 * statistics.median(rel),
+        summary[v] = {"iter_ms_median": 1000 * statistics.median(means),
+                      "overhead_pct_median": 100 * statistics.median(rel),
                       "overhead_pct_rounds": [100 * x for x in rel],
                       "grant_rtt_p50_ms": 1000 * percentile(waits, 50) if waits else None,
                       "grant_rtt_p99_ms": 1000 * percentile(waits, 99) if waits else None, "grants": len(waits)}
@@ -92,8 +101,9 @@ def main() -> None:
                   "-" if s["grant_rtt_p50_ms"] is None else f"{s['grant_rtt_p50_ms']:.3f}",
                   "-" if s["grant_rtt_p99_ms"] is None else f"{s['grant_rtt_p99_ms']:.3f}")
     Console().print(t)
-    write_json(args.out, {"benchmark": "overhead", "time": time.time(), "machine": machine(), "args": vars(args) | {"out": str(args.out)},
-                          "summary": summary, "rounds": [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]})
+    per_round = [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]
+    write_json(args.out, {"benchmark": "overhead", "time": time.time(), "machine": machine(),
+                          "args": {**vars(args), "out": str(args.out)}, "summary": summary, "rounds": per_round})
     print(f"wrote {args.out}")
 
 

@@ -31,7 +31,8 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--socket", "socket_path", default=default_socket_path, show_default="$CROSSOVER_SOCKET or a per-user path",
+@click.option("--socket", "socket_path", default=default_socket_path,
+              show_default="$CROSSOVER_SOCKET or a per-user path",
               help="Unix socket to serve on (created 0660, its folder 0770). Ranks and `crossover` find it here.")
 @click.option("--no-socket", is_flag=True, help="Serve only on --listen.")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (needs --token or --token-file).")
@@ -39,10 +40,13 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 @click.option("--token-file", type=click.Path(dir_okay=False), help="Read the token from this file.")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="PEM certificate: serve TCP with TLS.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key for --tls-cert.")
-@click.option("--cpu-devices", metavar="N|IDS", help="Manage CPU cores as devices: a count (2) or core ids (0,1 or 2-3). "
+@click.option("--cpu-devices", metavar="N|IDS",
+              help="Manage CPU cores as devices: a count (2) or core ids (0,1 or 2-3). "
               "Without it, GPUs are found through NVML.")
 @click.option("--policy", type=click.Choice(policies.available()), default="exclusive", show_default=True,
-              help="passthrough: observe only. exclusive: FIFO, one compute phase per device.")
+              help="passthrough: observe only. exclusive: FIFO, one compute phase per device. "
+              "crossover: co-located jobs take turns in one cluster-wide order, so one job's "
+              "allreduce overlaps another's compute.")
 @click.option("--node-name", default=lambda: os.uname().nodename, show_default="hostname",
               help="Name this node reports; must be unique in the cluster.")
 @click.option("--event-log", type=click.Path(dir_okay=False), help="Append every phase change to this JSON-lines file.")

@@ -35,7 +35,9 @@ from .api import (
 from .event_log import EventLog
 from .inventory import Inventory
 
-__all__ = ["Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "CloseMsg", "RankSnapshot", "DeviceSnapshot"]
+__all__ = [
+    "Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "CloseMsg", "RankSnapshot", "DeviceSnapshot",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -384,7 +386,8 @@ class Scheduler:
         for sid, proc in processes:  # psutil reads /proc: keep it outside the lock
             try:
                 with proc.oneshot():
-                    snaps[sid] = replace(snaps[sid], cpu_percent=proc.cpu_percent(None), rss_bytes=proc.memory_info().rss)
+                    cpu, rss = proc.cpu_percent(None), proc.memory_info().rss
+                snaps[sid] = replace(snaps[sid], cpu_percent=cpu, rss_bytes=rss)
             except psutil.Error:
                 pass
         out = {}
@@ -494,4 +497,5 @@ def _validate(ident: Identity, n_devices: int) -> None:
     if ident.pid <= 0:
         raise InvalidRequest(f"pid={ident.pid} is not a process id")
     if ident.device >= n_devices or ident.device < -1:
-        raise InvalidRequest(f"device={ident.device} does not exist (this node has {n_devices}; -1 lets the daemon choose)")
+        raise InvalidRequest(
+            f"device={ident.device} does not exist (this node has {n_devices}; -1 lets the daemon choose)")

@@ -233,7 +233,8 @@ class _AdminService(_Service, pb_grpc.AdminServicer):
         _, ranks = self._core.snapshot()
         jobs: dict[str, pb.JobState] = {}
         for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
-            job = jobs.setdefault(r.ident.job_id, pb.JobState(job_id=r.ident.job_id, job_name=r.ident.job_name, world_size=r.ident.world_size))
+            i = r.ident
+            job = jobs.setdefault(i.job_id, pb.JobState(job_id=i.job_id, job_name=i.job_name, world_size=i.world_size))
             job.ranks.append(_rank_state(r, {}))
             job.registered_s = max(job.registered_s, r.registered_s)
         return pb.JobList(jobs=list(jobs.values()))

@@ -76,7 +76,6 @@ def cli(*args: str, socket: Path, check: bool = True, timeout: float = 20.0) -> 
 def queue_state(socket: Path, timeout: float = 5.0) -> dict[str, Any]:
     """The daemon's queue as `crossover queue --json` prints it, fetched in-process (cheap enough to poll)."""
     import grpc
-
     from crossover.formatting import to_json
     from crossover.protos import crossover_v1_pb2 as pb
     from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -107,7 +106,8 @@ class Job:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             kill_group(self.proc)
-            raise AssertionError(f"job {self.name} did not finish in {timeout}s; log tail:\n{self.output()[-3000:]}")
+            raise AssertionError(
+                f"job {self.name} did not finish in {timeout}s; log tail:\n{self.output()[-3000:]}") from None
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
