@@ -75,7 +75,8 @@ class _Ctx:
         if self.as_json:
             click.echo(json.dumps(data, indent=2, sort_keys=True))
         else:
-            Console().print(render(data))
+            # Piped output gets a fixed, readable width instead of rich's 80-column fallback.
+            Console(width=None if sys.stdout.isatty() else 140).print(render(data))
 
 
 _common = [

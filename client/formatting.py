@@ -66,7 +66,7 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
         t.add_column("", no_wrap=True)
         t.add_column("job", no_wrap=True, min_width=6)
         for col in ("rank", "pid"):
-            t.add_column(col, justify="right")
+            t.add_column(col, justify="right", no_wrap=True)
         t.add_column("phase", no_wrap=True, min_width=7)
         for col in ("iter", "comp ms", "comm ms", "wait", "cpu%", "rss") + (("gpu mem",) if gpu else ()):
             t.add_column(col, justify="right", no_wrap=True)

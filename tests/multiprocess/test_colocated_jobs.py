@@ -89,3 +89,35 @@ def test_killed_grant_holder_frees_device_within_one_second(daemon_factory, jobs
     leave = [e for e in d.events() if e["event"] == "leave" and e["job_name"] == "slow"]
     assert leave and ("gone" in leave[0]["reason"] or "stream" in leave[0]["reason"])
     assert fast.wait(120) == 0, fast.output()[-3000:]
+
+
+def test_crossover_alternates_jobs_on_every_device(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "2", "--policy", "crossover")
+    script = with_import(tmp_path)
+    env = {"CROSSOVER_SOCKET": str(d.socket)}
+    for name in ("left", "right"):  # long enough to overlap despite horovodrun's start-up spread
+        jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", "400"), env=env))
+    orders = set()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs):
+        for dev in _queue(d.socket)["devices"]:
+            if len(dev["order"]) == 2:
+                orders.add(tuple(sorted(dev["order"])))
+        time.sleep(0.2)
+    assert ("left", "right") in orders, "the queue never showed the crossover order of both jobs"
+    for j in jobs:
+        assert j.wait(120) == 0, j.output()[-3000:]
+
+    events = d.events()
+    for dev, intervals in compute_intervals(events).items():
+        assert overlaps(intervals) == [], f"compute phases overlap on device {dev}"
+        # Only while both jobs train (horovodrun starts them seconds apart): there,
+        # turn-taking makes nearly every consecutive pair of grants belong to
+        # different jobs, which FIFO does not promise.
+        first = {job: min(t0 for t0, _, j, _ in intervals if j == job) for job in {iv[2] for iv in intervals}}
+        last = {job: max(t0 for t0, _, j, _ in intervals if j == job) for job in first}
+        lo, hi = max(first.values()), min(last.values())
+        seq = [job for t0, _, job, _ in sorted(intervals) if lo <= t0 <= hi]
+        assert len(seq) >= 40, f"device {dev}: the jobs overlapped for only {len(seq)} grants"
+        switches = sum(a != b for a, b in zip(seq, seq[1:]))
+        assert switches >= 0.8 * (len(seq) - 1), f"device {dev}: only {switches}/{len(seq) - 1} turns alternate"
