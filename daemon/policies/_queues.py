@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..api import FailedPrecondition, NotFound, RankKey, RankRef
+from ..api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
 
 
 @dataclass
@@ -72,3 +72,31 @@ class DeviceQueues:
             return self.ranks[key]
         except KeyError:
             raise NotFound(f"rank {key} is not known to the policy") from None
+
+
+class QueuePolicy:
+    """Queries every queue-based policy answers the same way; subclasses decide grants."""
+
+    def __init__(self) -> None:
+        self._q = DeviceQueues()
+
+    def holds(self, key: RankKey) -> bool:
+        return key in self._q.device_of(key).holders
+
+    def is_waiting(self, key: RankKey) -> bool:
+        return key in self._q.device_of(key).waiting
+
+    def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
+        return None
+
+    def tick(self, now: float) -> list[RankKey]:
+        return []
+
+    def view(self, device: int) -> DeviceView:
+        dev = self._q.devices.get(device)
+        if dev is None:
+            return DeviceView(device, (), ())
+        return DeviceView(device, tuple(dev.holders), tuple(dev.waiting), self._order(device))
+
+    def _order(self, device: int) -> tuple[str, ...]:
+        return ()

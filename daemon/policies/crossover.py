@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..api import DeviceView, RankKey, RankRef
-from ._queues import DeviceQueues, _Device
+from ..api import RankKey, RankRef
+from ._queues import QueuePolicy, _Device
 
 __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 
@@ -55,15 +55,15 @@ class _JobTiming:
     comm_began: dict[RankKey, float] = field(default_factory=dict)
 
 
-class CrossoverPolicy:
+class CrossoverPolicy(QueuePolicy):
     """Cyclic, cluster-consistent turn-taking with bounded waiting. Pure: time only through `now`."""
 
     name = "crossover"
     blocks = True
 
     def __init__(self, settings: CrossoverSettings | None = None) -> None:
+        super().__init__()
         self.settings = settings or CrossoverSettings()
-        self._q = DeviceQueues()
         self._turns: dict[int, _Turn] = {}
         self._timing: dict[str, _JobTiming] = {}
         self._names: dict[str, str] = {}
@@ -126,12 +126,6 @@ class CrossoverPolicy:
 
     # ---- queries ------------------------------------------------------------
 
-    def holds(self, key: RankKey) -> bool:
-        return key in self._q.device_of(key).holders
-
-    def is_waiting(self, key: RankKey) -> bool:
-        return key in self._q.device_of(key).waiting
-
     def order(self, device: int) -> list[str]:
         """Job ids present on the device, in turn order starting with the job whose turn is next."""
         jobs = self._jobs_on(device)
@@ -142,12 +136,8 @@ class CrossoverPolicy:
         i = jobs.index(first)
         return jobs[i:] + jobs[:i]
 
-    def view(self, device: int) -> DeviceView:
-        dev = self._q.devices.get(device)
-        if dev is None:
-            return DeviceView(device, (), ())
-        return DeviceView(device, tuple(dev.holders), tuple(dev.waiting),
-                          tuple(self._names.get(j, j) for j in self.order(device)))
+    def _order(self, device: int) -> tuple[str, ...]:
+        return tuple(self._names.get(j, j) for j in self.order(device))
 
     # ---- decisions ----------------------------------------------------------
 

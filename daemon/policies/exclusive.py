@@ -1,11 +1,11 @@
 """`exclusive`: first come, first served; at most one compute grant per device."""
 from __future__ import annotations
 
-from ..api import DeviceView, RankKey, RankRef
-from ._queues import DeviceQueues, _Device
+from ..api import RankKey, RankRef
+from ._queues import QueuePolicy, _Device
 
 
-class ExclusivePolicy:
+class ExclusivePolicy(QueuePolicy):
     """FIFO per device. Serializes compute phases but knows nothing of jobs.
 
     It is the baseline the `crossover` policy must beat: it prevents two
@@ -15,9 +15,6 @@ class ExclusivePolicy:
 
     name = "exclusive"
     blocks = True
-
-    def __init__(self) -> None:
-        self._q = DeviceQueues()
 
     def join(self, rank: RankRef, now: float) -> list[RankKey]:
         self._q.add(rank)
@@ -35,24 +32,6 @@ class ExclusivePolicy:
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
         return self._dispatch(self._q.cancel(key))
-
-    def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
-        return None
-
-    def tick(self, now: float) -> list[RankKey]:
-        return []
-
-    def holds(self, key: RankKey) -> bool:
-        return key in self._q.device_of(key).holders
-
-    def is_waiting(self, key: RankKey) -> bool:
-        return key in self._q.device_of(key).waiting
-
-    def view(self, device: int) -> DeviceView:
-        dev = self._q.devices.get(device)
-        if dev is None:
-            return DeviceView(device, (), ())
-        return DeviceView(device, tuple(dev.holders), tuple(dev.waiting))
 
     def _dispatch(self, dev: _Device) -> list[RankKey]:
         if dev.holders or not dev.waiting:

@@ -10,9 +10,9 @@ import json
 import os
 import time
 
+import horovod.torch as hvd
 import torch
 import torch.nn as nn
-import horovod.torch as hvd
 
 
 def main():
