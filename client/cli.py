@@ -37,7 +37,7 @@ class ExitCode(enum.IntEnum):
 class _Fail(click.ClickException):
     def __init__(self, message: str, code: ExitCode) -> None:
         super().__init__(message)
-        self.exit_code = int(code)
+        self.exit_code = int(code)  # type: ignore[misc]  # click declares it per class; ours vary per error
 
     def show(self, file: Any = None) -> None:
         click.echo(f"crossover: {self.format_message()}", err=True)
