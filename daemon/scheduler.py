@@ -177,6 +177,7 @@ class Scheduler:
         self._started = clock()
         self._closed = False
         self._ids = itertools.count()
+        self.deadline_changed = threading.Event()
 
     # ---- rank lifecycle ------------------------------------------------
 
@@ -307,14 +308,25 @@ class Scheduler:
                     doomed.append((sess.id, "registered but never opened its stream"))
                 elif not self._pid_alive(sess.ident.pid):
                     doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
-            granted = self._policy.tick(now)
-            record: list[tuple[str, _Session, dict]] = []
-            self._deliver(granted, now, record)
-        for name, s, fields in record:
-            self._record(name, s, **fields)
         for sid, reason in doomed:
             self.close(sid, reason)
+        self.tick()
         return [sid for sid, _ in doomed]
+
+    def tick(self) -> None:
+        """Let the policy act on deadlines that have passed (bounded waits)."""
+        now = self._clock()
+        record: list[tuple[str, _Session, dict]] = []
+        with self._lock:
+            self._deliver(self._policy.tick(now), now, record)
+        for name, s, fields in record:
+            self._record(name, s, **fields)
+
+    def next_deadline(self) -> float | None:
+        """When `tick` must next run (monotonic seconds), or None; `deadline_changed` is set when it moves."""
+        reader = getattr(self._policy, "next_deadline", None)
+        with self._lock:
+            return reader() if reader is not None else None
 
     def shutdown(self) -> None:
         """Fail open: every waiting rank is granted, every stream is closed."""
@@ -441,6 +453,9 @@ class Scheduler:
             raise FailedPrecondition(f"rank {key} reported compute done but holds no grant (phase {sess.phase.value})")
 
     def _deliver(self, keys: Iterable[RankKey], now: float, record: list | None = None) -> None:
+        # Every policy call ends here: a good place to tell the timer a deadline may have appeared.
+        if getattr(self._policy, "next_deadline", None) is not None and self._policy.next_deadline() is not None:
+            self.deadline_changed.set()
         for key in keys:
             sess = self._by_key.get(key)
             if sess is None:

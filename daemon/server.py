@@ -11,6 +11,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable
@@ -362,8 +363,22 @@ class Daemon:
         self._stop.wait()
 
     def _reap_loop(self) -> None:
-        while not self._stop.wait(self._reap_interval):
+        # Evictions run every reap interval; the policy's bounded waits end on time:
+        # the loop sleeps until the nearest deadline, and is woken when a new one appears.
+        next_reap = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            deadline = self.core.next_deadline()
+            until = min(next_reap, deadline) if deadline is not None else next_reap
+            self.core.deadline_changed.wait(max(0.0, min(self._reap_interval, until - now)))
+            self.core.deadline_changed.clear()
+            if self._stop.is_set():
+                return
             try:
-                self.core.reap()
+                if time.monotonic() >= next_reap:
+                    self.core.reap()
+                    next_reap = time.monotonic() + self._reap_interval
+                else:
+                    self.core.tick()
             except Exception:  # never let the liveness loop die
                 _log.exception("reaper pass failed")

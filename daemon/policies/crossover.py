@@ -1,25 +1,36 @@
-"""`crossover`: co-located jobs take turns on each device in one cluster-wide cyclic order.
+"""`crossover`: co-located jobs interleave on each device in one cluster-wide order.
 
 While job A computes, job B runs its allreduce; then they swap (CrossoverScheduler,
 Luo et al. 2021). Generalized to N jobs with unequal phase times:
 
-* Order. On every device the jobs are ordered by `job_id`, an identity every
-  node sees identically. After job X's compute phase, the turn passes to the
-  job whose id follows X's, cyclically. The successor depends only on which
-  job was served last, so every node that served the same job picks the same
-  next one ("crossover synchronization") without exchanging a message, and a
-  node that joined late or lost a job converges after one turn.
-* Bounded waiting. If the job whose turn it is has not asked for the device,
-  the device is held for it at most `max_wait` seconds: by default the time
-  its allreduce is expected to take still (EMA of its measured comm phase,
-  times `slack`), clamped to [`min_wait_s`, `max_wait_s`]. After that the next
-  ready job in order is served, so a stalled or departed job never stalls the
-  device, and nobody starves: a waiting rank is served within one cycle of
-  (number of jobs) × (longest compute + longest bounded wait).
-* No deadlock. The policy never withholds a device without a deadline: either
-  a rank holds it (its compute phase ends, or its death frees it), or a
-  bounded wait for the turn's owner is running. So no chain of ranks waiting
-  on each other across nodes can be permanent.
+* One order everywhere ("crossover synchronization"). When a device is free,
+  it goes to the job with the smallest key `(iteration, job_id)`: the job that
+  is furthest behind, ties broken by its id. A job's ranks advance their
+  iteration counter in lockstep (every step ends in the job's allreduce), and
+  its id is the same on every node, so every node computes the same key for
+  the same job without exchanging a message: all ranks of a job get the device
+  in the same round, and a job's allreduce does not wait for a rank queued
+  behind another job elsewhere. The key depends on no local history, so a
+  node that joined late or lost a job is in step from its next decision on.
+* Backfilling, adapted to measured phase times. If the job that should go
+  next (the owner) is still in its allreduce, a ready job may use the device
+  now when its expected compute time (EMA of its measured compute phases)
+  fits before the owner is expected back (owner's comm start + `slack` × EMA of
+  its comm phases). The owner is not delayed, and the device does not idle.
+  This test reads the clock, so two nodes whose events are skewed by a few
+  milliseconds can decide a borderline case differently; the order itself
+  does not drift (the keys put every node back in step at the next decision).
+* Bounded waiting. Otherwise the device is kept for the owner only until it
+  is expected back, and never longer than `max_wait_s`; then the best ready
+  job is served, and the late job counts as inactive (is not waited for)
+  until it asks again. A newly joined job is waited for once, so jobs that
+  start together start in the same order everywhere. A stalled, dead or
+  departed job never holds a device.
+* No starvation. A waiting rank's key does not change while it waits, and
+  each grant raises the served job's key, so every waiting rank becomes the
+  smallest key after finitely many grants.
+* No deadlock. The policy never withholds a free device without a deadline,
+  so no chain of ranks waiting on one another across nodes is permanent.
 """
 from __future__ import annotations
 
@@ -33,30 +44,32 @@ __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 
 @dataclass(frozen=True)
 class CrossoverSettings:
-    slack: float = 1.5
-    min_wait_s: float = 0.002
+    slack: float = 1.2
+    backfill: bool = True
     max_wait_s: float = 0.5
-    initial_wait_s: float = 0.05  # before a job's comm time has been measured
+    initial_wait_s: float = 0.25  # an owner whose comm time is not measured yet (its first allreduce)
     ema_alpha: float = 0.3
 
 
 @dataclass
-class _Turn:
-    last_job: str | None = None  # job served last on this device
-    owner: str | None = None  # job whose turn it is now
-    deadline: float | None = None  # when waiting for `owner` gives up
-    skipped: int = 0
+class _Job:
+    name: str
+    iteration: int = -1  # latest iteration one of its ranks asked the device for (-1: none yet)
+    active: bool = True  # False after it missed a bounded wait, until it asks again
+    comm_ema: float | None = None
+    compute_ema: float | None = None
+    comm_began: dict[int, float] = field(default_factory=dict)  # device -> its rank's last release
 
 
 @dataclass
-class _JobTiming:
-    comm_ema: float | None = None
-    compute_ema: float | None = None
-    comm_began: dict[RankKey, float] = field(default_factory=dict)
+class _Hold:
+    owner: str
+    since: float
+    deadline: float
 
 
 class CrossoverPolicy(QueuePolicy):
-    """Cyclic, cluster-consistent turn-taking with bounded waiting. Pure: time only through `now`."""
+    """Cluster-consistent interleaving with backfilling and bounded waiting. Pure: time only through `now`."""
 
     name = "crossover"
     blocks = True
@@ -64,42 +77,35 @@ class CrossoverPolicy(QueuePolicy):
     def __init__(self, settings: CrossoverSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or CrossoverSettings()
-        self._turns: dict[int, _Turn] = {}
-        self._timing: dict[str, _JobTiming] = {}
-        self._names: dict[str, str] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._holds: dict[int, _Hold] = {}
+        self.backfills = 0
+        self.timeouts = 0
 
-    # ---- events -----------------------------------------------------------
+    # ---- events -------------------------------------------------------------
 
     def join(self, rank: RankRef, now: float) -> list[RankKey]:
         self._q.add(rank)
-        self._turns.setdefault(rank.device, _Turn())
-        self._timing.setdefault(rank.key.job_id, _JobTiming())
-        self._names[rank.key.job_id] = rank.job_name
+        self._jobs.setdefault(rank.key.job_id, _Job(rank.job_name))
         return self._dispatch(rank.device, now)
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
         device = self._q.remove(key)
         if not any(k.job_id == key.job_id for k in self._q.ranks):
-            self._timing.pop(key.job_id, None)
-            self._names.pop(key.job_id, None)
+            del self._jobs[key.job_id]
         return self._dispatch(device, now)
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._q.enqueue(key, now)
-        timing = self._timing.get(key.job_id)
-        if timing is not None:
-            timing.comm_began.pop(key, None)
+        job = self._jobs[key.job_id]
+        job.iteration = max(job.iteration, iteration)
+        job.active = True
         return self._dispatch(self._q.ranks[key].device, now)
 
     def release(self, key: RankKey, now: float) -> list[RankKey]:
         self._q.release(key)
         device = self._q.ranks[key].device
-        turn = self._turns[device]
-        turn.last_job = key.job_id
-        turn.owner = None
-        turn.deadline = None
-        timing = self._timing[key.job_id]
-        timing.comm_began[key] = now
+        self._jobs[key.job_id].comm_began[device] = now
         return self._dispatch(device, now)
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
@@ -107,101 +113,80 @@ class CrossoverPolicy(QueuePolicy):
         return self._dispatch(self._q.ranks[key].device, now)
 
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
-        timing = self._timing.get(key.job_id)
-        if timing is None or duration_s <= 0:
+        job = self._jobs.get(key.job_id)
+        if job is None or duration_s <= 0:
             return
         a = self.settings.ema_alpha
         if phase == "comm":
-            timing.comm_ema = duration_s if timing.comm_ema is None else (1 - a) * timing.comm_ema + a * duration_s
+            job.comm_ema = duration_s if job.comm_ema is None else (1 - a) * job.comm_ema + a * duration_s
         elif phase == "compute":
-            timing.compute_ema = (duration_s if timing.compute_ema is None
-                                  else (1 - a) * timing.compute_ema + a * duration_s)
+            job.compute_ema = duration_s if job.compute_ema is None else (1 - a) * job.compute_ema + a * duration_s
 
     def tick(self, now: float) -> list[RankKey]:
         granted: list[RankKey] = []
-        for device, turn in self._turns.items():
-            if turn.deadline is not None and now >= turn.deadline:
+        for device, hold in list(self._holds.items()):
+            if now >= hold.deadline:
                 granted += self._dispatch(device, now)
         return granted
+
+    def next_deadline(self) -> float | None:
+        """When `tick` must next be called for a bounded wait to end on time (None: no wait running)."""
+        return min((h.deadline for h in self._holds.values()), default=None)
 
     # ---- queries ------------------------------------------------------------
 
     def order(self, device: int) -> list[str]:
-        """Job ids present on the device, in turn order starting with the job whose turn is next."""
-        jobs = self._jobs_on(device)
-        if not jobs:
-            return []
-        turn = self._turns.get(device, _Turn())
-        first = turn.owner or self._successor(jobs, turn.last_job)
-        i = jobs.index(first)
-        return jobs[i:] + jobs[:i]
+        """Job ids on the device, in the order the policy would serve them now."""
+        dev = self._q.devices.get(device)
+        waiting = {k.job_id for k in dev.waiting} if dev else set()
+        return sorted(self._jobs_on(device), key=lambda j: self._key(j, j in waiting))
 
     def _order(self, device: int) -> tuple[str, ...]:
-        return tuple(self._names.get(j, j) for j in self.order(device))
+        return tuple(self._jobs[j].name for j in self.order(device))
 
     # ---- decisions ----------------------------------------------------------
 
-    def _jobs_on(self, device: int) -> list[str]:
-        return sorted({k.job_id for k, r in self._q.ranks.items() if r.device == device})
+    def _jobs_on(self, device: int) -> set[str]:
+        return {k.job_id for k, r in self._q.ranks.items() if r.device == device}
 
-    @staticmethod
-    def _successor(jobs: list[str], last: str | None) -> str:
-        if last is None:
-            return jobs[0]
-        for j in jobs:
-            if j > last:
-                return j
-        return jobs[0]
+    def _key(self, job_id: str, waiting: bool) -> tuple:
+        """Serve order: smallest first. A job not waiting will ask for its next iteration."""
+        return (self._jobs[job_id].iteration + (0 if waiting else 1), job_id)
 
-    def _expected_wait(self, job: str, now: float) -> float:
-        s = self.settings
-        timing = self._timing.get(job)
-        if timing is None or timing.comm_ema is None:
-            wait = s.initial_wait_s
-        else:
-            began = max(timing.comm_began.values(), default=now)
-            wait = max(0.0, began + s.slack * timing.comm_ema - now)
-        return min(s.max_wait_s, max(s.min_wait_s, wait))
+    def _expected_back(self, job: _Job, device: int, now: float) -> float:
+        began = job.comm_began.get(device)
+        if began is None or job.comm_ema is None:
+            return (began if began is not None else now) + self.settings.initial_wait_s
+        return began + self.settings.slack * job.comm_ema
 
     def _dispatch(self, device: int, now: float) -> list[RankKey]:
         dev = self._q.devices.get(device)
-        turn = self._turns.get(device)
-        if dev is None or turn is None or dev.holders:
+        if dev is None or dev.holders or not dev.waiting:
+            self._holds.pop(device, None)
             return []
-        jobs = self._jobs_on(device)
-        if not jobs:
-            turn.owner, turn.deadline = None, None
-            return []
-        if turn.owner not in jobs:
-            turn.owner = self._successor(jobs, turn.last_job)
-            turn.deadline = None
-        owner_rank = self._first_waiting(dev, turn.owner)
-        if owner_rank is not None:
-            return self._grant(dev, turn, owner_rank)
-        if not dev.waiting:
-            return []
-        if turn.deadline is None:
-            turn.deadline = now + self._expected_wait(turn.owner, now)
-        if now < turn.deadline:
-            return []
-        # The owner is late: serve the next ready job in order after it.
-        i = jobs.index(turn.owner)
-        for job in jobs[i + 1:] + jobs[:i]:
-            rank = self._first_waiting(dev, job)
-            if rank is not None:
-                turn.skipped += 1
-                return self._grant(dev, turn, rank)
+        waiting_jobs = {k.job_id for k in dev.waiting}
+        active = {j for j in self._jobs_on(device) if self._jobs[j].active} | waiting_jobs
+        owner = min(active, key=lambda j: self._key(j, j in waiting_jobs))
+        best_ready = min(waiting_jobs, key=lambda j: self._key(j, True))
+        if owner in waiting_jobs:
+            return self._grant(dev, device, owner)
+        hold = self._holds.get(device)
+        if hold is None or hold.owner != owner:
+            back = self._expected_back(self._jobs[owner], device, now)
+            hold = _Hold(owner, now, min(back, now + self.settings.max_wait_s))
+            self._holds[device] = hold
+        compute = self._jobs[best_ready].compute_ema
+        if self.settings.backfill and compute is not None and now + compute <= hold.deadline:
+            self.backfills += 1
+            return self._grant(dev, device, best_ready)
+        if now >= hold.deadline:
+            self.timeouts += 1
+            self._jobs[owner].active = False
+            return self._grant(dev, device, best_ready)
         return []
 
-    @staticmethod
-    def _first_waiting(dev: _Device, job: str) -> RankKey | None:
-        for k in dev.waiting:
-            if k.job_id == job:
-                return k
-        return None
-
-    def _grant(self, dev: _Device, turn: _Turn, key: RankKey) -> list[RankKey]:
+    def _grant(self, dev: _Device, device: int, job_id: str) -> list[RankKey]:
+        key = next(k for k in dev.waiting if k.job_id == job_id)
         self._q.grant(dev, key)
-        turn.owner = key.job_id
-        turn.deadline = None
+        self._holds.pop(device, None)
         return [key]

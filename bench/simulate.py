@@ -1,0 +1,226 @@
+"""Cluster simulation: the daemon's policies on 64 nodes x 8 GPUs, and on the emulated cluster's small scenarios.
+
+Large scenarios (`crossover.daemon.simulator`, one policy instance per node):
+  static-k  k = 2, 3, 4 jobs per GPU. Jobs span 8-64 nodes with one GPU per node,
+            placed so that different jobs share GPUs in different combinations.
+            Each job has its own compute time C (30-70 ms) and comm:compute ratio
+            (0.5-2), ranks differ by +-10%, every phase has lognormal jitter.
+            All jobs start together (their ranks join within `--spread` s, so the
+            order in which jobs join differs from node to node).
+  uniform-3 static-3 with near-identical jobs (C = M = 50 ms, ranks +-5%): what
+            placement alone costs, without heterogeneity.
+  churn-3   the same at 3 jobs per GPU, but half the jobs arrive during the
+            first 15 s, each runs 100-300 iterations, and 10% crash mid-run.
+Policies: passthrough (unscheduled co-location: processor sharing with a
+switch penalty), exclusive (FIFO per device), crossover-nosync (crossover turns
+ordered by each node's local join order) and crossover.
+
+Small scenarios (`--small`, or part of the default run): the emulated-cluster
+benchmark's set, 2 nodes x 1 device, 2 and 3 identical jobs, comm:compute 1:1,
+1:2, 2:1 with C = --compute-ms and M scaled from --comm-ms, through
+`simulate_small` (also: `alone` and `sequential`).
+
+    python bench/simulate.py [--small] [--iters 200] [--workers N] [--out results/simulate.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+# bench/crossover.py would shadow the `crossover` package: import it with this folder off sys.path.
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+from crossover.daemon.simulator import POLICIES, JobSpec, SimConfig, simulate, simulate_small  # noqa: E402
+
+sys.path.insert(0, str(_BENCH))
+from _harness import machine, write_json  # noqa: E402
+
+N_NODES, GPUS = 64, 8
+LARGE = ("static-2", "static-3", "static-4", "uniform-3", "churn-3")
+SMALL_RATIOS = {"1:1": 1.0, "1:2": 0.5, "2:1": 2.0}  # comm:compute
+SMALL_POLICIES = ("alone", "sequential", "passthrough", "exclusive", "crossover-nosync", "crossover")
+
+
+def place_jobs(rng: random.Random, per_gpu: int,
+               sizes: tuple[int, ...] = (8, 16, 32, 64)) -> list[list[tuple[int, int]]]:
+    """Fill every GPU with `per_gpu` job slots; each job takes one GPU on each of 8-64 nodes."""
+    free = {(n, g): per_gpu for n in range(N_NODES) for g in range(GPUS)}
+    jobs: list[list[tuple[int, int]]] = []
+    while True:
+        open_nodes = [n for n in range(N_NODES) if any(free[(n, g)] for g in range(GPUS))]
+        fitting = [s for s in sizes if s <= len(open_nodes)]
+        if not fitting:
+            return jobs
+        size = rng.choice(fitting)
+        # The emptiest nodes first, ties broken at random: jobs overlap in ever new combinations.
+        nodes = sorted(open_nodes, key=lambda n: (-sum(free[(n, g)] for g in range(GPUS)), rng.random()))[:size]
+        placement = []
+        for n in sorted(nodes):
+            g = max((g for g in range(GPUS) if free[(n, g)]), key=lambda g: (free[(n, g)], rng.random()))
+            free[(n, g)] -= 1
+            placement.append((n, g))
+        jobs.append(placement)
+
+
+def large_jobs(scenario: str, iters: int, seed: int) -> list[JobSpec]:
+    rng = random.Random(f"{scenario}/{seed}")
+    per_gpu = int(scenario.rsplit("-", 1)[1])
+    churn = scenario.startswith("churn")
+    uniform = scenario.startswith("uniform")
+    specs = []
+    for i, placement in enumerate(place_jobs(rng, per_gpu)):
+        c = 0.05 if uniform else rng.uniform(0.030, 0.070)
+        m = 0.05 if uniform else c * rng.uniform(0.5, 2.0)
+        spread = 0.05 if uniform else 0.1
+        ranks = tuple(c * rng.uniform(1 - spread, 1 + spread) for _ in placement)
+        arrival, n_iters, leave = 0.0, iters, None
+        if churn:
+            arrival = 0.0 if rng.random() < 0.5 else rng.uniform(0.0, 15.0)
+            n_iters = rng.randint(iters // 2, iters * 3 // 2)
+            if rng.random() < 0.1:
+                leave = arrival + rng.uniform(2.0, 15.0)
+        specs.append(JobSpec(f"j{i:03d}", tuple(placement), ranks, m, iterations=n_iters, arrival_s=arrival,
+                             leave_s=leave, jitter=0.1))
+    return specs
+
+
+def run_large(scenario: str, policy: str, args: dict[str, Any]) -> dict[str, Any]:
+    jobs = large_jobs(scenario, args["iters"], args["seed"])
+    cfg = SimConfig(seed=args["seed"], switch_penalty=args["switch_penalty"], startup_spread_s=args["spread"],
+                    grant_latency_s=args["grant_latency_ms"] / 1000)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = simulate(jobs, policy, n_nodes=N_NODES, devices_per_node=GPUS, config=cfg)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    waits = [j.grant_wait_max_s for j in res.jobs]
+    rates = [j.iter_per_s for j in res.jobs if j.iter_per_s]
+    return {"kind": "large", "scenario": scenario, "policy": policy, "wall_s": wall, "cpu_s": cpu, "n_jobs": len(jobs),
+            "job_iter_s_min": min(rates, default=None), "job_iter_s_max": max(rates, default=None),
+            "n_ranks": sum(len(j.placement) for j in jobs), "grant_wait_max_s": max(waits, default=0.0),
+            **res.to_dict(per_job=args["per_job"])}
+
+
+def run_small(n_jobs: int, ratio: str, policy: str, args: dict[str, Any]) -> dict[str, Any]:
+    c = args["compute_ms"] / 1000
+    m = args["comm_ms"] / 1000 * SMALL_RATIOS[ratio]
+    t0 = time.perf_counter()
+    res = simulate_small(c, m, n_jobs, policy, iterations=args["iters"], seed=args["seed"],
+                         switch_penalty=args["switch_penalty"], grant_latency_s=args["grant_latency_ms"] / 1000)
+    return {"kind": "small", "scenario": f"{n_jobs} jobs {ratio}", "ratio": ratio, **res,
+            "wall_s": time.perf_counter() - t0}
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def large_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title=f"simulated cluster: {N_NODES} nodes x {GPUS} GPUs (sum of per-job iterations/s)")
+    for c in ("scenario", "policy", "jobs", "ranks", "it/s", "x unsched", "norm thr", "bound %", "job it/s min-max",
+              "slowdown mean", "max", "fairness", "busy", "idle-wait", "wait max ms", "cpu s"):
+        t.add_column(c, justify="right")
+    for sc in LARGE:
+        block = sorted((r for r in rows if r["scenario"] == sc), key=lambda r: list(POLICIES).index(r["policy"]))
+        base = next((r["throughput_iter_s"] for r in block if r["policy"] == "passthrough"), None)
+        for r in block:
+            t.add_row(sc, r["policy"], str(r["n_jobs"]), str(r["n_ranks"]), f"{r['throughput_iter_s']:.1f}",
+                      _f(r["throughput_iter_s"] / base if base else None, ".2f"),
+                      f"{r['normalized_throughput']:.1f}", _f(r["bound_fraction"] and 100 * r["bound_fraction"], ".0f"),
+                      f"{_f(r['job_iter_s_min'], '.1f')}-{_f(r['job_iter_s_max'], '.1f')}",
+                      _f(r["slowdown_mean"], ".2f"), _f(r["slowdown_max"], ".2f"), _f(r["fairness"], ".2f"),
+                      f"{r['device_busy']:.2f}", f"{r['idle_waiting']:.2f}", f"{1000 * r['grant_wait_max_s']:.0f}",
+                      f"{r['cpu_s']:.1f}", end_section=r is block[-1])
+    return t
+
+
+def small_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> Table:
+    t = Table(title=f"small scenarios (2 nodes x 1 device; C = {args.compute_ms:g} ms, M = {args.comm_ms:g} ms "
+                    "x ratio): aggregate iterations/s")
+    for c in ("scenario", "policy", "it/s", "x unsched", "x sequential", "bound %", "slowdown", "fairness", "busy"):
+        t.add_column(c, justify="right")
+    for n in (2, 3):
+        for ratio in SMALL_RATIOS:
+            block = {r["policy"]: r for r in rows if r["n_jobs"] == n and r["ratio"] == ratio}
+            base = block.get("passthrough", {}).get("throughput_iter_s")
+            seq = block.get("sequential", {}).get("throughput_iter_s")
+            for p in SMALL_POLICIES:
+                r = block.get(p)
+                if r is None:
+                    continue
+                thr = r["throughput_iter_s"]
+                t.add_row(f"{n} jobs {ratio}", p, f"{thr:.2f}", _f(thr / base if base else None, ".2f"),
+                          _f(thr / seq if seq else None, ".2f"), f"{100 * r['bound_fraction']:.0f}",
+                          f"{max(r['slowdown']):.2f}", f"{r['fairness']:.2f}", f"{r['device_busy']:.2f}",
+                          end_section=p == SMALL_POLICIES[-1])
+    return t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="only the small (emulated-cluster) scenarios")
+    p.add_argument("--scenarios", nargs="*", default=list(LARGE), choices=LARGE)
+    p.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--iters", type=int, default=200, help="iterations per job")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--switch-penalty", type=float, default=0.1,
+                   help="slowdown of co-running computes (passthrough): each of k runs at 1/(k(1+p))")
+    p.add_argument("--spread", type=float, default=1.0, help="a job's ranks join within this many seconds")
+    p.add_argument("--grant-latency-ms", type=float, default=0.3)
+    p.add_argument("--compute-ms", type=float, default=50.0, help="small scenarios: C")
+    p.add_argument("--comm-ms", type=float, default=50.0, help="small scenarios: M at 1:1 (scaled by the ratio)")
+    p.add_argument("--per-job", action="store_true", help="keep per-job results in the JSON")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", type=Path, default=Path("results/simulate.json"))
+    args = p.parse_args()
+    common = {"iters": args.iters, "seed": args.seed, "switch_penalty": args.switch_penalty, "spread": args.spread,
+              "grant_latency_ms": args.grant_latency_ms, "compute_ms": args.compute_ms, "comm_ms": args.comm_ms,
+              "per_job": args.per_job}
+
+    cases: list[tuple[Any, ...]] = []
+    if not args.small:
+        # Larger scenarios first, so the pool's last jobs are short ones.
+        for sc in sorted(args.scenarios, key=lambda s: -int(s[-1])):
+            cases += [(run_large, sc, pol, common) for pol in args.policies]
+    cases += [(run_small, n, ratio, pol, common) for n in (2, 3) for ratio in SMALL_RATIOS for pol in SMALL_POLICIES]
+
+    t0 = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=True) as progress, \
+            ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+        task = progress.add_task("simulating", total=len(cases))
+        futures = {pool.submit(fn, *rest): rest for fn, *rest in cases}
+        for fut in as_completed(futures):
+            r = fut.result()
+            results.append(r)
+            progress.update(task, advance=1, description=f"done: {r['scenario']} / {r['policy']}")
+    elapsed = time.perf_counter() - t0
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a file or a pipe: keep the table's rows on one line
+    large = [r for r in results if r["kind"] == "large"]
+    small = [r for r in results if r["kind"] == "small"]
+    if large:
+        console.print(large_table(large))
+    console.print(small_table(small, args))
+    write_json(args.out, {"benchmark": "simulate", "version": 1, "time": time.time(), "machine": machine(),
+                          "args": {**vars(args), "out": str(args.out)}, "elapsed_s": elapsed,
+                          "large": sorted(large, key=lambda r: (r["scenario"], r["policy"])),
+                          "small": sorted(small, key=lambda r: (r["scenario"], r["policy"]))})
+    cpu = sum(r["wall_s"] if r["kind"] == "small" else r["cpu_s"] for r in results)
+    print(f"wrote {args.out}: {len(results)} runs in {elapsed:.1f} s ({cpu:.1f} s of CPU in the runs, "
+          f"{args.workers} workers)")
+
+
+if __name__ == "__main__":
+    main()

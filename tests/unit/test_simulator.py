@@ -1,0 +1,295 @@
+"""The cluster simulator: its model checked against closed forms, then the policies it drives.
+
+Exact numbers where the model has no randomness (no jitter): one job alone,
+processor sharing, link sharing. Then the comparisons the benchmark relies on,
+determinism under a seed, jobs arriving, leaving and crashing, ticks, and
+`simulate_small` for the comparison with the emulated cluster.
+"""
+from __future__ import annotations
+
+import pytest
+from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies import CrossoverPolicy, ExclusivePolicy
+from crossover.daemon.simulator import (
+    POLICIES,
+    SMALL_POLICIES,
+    JobSpec,
+    LocalOrderCrossoverPolicy,
+    SimConfig,
+    SimulationError,
+    alone_iteration_s,
+    simulate,
+    simulate_small,
+)
+
+C = M = 0.05
+TWO_NODES = ((0, 0), (1, 0))
+
+
+def job(name: str, c: float = C, m: float = M, iters: int | None = 60, place=TWO_NODES, **kw) -> JobSpec:
+    return JobSpec(name, place, c, m, iterations=iters, **kw)
+
+
+def no_overlap(spans) -> None:
+    by_dev: dict[tuple[int, int], list] = {}
+    for s in spans:
+        by_dev.setdefault((s.node, s.device), []).append(s)
+    for dev, ss in by_dev.items():
+        ss.sort(key=lambda s: s.start)
+        for a, b in zip(ss, ss[1:]):
+            assert b.start >= a.end - 1e-12, f"{dev}: {a} overlaps {b}"
+
+
+# ---- the model against closed forms ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_one_job_alone_runs_at_one_over_c_plus_m(policy):
+    res = simulate([job("a", iters=50)], policy, n_nodes=2, config=SimConfig(warmup_iterations=0))
+    (j,) = res.jobs
+    assert j.iterations == 50 and j.finished
+    assert j.iter_per_s == pytest.approx(1 / (C + M), rel=1e-9)
+    assert j.slowdown == pytest.approx(1.0)
+    assert res.makespan_s == pytest.approx(50 * (C + M))
+    assert res.device_busy == pytest.approx(C / (C + M))
+    assert res.fairness == pytest.approx(1.0) and res.stalled_jobs == []
+
+
+def test_heterogeneous_ranks_wait_for_the_slowest():
+    spec = JobSpec("a", ((0, 0), (1, 0), (2, 0)), (0.02, 0.05, 0.03), 0.01, iterations=20)
+    res = simulate([spec], "exclusive", n_nodes=3)
+    assert res.jobs[0].iter_per_s == pytest.approx(1 / (0.05 + 0.01))
+    assert alone_iteration_s(spec) == pytest.approx(0.06)
+    jittered = JobSpec("b", spec.placement, spec.compute_s, spec.comm_s, iterations=20, jitter=0.2)
+    assert alone_iteration_s(jittered) > 0.06  # the max of jittered draws exceeds the max of the means
+
+
+@pytest.mark.parametrize("shared, period", [(True, 2 * C * 1.1 + 2 * 0.02), (False, 2 * C * 1.1 + 0.02)])
+def test_unscheduled_co_location_shares_device_and_link(shared, period):
+    """Two jobs computing at once each run at 1/(2*(1+penalty)); their allreduces halve the link if shared."""
+    jobs = [job("a", m=0.02), job("b", m=0.02)]
+    res = simulate(jobs, "passthrough", n_nodes=2, config=SimConfig(switch_penalty=0.1, shared_links=shared))
+    for j in res.jobs:
+        assert j.iter_per_s == pytest.approx(1 / period, rel=1e-6)
+
+
+def test_exclusive_serializes_and_beats_unscheduled_with_a_switch_penalty():
+    cfg = SimConfig(switch_penalty=0.2, record_trace=True, seed=3)
+    jobs = [job("a", jitter=0.05), job("b", jitter=0.05)]
+    ex = simulate(jobs, "exclusive", n_nodes=2, config=cfg)
+    pt = simulate(jobs, "passthrough", n_nodes=2, config=cfg)
+    no_overlap(ex.trace)
+    assert ex.throughput_iter_s >= pt.throughput_iter_s
+    assert ex.device_busy > pt.device_busy * 0.9
+
+
+def test_two_identical_jobs_under_crossover_reach_85_percent_of_the_pipeline_bound():
+    jobs = [job("a", iters=150, jitter=0.05), job("b", iters=150, jitter=0.05)]
+    res = simulate(jobs, "crossover", n_nodes=2, config=SimConfig(seed=1, record_trace=True))
+    bound_per_job = 1 / max(2 * C, 2 * M)
+    assert res.bound_iter_s == pytest.approx(2 * bound_per_job)
+    for j in res.jobs:
+        assert j.iter_per_s >= 0.85 * bound_per_job, j
+    assert res.bound_fraction >= 0.85
+    assert res.fairness < 1.2
+    assert res.idle_waiting < 0.05
+    no_overlap(res.trace)
+
+
+@pytest.mark.parametrize("policy", ["exclusive", "crossover", "crossover-nosync"])
+def test_blocking_policies_never_put_two_ranks_on_a_device(policy):
+    place = [((0, 0), (1, 1), (2, 0)), ((0, 0), (1, 0), (2, 1)), ((0, 1), (1, 1), (2, 0)), ((0, 1), (1, 0), (2, 1))]
+    jobs = [JobSpec(f"j{i}", p, (0.03, 0.04, 0.05), 0.02 + 0.01 * i, iterations=40, jitter=0.2)
+            for i, p in enumerate(place)]
+    res = simulate(jobs, policy, n_nodes=3, devices_per_node=2,
+                   config=SimConfig(record_trace=True, startup_spread_s=0.2, seed=5))
+    assert res.completed_iterations == 4 * 40 and res.stalled_jobs == []
+    no_overlap(res.trace)
+
+
+def test_a_policy_granting_two_ranks_is_caught():
+    class Greedy(ExclusivePolicy):
+        def request(self, key, iteration, now):
+            dev = self._q.enqueue(key, now)
+            self._q.grant(dev, key)
+            return [key]
+
+    with pytest.raises(SimulationError, match="let 2 ranks compute"):
+        simulate([job("a"), job("b")], Greedy, n_nodes=2)
+
+
+def test_a_policy_granting_a_rank_that_does_not_wait_is_caught():
+    class Confused(ExclusivePolicy):
+        def request(self, key, iteration, now):
+            self._q.enqueue(key, now)
+            return []  # grants only on ticks ...
+
+        def tick(self, now):
+            return [RankKey("ghost", 0)]  # ... and then the wrong rank
+
+    with pytest.raises(SimulationError, match="not a rank waiting"):
+        simulate([job("a")], Confused, n_nodes=2, config=SimConfig(tick_s=0.01))
+
+
+# ---- determinism ------------------------------------------------------------------------------
+
+
+def _jittery(seed: int, policy: str = "crossover"):
+    jobs = [job("a", jitter=0.2), job("b", c=0.03, jitter=0.2), job("c", m=0.08, jitter=0.2, arrival_s=0.5)]
+    return simulate(jobs, policy, n_nodes=2, config=SimConfig(seed=seed, startup_spread_s=0.3, record_trace=True))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_same_seed_same_result_event_for_event(policy):
+    a, b = _jittery(7, policy), _jittery(7, policy)
+    assert a.trace == b.trace
+    assert a.to_dict() == b.to_dict()
+
+
+def test_another_seed_another_result():
+    assert _jittery(7).trace != _jittery(8).trace
+
+
+# ---- arrivals, departures, crashes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_jobs_arrive_leave_and_crash(policy):
+    jobs = [
+        job("long", iters=80),
+        job("late", iters=20, arrival_s=1.0),  # arrives mid-run, leaves after 20 iterations
+        job("crash", iters=None, arrival_s=0.5, leave_s=2.5, jitter=0.1),  # killed mid-run
+        job("never", iters=10, arrival_s=1.0, leave_s=1.01),  # killed before all its ranks joined
+    ]
+    res = simulate(jobs, policy, n_nodes=2, config=SimConfig(startup_spread_s=0.05, seed=2, record_trace=True))
+    by = {j.name: j for j in res.jobs}
+    assert by["long"].finished and by["long"].iterations == 80
+    assert by["late"].finished and by["late"].iterations == 20
+    assert not by["crash"].finished and by["crash"].left_at == pytest.approx(2.5) and by["crash"].iterations > 0
+    assert by["never"].iterations == 0 and by["never"].left_at == pytest.approx(1.01)
+    assert res.stalled_jobs == []
+    assert all(s.end <= 2.5 + 1e-9 for s in res.trace if s.job == "crash")
+    if policy != "passthrough":
+        no_overlap(res.trace)
+    # Once the others are gone, "long" runs at its alone speed again.
+    alone_since = max(j.left_at for j in res.jobs if j.name != "long") + 0.5
+    tail = [s for s in res.trace if s.job == "long" and s.start > alone_since and s.node == 0]
+    gaps = [b.start - a.start for a, b in zip(tail, tail[1:])]
+    assert gaps and max(gaps) == pytest.approx(C + M, rel=1e-6)
+
+
+def test_horizon_stops_open_ended_jobs():
+    with pytest.raises(ValueError, match="horizon"):
+        simulate([job("a", iters=None)], "crossover", n_nodes=2)
+    res = simulate([job("a", iters=None)], "crossover", n_nodes=2, config=SimConfig(horizon_s=2.0))
+    assert res.makespan_s == 2.0 and not res.jobs[0].finished
+    assert res.jobs[0].iterations == pytest.approx(2.0 / (C + M), abs=1)
+
+
+def test_bad_input_is_refused_with_the_value_named():
+    with pytest.raises(ValueError, match=r"\(5, 0\)"):
+        simulate([JobSpec("a", ((5, 0),), C, M, iterations=1)], "exclusive", n_nodes=2)
+    with pytest.raises(ValueError, match="used twice"):
+        simulate([job("a"), job("a")], "exclusive", n_nodes=2)
+    with pytest.raises(ValueError, match="choose one of"):
+        simulate([job("a")], "nope", n_nodes=2)
+
+
+# ---- ticks ----------------------------------------------------------------------------------------
+
+
+def _late_owner():
+    """b's rank on node 0 waits for its slow rank on node 1, so on node 0 b is often late for its turn."""
+    return [job("a", iters=60, place=((0, 0),), m=0.02, jitter=0.1),
+            JobSpec("b", TWO_NODES, (0.01, 0.2), 0.02, iterations=20, jitter=0.3)]
+
+
+def test_crossover_deadlines_are_honoured_without_periodic_ticks():
+    ticks: list[tuple[float, list]] = []
+
+    class Counting(CrossoverPolicy):
+        def tick(self, now):
+            granted = super().tick(now)
+            ticks.append((now, granted))
+            return granted
+
+    exact = simulate(_late_owner(), Counting, n_nodes=2, config=SimConfig(seed=4))
+    assert exact.stalled_jobs == [] and exact.completed_iterations == 80
+    assert 0 < len(ticks) < 100  # at the deadlines, not every 0.5 ms ...
+    assert all(granted for _, granted in ticks)  # ... and each one skips a late owner
+    ticks.clear()
+    reaper = simulate(_late_owner(), Counting, n_nodes=2, config=SimConfig(seed=4, tick_s=0.1))
+    assert reaper.completed_iterations == 80
+    phases = {round(t % 0.1, 6) for t, _ in ticks}
+    assert len(phases) <= 2  # like the daemon's reaper: a fixed cadence per node
+
+
+def test_policy_with_next_deadline_is_ticked_exactly_then():
+    calls: list[float] = []
+
+    class Announcing(CrossoverPolicy):
+        def tick(self, now):
+            calls.append(now)
+            return super().tick(now)
+
+    res = simulate([job("a", iters=10), job("b", iters=10, arrival_s=0.3)], Announcing, n_nodes=2)
+    assert res.stalled_jobs == [] and res.completed_iterations == 20
+    assert len(calls) < 50  # only at deadlines, not every 0.5 ms
+
+
+def test_policy_without_deadlines_gets_periodic_ticks():
+    class Opaque:
+        """Wraps CrossoverPolicy so the simulator cannot read its deadlines."""
+
+        name, blocks = "opaque", True
+
+        def __init__(self):
+            self._p = CrossoverPolicy()
+
+        def __getattr__(self, attr):
+            return getattr(self._p, attr)
+
+    exact = simulate(_late_owner(), "crossover", n_nodes=2)
+    opaque = simulate(_late_owner(), Opaque, n_nodes=2)
+    assert opaque.completed_iterations == exact.completed_iterations
+    assert opaque.jobs[0].iter_per_s == pytest.approx(exact.jobs[0].iter_per_s, rel=0.02)
+
+
+# ---- the variant without crossover synchronization --------------------------------------------------
+
+
+def _r(job: str, rank: int) -> RankRef:
+    return RankRef(RankKey(job, rank), job, 0, 2, 0.0)
+
+
+def test_nosync_orders_jobs_by_local_join_order():
+    node0, node1 = LocalOrderCrossoverPolicy(), LocalOrderCrossoverPolicy()
+    for j in "abc":
+        node0.join(_r(j, 0), 0.0)
+    for j in "cab":
+        node1.join(_r(j, 1), 0.0)
+    assert node0.view(0).order == ("a", "b", "c")
+    assert node1.view(0).order == ("c", "a", "b")
+    node1.request(RankKey("c", 1), 0, 1.0)
+    node1.release(RankKey("c", 1), 1.1)
+    assert node1.view(0).order == ("a", "b", "c")  # cyclic after c: a
+    node1.leave(RankKey("a", 1), 1.2)
+    assert node1.view(0).order == ("b", "c")
+    node1.join(_r("a", 1), 1.3)  # a re-joins: now the last to have joined this node
+    assert node1.view(0).order == ("b", "a", "c")  # its cycle is now c -> b -> a; b's turn
+    assert CrossoverPolicy().name == "crossover" and LocalOrderCrossoverPolicy().name == "crossover-nosync"
+
+
+# ---- simulate_small ------------------------------------------------------------------------------------
+
+
+def test_simulate_small_reports_every_policy():
+    rows = {p: simulate_small(0.05, 0.05, 2, p, iterations=60) for p in SMALL_POLICIES}
+    for p, r in rows.items():
+        assert r["policy"] == p and r["throughput_iter_s"] > 0 and 0 < r["bound_fraction"] <= 1.05
+    assert rows["alone"]["throughput_iter_s"] == pytest.approx(1 / 0.1, rel=0.05)
+    assert rows["sequential"]["throughput_iter_s"] == pytest.approx(rows["alone"]["throughput_iter_s"])
+    assert rows["sequential"]["slowdown"] == pytest.approx([2.0, 2.0], rel=0.05)
+    assert rows["exclusive"]["throughput_iter_s"] > 1.35 * rows["passthrough"]["throughput_iter_s"]
+    with pytest.raises(ValueError, match="choose one of"):
+        simulate_small(0.05, 0.05, 2, "nope")
