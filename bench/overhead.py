@@ -48,8 +48,10 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
     else:
         with Daemon(workdir, "--cpu-devices", "2", "--policy", variant, name=name) as d:
             stats = workdir / f"{name}.stats.{{rank}}.json"
+            # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
             proc, out = start_job(name, script_with_import(workdir), workdir, 2, job_args,
-                                  {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats)})
+                                  {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats),
+                                   "CROSSOVER_PIN": "0"})
             ranks = finish_job(proc, out)
         waits = []
         for r in range(2):
@@ -66,7 +68,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=80)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--width", type=int, default=512)
-    p.add_argument("--batch", type=int, default=192, help="sized for a ~50 ms iteration on these machines")
+    p.add_argument("--batch", type=int, default=192, help="sized for a ~50 ms iteration on a quiet 2-core machine")
     p.add_argument("--out", type=Path, default=Path("results/overhead.json"))
     args = p.parse_args()
 
