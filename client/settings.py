@@ -6,10 +6,11 @@ then the default below. The README's settings table mirrors `PLUGIN_SETTINGS`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["default_socket_path", "PluginSettings", "PLUGIN_SETTINGS", "SettingError", "TOKEN_METADATA_KEY"]
+__all__ = ["AggregationSettings", "default_socket_path", "PluginSettings", "PLUGIN_SETTINGS", "SettingError",
+           "TOKEN_METADATA_KEY"]
 
 TOKEN_METADATA_KEY = "x-crossover-token"
 
@@ -45,7 +46,28 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
     "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats (grant waits) as JSON here; "
                              "`{rank}` is replaced by the Horovod rank."),
+    "CROSSOVER_AGGREGATION": ("", "How gradients are combined: average, sum, adasum or weighted (LB-BSP); "
+                              "empty keeps the script's own `op`."),
+    "CROSSOVER_ADASUM_IMPL": ("auto", "adasum: auto (Horovod's native Adasum where it applies, else the "
+                              "plugin's), native (fail where it does not apply) or plugin."),
+    "CROSSOVER_ADASUM_ALGORITHM": ("auto", "Plugin Adasum data movement: allgather, recursive_doubling, or auto "
+                                   "(allgather up to 8 ranks)."),
+    "CROSSOVER_LBBSP_PERIOD": ("10", "weighted: batch sizes may change every this many iterations."),
+    "CROSSOVER_LBBSP_METHOD": ("ema", "weighted: speed model, ema (time linear in batch) or numerical "
+                               "(fitted time curves)."),
+    "CROSSOVER_LBBSP_HYSTERESIS": ("0.05", "weighted: adopt new sizes only if some rank moves by more than this "
+                                   "fraction of its batch."),
+    "CROSSOVER_LBBSP_MIN_GAIN": ("0.1", "weighted: adopt new sizes only if they are predicted to shorten the "
+                                 "iteration by at least this fraction."),
+    "CROSSOVER_LBBSP_EMA_ALPHA": ("0.3", "weighted: weight of the newest measurement in the speed averages."),
+    "CROSSOVER_LBBSP_MAX_BATCH": ("", "weighted: per-rank batch cap (memory), one int or one per rank "
+                                  "(`64,64,32`); empty: no cap."),
 }
+
+AGGREGATION_RULES = ("average", "sum", "adasum", "weighted")
+ADASUM_IMPLS = ("auto", "native", "plugin")
+ADASUM_ALGORITHMS = ("auto", "allgather", "recursive_doubling")
+LBBSP_METHODS = ("ema", "numerical")
 
 
 def _float(name: str, default: float, lo: float, hi: float) -> float:
@@ -72,6 +94,75 @@ def _bool(name: str, default: bool) -> bool:
     raise SettingError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...], allow_empty: bool = False) -> str:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in choices:
+        empty = " or empty" if allow_empty else ""
+        raise SettingError(f"{name}={raw!r} is not one of {', '.join(choices)}{empty}")
+    return raw
+
+
+def _int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not an integer") from None
+    if not lo <= value <= hi:
+        raise SettingError(f"{name}={raw} is outside {lo}..{hi}")
+    return value
+
+
+def _int_list(name: str) -> tuple[int, ...]:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return ()
+    try:
+        values = tuple(int(item) for item in raw.split(","))
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not an int or a comma-separated list of ints") from None
+    if any(value < 1 for value in values):
+        raise SettingError(f"{name}={raw!r}: every cap must be >= 1")
+    return values
+
+
+@dataclass(frozen=True)
+class AggregationSettings:
+    """How the plugin combines gradients (`CROSSOVER_AGGREGATION` and friends).
+
+    `rule` is empty when the script's own Horovod `op` is kept. `lbbsp_max_batch`
+    is empty (no cap), one cap for every rank, or one cap per rank.
+    """
+
+    rule: str = ""
+    adasum_impl: str = "auto"
+    adasum_algorithm: str = "auto"
+    lbbsp_period: int = 10
+    lbbsp_method: str = "ema"
+    lbbsp_hysteresis: float = 0.05
+    lbbsp_min_gain: float = 0.1
+    lbbsp_ema_alpha: float = 0.3
+    lbbsp_max_batch: tuple[int, ...] = ()
+
+    @classmethod
+    def from_env(cls) -> AggregationSettings:
+        return cls(
+            rule=_choice("CROSSOVER_AGGREGATION", "", AGGREGATION_RULES, allow_empty=True),
+            adasum_impl=_choice("CROSSOVER_ADASUM_IMPL", "auto", ADASUM_IMPLS),
+            adasum_algorithm=_choice("CROSSOVER_ADASUM_ALGORITHM", "auto", ADASUM_ALGORITHMS),
+            lbbsp_period=_int("CROSSOVER_LBBSP_PERIOD", 10, 1, 1_000_000),
+            lbbsp_method=_choice("CROSSOVER_LBBSP_METHOD", "ema", LBBSP_METHODS),
+            lbbsp_hysteresis=_float("CROSSOVER_LBBSP_HYSTERESIS", 0.05, 0.0, 10.0),
+            lbbsp_min_gain=_float("CROSSOVER_LBBSP_MIN_GAIN", 0.1, 0.0, 10.0),
+            lbbsp_ema_alpha=_float("CROSSOVER_LBBSP_EMA_ALPHA", 0.3, 1e-6, 1.0),
+            lbbsp_max_batch=_int_list("CROSSOVER_LBBSP_MAX_BATCH"),
+        )
+
+
 @dataclass(frozen=True)
 class PluginSettings:
     """The plugin's settings, read from `CROSSOVER_*` variables once at import."""
@@ -88,6 +179,7 @@ class PluginSettings:
     pin: bool
     log_level: str
     stats_file: str = ""
+    aggregation: AggregationSettings = field(default_factory=AggregationSettings)
 
     @classmethod
     def from_env(cls, script_name: str = "") -> PluginSettings:
@@ -113,4 +205,5 @@ class PluginSettings:
             pin=_bool("CROSSOVER_PIN", True),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", "WARNING").upper(),
             stats_file=os.environ.get("CROSSOVER_STATS_FILE", ""),
+            aggregation=AggregationSettings.from_env(),
         )

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+import types
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -59,7 +60,12 @@ def install(settings: PluginSettings | None = None) -> bool:
 
     @functools.wraps(original)
     def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
-        opt = original(optimizer, *args, **kwargs)
+        # The aggregation rule (CROSSOVER_AGGREGATION) decides how the optimizer is built;
+        # without one this is exactly Horovod's own call. A rule that contradicts the
+        # script's arguments raises AggregationError here, at start-up, with the reason.
+        from . import aggregation
+
+        opt = aggregation.distributed_optimizer(hvd, original, optimizer, args, kwargs)
         try:
             pset = kwargs.get("process_set")
             if pset is not None and not pset.included():
@@ -206,9 +212,10 @@ class _PhaseTracker:
         adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
         orig_step, orig_sync, orig_zero = opt.step, opt.synchronize, opt.zero_grad
 
+        # Bound methods (not plain functions): torch.optim.lr_scheduler reads `step.__func__`.
         if adasum:
             # The Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
-            def step(*args: Any, **kwargs: Any) -> Any:
+            def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
                 self._comm_begin()
                 t0 = time.perf_counter()
                 try:
@@ -216,7 +223,7 @@ class _PhaseTracker:
                 finally:
                     self._comm_end(time.perf_counter() - t0)
         else:
-            def synchronize() -> Any:
+            def synchronize(_opt: Any) -> Any:
                 self._comm_begin()
                 t0 = time.perf_counter()
                 try:
@@ -224,19 +231,19 @@ class _PhaseTracker:
                 finally:
                     self._comm_end(time.perf_counter() - t0)
 
-            def step(*args: Any, **kwargs: Any) -> Any:
+            def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
                 out = orig_step(*args, **kwargs)
                 self._ensure_holding()
                 return out
 
-            opt.synchronize = synchronize
+            opt.synchronize = types.MethodType(synchronize, opt)
 
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        def zero_grad(_opt: Any, *args: Any, **kwargs: Any) -> Any:
             self._ensure_holding()
             return orig_zero(*args, **kwargs)
 
-        opt.step = step
-        opt.zero_grad = zero_grad
+        opt.step = types.MethodType(step, opt)
+        opt.zero_grad = types.MethodType(zero_grad, opt)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 

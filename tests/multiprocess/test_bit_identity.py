@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 VARIANTS = {
     "default-3ranks": dict(np=3, args=(), env={"HOROVOD_FUSION_THRESHOLD": "0"}),
     "bpps2-sum": dict(np=2, args=("--bpps", "2", "--op", "sum")),
-    "fp16-predivide": dict(np=2, args=("--fp16", "--predivide", "2.0")),
+    "fp16-predivide-lr-schedule": dict(np=2, args=("--fp16", "--predivide", "2.0", "--lr-schedule")),
     "process-set-manual-sync": dict(np=3, args=("--process-set", "--manual-sync"),
                                     env={"HOROVOD_FUSION_THRESHOLD": "0"}),
     "adasum-mpi": dict(np=2, args=("--op", "adasum"), mpi=True),

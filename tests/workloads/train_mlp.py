@@ -27,6 +27,7 @@ def main():
     p.add_argument("--predivide", type=float, default=1.0)
     p.add_argument("--process-set", action="store_true", help="allreduce in a process set of ranks 0 and 1 only")
     p.add_argument("--manual-sync", action="store_true", help="synchronize(), clip, then step() under skip_synchronize")
+    p.add_argument("--lr-schedule", action="store_true", help="a StepLR built on the distributed optimizer")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="")
@@ -57,6 +58,7 @@ def main():
     if pset is not None:
         kwargs["process_set"] = pset
     opt = hvd.DistributedOptimizer(opt, **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7) if args.lr_schedule else None
 
     gen = torch.Generator().manual_seed(args.seed + hvd.rank())
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
@@ -76,6 +78,8 @@ def main():
                 opt.step()
         else:
             opt.step()
+        if sched is not None:
+            sched.step()
         times.append(time.perf_counter() - t0)
 
     hvd.join()  # ranks outside a process set finish early; wait for the others before shutdown

@@ -1,0 +1,496 @@
+"""Aggregation selection and the plugin's optimizers, in process: fake Horovod, one thread per rank."""
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+from crossover.plugins import aggregation
+from crossover.plugins.adasum import adasum_reference
+from crossover.plugins.aggregation import (
+    AdasumFacts,
+    AdasumOptimizer,
+    AggregationError,
+    adasum_path,
+    apply_measurements,
+    decide,
+    distributed_optimizer,
+    resolve_algorithm,
+    set_aggregation,
+    weight_scale,
+)
+from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeController, Measurement
+from crossover.settings import AggregationSettings, SettingError
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for name in ("CROSSOVER_AGGREGATION", "CROSSOVER_ADASUM_IMPL", "CROSSOVER_ADASUM_ALGORITHM",
+                 "CROSSOVER_LBBSP_PERIOD", "CROSSOVER_LBBSP_MAX_BATCH", "CROSSOVER_LBBSP_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    set_aggregation(None)
+    aggregation._lbbsp["state"] = None
+    yield
+    set_aggregation(None)
+    aggregation._lbbsp["state"] = None
+
+
+# --- selection and settings ---------------------------------------------------
+
+
+def test_default_is_horovods_own_behaviour():
+    assert aggregation.current_rule() is None
+
+
+def test_environment_then_code(monkeypatch):
+    monkeypatch.setenv("CROSSOVER_AGGREGATION", "Adasum")
+    assert aggregation.current_rule() == "adasum"
+    set_aggregation("weighted")
+    assert aggregation.current_rule() == "weighted"
+    set_aggregation(None)
+    assert aggregation.current_rule() == "adasum"
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("CROSSOVER_AGGREGATION", "mean"),
+    ("CROSSOVER_ADASUM_IMPL", "fast"),
+    ("CROSSOVER_ADASUM_ALGORITHM", "ring"),
+    ("CROSSOVER_LBBSP_PERIOD", "0"),
+    ("CROSSOVER_LBBSP_PERIOD", "ten"),
+    ("CROSSOVER_LBBSP_MAX_BATCH", "64,x"),
+    ("CROSSOVER_LBBSP_MAX_BATCH", "0"),
+    ("CROSSOVER_LBBSP_METHOD", "narx"),
+])
+def test_bad_settings_name_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingError, match=name):
+        AggregationSettings.from_env()
+
+
+def test_settings_parse(monkeypatch):
+    monkeypatch.setenv("CROSSOVER_LBBSP_MAX_BATCH", "64, 64,32")
+    monkeypatch.setenv("CROSSOVER_LBBSP_PERIOD", "4")
+    settings = AggregationSettings.from_env()
+    assert settings.lbbsp_max_batch == (64, 64, 32)
+    assert settings.lbbsp_period == 4
+    assert settings.rule == ""
+
+
+def test_set_aggregation_rejects_unknown_names():
+    with pytest.raises(AggregationError, match="unknown aggregation rule 'avg'"):
+        set_aggregation("avg")
+    with pytest.raises(AggregationError, match="adasum_impl"):
+        set_aggregation("adasum", adasum_impl="cuda")
+
+
+# --- pure decisions -----------------------------------------------------------
+
+NATIVE_OK = dict(size=4, global_set=True, mpi_enabled=True)
+
+
+@pytest.mark.parametrize(("facts", "impl", "path", "reason"), [
+    (NATIVE_OK, "auto", "native", "MPI controller"),
+    ({**NATIVE_OK, "mpi_enabled": False}, "auto", "plugin", "MPI controller"),
+    ({**NATIVE_OK, "global_set": False}, "auto", "plugin", "process sets"),
+    ({**NATIVE_OK, "size": 3}, "auto", "plugin", "power-of-two number of ranks, this group has 3"),
+    ({**NATIVE_OK, "size": 6}, "auto", "plugin", "has 6"),
+    (NATIVE_OK, "plugin", "plugin", "CROSSOVER_ADASUM_IMPL=plugin"),
+    ({**NATIVE_OK, "size": 1, "mpi_enabled": False}, "auto", "native", "MPI controller"),
+    ({**NATIVE_OK, "size": 8, "cuda": True, "nccl_built": True, "local_size": 4}, "auto", "native", "MPI"),
+    ({**NATIVE_OK, "size": 12, "cuda": True, "nccl_built": True, "local_size": 4}, "auto", "plugin", "nodes"),
+    ({**NATIVE_OK, "size": 12, "cuda": True, "nccl_built": True, "local_size": 3}, "auto", "native", "MPI"),
+    ({**NATIVE_OK, "size": 6, "cuda": True, "nccl_built": True, "local_size": 4}, "auto", "plugin", "nodes"),
+    ({**NATIVE_OK, "size": 8, "cuda": True, "nccl_built": True, "local_size": 4, "homogeneous": False}, "auto",
+     "plugin", "nodes"),
+    ({**NATIVE_OK, "size": 6, "cuda": True, "local_size": 2}, "auto", "plugin", "has 6"),
+])
+def test_adasum_path(facts, impl, path, reason):
+    decision = adasum_path(AdasumFacts(**facts), impl)
+    assert decision.path == path
+    assert reason in decision.reason
+
+
+def test_native_adasum_forced_where_it_cannot_run_is_an_error():
+    with pytest.raises(AggregationError, match="MPI controller.*auto"):
+        adasum_path(AdasumFacts(size=2, global_set=True, mpi_enabled=False), "native")
+
+
+def test_resolve_algorithm():
+    assert resolve_algorithm("auto", 3) == "allgather"
+    assert resolve_algorithm("auto", 8) == "allgather"
+    assert resolve_algorithm("auto", 9) == "recursive_doubling"
+    assert resolve_algorithm("recursive_doubling", 2) == "recursive_doubling"
+    with pytest.raises(AggregationError):
+        resolve_algorithm("ring", 2)
+
+
+def test_weight_scale_makes_the_average_a_weighted_sum():
+    sizes = [5, 11, 16]
+    grads = [torch.tensor([1.0, 2.0]), torch.tensor([-3.0, 0.5]), torch.tensor([0.25, 4.0])]
+    average = sum(weight_scale(b, sum(sizes), 3) * g for b, g in zip(sizes, grads)) / 3
+    expected = sum(b / 32 * g for b, g in zip(sizes, grads))
+    torch.testing.assert_close(average, expected)
+    with pytest.raises(AggregationError):
+        weight_scale(1, 0, 3)
+
+
+def test_apply_measurements_feeds_the_estimates_and_decide_adopts_a_real_gain():
+    config = BatchSizeConfig(global_batch=40, world_size=2, period=2, hysteresis=0.0)
+    shared, direct = BatchSizeController(config), BatchSizeController(config)
+    rows = [[[0, 20, float("nan")], [1, 20, 0.2]], [[0, 20, float("nan")], [1, 20, 0.6]]]
+    apply_measurements(shared, rows)
+    direct.update(0, [])
+    direct.update(1, [Measurement(0, 20, 0.2), Measurement(1, 20, 0.6)])
+    assert shared.speeds == direct.speeds
+    assert direct.sizes == (30, 10)
+    # predicted iteration time 0.6 s -> 0.3 s: adopted whatever the threshold below 100%
+    assert decide(shared, [20, 20], min_gain=0.5) == [30, 10]
+    assert decide(shared, [30, 10], min_gain=0.0) is None  # nothing to change
+
+
+@pytest.mark.parametrize(("speeds", "min_gain", "adopted"), [
+    ((100.0, 100.0, 100.0, 90.0), 0.1, None),  # 10% noise on one rank: predicted gain ~7.5%, kept
+    ((100.0, 100.0, 100.0, 90.0), 0.05, [33, 33, 33, 29]),
+    ((100.0, 100.0, 100.0, 100.0 / 3), 0.1, [39, 38, 38, 13]),  # a 3x straggler: adopted
+])
+def test_decide_needs_a_predicted_gain(speeds, min_gain, adopted):
+    config = BatchSizeConfig(global_batch=128, world_size=4, period=1, hysteresis=0.05)
+    controller = BatchSizeController(config)
+    controller.observe([Measurement(rank, 32, 32 / speed) for rank, speed in enumerate(speeds)])
+    assert decide(controller, [32, 32, 32, 32], min_gain) == adopted
+
+
+# --- a fake Horovod -----------------------------------------------------------
+
+
+class FakeProcessSet:
+    def __init__(self, rank: int, size: int, set_id: int = 0, member: bool = True) -> None:
+        self._rank, self._size, self.process_set_id, self._member = rank, size, set_id, member
+
+    def included(self) -> bool:
+        return self._member
+
+    def rank(self) -> int:
+        if not self._member:
+            raise ValueError("Process is not part of provided process set.")
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+class FakeHvd:
+    """Enough of `horovod.torch` for the selection logic: one rank unless told otherwise."""
+
+    Average, Sum, Adasum = "avg", "sum", "adasum"
+
+    def __init__(self, size: int = 1, mpi: bool = False) -> None:
+        self._size = size
+        self._mpi = mpi
+        self.global_process_set = FakeProcessSet(0, size)
+        self.calls: list[tuple[str, Any]] = []
+
+    def size(self) -> int:
+        return self._size
+
+    def local_size(self) -> int:
+        return self._size
+
+    def mpi_enabled(self) -> bool:
+        return self._mpi
+
+    def nccl_built(self) -> int:
+        return 0
+
+    def is_homogeneous(self) -> bool:
+        return True
+
+    def allgather_async(self, tensor: torch.Tensor, name: str, process_set: Any) -> Any:
+        self.calls.append(("allgather_async", name))
+        return tensor.clone()
+
+    def synchronize(self, handle: Any) -> Any:
+        return handle
+
+
+def fake_factory(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1, op="avg",
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                 process_set=None):
+    """Stands for Horovod's DistributedOptimizer: records what it was given, adds `synchronize`."""
+    optimizer.given = dict(op=op, gradient_predivide_factor=gradient_predivide_factor,
+                           backward_passes_per_step=backward_passes_per_step, process_set=process_set)
+    optimizer.synchronize = lambda: None
+    return optimizer
+
+
+def sgd(model: nn.Module, lr: float = 0.1) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def test_no_rule_passes_everything_through_unchanged():
+    model = nn.Linear(3, 2)
+    seen = {}
+
+    def factory(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        return "built"
+
+    opt = sgd(model)
+    assert distributed_optimizer(FakeHvd(), factory, opt, ("np",), {"op": "sum"}) == "built"
+    assert seen == {"args": (opt, "np"), "kwargs": {"op": "sum"}}
+
+
+@pytest.mark.parametrize(("rule", "op"), [("average", "avg"), ("sum", "sum")])
+def test_average_and_sum_set_horovods_op(rule, op):
+    set_aggregation(rule)
+    opt = distributed_optimizer(FakeHvd(), fake_factory, sgd(nn.Linear(3, 2)), (None, None, 2), {"op": "adasum"})
+    assert opt.given["op"] == op
+    assert opt.given["backward_passes_per_step"] == 2  # positional arguments survive
+    assert aggregation.aggregation_of(opt) == rule
+
+
+def test_predivide_with_a_non_averaging_rule_is_an_error():
+    set_aggregation("sum")
+    with pytest.raises(AggregationError, match="gradient_predivide_factor=2.0"):
+        distributed_optimizer(FakeHvd(), fake_factory, sgd(nn.Linear(3, 2)), (), {"gradient_predivide_factor": 2.0})
+
+
+def test_adasum_native_where_it_applies_plugin_elsewhere():
+    set_aggregation("adasum")
+    native = distributed_optimizer(FakeHvd(size=2, mpi=True), fake_factory, sgd(nn.Linear(3, 2)))
+    assert native.given["op"] == "adasum"
+    assert aggregation.aggregation_of(native) == "adasum:native"
+    plugin = distributed_optimizer(FakeHvd(size=2, mpi=False), fake_factory, sgd(nn.Linear(3, 2)))
+    assert isinstance(plugin, AdasumOptimizer)
+    assert aggregation.aggregation_of(plugin) == "adasum:plugin/allgather"
+    set_aggregation("adasum", adasum_impl="plugin", adasum_algorithm="recursive_doubling")
+    forced = distributed_optimizer(FakeHvd(size=2, mpi=True), fake_factory, sgd(nn.Linear(3, 2)))
+    assert aggregation.aggregation_of(forced) == "adasum:plugin/recursive_doubling"
+
+
+def test_weighted_keeps_horovods_averaging_optimizer():
+    set_aggregation("weighted")
+    opt = distributed_optimizer(FakeHvd(), fake_factory, sgd(nn.Linear(3, 2)), (), {"op": "sum"})
+    assert opt.given["op"] == "avg"
+    assert aggregation.aggregation_of(opt) == "weighted"
+    assert opt.step.__func__ is not None  # a bound method: LR schedulers can still wrap it
+
+
+@pytest.mark.parametrize("rule", ["weighted", "adasum"])
+def test_ranks_outside_the_process_set_get_horovods_optimizer(rule):
+    set_aggregation(rule)
+    outside = FakeProcessSet(0, 2, set_id=1, member=False)
+    opt = distributed_optimizer(FakeHvd(size=3), fake_factory, sgd(nn.Linear(3, 2)), (), {"process_set": outside})
+    assert aggregation.aggregation_of(opt) is None
+    assert opt.given["process_set"] is outside
+
+
+def test_a_nested_call_passes_through():
+    set_aggregation("sum")
+    hvd = FakeHvd()
+
+    def hooked(optimizer, **kwargs):  # a factory that itself goes through the plugin, as the hook does
+        return distributed_optimizer(hvd, fake_factory, optimizer, (), kwargs)
+
+    opt = distributed_optimizer(hvd, hooked, sgd(nn.Linear(3, 2)), (), {"op": "avg"})
+    assert opt.given["op"] == "sum"
+
+
+# --- plugin Adasum optimizer over threads -------------------------------------
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.slots: list[Optional[torch.Tensor]] = [None] * size
+
+
+class ThreadCollectives:
+    """Allgather among threads (one per rank), like `HorovodCollectives` among processes."""
+
+    def __init__(self, group: _Group, rank: int) -> None:
+        self._group, self._rank = group, rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._group.size
+
+    def expect(self, dtype: torch.dtype, device: Any = None) -> None:
+        pass
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+        group = self._group
+        group.slots[self._rank] = tensor.clone()
+        group.barrier.wait()
+        out = torch.stack([s for s in group.slots if s is not None])
+        group.barrier.wait()
+        return out
+
+
+def run_threads(size: int, body: Callable[[int, ThreadCollectives], Any]) -> list[Any]:
+    group = _Group(size)
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = body(rank, ThreadCollectives(group, rank))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def model_and_data(rank: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    gen = torch.Generator().manual_seed(10 + rank)
+    data = [(torch.randn(8, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(3)]
+    return model, data
+
+
+def reference_adasum_training(size: int) -> list[torch.Tensor]:
+    """Sequential float64 simulation: local SGD+momentum steps per rank, deltas combined with the reference."""
+    models, optims, datas = [], [], []
+    for rank in range(size):
+        model, data = model_and_data(rank)
+        models.append(model)
+        optims.append(sgd(model, lr=0.3))
+        datas.append(data)
+    common = [p.detach().clone() for p in models[0].parameters()]
+    for step in range(3):
+        deltas = []
+        for model, opt, data in zip(models, optims, datas):
+            with torch.no_grad():
+                for p, c in zip(model.parameters(), common):
+                    p.copy_(c)
+            opt.zero_grad()
+            x, y = data[step]
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            deltas.append([p.detach() - c for p, c in zip(model.parameters(), common)])
+        common = [c + adasum_reference([d[i] for d in deltas]) for i, c in enumerate(common)]
+    return common
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_plugin_adasum_optimizer_matches_the_delta_reference(size):
+    prepared = [model_and_data(rank) for rank in range(size)]  # torch's RNG is global: seed outside the threads
+
+    def body(rank: int, coll: ThreadCollectives) -> list[torch.Tensor]:
+        model, data = prepared[rank]
+        opt = AdasumOptimizer(sgd(model, lr=0.3), coll)  # type: ignore[arg-type]
+        for x, y in data:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    results = run_threads(size, body)
+    expected = reference_adasum_training(size)
+    for rank_params in results:
+        for got, want in zip(rank_params, expected):
+            assert float((got - want).norm() / want.norm()) <= 1e-12
+
+
+def test_plugin_adasum_optimizer_is_one_optimizer_for_schedulers_and_checkpoints():
+    model, data = model_and_data(0)
+    inner = sgd(model, lr=0.5)
+    opt = AdasumOptimizer(inner, ThreadCollectives(_Group(1), 0))  # type: ignore[arg-type]
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    x, y = data[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    scheduler.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"], "momentum buffers live in the wrapped optimizer's state"
+    opt.load_state_dict(saved)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    with pytest.raises(AggregationError, match="skip_synchronize"):
+        with opt.skip_synchronize():
+            pass
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --- weighted: sampler bookkeeping and hooks on one rank -----------------------
+
+
+def _state(sizes: list[int], length: int, period: int = 2, rank: int = 0) -> aggregation._LBBSP:
+    config = BatchSizeConfig(global_batch=sum(sizes), world_size=len(sizes), period=period, hysteresis=0.0)
+    state = aggregation._LBBSP(BatchSizeController(config, sizes), rank, len(sizes), length)
+    aggregation._lbbsp["state"] = state
+    return state
+
+
+def test_sampler_records_each_batch_split_including_the_remainder():
+    state = _state([3, 5], length=20)
+    sampler = aggregation.LBBSPSampler(state, shuffle=False, seed=0, drop_last=False)
+    batches = list(sampler)
+    assert [len(b) for b in batches] == [3, 3, 2]  # 8 + 8 + a remainder of 4 split 2/2
+    assert list(state.pending) == [(3, 8), (3, 8), (2, 4)]
+    iterator = iter(sampler)
+    next(iterator)
+    assert list(state.pending) == [(3, 8)]  # a new epoch forgets batches never trained on
+
+
+def test_sampler_through_a_dataloader_sees_size_changes_between_batches():
+    state = _state([4, 4], length=32, rank=1)
+    sampler = aggregation.LBBSPSampler(state, shuffle=True, seed=3, drop_last=True)
+    loader = torch.utils.data.DataLoader(torch.arange(32), batch_sampler=sampler)
+    lengths = []
+    for index, batch in enumerate(loader):
+        lengths.append(len(batch))
+        if index == 0:
+            state.sizes = (6, 2)  # as an adoption between two steps would
+    assert lengths == [4, 2, 2, 2]
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Stands for Horovod's averaging optimizer on one rank: keeps the gradients it would allreduce."""
+
+    def synchronize(self) -> None:
+        self.seen = [p.grad.clone() for group in self.param_groups for p in group["params"]]
+
+
+def test_weighted_hooks_scale_gradients_and_decide_at_boundaries():
+    hvd = FakeHvd(size=1)
+    model = nn.Linear(4, 1, bias=False)
+    opt = RecordingSGD(model.parameters(), lr=0.0)
+    state = _state([6], length=24, period=2)
+    aggregation._WeightedAggregator(hvd, opt, None).attach()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # needs step.__func__: bound-method patch
+    state.pending.extend([(3, 12), (6, 6), (6, 6), (6, 6)])
+    x = torch.ones(2, 4)
+    for step in range(4):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.synchronize()
+        opt.step()
+        scheduler.step()
+        if step == 0:
+            assert torch.allclose(opt.seen[0], torch.full((1, 4), 2.0 * 0.25))  # scale b·n/B = 3·1/12
+    assert not state.pending
+    # exchanges start after steps 1 and 3 (period 2); the name ends with the step, the same on every rank
+    assert [name.rsplit(".", 1)[1] for kind, name in hvd.calls] == ["1", "3"]
+    assert state.steps == 4 and state.step_s > 0 and 0 < state.overhead_s < state.step_s
+    assert state.controller.speeds[0] is not None  # measurements of steps 1 and 2 reached the controller

@@ -1,0 +1,217 @@
+"""Train a small classifier on real data under `horovodrun`, with the plugin's aggregation rules.
+
+Data ships with a package or is generated, never downloaded: scikit-learn's
+bundled `load_digits` (8x8 digits; fixed 80/20 split) or MNIST-1D generated
+locally by `mnist1d.data.make_dataset` (4000 train / 1000 test; pass --data to
+reuse a cached `.npz`). Models: an MLP or a small CNN.
+
+One job runs one or more training runs in sequence (`--runs`, a JSON list),
+each from the same seed with a fresh model, optimizer and LB-BSP sampler, so
+the start-up cost of a 4-rank job is paid once. Per run: model and width
+(default: --model, --width), aggregation rule
+(`rule`: average, sum, adasum, weighted, or null for plain Horovod), global
+batch, learning rate, epochs, an optional straggler (`"3:3.0"`, see
+`crossover.plugins.straggler`; `straggler_work` `busy` or `sleep`), LB-BSP
+settings. Test accuracy is measured on every rank several times per epoch on
+a clock that excludes evaluation. Each rank writes `rank{r}.json` to --out.
+
+`--pace K` emulates one independent device per rank on a machine with fewer
+cores than ranks: a rank's compute phase (batch fetch, forward, backward) is stretched
+with a sleep to `K x` its CPU time, so its duration no longer depends on how
+the OS shares the cores among ranks (K must exceed the ranks per core). The
+straggler then stretches that phase by its factor. Without pacing, a rank
+that waits in the allreduce hands its core to the others, so wall-clock
+speeds measured on an oversubscribed machine reflect scheduling, not work.
+"""
+import argparse
+import json
+import math
+import os
+import time
+import warnings
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.nn as nn
+from crossover.plugins import aggregation
+from crossover.plugins.straggler import Straggler
+
+DEFAULT_RUN = {
+    "name": "run", "rule": None, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "epochs": 5, "seed": 0,
+    "straggler": "", "straggler_work": "busy", "period": None, "hysteresis": None, "method": None,
+    "evals_per_epoch": 4, "adasum_impl": None, "target": None, "stop_at_target": False, "max_train_s": None,
+    "pace": None, "model": None, "width": None, "ema_alpha": None,
+}
+
+
+def load_data(name: str, cache: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = (x / 16.0).astype(np.float32)
+        order = np.random.default_rng(0).permutation(len(x))
+        cut = int(0.8 * len(x))
+        tr, te = order[:cut], order[cut:]
+        return x[tr], y[tr].astype(np.int64), x[te], y[te].astype(np.int64)
+    if cache and os.path.exists(cache):
+        d = np.load(cache)
+        x, y, xt, yt = d["x"], d["y"], d["x_test"], d["y_test"]
+    else:
+        x, y, xt, yt = make_mnist1d()
+        if cache:
+            np.savez(cache, x=x, y=y, x_test=xt, y_test=yt)
+    mean, std = x.mean(), x.std()
+    return ((x - mean) / std).astype(np.float32), y, ((xt - mean) / std).astype(np.float32), yt
+
+
+def make_mnist1d() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """MNIST-1D from its generator (seed 42 by default); no network access."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from mnist1d.data import get_dataset_args, make_dataset
+
+        data = make_dataset(get_dataset_args())
+    return (data["x"].astype(np.float32), data["y"].astype(np.int64),
+            data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
+
+
+def build_model(kind: str, dataset: str, width: int) -> nn.Module:
+    features = 64 if dataset == "digits" else 40
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))
+    c = max(8, width // 8)
+    if dataset == "digits":
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, c, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(2 * c * 16, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(nn.Unflatten(1, (1, 40)), nn.Conv1d(1, c, 5, stride=2, padding=2), nn.ReLU(),
+                         nn.Conv1d(c, c, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.Conv1d(c, c, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(c * 5, 10))
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+        acc = float((logits.argmax(1) == y).float().mean())
+        loss = float(nn.functional.cross_entropy(logits, y))
+    model.train()
+    return acc, loss
+
+
+def straggler_for(spec: dict) -> Straggler:
+    work = None
+    if spec["straggler_work"] == "sleep":
+        def work() -> None:  # a slower device that does not compete for this machine's cores
+            time.sleep(0.0005)
+    return Straggler.for_rank(spec["straggler"], hvd.rank(), work=work)
+
+
+def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
+    x, y, xt, yt = data
+    torch.manual_seed(spec["seed"])
+    model = build_model(spec["model"] or args.model, args.dataset, spec["width"] or args.width)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    base = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
+    aggregation.set_aggregation(spec["rule"], adasum_impl=spec["adasum_impl"])
+    try:
+        sampler = aggregation.batch_sampler(len(x), spec["global_batch"], seed=spec["seed"], drop_last=True,
+                                            period=spec["period"], hysteresis=spec["hysteresis"],
+                                            method=spec["method"], ema_alpha=spec["ema_alpha"])
+        opt = aggregation.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    finally:
+        aggregation.set_aggregation(None)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
+    straggler = straggler_for(spec)
+    steps_per_epoch = len(sampler)
+    eval_every = max(1, steps_per_epoch // spec["evals_per_epoch"])
+    acc, loss = accuracy(model, xt, yt)
+    curve = [[0.0, 0, 0.0, acc, loss]]
+    train_s, step, compute_s, extra_s = 0.0, 0, 0.0, 0.0
+    stop = False
+    pace = args.pace if spec["pace"] is None else spec["pace"]
+    for epoch in range(spec["epochs"]):
+        sampler.set_epoch(epoch)
+        started = time.perf_counter()
+        batches = iter(loader)
+        while True:
+            t0, c0 = time.perf_counter(), time.thread_time()  # the compute phase includes fetching the batch
+            try:
+                xb, yb = next(batches)
+            except StopIteration:
+                break
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            real = time.perf_counter() - t0
+            if pace > 0:
+                paced = pace * (time.thread_time() - c0)
+                if paced > real:
+                    time.sleep(paced - real)
+                real = max(real, paced)
+            compute_s += real
+            extra_s += straggler.slow_down(real)
+            opt.step()
+            step += 1
+            if step % eval_every == 0 or step % steps_per_epoch == 0:
+                train_s += time.perf_counter() - started
+                acc, loss = accuracy(model, xt, yt)
+                curve.append([step / steps_per_epoch, step, train_s, acc, loss])
+                if not math.isfinite(loss):
+                    stop = True
+                target = spec["target"]
+                if spec["stop_at_target"] and target is not None and acc >= target:
+                    stop = True
+                if spec["max_train_s"] is not None and train_s >= spec["max_train_s"]:
+                    stop = True
+                # every rank has the same parameters, hence the same accuracy and the same decision
+                if stop:
+                    break
+                started = time.perf_counter()
+        if stop:
+            break
+        train_s += time.perf_counter() - started
+    return {
+        "name": spec["name"], "spec": spec, "aggregation": aggregation.aggregation_of(opt), "curve": curve,
+        "final_acc": curve[-1][3], "train_s": train_s, "steps": step, "steps_per_epoch": steps_per_epoch,
+        "compute_s": compute_s, "straggler_extra_s": extra_s, "lbbsp": aggregation.lbbsp_stats(),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dataset", choices=["digits", "mnist1d"], default="digits")
+    p.add_argument("--data", default="", help="cache file for generated MNIST-1D data")
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--runs", default="[{}]", help="JSON list of run specs, or @file")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pace", type=float, default=0.0, help="stretch each compute phase to K x its CPU time")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    raw = open(args.runs[1:]).read() if args.runs.startswith("@") else args.runs
+    specs = [{**DEFAULT_RUN, **item} for item in json.loads(raw)]
+    x, y, xt, yt = load_data(args.dataset, args.data)
+    data = (torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt), torch.from_numpy(yt))
+    results = []
+    for spec in specs:
+        results.append(one_run(spec, data, args))
+        if hvd.rank() == 0:
+            last = results[-1]
+            print(f"run {last['name']}: acc {last['final_acc']:.4f} in {last['train_s']:.1f}s "
+                  f"({last['steps']} steps, {last['aggregation']})", flush=True)
+    summary = {"rank": hvd.rank(), "size": hvd.size(), "dataset": args.dataset, "model": args.model,
+               "width": args.width, "train_size": len(x), "test_size": len(xt), "runs": results}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(summary, f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
