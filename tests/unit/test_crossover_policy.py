@@ -13,7 +13,7 @@ import heapq
 import random
 
 import pytest
-from crossover.daemon.api import CrossoverError, RankKey, RankRef
+from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
