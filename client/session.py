@@ -71,6 +71,7 @@ class Session:
         self._warned = False
         self._stop = threading.Event()
         self._channel: grpc.Channel | None = None
+        self._receiver: threading.Thread | None = None
         self.registration: pb.RegisterResponse | None = None
         self.on_attach: Callable[[pb.RegisterResponse], None] | None = None
         self.grant_waits: list[float] = []  # seconds each blocking acquire took (benchmarks read it)
@@ -131,10 +132,15 @@ class Session:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, drain_timeout_s: float = 2.0) -> None:
+        """End the session. The stream is half-closed first and given a bounded time to
+        deliver the events still queued (closing the channel at once would drop them)."""
         self._stop.set()
         with self._cond:
             self._detach_locked()
+            receiver = self._receiver
+        if receiver is not None and receiver is not threading.current_thread():
+            receiver.join(drain_timeout_s)
         if self._channel is not None:
             self._channel.close()
 
@@ -187,8 +193,11 @@ class Session:
             self._blocks = reg.policy_blocks
             self._granted_seq = 0
             self.registration = reg
-        threading.Thread(target=self._receive, args=(responses, self._generation), name="crossover-recv",
-                         daemon=True).start()
+        receiver = threading.Thread(target=self._receive, args=(responses, self._generation),
+                                    name="crossover-recv", daemon=True)
+        with self._cond:
+            self._receiver = receiver
+        receiver.start()
         if self._warned:
             _log.warning("re-attached to crossoverd at %s (session %s); training is scheduled again",
                          s.target, reg.session_id[:8])

@@ -390,3 +390,21 @@ def test_stopping_the_daemon_releases_waiters(serve, channels, streams, sessions
     t.join(timeout=5)
     assert result == [True]  # granted by the shutdown, not timed out
     assert time.monotonic() - t0 < 3
+
+
+def test_close_delivers_every_event_still_queued(serve, sessions, tmp_path):
+    """A short job's last events must reach the daemon when the session closes at exit."""
+    d = serve(policy="passthrough")
+    s = sessions(f"unix://{tmp_path / 'd.sock'}", "burst")
+    assert s.attached
+    for i in range(300):  # passthrough: acquire does not wait, so events pile up in the stream
+        s.acquire(i)
+        s.release(i, 0.001)
+    s.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        releases = [e for e in d.core.events.snapshot() if e["event"] == "release" and e["job_name"] == "burst"]
+        if len(releases) == 300:
+            break
+        time.sleep(0.05)
+    assert len(releases) == 300, f"the daemon saw {len(releases)} of 300 compute phases"
