@@ -1,0 +1,97 @@
+"""A data-parallel Horovod PyTorch classifier for benchmarks (no Crossover import).
+
+An MLP (input -> depth x width -> classes, ReLU) trained with SGD + momentum on a
+fixed synthetic classification set: inputs drawn once from a seeded Gaussian,
+labels from a seeded random teacher network, each rank reading its own shard
+in mini-batches. Parameter count (allreduce bytes) and batch size (compute)
+are set independently, so a benchmark can pick comm:compute at a link rate.
+
+Each rank writes a JSON summary to --out: per-iteration start/end on
+time.monotonic() (the clock the daemons' event logs use, shared by every
+network namespace on the machine), losses, and the model's parameter count.
+"""
+import argparse
+import json
+import os
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+
+def build(in_dim: int, width: int, depth: int, classes: int) -> nn.Module:
+    layers, d = [], in_dim
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.ReLU()]
+        d = width
+    layers.append(nn.Linear(d, classes))
+    return nn.Sequential(*layers)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--batch", type=int, default=256, help="per-rank mini-batch")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--in-dim", type=int, default=512)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--samples", type=int, default=8192, help="training samples per rank")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--stop-file", default="", help="stop (at an iteration boundary) once this file exists; "
+                   "ranks may stop one iteration apart, hvd.join() evens that out")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    torch.manual_seed(args.seed)
+    model = build(args.in_dim, args.width, args.depth, args.classes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+    # The data set: the same teacher everywhere, a different shard per rank.
+    teacher = build(args.in_dim, 64, 1, args.classes)
+    gen = torch.Generator().manual_seed(args.seed + 1 + hvd.rank())
+    with torch.no_grad():
+        for t in teacher.parameters():
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(7)))
+        x_all = torch.randn(args.samples, args.in_dim, generator=gen)
+        y_all = teacher(x_all).argmax(dim=1)
+
+    starts, ends, losses = [], [], []
+    n_batches = max(1, args.samples // args.batch)
+    for i in range(args.iters):
+        if args.stop_file and os.path.exists(args.stop_file):
+            break
+        t0 = time.monotonic()
+        b = i % n_batches
+        x, y = x_all[b * args.batch:(b + 1) * args.batch], y_all[b * args.batch:(b + 1) * args.batch]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        ends.append(time.monotonic())
+        starts.append(t0)
+        losses.append(float(loss.detach()))
+
+    hvd.join()  # with --stop-file the ranks may have done different numbers of steps
+    summary = {
+        "rank": hvd.rank(), "size": hvd.size(), "batch": args.batch, "pid": os.getpid(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "iter_start": starts, "iter_end": ends, "losses": losses,
+        "job_name": os.environ.get("CROSSOVER_JOB_NAME", ""),
+    }
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"rank{hvd.rank()}.json"), "w") as f:
+            json.dump(summary, f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
