@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.bootstrapped
 
-.PHONY: bootstrap demo test test-fast lint typecheck protos bench clean
+.PHONY: bootstrap demo test test-fast test-netns lint typecheck protos bench bench-crossover clean
 
 bootstrap: $(STAMP)
 
@@ -35,6 +35,12 @@ protos: bootstrap
 
 bench: bootstrap
 	$(PY) bench/overhead.py
+
+bench-crossover: bootstrap
+	$(PY) bench/crossover.py
+
+test-netns: bootstrap
+	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra -m netns tests/netns
 
 clean:
 	rm -rf .venv build *.egg-info results .pytest_cache

@@ -50,6 +50,7 @@ setup(
         "console_scripts": [
             "crossoverd = crossover.daemon.main:main",
             "crossover = crossover.cli:main",
+            "crossover-cluster = crossover.cluster:main",
         ]
     },
 )

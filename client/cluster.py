@@ -812,11 +812,13 @@ class Cluster:
         return _ns_pids(self._require().nodes[node].netns)
 
     def events(self, node: int) -> list[dict[str, Any]]:
-        """That node's daemon event log (JSON lines) as it stands now."""
+        """That node's daemon event log (JSON lines) as it stands now; still readable after teardown."""
         from .daemon.event_log import read_jsonl
 
-        path = self._require().nodes[node].event_log if self.state else ""
-        return read_jsonl(path) if path and os.path.exists(path) else []
+        if self.state is None:
+            raise ClusterError("the cluster was never built")
+        path = self.state.nodes[node].event_log
+        return read_jsonl(path) if os.path.exists(path) else []
 
 
 def _daemon_answers(socket_path: str, timeout: float = 2.0) -> bool:
