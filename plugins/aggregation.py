@@ -76,6 +76,7 @@ sampler appends to on the training thread, and touch per-step state that
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import functools
@@ -673,6 +674,7 @@ class _WeightedAggregator:
         self._hook_seconds = 0.0
         self._warned = False
         self._inflight: Any = None  # handle of the measurement allgather started at the last boundary
+        self._drain_registered = False
         self._instance = next(_aggregator_ids)
 
     def attach(self) -> None:
@@ -791,6 +793,22 @@ class _WeightedAggregator:
         self._buffer.clear()
         name = f"crossover.lbbsp.{self._instance}.{self._iteration}"
         self._inflight = self._hvd.allgather_async(local, name=name, process_set=self._process_set)
+        if not self._drain_registered:
+            # A share started at the last step is never read by the loop. Without
+            # waiting on it at exit, a fast rank would shut Horovod down while a
+            # slower one still submits its half, and that rank would crash.
+            # atexit is LIFO: this runs before Horovod's own shutdown handler.
+            atexit.register(self._drain)
+            self._drain_registered = True
+
+    def _drain(self) -> None:
+        if self._inflight is None:
+            return
+        try:
+            self._hvd.synchronize(self._inflight)
+        except Exception as exc:  # at exit, a failed share must not mask the script's own outcome
+            logger.debug("LB-BSP share still in flight at exit failed: %s", exc)
+        self._inflight = None
 
     def _finish_share(self, state: _LBBSP) -> None:
         gathered = self._hvd.synchronize(self._inflight)
