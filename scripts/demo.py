@@ -26,7 +26,7 @@ console = Console()
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--policy", default="exclusive")
+    p.add_argument("--policy", default="crossover", help="passthrough, exclusive or crossover")
     p.add_argument("--iters", type=int, default=200)
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="crossover-demo-"))
