@@ -60,7 +60,7 @@ def test_killed_grant_holder_frees_device_within_one_second(daemon_factory, jobs
     # `slow` holds the device for long compute phases; `fast` queues behind it on the same device.
     slow = horovodrun("slow", script, tmp_path, np=1, args=("--iters", "400", "--width", "1024", "--batch", "512"),
                       env=env)
-    fast = horovodrun("fast", script, tmp_path, np=1, args=("--iters", "60"), env=env)
+    fast = horovodrun("fast", script, tmp_path, np=1, args=("--iters", "1500"), env=env)  # outlasts start-up spread
     jobs += [slow, fast]
 
     victim = None
@@ -91,7 +91,7 @@ def test_killed_grant_holder_frees_device_within_one_second(daemon_factory, jobs
     assert fast.wait(120) == 0, fast.output()[-3000:]
 
 
-def test_crossover_alternates_jobs_on_every_device(daemon_factory, jobs, tmp_path):
+def test_crossover_serves_the_smallest_iteration_key_on_every_device(daemon_factory, jobs, tmp_path):
     d = daemon_factory("--cpu-devices", "2", "--policy", "crossover")
     script = with_import(tmp_path)
     env = {"CROSSOVER_SOCKET": str(d.socket)}
@@ -111,13 +111,21 @@ def test_crossover_alternates_jobs_on_every_device(daemon_factory, jobs, tmp_pat
     events = d.events()
     for dev, intervals in compute_intervals(events).items():
         assert overlaps(intervals) == [], f"compute phases overlap on device {dev}"
-        # Only while both jobs train (horovodrun starts them seconds apart): there,
-        # turn-taking makes nearly every consecutive pair of grants belong to
-        # different jobs, which FIFO does not promise.
         first = {job: min(t0 for t0, _, j, _ in intervals if j == job) for job in {iv[2] for iv in intervals}}
         last = {job: max(t0 for t0, _, j, _ in intervals if j == job) for job in first}
         lo, hi = max(first.values()), min(last.values())
         seq = [job for t0, _, job, _ in sorted(intervals) if lo <= t0 <= hi]
         assert len(seq) >= 40, f"device {dev}: the jobs overlapped for only {len(seq)} grants"
-        switches = sum(a != b for a, b in zip(seq, seq[1:]))
-        assert switches >= 0.8 * (len(seq) - 1), f"device {dev}: only {switches}/{len(seq) - 1} turns alternate"
+        assert min(seq.count(j) for j in first) >= 0.1 * len(seq), f"device {dev}: one job was starved"
+    # The policy's promise, checked on the daemon's own record: every grant goes to the
+    # waiting rank with the smallest (iteration, job id), the order every node computes alike.
+    pending: dict[tuple[int, str, int], tuple[int, str]] = {}
+    for e in events:
+        who = (e.get("device"), e.get("job"), e.get("rank"))
+        if e["event"] == "request":
+            pending[who] = (e["iteration"], e["job"])
+        elif e["event"] == "grant":
+            rivals = [k for w, k in pending.items() if w[0] == who[0]]
+            assert pending.pop(who) == min(rivals), f"grant to {who} while {sorted(rivals)} waited"
+        elif e["event"] in ("cancel", "leave"):
+            pending.pop(who, None)
