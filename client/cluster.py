@@ -550,6 +550,10 @@ def _install_signal_handlers() -> None:
         return
     _handlers_installed = True
     atexit.register(_down_all)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # A background job of a non-interactive shell starts with SIGINT ignored, and
+        # Python then installs no Ctrl-C handler; our promise is that Ctrl-C tears down.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         previous = signal.getsignal(sig)
 
