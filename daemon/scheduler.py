@@ -209,10 +209,11 @@ class Scheduler:
                 sess.process = None
             self._sessions[sid] = sess
             self._by_key[key] = sess
-            self._deliver(self._policy.join(ref, now), now)
+            joined: list[tuple[str, _Session, dict]] = [("register", sess, {"pid": ident.pid})]
+            self._deliver(self._policy.join(ref, now), now, joined)
+            self._flush(joined)
             blocks = self._policy.blocks
             name = self._policy.name
-        self._record("register", sess, pid=ident.pid)
         _log.info("registered %s rank %d (pid %d) on device %d", ident.job_name, ident.rank, ident.pid, device.index)
         return Registration(sid, self.node, device.index, device.cpu_affinity, self.heartbeat_interval_s, name, blocks)
 
@@ -274,8 +275,7 @@ class Scheduler:
                 record.append(("comm_end", sess, {"iteration": iteration, "duration_s": measured}))
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
-        for name, s, fields in record:
-            self._record(name, s, **fields)
+            self._flush(record)
 
     def close(self, session_id: str, reason: str) -> bool:
         """Remove a session (stream ended, process died, heartbeat lost); frees its grant."""
@@ -290,9 +290,8 @@ class Scheduler:
                 record.append(("release", sess, {"reason": reason}))
             self._deliver(self._policy.leave(sess.ref.key, now), now, record)
             sess.send(CloseMsg(reason))
-        record.insert(0, ("leave", sess, {"reason": reason}))
-        for name, s, fields in record:
-            self._record(name, s, **fields)
+            record.insert(0, ("leave", sess, {"reason": reason}))
+            self._flush(record)
         _log.info("removed %s rank %d: %s", sess.ident.job_name, sess.ident.rank, reason)
         return True
 
@@ -319,8 +318,7 @@ class Scheduler:
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
             self._deliver(self._policy.tick(now), now, record)
-        for name, s, fields in record:
-            self._record(name, s, **fields)
+            self._flush(record)
 
     def next_deadline(self) -> float | None:
         """When `tick` must next run (monotonic seconds), or None; `deadline_changed` is set when it moves."""
@@ -366,8 +364,7 @@ class Scheduler:
                 self._deliver(new.request(sess.ref.key, sess.iteration, now), now, record)
             for sess in self._sessions.values():
                 sess.send(PolicyMsg(new.name, new.blocks))
-        for name_, s, fields in record:
-            self._record(name_, s, **fields)
+            self._flush(record)
         self.events.record("policy", old=old, new=name)
         _log.info("policy %s -> %s", old, name)
         return name
@@ -468,6 +465,12 @@ class Scheduler:
             sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
             if record is not None:
                 record.append(("grant", sess, {"iteration": sess.iteration, "waited_s": waited}))
+
+    def _flush(self, record: list[tuple[str, _Session, dict]]) -> None:
+        # Called with the lock held, so the log's order is the order decisions were made
+        # (tests and benchmarks check policies against it).
+        for name, sess, fields in record:
+            self._record(name, sess, **fields)
 
     def _record(self, event: str, sess: _Session, **fields) -> None:
         self.events.record(
