@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 __all__ = ["AggregationSettings", "default_socket_path", "PluginSettings", "PLUGIN_SETTINGS", "SettingError",
            "TOKEN_METADATA_KEY"]
@@ -70,17 +71,21 @@ ADASUM_ALGORITHMS = ("auto", "allgather", "recursive_doubling")
 LBBSP_METHODS = ("ema", "numerical")
 
 
-def _float(name: str, default: float, lo: float, hi: float) -> float:
-    raw = os.environ.get(name, "")
+def _number(name: str, default: Any, lo: Any, hi: Any, convert: Callable[[str], Any], what: str) -> Any:
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = float(raw)
+        value = convert(raw)
     except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a number") from None
+        raise SettingError(f"{name}={raw!r} is not {what}") from None
     if not lo <= value <= hi:
         raise SettingError(f"{name}={raw} is outside {lo}..{hi}")
     return value
+
+
+def _float(name: str, default: float, lo: float, hi: float) -> float:
+    return float(_number(name, default, lo, hi, float, "a number"))
 
 
 def _bool(name: str, default: bool) -> bool:
@@ -105,16 +110,7 @@ def _choice(name: str, default: str, choices: tuple[str, ...], allow_empty: bool
 
 
 def _int(name: str, default: int, lo: int, hi: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not an integer") from None
-    if not lo <= value <= hi:
-        raise SettingError(f"{name}={raw} is outside {lo}..{hi}")
-    return value
+    return int(_number(name, default, lo, hi, int, "an integer"))
 
 
 def _int_list(name: str) -> tuple[int, ...]:
