@@ -87,6 +87,7 @@ import math
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
@@ -674,7 +675,6 @@ class _WeightedAggregator:
         self._hook_seconds = 0.0
         self._warned = False
         self._inflight: Any = None  # handle of the measurement allgather started at the last boundary
-        self._drain_registered = False
         self._instance = next(_aggregator_ids)
 
     def attach(self) -> None:
@@ -793,22 +793,24 @@ class _WeightedAggregator:
         self._buffer.clear()
         name = f"crossover.lbbsp.{self._instance}.{self._iteration}"
         self._inflight = self._hvd.allgather_async(local, name=name, process_set=self._process_set)
-        if not self._drain_registered:
-            # A share started at the last step is never read by the loop. Without
-            # waiting on it at exit, a fast rank would shut Horovod down while a
-            # slower one still submits its half, and that rank would crash.
-            # atexit is LIFO: this runs before Horovod's own shutdown handler.
-            atexit.register(self._drain)
-            self._drain_registered = True
+        _guard_shutdown(self)
 
-    def _drain(self) -> None:
-        if self._inflight is None:
+    def _drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for a share that the loop will never read."""
+        handle, self._inflight = self._inflight, None
+        if handle is None:
             return
+        deadline = time.monotonic() + timeout
         try:
-            self._hvd.synchronize(self._inflight)
-        except Exception as exc:  # at exit, a failed share must not mask the script's own outcome
-            logger.debug("LB-BSP share still in flight at exit failed: %s", exc)
-        self._inflight = None
+            while not self._hvd.poll(handle):
+                if time.monotonic() >= deadline:
+                    logger.warning("LB-BSP measurement exchange still pending after %.0f s at shutdown; "
+                                   "not waiting longer", timeout)
+                    return
+                time.sleep(0.001)
+            self._hvd.synchronize(handle)
+        except Exception as exc:  # at shutdown, a failed share must not mask the script's own outcome
+            logger.debug("LB-BSP share still in flight at shutdown failed: %s", exc)
 
     def _finish_share(self, state: _LBBSP) -> None:
         gathered = self._hvd.synchronize(self._inflight)
@@ -819,6 +821,49 @@ class _WeightedAggregator:
             state.sizes = tuple(adopted)
             state.history.append((self._iteration + 1, list(adopted)))
             logger.info("LB-BSP sizes from step %d: %s", self._iteration + 1, adopted)
+
+
+# A share started at a job's last step is never read by the loop. If a fast
+# rank then shut Horovod down (an explicit ``hvd.shutdown()`` or Horovod's
+# own exit handler), a slower rank would submit its half to a dead Horovod and
+# crash. So every rank first waits for its own in-flight share: that returns
+# once all ranks have submitted theirs.
+_DRAIN_TIMEOUT_S = 30.0
+_pending: weakref.WeakSet[_WeightedAggregator] = weakref.WeakSet()
+_shutdown_guard: dict[str, Any] = {"installed": False}
+
+
+def _drain_pending() -> None:
+    for aggregator in list(_pending):
+        aggregator._drain(_DRAIN_TIMEOUT_S)
+    _pending.clear()
+
+
+def _guard_shutdown(aggregator: _WeightedAggregator) -> None:
+    _pending.add(aggregator)
+    if _shutdown_guard["installed"]:
+        return
+    _shutdown_guard["installed"] = True
+    # atexit is LIFO: registered after hvd.init(), this runs before Horovod's own exit handler.
+    atexit.register(_drain_pending)
+    # ``hvd.shutdown`` is ``mpi_ops.shutdown``, which resets the torch handle table before it
+    # calls the common shutdown: the drain must come before both, so both names are wrapped.
+    hvd = aggregator._hvd
+    for module in (hvd, getattr(hvd, "mpi_ops", None)):
+        original = getattr(module, "shutdown", None)
+        if original is None or getattr(original, "_crossover_drains", False):
+            continue
+        module.shutdown = _draining(original)
+
+
+def _draining(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shutdown(*args: Any, **kwargs: Any) -> Any:
+        _drain_pending()
+        return original(*args, **kwargs)
+
+    shutdown._crossover_drains = True  # type: ignore[attr-defined]
+    return shutdown
 
 
 def apply_measurements(controller: BatchSizeController, rows: Sequence[Sequence[Sequence[float]]]) -> None:

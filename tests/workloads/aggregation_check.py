@@ -9,6 +9,10 @@ Modes (each rank writes `rank{r}.json` to --out):
   the same inside a process set. With `--native` (MPI controller, power-of-two
   ranks) also Horovod's `op=hvd.Adasum` on the same inputs, and a few steps of
   Horovod's Adasum optimizer against the plugin's on the same model and data.
+* `late-share`: `weighted` training whose last step starts an LB-BSP
+  measurement exchange, after which the last rank's optimizer is slow
+  (`--late` seconds) while the others call `hvd.shutdown()` at once: every
+  rank must still exit cleanly.
 * `weighted`: a few SGD steps with fixed, unequal per-rank batch sizes under
   the `weighted` rule, then the same under plain `average`; the final
   parameters are compared (by the test) with one process training on the
@@ -17,6 +21,7 @@ Modes (each rank writes `rank{r}.json` to --out):
 import argparse
 import json
 import os
+import time
 
 import horovod.torch as hvd
 import torch
@@ -121,13 +126,31 @@ def weighted_model() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4)).double()
 
 
-def train_weighted(rule: str, sizes: list[int], steps: int, lr: float) -> list[list[float]]:
+def late_sgd(late_at: int, delay: float) -> type:
+    """SGD whose `late_at`-th update takes `delay` s longer on the last rank.
+
+    Horovod rebuilds the optimizer as a subclass of its class from the param
+    groups alone, so the delay lives in the class, not in constructor arguments.
+    """
+    class LateSGD(torch.optim.SGD):
+        def step(self, *args, **kwargs):
+            out = super().step(*args, **kwargs)
+            self.updates = getattr(self, "updates", 0) + 1
+            if self.updates == late_at and hvd.rank() == hvd.size() - 1:
+                time.sleep(delay)
+            return out
+    return LateSGD
+
+
+def train_weighted(rule: str, sizes: list[int], steps: int, lr: float, period: int = 10_000,
+                   late: float = 0.0) -> list[list[float]]:
     x, y = weighted_dataset()
     model = weighted_model()
     aggregation.set_aggregation(rule)
     try:
-        sampler = aggregation.batch_sampler(len(x), sum(sizes), seed=5, initial_sizes=sizes, period=10_000)
-        opt = aggregation.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+        sampler = aggregation.batch_sampler(len(x), sum(sizes), seed=5, initial_sizes=sizes, period=period)
+        sgd = late_sgd(steps, late) if late > 0 else torch.optim.SGD
+        opt = aggregation.DistributedOptimizer(sgd(model.parameters(), lr=lr, momentum=0.9),
                                                named_parameters=model.named_parameters())
     finally:
         aggregation.set_aggregation(None)
@@ -135,7 +158,7 @@ def train_weighted(rule: str, sizes: list[int], steps: int, lr: float) -> list[l
     done = 0
     while done < steps:
         for xb, yb in loader:
-            assert len(xb) == sizes[hvd.rank()]
+            assert period < steps or len(xb) == sizes[hvd.rank()]  # sizes change only at a period
             opt.zero_grad()
             nn.functional.cross_entropy(model(xb), yb).backward()
             opt.step()
@@ -147,12 +170,13 @@ def train_weighted(rule: str, sizes: list[int], steps: int, lr: float) -> list[l
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["adasum", "weighted"])
+    p.add_argument("mode", choices=["adasum", "weighted", "late-share"])
     p.add_argument("--native", action="store_true")
     p.add_argument("--process-set", default="")
     p.add_argument("--cases", type=int, default=3)
     p.add_argument("--sizes", default="5,11,16")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--late", type=float, default=2.0, help="late-share: the last rank's extra seconds")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -173,6 +197,11 @@ def main() -> None:
             plugin = train_adasum("plugin", args.steps)
             summary["optimizer_plugin_vs_native"] = max(rel_err(a, b) for a, b in zip(plugin, native))
             summary["optimizer_moved"] = max(rel_err(b, a) for a, b in zip(small_model(7).parameters(), native))
+    elif args.mode == "late-share":
+        sizes = [int(s) for s in args.sizes.split(",")]
+        # period 2, an even step count: the last step starts a share that nothing reads
+        summary["weighted"] = train_weighted("weighted", sizes, args.steps, 0.1, period=2, late=args.late)
+        summary["shutdown_at"] = time.time()
     else:
         sizes = [int(s) for s in args.sizes.split(",")]
         summary["sizes"] = sizes
