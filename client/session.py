@@ -75,6 +75,8 @@ class Session:
         self.registration: pb.RegisterResponse | None = None
         self.on_attach: Callable[[pb.RegisterResponse], None] | None = None
         self.grant_waits: list[float] = []  # seconds each blocking acquire took (benchmarks read it)
+        self.turn_base = 0  # the job's agreed place in its devices' rotation (see turn_floor)
+        self.turn_agreed = False
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
 
     # ---- phase calls (made from the training thread) --------------------
@@ -91,7 +93,8 @@ class Session:
             seq = next(self._seq)
             gen = self._generation
             self._requested_gen = gen
-            self._send(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq))
+            self._send(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq,
+                                    turn_base=self.turn_base))
             if not self._blocks:
                 return True
             start = self._clock()
@@ -123,6 +126,25 @@ class Session:
         with self._cond:
             if self._attached:
                 self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration, duration_s=duration_s))
+
+    def turn_floor(self) -> int:
+        """The daemon's answer to "where in the rotation should this job start?" (0 when unattached).
+
+        The job's ranks must then agree on one base (the plugin takes the
+        maximum over them) and set :attr:`turn_base`.
+        """
+        with self._cond:
+            reg = self.registration if self._attached else None
+        if reg is None or self._channel is None:
+            return 0
+        try:
+            reply = pb_grpc.SchedulerStub(self._channel).TurnFloor(
+                pb.TurnFloorRequest(session_id=reg.session_id), timeout=self.settings.connect_timeout_s,
+                metadata=self._metadata)
+        except grpc.RpcError as exc:
+            _log.info("turn floor unavailable (%s); starting the rotation at 0", exc.code().name)
+            return 0
+        return int(reply.floor)
 
     # ---- lifecycle -------------------------------------------------------
 

@@ -44,6 +44,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_CONNECT_TIMEOUT": ("1", "Seconds to wait for the daemon when attaching."),
     "CROSSOVER_RECONNECT_INTERVAL": ("2", "Seconds between attempts to re-attach to a lost daemon."),
     "CROSSOVER_PIN": ("1", "0: do not pin to the CPU core a CPU device names."),
+    "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
+                             "co-located job's compute (Horovod's own wait keeps a core busy); 0: Horovod's wait."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
     "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats (grant waits) as JSON here; "
                              "`{rank}` is replaced by the Horovod rank."),
@@ -174,6 +176,7 @@ class PluginSettings:
     reconnect_interval_s: float
     pin: bool
     log_level: str
+    quiet_wait: bool = True
     stats_file: str = ""
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
 
@@ -199,6 +202,7 @@ class PluginSettings:
             connect_timeout_s=_float("CROSSOVER_CONNECT_TIMEOUT", 1.0, 0.01, 60.0),
             reconnect_interval_s=_float("CROSSOVER_RECONNECT_INTERVAL", 2.0, 0.05, 600.0),
             pin=_bool("CROSSOVER_PIN", True),
+            quiet_wait=_bool("CROSSOVER_QUIET_WAIT", True),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", "WARNING").upper(),
             stats_file=os.environ.get("CROSSOVER_STATS_FILE", ""),
             aggregation=AggregationSettings.from_env(),

@@ -105,7 +105,11 @@ class Policy(Protocol):
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]: ...
 
-    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]: ...
+    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
+        """`iteration` is the job's turn: its agreed base plus its own iteration counter."""
+
+    def turn_floor(self, device: int, job_id: str) -> int:
+        """The turn a job joining `device` should start from so it does not run ahead of the others."""
 
     def release(self, key: RankKey, now: float) -> list[RankKey]: ...
 

@@ -42,6 +42,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _MAX_WORLD = 1 << 20
+_MAX_TURN = 1 << 53  # turns are counters; anything larger is a corrupt field
 
 
 @dataclass(frozen=True)
@@ -236,12 +237,18 @@ class Scheduler:
             sess.undelivered.clear()
         return outbox
 
-    def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0) -> None:
-        """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`."""
+    def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
+              turn_base: int = 0) -> None:
+        """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`.
+
+        A compute request's place in the policy's order is its turn, `turn_base + iteration`.
+        """
         if duration_s < 0 or duration_s > 86_400 or duration_s != duration_s:
             raise InvalidRequest(f"duration_s={duration_s} is not a plausible phase length")
         if iteration < -1:
             raise InvalidRequest(f"iteration={iteration} is negative")
+        if turn_base < 0 or turn_base > _MAX_TURN:
+            raise InvalidRequest(f"turn_base={turn_base} is outside 0..{_MAX_TURN}")
         now = self._clock()
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
@@ -257,8 +264,8 @@ class Scheduler:
                 sess.pending_seq = seq
                 sess.requested_at = now
                 self._set_phase(sess, Phase.WAITING, now)
-                record.append(("request", sess, {"iteration": iteration, "seq": seq}))
-                self._deliver(self._policy.request(key, iteration, now), now, record)
+                record.append(("request", sess, {"iteration": iteration, "seq": seq, "turn": turn_base + iteration}))
+                self._deliver(self._policy.request(key, turn_base + iteration, now), now, record)
             elif kind == "compute_done":
                 self._finish_compute(sess, now, record, duration_s, strict=True)
             elif kind == "comm_begin":
@@ -276,6 +283,12 @@ class Scheduler:
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
             self._flush(record)
+
+    def turn_floor(self, session_id: str) -> int:
+        """Where the session's job should join its device's rotation (see `Policy.turn_floor`)."""
+        with self._lock:
+            sess = self._session(session_id)
+            return self._policy.turn_floor(sess.ref.device, sess.ref.key.job_id)
 
     def close(self, session_id: str, reason: str) -> bool:
         """Remove a session (stream ended, process died, heartbeat lost); frees its grant."""

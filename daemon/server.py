@@ -129,6 +129,12 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
             policy_blocks=reg.policy_blocks,
         )
 
+    @_unary
+    def TurnFloor(self, request: pb.TurnFloorRequest, context: grpc.ServicerContext) -> pb.TurnFloorResponse:
+        if not request.session_id:
+            raise InvalidRequest("session_id is missing")
+        return pb.TurnFloorResponse(floor=self._core.turn_floor(request.session_id))
+
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         # Runs on the event loop: reading an event, deciding and writing the grant
         # happen on one thread, which keeps the grant round trip short.
@@ -181,7 +187,7 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
                 try:
                     if kind is None:
                         raise InvalidRequest(f"event kind {ev.kind} is not valid after OPEN")
-                    self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s)
+                    self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s, ev.turn_base)
                 except CrossoverError as exc:
                     _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
                     inbox.put_nowait(CloseMsg(str(exc), exc))

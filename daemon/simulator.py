@@ -255,10 +255,11 @@ class _Rank:
 class _Job:
     __slots__ = ("spec", "id", "ranks", "joined", "pending", "iteration", "links", "comm_work", "comm_rate",
                  "comm_since", "comm_version", "in_comm", "iter_ends", "started_at", "left_at", "active",
-                 "finished", "waits")
+                 "finished", "waits", "turn_base")
 
     def __init__(self, spec: JobSpec, job_id: str) -> None:
         self.spec, self.id = spec, job_id
+        self.turn_base = 0
         self.ranks: list[_Rank] = []
         self.joined = self.pending = self.iteration = 0
         self.links: tuple[tuple[int, int], ...] = tuple(dict.fromkeys(spec.placement))
@@ -400,6 +401,8 @@ class _World:
         if job.joined == len(job.ranks):  # Horovod's init is a barrier: iteration 0 starts together
             job.started_at = self.now
             job.pending = len(job.ranks)
+            # what the plugin does before the first request: the largest floor over the job's ranks
+            job.turn_base = max(self.nodes[r.node].policy.turn_floor(r.device, job.id) for r in job.ranks)
             for r in job.ranks:
                 self.request(r)
 
@@ -460,7 +463,7 @@ class _World:
         dev = node.devices[rank.device]
         dev.waiting += 1
         self.mark(dev)
-        self.call(node, node.policy.request(rank.key, rank.iteration, self.now))
+        self.call(node, node.policy.request(rank.key, rank.job.turn_base + rank.iteration, self.now))
 
     def mark(self, dev: _Device) -> None:
         hungry = dev.waiting > 0 and not dev.computing

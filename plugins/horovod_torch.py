@@ -72,7 +72,8 @@ def install(settings: PluginSettings | None = None) -> bool:
                 _log.info("this rank is outside the optimizer's process set; nothing to schedule")
                 return opt
             session = _ensure_session(hvd, pset)
-            _PhaseTracker(opt, session).attach()
+            _PhaseTracker(opt, session, quiet_wait=settings.quiet_wait,
+                          agree=functools.partial(_agree_turn_base, hvd, pset)).attach()
         except Exception:  # never break the user's script
             _log.exception("crossover could not hook this optimizer; it trains unscheduled")
         return opt
@@ -158,6 +159,25 @@ def _agree_job_id(hvd: Any, process_set: Any) -> str:
     return str(hvd.broadcast_object(mine, root_rank=root, **kwargs))
 
 
+def _agree_turn_base(hvd: Any, process_set: Any, session: Session) -> None:
+    """Before the job's first request: every rank asks its daemon for the turn floor, the job takes the largest.
+
+    A collective, reached by every rank of the set at its first grant request
+    (the first ``zero_grad`` or step), whether or not its daemon is reachable.
+    """
+    floor = session.turn_floor()
+    if hvd.size() > 1:
+        import torch
+
+        kwargs: dict[str, Any] = {"name": "crossover.turn_floor"}
+        if process_set is not None:
+            kwargs["process_set"] = process_set
+        floor = int(hvd.allgather(torch.tensor([floor], dtype=torch.int64), **kwargs).max())
+    session.turn_base = floor
+    if floor:
+        _log.info("joining the rotation at turn %d", floor)
+
+
 def _pin(reg: Any) -> None:
     """CPU devices: pin every thread of this process to the device's cores."""
     cores = set(reg.cpu_affinity)
@@ -178,6 +198,39 @@ def _pin(reg: Any) -> None:
     _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)
 
 
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3
+
+
+def _wait_quietly(opt: Any) -> None:
+    """Sleep until every allreduce the optimizer has submitted is done, then let Horovod collect them.
+
+    Horovod 0.28's ``synchronize()`` keeps the calling thread busy while it
+    waits; on a CPU device that steals the core from the job whose turn it is
+    to compute. Polling with sleeps (50 µs, doubling to 1 ms) hands the core
+    back. Only when every gradient already has its own submitted handle:
+    otherwise Horovod still has to submit some (or a group is incomplete),
+    and its own wait is the only safe one.
+    """
+    from horovod.torch.mpi_ops import poll
+
+    handles = getattr(opt, "_handles", None)
+    needed = getattr(opt, "_requires_update", None)
+    if not handles or needed is None:
+        return
+    covered: set[Any] = set()
+    for key, (handle, _ctx) in handles.items():
+        if not isinstance(handle, int):
+            return
+        covered.update(key if isinstance(key, tuple) else (key,))
+    if not needed <= covered:
+        return
+    pause = _POLL_MIN_S
+    for handle, _ctx in list(handles.values()):
+        while not poll(handle):
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+
+
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -193,9 +246,12 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
 class _PhaseTracker:
     """Reports one optimizer's phases to the session. State is touched only by the training thread."""
 
-    def __init__(self, opt: Any, session: Session) -> None:
+    def __init__(self, opt: Any, session: Session, quiet_wait: bool = True,
+                 agree: Callable[[Session], None] | None = None) -> None:
         self.opt = opt
         self.session = session
+        self.agree = agree
+        self.quiet_wait = quiet_wait
         self.iteration = 0
         self.holding = False
         self.compute_start = 0.0
@@ -223,10 +279,14 @@ class _PhaseTracker:
                 finally:
                     self._comm_end(time.perf_counter() - t0)
         else:
+            quiet = self.quiet_wait
+
             def synchronize(_opt: Any) -> Any:
                 self._comm_begin()
                 t0 = time.perf_counter()
                 try:
+                    if quiet:
+                        _wait_quietly(opt)
                     return orig_sync()
                 finally:
                     self._comm_end(time.perf_counter() - t0)
@@ -271,6 +331,9 @@ class _PhaseTracker:
             self._acquire()
 
     def _acquire(self) -> None:
+        if not self.session.turn_agreed and self.agree is not None:
+            self.session.turn_agreed = True
+            self.agree(self.session)
         self.hooks_fired = 0
         self.session.acquire(self.iteration)
         self.holding = True
@@ -280,7 +343,7 @@ class _PhaseTracker:
         if self.cuda:
             import torch
 
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # sleep, not spin, while the GPU finishes
             done.record()
             done.synchronize()
         self.holding = False

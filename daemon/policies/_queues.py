@@ -92,6 +92,9 @@ class QueuePolicy:
     def tick(self, now: float) -> list[RankKey]:
         return []
 
+    def turn_floor(self, device: int, job_id: str) -> int:
+        return 0  # order-free policies: turns mean nothing
+
     def view(self, device: int) -> DeviceView:
         dev = self._q.devices.get(device)
         if dev is None:

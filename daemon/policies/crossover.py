@@ -4,19 +4,29 @@ While job A computes, job B runs its allreduce; then they swap (CrossoverSchedul
 Luo et al. 2021). Generalized to N jobs with unequal phase times:
 
 * One order everywhere ("crossover synchronization"). When a device is free,
-  it goes to the job with the smallest key `(iteration, job_id)`: the job that
-  is furthest behind, ties broken by its id. A job's ranks advance their
-  iteration counter in lockstep (every step ends in the job's allreduce), and
-  its id is the same on every node, so every node computes the same key for
+  it goes to the job with the smallest key `(turn, job_id)`: the job that
+  is furthest behind, ties broken by its id. A job's turn is its iteration
+  counter plus a base its ranks agreed on when it started. The ranks advance
+  the counter in lockstep (every step ends in the job's allreduce), and base
+  and id are the same on every node, so every node computes the same key for
   the same job without exchanging a message: all ranks of a job get the device
   in the same round, and a job's allreduce does not wait for a rank queued
   behind another job elsewhere. The key depends on no local history, so a
   node that joined late or lost a job is in step from its next decision on.
+* Fair rotation for late starters. A job that started at iteration 0 next to
+  one at iteration 500 would be "furthest behind" for 500 turns and run
+  ahead of it. Instead, each rank asks its daemon for `turn_floor` (the
+  smallest turn of the other jobs there) before its first request, and the
+  job takes the largest answer over its ranks as its base: it joins the
+  rotation where the others are, and from then on the jobs alternate. Nodes
+  may answer one turn apart (a job's ranks are up to one iteration apart);
+  the maximum is one agreed number, so the order stays consistent.
 * Backfilling, adapted to measured phase times. If the job that should go
   next (the owner) is still in its allreduce, a ready job may use the device
   now when its expected compute time (EMA of its measured compute phases)
-  fits before the owner is expected back (owner's comm start + `slack` × EMA of
-  its comm phases). The owner is not delayed, and the device does not idle.
+  fits before the owner is expected back (owner's comm start + the larger of
+  `slack` × EMA of its comm phases and that EMA + `margin_s`). The owner is
+  not delayed, and the device does not idle.
   This test reads the clock, so two nodes whose events are skewed by a few
   milliseconds can decide a borderline case differently; the order itself
   does not drift (the keys put every node back in step at the next decision).
@@ -45,6 +55,9 @@ __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 @dataclass(frozen=True)
 class CrossoverSettings:
     slack: float = 1.2
+    # At least this much beyond the comm EMA: nodes see the same events up to a few ms
+    # apart, and a deadline inside that skew would be decided differently on each node.
+    margin_s: float = 0.005
     backfill: bool = True
     max_wait_s: float = 0.5
     initial_wait_s: float = 0.25  # an owner whose comm time is not measured yet (its first allreduce)
@@ -54,7 +67,7 @@ class CrossoverSettings:
 @dataclass
 class _Job:
     name: str
-    iteration: int = -1  # latest iteration one of its ranks asked the device for (-1: none yet)
+    iteration: int = -1  # latest turn one of its ranks asked the device for (-1: none yet)
     active: bool = True  # False after it missed a bounded wait, until it asks again
     comm_ema: float | None = None
     compute_ema: float | None = None
@@ -141,6 +154,12 @@ class CrossoverPolicy(QueuePolicy):
         waiting = {k.job_id for k in dev.waiting} if dev else set()
         return sorted(self._jobs_on(device), key=lambda j: self._key(j, j in waiting))
 
+    def turn_floor(self, device: int, job_id: str) -> int:
+        waiting = {k.job_id for k in self._q.devices[device].waiting} if device in self._q.devices else set()
+        turns = [self._key(j, j in waiting)[0] for j in self._jobs_on(device)
+                 if j != job_id and self._jobs[j].iteration >= 0 and self._jobs[j].active]
+        return min(turns, default=0)
+
     def _order(self, device: int) -> tuple[str, ...]:
         return tuple(self._jobs[j].name for j in self.order(device))
 
@@ -157,7 +176,7 @@ class CrossoverPolicy(QueuePolicy):
         began = job.comm_began.get(device)
         if began is None or job.comm_ema is None:
             return (began if began is not None else now) + self.settings.initial_wait_s
-        return began + self.settings.slack * job.comm_ema
+        return began + max(self.settings.slack * job.comm_ema, job.comm_ema + self.settings.margin_s)
 
     def _dispatch(self, device: int, now: float) -> list[RankKey]:
         dev = self._q.devices.get(device)

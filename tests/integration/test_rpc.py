@@ -408,3 +408,30 @@ def test_close_delivers_every_event_still_queued(serve, sessions, tmp_path):
             break
         time.sleep(0.05)
     assert len(releases) == 300, f"the daemon saw {len(releases)} of 300 compute phases"
+
+
+def test_turn_floor_places_a_new_job_where_the_others_are(serve, channels, streams, sessions):
+    d = serve(policy="crossover")
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = register(stub, job="veteran", world=1)
+    _q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                       pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=40, seq=1, turn_base=2))
+    assert first_directive(call).grant.seq == 1
+    newcomer = sessions(target, "newcomer")
+    assert newcomer.turn_floor() == 43  # the veteran holds turn 42; its next request is 43
+    request = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] == "request"])
+    assert request[0]["iteration"] == 40 and request[0]["turn"] == 42
+    assert rpc_error(stub.TurnFloor, pb.TurnFloorRequest(session_id="nope"), timeout=5).code() \
+        == grpc.StatusCode.NOT_FOUND
+    assert rpc_error(stub.TurnFloor, pb.TurnFloorRequest(), timeout=5).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_negative_turn_base_is_refused(serve, channels):
+    d = serve(policy="crossover")
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    reg = register(stub, job="bad", world=1)
+    events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+              pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1, turn_base=-5)]
+    err = rpc_error(lambda: list(stub.Session(iter(events), timeout=5)))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "turn_base" in err.details()
