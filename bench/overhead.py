@@ -1,4 +1,4 @@
-"""Plugin overhead: one 2-rank job, plain Horovod vs. the plugin under passthrough and exclusive.
+"""Plugin overhead: one job (2 ranks by default), plain Horovod vs. the plugin under passthrough and exclusive.
 
 Variants run interleaved, round after round, so machine noise hits all of
 them alike; the table reports the median over rounds of each variant's mean
@@ -6,7 +6,7 @@ iteration time, the overhead relative to plain Horovod measured in the same
 round, and the grant round-trip (time a rank spends in a blocking acquire
 that nobody contends, measured inside the ranks).
 
-    python bench/overhead.py [--rounds 3] [--iters 80] [--out results/overhead.json]
+    python bench/overhead.py [--np 2] [--rounds 3] [--iters 80] [--target-ms 50] [--out results/overhead.json]
 """
 from __future__ import annotations
 
@@ -42,19 +42,19 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
     job_args = ["--iters", str(args.iters), "--width", str(args.width), "--batch", str(args.batch)]
     name = f"{variant}{rnd}"
     if variant == "plain":
-        proc, out = start_job(name, WORKLOAD, workdir, 2, job_args, {})
+        proc, out = start_job(name, WORKLOAD, workdir, args.np, job_args, {})
         ranks = finish_job(proc, out)
         waits: list[float] = []
     else:
         with Daemon(workdir, "--cpu-devices", "2", "--policy", variant, name=name) as d:
             stats = workdir / f"{name}.stats.{{rank}}.json"
             # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
-            proc, out = start_job(name, script_with_import(workdir), workdir, 2, job_args,
+            proc, out = start_job(name, script_with_import(workdir), workdir, args.np, job_args,
                                   {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats),
                                    "CROSSOVER_PIN": "0"})
             ranks = finish_job(proc, out)
         waits = []
-        for r in range(2):
+        for r in range(args.np):
             s = json.loads(Path(str(stats).replace("{rank}", str(r))).read_text())
             assert s["attached"], f"{variant}: rank {r} ran unattached; the measurement would be meaningless"
             waits += s["grant_waits_s"][args.warmup:]
@@ -62,18 +62,38 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
     return {"iter_mean_s": mean(iters), "iter_p50_s": percentile(iters, 50), "grant_waits_s": waits}
 
 
+def calibrate(workdir: Path, args: argparse.Namespace, progress: Progress) -> int:
+    """The batch at which plain Horovod's iteration takes about ``--target-ms`` on this machine (time ∝ batch)."""
+    task = progress.add_task(f"calibrating the batch for {args.target_ms:.0f} ms", total=2)
+    batch = 192
+    for attempt in range(2):
+        probe = argparse.Namespace(**{**vars(args), "batch": batch, "iters": 40})
+        measured = run_variant("plain", workdir, probe, 100 + attempt)["iter_mean_s"] * 1000
+        batch = max(8, round(batch * args.target_ms / measured))
+        progress.advance(task)
+    progress.remove_task(task)
+    return batch
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", type=int, default=2,
+                   help="ranks of the job; on a 2-core machine 2 ranks fill every core, so the daemon's and the "
+                        "RPC threads' CPU preempts a rank and stalls both (1 rank leaves them a core)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=80)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--width", type=int, default=512)
-    p.add_argument("--batch", type=int, default=192, help="sized for a ~50 ms iteration on a quiet 2-core machine")
+    p.add_argument("--batch", type=int, default=0,
+                   help="per-rank batch; 0 (default): calibrated so plain Horovod takes --target-ms per iteration")
+    p.add_argument("--target-ms", type=float, default=50.0, help="iteration time the calibration aims at")
     p.add_argument("--out", type=Path, default=Path("results/overhead.json"))
     args = p.parse_args()
 
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="xo-overhead-") as tmp, Progress(transient=True) as progress:
+        if args.batch <= 0:
+            args.batch = calibrate(Path(tmp), args, progress)
         task = progress.add_task("overhead", total=args.rounds * len(VARIANTS))
         for rnd in range(args.rounds):
             res = {}
@@ -94,7 +114,8 @@ def main() -> None:
                       "grant_rtt_p50_ms": 1000 * percentile(waits, 50) if waits else None,
                       "grant_rtt_p99_ms": 1000 * percentile(waits, 99) if waits else None, "grants": len(waits)}
 
-    t = Table(title=f"plugin overhead: 1 job x 2 ranks, {args.rounds} interleaved rounds, {args.iters} iters")
+    t = Table(title=f"plugin overhead: 1 job x {args.np} ranks, batch {args.batch}, {args.rounds} interleaved rounds, "
+                    f"{args.iters} iters")
     for c in ("variant", "iter ms (median)", "overhead vs plain", "per round", "grant RTT p50 ms", "p99 ms"):
         t.add_column(c, justify="right")
     for v, s in summary.items():
