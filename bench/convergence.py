@@ -358,6 +358,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one small pair per scenario, fewer epochs (a few minutes)")
     p.add_argument("--out", default="", help="output stem (default results/convergence[_quick])")
     p.add_argument("--np", type=int, default=4)
+    p.add_argument("--only", default="", help="comma-separated scenario:pair subset, e.g. straggler:mnist1d-cnn")
     p.add_argument("--pace", default="auto", help="device emulation factor (0 disables it) or 'auto' (from load)")
     p.add_argument("--base-reference", action="store_true", help="also train at the baseline batch (slow)")
     p.add_argument("--keep", action="store_true", help="keep the job logs and per-rank outputs (temp dir)")
@@ -374,6 +375,14 @@ def main() -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     console = Console(width=None if sys.stdout.isatty() else 170)
     config = QUICK if args.quick else FULL
+    if args.only:
+        wanted = {item.strip() for item in args.only.split(",") if item.strip()}
+        config = {scenario: [e for e in entries if f"{scenario}:{pair(e)}" in wanted]
+                  for scenario, entries in config.items()}
+        if not any(config.values()):
+            known = sorted(f"{sc}:{pair(e)}" for sc, entries in (QUICK if args.quick else FULL).items()
+                           for e in entries)
+            p.error(f"--only {args.only!r} matches nothing; choose from {', '.join(known)}")
     args.repeats = args.repeats or (1 if args.quick else 2)
     jobs = plan(config, args)
     load_before = loadavg()
