@@ -85,16 +85,24 @@ class Session:
     def attached(self) -> bool:
         return self._attached
 
-    def acquire(self, iteration: int) -> bool:
-        """Ask for the device; block until granted when the policy gates. True when scheduled."""
+    def acquire(self, iteration: int, comm_s: float | None = None) -> bool:
+        """Ask for the device; block until granted when the policy gates. True when scheduled.
+
+        ``comm_s``: the allreduce that just ended, folded into the request (one
+        message instead of a COMM_END and a COMPUTE_REQUEST back to back).
+        """
         with self._cond:
-            if not self._attached or self._requested_gen == self._generation:
+            if not self._attached:
+                return False
+            if self._requested_gen == self._generation:
+                if comm_s is not None:
+                    self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
                 return False
             seq = next(self._seq)
             gen = self._generation
             self._requested_gen = gen
             self._send(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq,
-                                    turn_base=self.turn_base))
+                                    turn_base=self.turn_base, duration_s=comm_s or 0.0))
             if not self._blocks:
                 return True
             start = self._clock()

@@ -260,6 +260,8 @@ class Scheduler:
             if kind == "compute_request":
                 if sess.phase in (Phase.WAITING, Phase.COMPUTE):
                     raise FailedPrecondition(f"rank {key} requested the device while in phase {sess.phase.value}")
+                if sess.phase is Phase.COMM:  # the request carries the end of the allreduce before it
+                    self._end_comm(sess, iteration - 1, duration_s, now, record)
                 sess.iteration = max(sess.iteration, iteration)
                 sess.pending_seq = seq
                 sess.requested_at = now
@@ -274,12 +276,7 @@ class Scheduler:
                 self._set_phase(sess, Phase.COMM, now)
                 record.append(("comm_begin", sess, {"iteration": iteration}))
             elif kind == "comm_end":
-                measured = duration_s or (now - sess.phase_since if sess.phase is Phase.COMM else 0.0)
-                sess.stats.comm_total += measured
-                sess.stats.comm_n += 1
-                self._policy.observe(key, "comm", measured, now)
-                self._set_phase(sess, Phase.OTHER, now)
-                record.append(("comm_end", sess, {"iteration": iteration, "duration_s": measured}))
+                self._end_comm(sess, iteration, duration_s, now, record)
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
             self._flush(record)
@@ -428,6 +425,15 @@ class Scheduler:
             return self._sessions[session_id]
         except KeyError:
             raise NotFound(f"unknown session {session_id!r}: register first (or it was evicted)") from None
+
+    def _end_comm(self, sess: _Session, iteration: int, duration_s: float, now: float,
+                  record: list[tuple[str, _Session, dict]]) -> None:
+        measured = duration_s or (now - sess.phase_since if sess.phase is Phase.COMM else 0.0)
+        sess.stats.comm_total += measured
+        sess.stats.comm_n += 1
+        self._policy.observe(sess.ref.key, "comm", measured, now)
+        self._set_phase(sess, Phase.OTHER, now)
+        record.append(("comm_end", sess, {"iteration": iteration, "duration_s": measured}))
 
     def _set_phase(self, sess: _Session, phase: Phase, now: float) -> None:
         sess.phase = phase

@@ -321,21 +321,20 @@ class _PhaseTracker:
 
     @_guard
     def _comm_end(self, duration: float) -> None:
-        self.session.comm_end(self.iteration, duration)
         self.iteration += 1
-        self._acquire()
+        self._acquire(comm_s=duration)  # the request tells the daemon the allreduce ended
 
     @_guard
     def _ensure_holding(self) -> None:
         if not self.holding:
             self._acquire()
 
-    def _acquire(self) -> None:
+    def _acquire(self, comm_s: float | None = None) -> None:
         if not self.session.turn_agreed and self.agree is not None:
             self.session.turn_agreed = True
             self.agree(self.session)
         self.hooks_fired = 0
-        self.session.acquire(self.iteration)
+        self.session.acquire(self.iteration, comm_s)
         self.holding = True
         self.compute_start = time.perf_counter()
 

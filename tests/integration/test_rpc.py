@@ -435,3 +435,19 @@ def test_a_negative_turn_base_is_refused(serve, channels):
               pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1, turn_base=-5)]
     err = rpc_error(lambda: list(stub.Session(iter(events), timeout=5)))
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "turn_base" in err.details()
+
+
+def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sessions):
+    d = serve(policy="exclusive")
+    s = sessions(f"unix://{d.socket_path}", "folded")
+    assert s.acquire(0) is True
+    s.release(0, 0.01)
+    s.comm_begin(0)
+    assert s.acquire(1, comm_s=0.25) is True  # one message: COMPUTE_REQUEST with the comm length
+    events = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] in ("comm_end", "request")
+                               and e.get("job_name") == "folded"][-2:] or None)
+    comm_end, request = events
+    assert comm_end["event"] == "comm_end" and comm_end["iteration"] == 0 and comm_end["duration_s"] == 0.25
+    assert request["event"] == "request" and request["iteration"] == 1
+    rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "folded")
+    assert rank.mean_comm_s == pytest.approx(0.25)
