@@ -198,7 +198,7 @@ def _pin(reg: Any) -> None:
     _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)
 
 
-_POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 250e-6
 
 
 def _wait_quietly(opt: Any) -> None:
@@ -206,7 +206,7 @@ def _wait_quietly(opt: Any) -> None:
 
     Horovod 0.28's ``synchronize()`` keeps the calling thread busy while it
     waits; on a CPU device that steals the core from the job whose turn it is
-    to compute. Polling with sleeps (50 µs, doubling to 1 ms) hands the core
+    to compute. Polling with sleeps (50 µs, doubling to 250 µs) hands the core
     back. Only when every gradient already has its own submitted handle:
     otherwise Horovod still has to submit some (or a group is incomplete),
     and its own wait is the only safe one.
