@@ -62,13 +62,16 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
     script = with_import(tmp_path)
     env = {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_RECONNECT_INTERVAL": "60"}
-    for name in ("one", "two"):
-        jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "300"), env=env))
+    for name in ("one", "two"):  # long enough that neither finishes before the other starts (start-up spread)
+        jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "4000"), env=env))
     _wait_for(lambda: {e["job_name"] for e in d.events() if e["event"] == "grant"} == {"one", "two"}, 60,
               "both jobs scheduled")
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # CLOCK_MONOTONIC, the event log's clock
     assert d.stop(signal.SIGTERM, timeout=10) == 0
     assert time.monotonic() - t0 < 5, "daemon took too long to stop"
     for j in jobs:
         assert j.wait(120) == 0, j.output()[-3000:]
-    assert {e["reason"] for e in d.events() if e["event"] == "leave"} == {"daemon shutdown"}
+    events = d.events()
+    assert not [e for e in events if e["event"] == "leave" and e["t"] < t0], "a job left before the SIGTERM"
+    assert sorted((e["job_name"], e["reason"]) for e in events if e["event"] == "leave") == [
+        ("one", "daemon shutdown"), ("two", "daemon shutdown")]
