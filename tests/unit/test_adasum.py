@@ -2,9 +2,6 @@
 run over an in-process fake of the collectives (one thread per rank)."""
 from __future__ import annotations
 
-import threading
-from typing import Callable, Optional
-
 import pytest
 import torch
 from crossover.plugins.adasum import (
@@ -15,68 +12,11 @@ from crossover.plugins.adasum import (
     adasum_reference,
     adasum_tree,
 )
+from fake_collectives import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 ALGORITHMS = ["allgather", "recursive_doubling"]
-
-
-class _World:
-    """Shared state of the fake group: a barrier and two mailboxes."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=20)
-        self.slots: list[Optional[torch.Tensor]] = [None] * size
-        self.mail: dict[tuple[int, int], torch.Tensor] = {}
-        self.lock = threading.Lock()
-        self.calls = {"allgather": 0, "exchange": 0}
-
-
-class FakeCollectives:
-    """Implements ``PairwiseCollectives`` for one rank of a ``_World``."""
-
-    def __init__(self, world: _World, rank: int) -> None:
-        self._world = world
-        self._rank = rank
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._world.size
-
-    def _count(self, name: str) -> None:
-        if self._rank == 0:
-            self._world.calls[name] += 1
-
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._count("allgather")
-        world = self._world
-        world.slots[self._rank] = tensor.clone()
-        world.barrier.wait()
-        gathered = torch.stack([slot for slot in world.slots if slot is not None])
-        world.barrier.wait()  # nobody overwrites a slot before everyone has read it
-        return gathered
-
-    def exchange(
-        self, tensor: Optional[torch.Tensor], send_to: Optional[int], recv_from: Optional[int]
-    ) -> Optional[torch.Tensor]:
-        self._count("exchange")
-        world = self._world
-        if send_to is not None:
-            assert tensor is not None
-            with world.lock:
-                world.mail[(self._rank, send_to)] = tensor.clone()
-        world.barrier.wait()
-        received = None
-        if recv_from is not None:
-            with world.lock:
-                received = world.mail.pop((recv_from, self._rank))
-        world.barrier.wait()
-        return received
 
 
 class GatherOnly:
@@ -87,29 +27,6 @@ class GatherOnly:
 
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.stack([tensor, tensor])
-
-
-def run_ranks(size: int, body: Callable[[FakeCollectives], object]) -> tuple[list[object], _World]:
-    """Run ``body`` once per rank in its own thread; return results in rank order."""
-    world = _World(size)
-    results: list[object] = [None] * size
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = body(FakeCollectives(world, rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(exc)
-            world.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results, world
 
 
 def rel_err(result: torch.Tensor, expected: torch.Tensor) -> float:

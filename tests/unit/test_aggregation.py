@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import copy
-import threading
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from crossover.plugins.aggregation import (
 )
 from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeController, Measurement
 from crossover.settings import AggregationSettings, SettingError
+from fake_collectives import FakeCollectives, FakeGroup, run_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -302,61 +302,6 @@ def test_a_nested_call_passes_through():
 # --- plugin Adasum optimizer over threads -------------------------------------
 
 
-class _Group:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=30)
-        self.slots: list[Optional[torch.Tensor]] = [None] * size
-
-
-class ThreadCollectives:
-    """Allgather among threads (one per rank), like `HorovodCollectives` among processes."""
-
-    def __init__(self, group: _Group, rank: int) -> None:
-        self._group, self._rank = group, rank
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._group.size
-
-    def expect(self, dtype: torch.dtype, device: Any = None) -> None:
-        pass
-
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        group = self._group
-        group.slots[self._rank] = tensor.clone()
-        group.barrier.wait()
-        out = torch.stack([s for s in group.slots if s is not None])
-        group.barrier.wait()
-        return out
-
-
-def run_threads(size: int, body: Callable[[int, ThreadCollectives], Any]) -> list[Any]:
-    group = _Group(size)
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = body(rank, ThreadCollectives(group, rank))
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return results
-
-
 def model_and_data(rank: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
@@ -394,8 +339,8 @@ def reference_adasum_training(size: int) -> list[torch.Tensor]:
 def test_plugin_adasum_optimizer_matches_the_delta_reference(size):
     prepared = [model_and_data(rank) for rank in range(size)]  # torch's RNG is global: seed outside the threads
 
-    def body(rank: int, coll: ThreadCollectives) -> list[torch.Tensor]:
-        model, data = prepared[rank]
+    def body(coll: FakeCollectives) -> list[torch.Tensor]:
+        model, data = prepared[coll.rank]
         opt = AdasumOptimizer(sgd(model, lr=0.3), coll)  # type: ignore[arg-type]
         for x, y in data:
             opt.zero_grad()
@@ -403,7 +348,7 @@ def test_plugin_adasum_optimizer_matches_the_delta_reference(size):
             opt.step()
         return [p.detach().clone() for p in model.parameters()]
 
-    results = run_threads(size, body)
+    results, _ = run_ranks(size, body)
     expected = reference_adasum_training(size)
     for rank_params in results:
         for got, want in zip(rank_params, expected):
@@ -413,7 +358,7 @@ def test_plugin_adasum_optimizer_matches_the_delta_reference(size):
 def test_plugin_adasum_optimizer_is_one_optimizer_for_schedulers_and_checkpoints():
     model, data = model_and_data(0)
     inner = sgd(model, lr=0.5)
-    opt = AdasumOptimizer(inner, ThreadCollectives(_Group(1), 0))  # type: ignore[arg-type]
+    opt = AdasumOptimizer(inner, FakeCollectives(FakeGroup(1), 0))  # type: ignore[arg-type]
     assert opt.param_groups is inner.param_groups and opt.state is inner.state
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
     x, y = data[0]
