@@ -150,12 +150,11 @@ class CrossoverPolicy(QueuePolicy):
 
     def order(self, device: int) -> list[str]:
         """Job ids on the device, in the order the policy would serve them now."""
-        dev = self._q.devices.get(device)
-        waiting = {k.job_id for k in dev.waiting} if dev else set()
+        waiting = self._waiting_jobs(device)
         return sorted(self._jobs_on(device), key=lambda j: self._key(j, j in waiting))
 
     def turn_floor(self, device: int, job_id: str) -> int:
-        waiting = {k.job_id for k in self._q.devices[device].waiting} if device in self._q.devices else set()
+        waiting = self._waiting_jobs(device)
         turns = [self._key(j, j in waiting)[0] for j in self._jobs_on(device)
                  if j != job_id and self._jobs[j].iteration >= 0 and self._jobs[j].active]
         return min(turns, default=0)
@@ -164,6 +163,10 @@ class CrossoverPolicy(QueuePolicy):
         return tuple(self._jobs[j].name for j in self.order(device))
 
     # ---- decisions ----------------------------------------------------------
+
+    def _waiting_jobs(self, device: int) -> set[str]:
+        dev = self._q.devices.get(device)
+        return {k.job_id for k in dev.waiting} if dev else set()
 
     def _jobs_on(self, device: int) -> set[str]:
         return {k.job_id for k, r in self._q.ranks.items() if r.device == device}
