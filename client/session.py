@@ -130,11 +130,6 @@ class Session:
                 self._requested_gen = -1  # entering comm implicitly releases
                 self._send(pb.RankEvent(kind=pb.COMM_BEGIN, iteration=iteration))
 
-    def comm_end(self, iteration: int, duration_s: float) -> None:
-        with self._cond:
-            if self._attached:
-                self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration, duration_s=duration_s))
-
     def turn_floor(self) -> int:
         """The daemon's answer to "where in the rotation should this job start?" (0 when unattached).
 

@@ -851,9 +851,8 @@ def _guard_shutdown(aggregator: _WeightedAggregator) -> None:
     hvd = aggregator._hvd
     for module in (hvd, getattr(hvd, "mpi_ops", None)):
         original = getattr(module, "shutdown", None)
-        if original is None or getattr(original, "_crossover_drains", False):
-            continue
-        module.shutdown = _draining(original)
+        if original is not None:
+            module.shutdown = _draining(original)
 
 
 def _draining(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -862,7 +861,6 @@ def _draining(original: Callable[..., Any]) -> Callable[..., Any]:
         _drain_pending()
         return original(*args, **kwargs)
 
-    shutdown._crossover_drains = True  # type: ignore[attr-defined]
     return shutdown
 
 
