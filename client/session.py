@@ -198,6 +198,10 @@ class Session:
         identity = pb.RankIdentity(job_id=i.job_id, job_name=i.job_name, rank=i.rank, local_rank=i.local_rank,
                                    world_size=i.world_size, local_size=i.local_size, node=i.node,
                                    device=i.device, pid=i.pid)
+        missing = _missing_socket(s.target)
+        if missing:
+            self._lost(f"no daemon socket at {missing}")
+            return
         try:
             grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
             reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity),
@@ -268,6 +272,18 @@ class Session:
             _log.warning("%s; training continues unscheduled and re-attaches when the daemon is back", why)
         else:
             _log.info("%s", why)
+
+
+def _missing_socket(target: str) -> str:
+    """The path of a Unix-socket target that does not exist ("" otherwise).
+
+    No socket file means no daemon on this node: say so at once instead of
+    spending the connect timeout, which is meant for a daemon that is there but busy.
+    """
+    if not target.startswith("unix:"):
+        return ""
+    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
+    return "" if os.path.exists(path) else path
 
 
 def _drain(outbox: queue.SimpleQueue) -> Iterator[pb.RankEvent]:

@@ -41,7 +41,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_JOB_NAME": ("script name", "Readable job name shown by `crossover queue`."),
     "CROSSOVER_DEVICE": ("-1", "Device index to ask for; -1 lets the daemon choose (local rank)."),
     "CROSSOVER_GRANT_TIMEOUT": ("30", "Seconds to wait for a grant before computing unscheduled."),
-    "CROSSOVER_CONNECT_TIMEOUT": ("1", "Seconds to wait for the daemon when attaching."),
+    "CROSSOVER_CONNECT_TIMEOUT": ("5", "Seconds to wait for a daemon whose socket exists to answer when attaching "
+                                         "(a missing socket means no daemon: no wait)."),
     "CROSSOVER_RECONNECT_INTERVAL": ("2", "Seconds between attempts to re-attach to a lost daemon."),
     "CROSSOVER_PIN": ("1", "0: do not pin to the CPU core a CPU device names."),
     "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
@@ -199,7 +200,7 @@ class PluginSettings:
             job_name=os.environ.get("CROSSOVER_JOB_NAME", "") or script_name or "job",
             device=device,
             grant_timeout_s=_float("CROSSOVER_GRANT_TIMEOUT", 30.0, 0.001, 3600.0),
-            connect_timeout_s=_float("CROSSOVER_CONNECT_TIMEOUT", 1.0, 0.01, 60.0),
+            connect_timeout_s=_float("CROSSOVER_CONNECT_TIMEOUT", 5.0, 0.01, 60.0),
             reconnect_interval_s=_float("CROSSOVER_RECONNECT_INTERVAL", 2.0, 0.05, 600.0),
             pin=_bool("CROSSOVER_PIN", True),
             quiet_wait=_bool("CROSSOVER_QUIET_WAIT", True),

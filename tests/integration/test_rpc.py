@@ -105,7 +105,8 @@ def sessions():
     def make(target: str, job: str, rank: int = 0, world: int = 1, **kw) -> Session:
         settings = PluginSettings(target=target, token=kw.pop("token", ""), tls_ca="", disabled=False, job_name=job,
                                   device=kw.pop("device", 0), grant_timeout_s=kw.pop("grant_timeout_s", 5.0),
-                                  connect_timeout_s=2.0, reconnect_interval_s=30.0, pin=False, log_level="WARNING")
+                                  connect_timeout_s=kw.pop("connect_timeout_s", 2.0), reconnect_interval_s=30.0,
+                                  pin=False, log_level="WARNING")
         info = RankInfo(job_id=f"id-{job}", job_name=job, rank=rank, local_rank=rank, world_size=world,
                         local_size=world, device=settings.device)
         s = Session(info, settings)
@@ -451,3 +452,21 @@ def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sess
     assert request["event"] == "request" and request["iteration"] == 1
     rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "folded")
     assert rank.mean_comm_s == pytest.approx(0.25)
+
+
+def test_no_socket_means_no_daemon_at_once_and_a_silent_one_gets_the_connect_timeout(sessions, tmp_path, caplog):
+    t0 = time.monotonic()
+    s = sessions(f"unix://{tmp_path / 'absent.sock'}", "lonely", connect_timeout_s=30.0)
+    assert not s.attached and time.monotonic() - t0 < 1.0
+    assert "no daemon socket at" in caplog.text
+
+    import socket as _socket
+    silent = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)  # bound and listening, never answering
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen(1)
+    try:
+        t0 = time.monotonic()
+        s = sessions(f"unix://{tmp_path / 'silent.sock'}", "patient", connect_timeout_s=0.5)
+        assert not s.attached and time.monotonic() - t0 >= 0.5
+    finally:
+        silent.close()
