@@ -125,7 +125,8 @@ def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
     """Show each device's holder, waiting ranks, phases and timings.
 
     \b
-    Columns: phase (compute/waiting/comm/other), iter (the rank's iteration),
+    Columns: phase (compute/waiting/comm/other; suspended: silent past the
+    heartbeat timeout, out of the rotation until it speaks), iter (the rank's iteration),
     compute/comm ms (mean phase length), waiting (share of the rank's time
     spent waiting for grants), cpu % and rss (psutil), gpu mem (NVML).
     """

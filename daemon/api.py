@@ -64,7 +64,9 @@ class Phase(enum.Enum):
       COMPUTE -> OTHER    (COMPUTE_DONE)
       OTHER/COMPUTE -> COMM (COMM_BEGIN; a rank entering comm while holding a grant releases it)
       COMM    -> OTHER    (COMM_END)
-      any     -> removed  (stream ended, heartbeat lost, process gone)
+      any     -> SUSPENDED (silent past the heartbeat timeout: out of the rotation, its grant freed)
+      SUSPENDED -> its old place (any event: back in the rotation; a request it was waiting on is re-queued)
+      any     -> removed  (stream ended, process gone, silent past the eviction time)
     """
 
     IDLE = "idle"
@@ -72,6 +74,7 @@ class Phase(enum.Enum):
     COMPUTE = "compute"
     COMM = "comm"
     OTHER = "other"
+    SUSPENDED = "suspended"
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,17 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 @click.option("--event-log-size", type=click.IntRange(1), default=100_000, show_default=True,
               help="Events kept in memory.")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.05, 60), default=0.8, show_default=True,
-              help="Seconds without a heartbeat before a rank is evicted and its grant freed.")
+              help="Seconds without a heartbeat before a rank is suspended: its grant is freed and it leaves "
+              "the rotation until it speaks again.")
+@click.option("--evict-after", type=click.FloatRange(0.05, 3600), default=10.0, show_default=True,
+              help="Seconds without a heartbeat before a suspended rank is removed (its stream is closed; "
+              "the rank re-registers). At least --heartbeat-timeout.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default="INFO", show_default=True)
 def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
          tls_cert: str | None, tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
-         event_log: str | None, event_log_size: int, heartbeat_timeout: float, log_level: str) -> None:
+         event_log: str | None, event_log_size: int, heartbeat_timeout: float, evict_after: float,
+         log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
     Run one per node (GPU machine), then start jobs whose script begins with
@@ -80,7 +85,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         log = EventLog(maxlen=event_log_size, path=event_log)
         heartbeat_interval = min(0.2, heartbeat_timeout / 4)
         core = Scheduler(inventory, policy, node=node_name, event_log=log,
-                         heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout)
+                         heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
+                         evict_after_s=evict_after)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
         daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls).start()
     except CrossoverError as exc:

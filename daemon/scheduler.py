@@ -114,6 +114,9 @@ class _Session:
     iteration: int = -1
     pending_seq: int = 0
     requested_at: float = 0.0
+    turn: int = 0  # the pending request's place in the rotation
+    suspended_from: Phase | None = None  # the phase it was silenced in (while SUSPENDED)
+    forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
     stats: _Stats = field(default_factory=_Stats)
     process: psutil.Process | None = None
 
@@ -162,12 +165,17 @@ class Scheduler:
         heartbeat_timeout_s: float = 0.8,
         clock: Callable[[], float] = time.monotonic,
         pid_alive: Callable[[int], bool] = psutil.pid_exists,
+        evict_after_s: float = 10.0,
     ) -> None:
+        if evict_after_s < heartbeat_timeout_s:
+            raise InvalidRequest(
+                f"evict_after_s={evict_after_s} is shorter than heartbeat_timeout_s={heartbeat_timeout_s}")
         self.inventory = inventory
         self.node = node or os.uname().nodename
         self.events = event_log or EventLog()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.evict_after_s = evict_after_s
         self._clock = clock
         self._pid_alive = pid_alive
         self._lock = threading.Lock()
@@ -253,9 +261,13 @@ class Scheduler:
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
             sess = self._session(session_id)
+            silent = now - sess.last_seen
             sess.last_seen = now
             key = sess.ref.key
+            if sess.phase is Phase.SUSPENDED:
+                self._resume(sess, silent, now, record)
             if kind == "heartbeat":
+                self._flush(record)
                 return
             if kind == "compute_request":
                 if sess.phase in (Phase.WAITING, Phase.COMPUTE):
@@ -265,11 +277,14 @@ class Scheduler:
                 sess.iteration = max(sess.iteration, iteration)
                 sess.pending_seq = seq
                 sess.requested_at = now
+                sess.turn = turn_base + iteration
+                sess.forgive_done = False
                 self._set_phase(sess, Phase.WAITING, now)
                 record.append(("request", sess, {"iteration": iteration, "seq": seq, "turn": turn_base + iteration}))
                 self._deliver(self._policy.request(key, turn_base + iteration, now), now, record)
             elif kind == "compute_done":
-                self._finish_compute(sess, now, record, duration_s, strict=True)
+                self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done)
+                sess.forgive_done = False
             elif kind == "comm_begin":
                 if sess.phase in (Phase.COMPUTE, Phase.WAITING):
                     self._finish_compute(sess, now, record, 0.0, strict=False)
@@ -298,7 +313,8 @@ class Scheduler:
             record: list[tuple[str, _Session, dict]] = []
             if sess.phase is Phase.COMPUTE:
                 record.append(("release", sess, {"reason": reason}))
-            self._deliver(self._policy.leave(sess.ref.key, now), now, record)
+            if sess.phase is not Phase.SUSPENDED:  # a suspended rank already left the policy
+                self._deliver(self._policy.leave(sess.ref.key, now), now, record)
             sess.send(CloseMsg(reason))
             record.insert(0, ("leave", sess, {"reason": reason}))
             self._flush(record)
@@ -306,17 +322,32 @@ class Scheduler:
         return True
 
     def reap(self) -> list[str]:
-        """Evict ranks whose heartbeats stopped or whose process is gone; returns their session ids."""
+        """Suspend ranks silent past the heartbeat timeout; evict those silent past `evict_after_s`
+        or whose process is gone. Returns the evicted session ids.
+
+        Suspension frees the device at once but keeps the session: a rank that
+        was only starved of CPU for a moment (a loaded node) carries on where it
+        was when it speaks again, instead of training unscheduled until it
+        re-registers.
+        """
         now = self._clock()
         with self._lock:
             doomed = []
+            record: list[tuple[str, _Session, dict]] = []
             for sess in self._sessions.values():
-                if sess.attached and now - sess.last_seen > self.heartbeat_timeout_s:
-                    doomed.append((sess.id, f"no heartbeat for {now - sess.last_seen:.2f}s"))
+                silent = now - sess.last_seen
+                if sess.attached and silent > self.evict_after_s:
+                    doomed.append((sess.id, f"no heartbeat for {silent:.2f}s"))
+                elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
+                    if self._pid_alive(sess.ident.pid):
+                        self._suspend(sess, silent, now, record)
+                    else:
+                        doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
                 elif not sess.attached and now - sess.registered_at > max(5.0, 4 * self.heartbeat_timeout_s):
                     doomed.append((sess.id, "registered but never opened its stream"))
                 elif not self._pid_alive(sess.ident.pid):
                     doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
+            self._flush(record)
         for sid, reason in doomed:
             self.close(sid, reason)
         self.tick()
@@ -343,7 +374,7 @@ class Scheduler:
             self._closed = True
             sessions = list(self._sessions.values())
             for sess in sessions:
-                if sess.phase is Phase.WAITING:
+                if sess.phase is Phase.WAITING or sess.suspended_from is Phase.WAITING:
                     sess.send(GrantMsg(sess.pending_seq, sess.iteration, now - sess.requested_at))
                 sess.send(CloseMsg("daemon shutting down"))
             self._sessions.clear()
@@ -367,7 +398,8 @@ class Scheduler:
             old = self._policy.name
             self._policy = new
             for sess in sorted(self._sessions.values(), key=lambda s: s.registered_at):
-                new.join(sess.ref, now)
+                if sess.phase is not Phase.SUSPENDED:
+                    new.join(sess.ref, now)
             active = [s for s in self._sessions.values() if s.phase in (Phase.COMPUTE, Phase.WAITING)]
             active.sort(key=lambda s: (s.phase is not Phase.COMPUTE, s.requested_at))
             for sess in active:
@@ -435,6 +467,29 @@ class Scheduler:
         self._set_phase(sess, Phase.OTHER, now)
         record.append(("comm_end", sess, {"iteration": iteration, "duration_s": measured}))
 
+    def _suspend(self, sess: _Session, silent: float, now: float, record: list) -> None:
+        was = sess.phase
+        record.append(("suspend", sess, {"reason": f"no heartbeat for {silent:.2f}s", "phase": was.value}))
+        if was is Phase.COMPUTE:
+            record.append(("release", sess, {"reason": "suspended"}))
+            sess.forgive_done = True
+        self._set_phase(sess, Phase.SUSPENDED, now)
+        sess.suspended_from = was
+        self._deliver(self._policy.leave(sess.ref.key, now), now, record)
+        _log.warning("suspended %s rank %d: silent for %.2fs (its device is free; it resumes when it speaks again)",
+                     sess.ident.job_name, sess.ident.rank, silent)
+
+    def _resume(self, sess: _Session, silent: float, now: float, record: list) -> None:
+        was, sess.suspended_from = sess.suspended_from, None
+        self._set_phase(sess, Phase.OTHER, now)
+        record.append(("resume", sess, {"silent_s": silent}))
+        self._deliver(self._policy.join(sess.ref, now), now, record)
+        if was is Phase.WAITING:  # it still waits for that grant: queue the request again, same turn
+            self._set_phase(sess, Phase.WAITING, now)
+            record.append(("request", sess, {"iteration": sess.iteration, "seq": sess.pending_seq, "turn": sess.turn}))
+            self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
+        _log.info("resumed %s rank %d after %.2fs of silence", sess.ident.job_name, sess.ident.rank, silent)
+
     def _set_phase(self, sess: _Session, phase: Phase, now: float) -> None:
         sess.phase = phase
         sess.phase_since = now
@@ -470,7 +525,8 @@ class Scheduler:
 
     def _deliver(self, keys: Iterable[RankKey], now: float, record: list | None = None) -> None:
         # Every policy call ends here: a good place to tell the timer a deadline may have appeared.
-        if getattr(self._policy, "next_deadline", None) is not None and self._policy.next_deadline() is not None:
+        reader = getattr(self._policy, "next_deadline", None)
+        if reader is not None and reader() is not None:
             self.deadline_changed.set()
         for key in keys:
             sess = self._by_key.get(key)

@@ -51,6 +51,7 @@ _PHASES = {
     Phase.COMPUTE: pb.COMPUTE,
     Phase.COMM: pb.COMM,
     Phase.OTHER: pb.OTHER,
+    Phase.SUSPENDED: pb.SUSPENDED,
 }
 
 

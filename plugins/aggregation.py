@@ -851,7 +851,7 @@ def _guard_shutdown(aggregator: _WeightedAggregator) -> None:
     hvd = aggregator._hvd
     for module in (hvd, getattr(hvd, "mpi_ops", None)):
         original = getattr(module, "shutdown", None)
-        if original is not None:
+        if module is not None and original is not None:
             module.shutdown = _draining(original)
 
 

@@ -25,6 +25,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPUTE: _ClassVar[Phase]
     COMM: _ClassVar[Phase]
     OTHER: _ClassVar[Phase]
+    SUSPENDED: _ClassVar[Phase]
 EVENT_KIND_UNSPECIFIED: EventKind
 OPEN: EventKind
 COMPUTE_REQUEST: EventKind
@@ -38,6 +39,7 @@ WAITING: Phase
 COMPUTE: Phase
 COMM: Phase
 OTHER: Phase
+SUSPENDED: Phase
 
 class RankIdentity(_message.Message):
     __slots__ = ("job_id", "job_name", "rank", "local_rank", "world_size", "local_size", "node", "device", "pid")

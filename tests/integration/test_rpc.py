@@ -311,8 +311,9 @@ def test_nothing_to_listen_on_is_refused():
         Daemon(make_core(), socket_path=None)
 
 
-def test_silent_rank_is_evicted_and_its_grant_goes_to_the_waiter(serve, channels, streams, sessions):
-    d = serve(heartbeat_timeout_s=0.5)
+def test_silent_rank_is_suspended_its_grant_goes_to_the_waiter_and_it_is_evicted_later(serve, channels, streams,
+                                                                                       sessions):
+    d = serve(heartbeat_timeout_s=0.5, evict_after_s=2.5)
     target = f"unix://{d.socket_path}"
     stub = pb_grpc.SchedulerStub(channels(target))
     reg = register(stub, job="silent", world=1)
@@ -324,18 +325,46 @@ def test_silent_rank_is_evicted_and_its_grant_goes_to_the_waiter(serve, channels
 
     waiter = sessions(target, "patient")
     t0 = time.monotonic()
-    assert waiter.acquire(0) is True  # blocks until the silent rank is evicted
+    assert waiter.acquire(0) is True  # blocks until the silent rank is suspended
     waited = time.monotonic() - t0
-    assert waited < 1.5, f"grant took {waited:.2f}s to move to the waiting rank"
-    assert first_directive(call) is None  # the daemon ended the silent rank's stream
+    assert waited < 1.0, f"grant took {waited:.2f}s to move to the waiting rank"
+    suspend = [e for e in d.core.events.snapshot() if e["event"] == "suspend" and e.get("job_name") == "silent"]
+    assert suspend and "heartbeat" in suspend[0]["reason"] and suspend[0]["phase"] == "compute"
+    silent_rank = [r for r in d.core.snapshot()[1] if r.ident.job_name == "silent"]
+    assert [r.phase.value for r in silent_rank] == ["suspended"]
+    waiter.release(0)
+
+    first_directive(call, timeout=5.0)  # the stream ends once the silence passes --evict-after
     leave = wait_for(lambda: [e for e in d.core.events.snapshot()
                               if e["event"] == "leave" and e.get("job_name") == "silent"])
     assert "heartbeat" in leave[0]["reason"]
+    assert time.monotonic() - t0 >= 2.0
     assert not any(r.ident.job_name == "silent" for r in d.core.snapshot()[1])
-    waiter.release(0)
     # the waiter kept heartbeating through it all and is still registered
-    time.sleep(0.7)
     assert any(r.ident.job_name == "patient" for r in d.core.snapshot()[1])
+
+
+def test_a_starved_rank_that_speaks_again_carries_on_in_its_session(serve, channels, streams, sessions):
+    d = serve(heartbeat_timeout_s=0.4, evict_after_s=30.0)
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    holder = sessions(target, "holder")
+    assert holder.acquire(0) is True
+    reg = register(stub, job="starved", world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=5))
+    wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] == "suspend"], timeout=3.0)
+    holder.release(0)
+    time.sleep(0.2)
+    assert [e for e in d.core.events.snapshot() if e["event"] == "grant" and e["job_name"] == "starved"] == []
+    q.put(pb.RankEvent(kind=pb.HEARTBEAT))  # back: its old request is queued again and granted
+    grant = first_directive(call)
+    assert grant.WhichOneof("kind") == "grant" and grant.grant.seq == 5
+    q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0))
+    q.put(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=1, seq=6))
+    assert first_directive(call).grant.seq == 6
+    assert [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "starved"][:5] == [
+        "register", "request", "suspend", "resume", "request"]
 
 
 def test_stream_end_frees_the_grant(serve, channels, streams, sessions):

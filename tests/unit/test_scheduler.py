@@ -54,10 +54,11 @@ def make(clock, pids):
     """Build a scheduler on N CPU devices with the fakes injected."""
     made: list[Scheduler] = []
 
-    def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5) -> Scheduler:
+    def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5,
+              evict_after: float = 5.0) -> Scheduler:
         inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
         s = Scheduler(inv, policy, node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids)
+                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids, evict_after_s=evict_after)
         made.append(s)
         return s
 
@@ -245,8 +246,20 @@ def test_compute_done_while_waiting_withdraws_the_request(make):
 # ---- liveness ----------------------------------------------------------
 
 
-def test_heartbeat_timeout_evicts_and_frees_the_grant(make, clock):
-    s = make(timeout=0.5)
+def _phase(s: Scheduler, sid: str) -> Phase:
+    return next(r.phase for r in s.snapshot()[1] if r.ident.rank == _rank_of(s, sid))
+
+
+def _rank_of(s: Scheduler, sid: str) -> int:
+    return s._sessions[sid].ident.rank  # noqa: SLF001 (test introspection)
+
+
+def _events_of(s: Scheduler, rank: int) -> list[str]:
+    return [e["event"] for e in s.events.snapshot() if e.get("job") == "job-a" and e.get("rank") == rank]
+
+
+def test_a_silent_rank_is_suspended_at_the_timeout_and_evicted_much_later(make, clock):
+    s = make(timeout=0.5, evict_after=3.0)
     a, box_a = join(s, rank=0)
     b, box_b = join(s, rank=1)
     s.event(a, "compute_request", seq=1)
@@ -254,14 +267,69 @@ def test_heartbeat_timeout_evicts_and_frees_the_grant(make, clock):
     clock.advance(0.3)
     s.event(b, "heartbeat")
     assert s.reap() == []
-    clock.advance(0.3)  # a silent for 0.6 s, b for 0.3 s
+    clock.advance(0.3)  # a silent for 0.6 s, b for 0.3 s: a is suspended, its grant goes to b
+    assert s.reap() == []
+    assert [type(m) for m in drain_outbox(box_b)] == [GrantMsg]
+    assert drain_outbox(box_a) == [GrantMsg(1, 0, 0.0)]  # its own old grant; its stream stays open
+    assert _phase(s, a) is Phase.SUSPENDED
+    assert _events_of(s, 0)[-2:] == ["suspend", "release"]
+    for _ in range(4):  # b keeps talking, a stays silent (2.6 s)
+        clock.advance(0.5)
+        s.event(b, "heartbeat")
+        assert s.reap() == []
+    clock.advance(0.5)  # a silent for 3.1 s > evict_after
+    s.event(b, "heartbeat")
     assert s.reap() == [a]
     assert isinstance(drain_outbox(box_a)[-1], CloseMsg)
-    assert [type(m) for m in drain_outbox(box_b)] == [GrantMsg]
     with pytest.raises(NotFound):
         s.event(a, "heartbeat")
-    events = [e["event"] for e in s.events.snapshot() if e.get("job") == "job-a" and e.get("rank") == 0]
-    assert events[-2:] == ["leave", "release"]
+
+
+def test_a_suspended_waiter_resumes_with_its_request_still_queued(make, clock):
+    s = make(timeout=0.5)
+    a, box_a = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=7)  # b waits behind a ...
+    clock.advance(0.6)
+    s.event(a, "heartbeat")
+    assert s.reap() == []  # ... and goes silent: suspended
+    assert _phase(s, b) is Phase.SUSPENDED
+    s.event(a, "compute_done")  # the device is free, but b is not in the rotation
+    assert drain_outbox(box_b) == []
+    s.event(a, "compute_request", seq=2)
+    assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)] == [1, 2]
+    s.event(b, "heartbeat")  # b speaks again: its request for seq 7 is queued again, behind a's grant
+    assert drain_outbox(box_b) == []
+    assert _phase(s, b) is Phase.WAITING
+    s.event(a, "compute_done")
+    assert [m.seq for m in drain_outbox(box_b)] == [7]
+    assert _events_of(s, 1)[-4:] == ["suspend", "resume", "request", "grant"]
+
+
+def test_a_suspended_holder_may_report_its_compute_done_late(make, clock):
+    s = make(timeout=0.5)
+    a, box_a = join(s, rank=0)
+    b, box_b = join(s, rank=1)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=4)
+    clock.advance(0.6)
+    s.event(b, "heartbeat")
+    s.reap()  # a, holding, is suspended: b gets the device
+    assert [m.seq for m in drain_outbox(box_b)] == [4]
+    s.event(a, "compute_done")  # a was only slow: its late release is accepted, not an error
+    s.event(a, "compute_request", seq=2)  # and it queues behind b
+    assert [m.seq for m in drain_outbox(box_a)] == [1]
+    s.event(b, "compute_done")
+    assert [m.seq for m in drain_outbox(box_a)] == [2]
+    s.event(a, "compute_done")
+    with pytest.raises(FailedPrecondition):  # forgiveness is for one late release only
+        s.event(a, "compute_done")
+
+
+def test_evict_after_shorter_than_the_heartbeat_timeout_is_refused(make):
+    with pytest.raises(InvalidRequest, match="evict_after_s"):
+        make(timeout=1.0, evict_after=0.5)
 
 
 def test_dead_process_is_evicted(make, pids):
