@@ -34,12 +34,13 @@ def mean(xs: list[float]) -> float:
 
 
 class Daemon:
-    def __init__(self, workdir: Path, *args: str, name: str = "d") -> None:
+    def __init__(self, workdir: Path, *args: str, name: str = "d", nice: int = 0) -> None:
         self.socket = workdir / f"{name}.sock"
         self.events = workdir / f"{name}.events.jsonl"
         self.log = workdir / f"{name}.log"
+        prefix = ["nice", "-n", str(nice)] if nice else []
         self.proc = subprocess.Popen(
-            [str(BIN / "crossoverd"), "--socket", str(self.socket), "--event-log", str(self.events),
+            [*prefix, str(BIN / "crossoverd"), "--socket", str(self.socket), "--event-log", str(self.events),
              "--log-level", "WARNING", *args],
             stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 15

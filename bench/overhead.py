@@ -3,8 +3,10 @@
 Variants run interleaved, round after round, so machine noise hits all of
 them alike; the table reports the median over rounds of each variant's mean
 iteration time, the overhead relative to plain Horovod measured in the same
-round, and the grant round-trip (time a rank spends in a blocking acquire
-that nobody contends, measured inside the ranks).
+round, the grant round-trip (time a rank spends in a blocking acquire
+that nobody contends, measured inside the ranks), and the daemon's CPU time
+per rank-iteration (its user+system time from the job's start to its end:
+the cost the node pays, less noisy than wall time on a saturated machine).
 
     python bench/overhead.py [--np 2] [--rounds 3] [--iters 80] [--target-ms 50] [--out results/overhead.json]
 """
@@ -18,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -45,21 +48,27 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
         proc, out = start_job(name, WORKLOAD, workdir, args.np, job_args, {})
         ranks = finish_job(proc, out)
         waits: list[float] = []
+        daemon_cpu_s = 0.0
     else:
-        with Daemon(workdir, "--cpu-devices", "2", "--policy", variant, name=name) as d:
+        with Daemon(workdir, "--cpu-devices", "2", "--policy", variant, name=name, nice=args.daemon_nice) as d:
+            before = psutil.Process(d.proc.pid).cpu_times()  # the daemon's own start-up is not the job's cost
             stats = workdir / f"{name}.stats.{{rank}}.json"
             # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
             proc, out = start_job(name, script_with_import(workdir), workdir, args.np, job_args,
                                   {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats),
                                    "CROSSOVER_PIN": "0"})
             ranks = finish_job(proc, out)
+            cpu = psutil.Process(d.proc.pid).cpu_times()
+            daemon_cpu_s = cpu.user + cpu.system - before.user - before.system
         waits = []
         for r in range(args.np):
             s = json.loads(Path(str(stats).replace("{rank}", str(r))).read_text())
             assert s["attached"], f"{variant}: rank {r} ran unattached; the measurement would be meaningless"
             waits += s["grant_waits_s"][args.warmup:]
     iters = [t for r in ranks for t in r["iter_times"][args.warmup:]]
-    return {"iter_mean_s": mean(iters), "iter_p50_s": percentile(iters, 50), "grant_waits_s": waits}
+    steps = sum(len(r["iter_times"]) for r in ranks)
+    return {"iter_mean_s": mean(iters), "iter_p50_s": percentile(iters, 50), "grant_waits_s": waits,
+            "daemon_cpu_ms_per_rank_iter": 1000 * daemon_cpu_s / max(steps, 1)}
 
 
 def calibrate(workdir: Path, args: argparse.Namespace, progress: Progress) -> int:
@@ -87,6 +96,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=0,
                    help="per-rank batch; 0 (default): calibrated so plain Horovod takes --target-ms per iteration")
     p.add_argument("--target-ms", type=float, default=50.0, help="iteration time the calibration aims at")
+    p.add_argument("--daemon-nice", type=int, default=0,
+                   help="run crossoverd at this nice value (negative: ahead of the ranks when it wakes; needs root)")
     p.add_argument("--out", type=Path, default=Path("results/overhead.json"))
     args = p.parse_args()
 
@@ -112,17 +123,21 @@ def main() -> None:
                       "overhead_pct_median": 100 * statistics.median(rel),
                       "overhead_pct_rounds": [100 * x for x in rel],
                       "grant_rtt_p50_ms": 1000 * percentile(waits, 50) if waits else None,
-                      "grant_rtt_p99_ms": 1000 * percentile(waits, 99) if waits else None, "grants": len(waits)}
+                      "grant_rtt_p99_ms": 1000 * percentile(waits, 99) if waits else None, "grants": len(waits),
+                      "daemon_cpu_ms_per_rank_iter": statistics.median(
+                          r[v]["daemon_cpu_ms_per_rank_iter"] for r in rounds)}
 
     t = Table(title=f"plugin overhead: 1 job x {args.np} ranks, batch {args.batch}, {args.rounds} interleaved rounds, "
                     f"{args.iters} iters")
-    for c in ("variant", "iter ms (median)", "overhead vs plain", "per round", "grant RTT p50 ms", "p99 ms"):
+    for c in ("variant", "iter ms (median)", "overhead vs plain", "per round", "grant RTT p50 ms", "p99 ms",
+              "daemon CPU ms / rank-iter"):
         t.add_column(c, justify="right")
     for v, s in summary.items():
         t.add_row(v, f"{s['iter_ms_median']:.2f}", f"{s['overhead_pct_median']:+.2f}%",
                   " ".join(f"{x:+.1f}" for x in s["overhead_pct_rounds"]),
                   "-" if s["grant_rtt_p50_ms"] is None else f"{s['grant_rtt_p50_ms']:.3f}",
-                  "-" if s["grant_rtt_p99_ms"] is None else f"{s['grant_rtt_p99_ms']:.3f}")
+                  "-" if s["grant_rtt_p99_ms"] is None else f"{s['grant_rtt_p99_ms']:.3f}",
+                  "-" if v == "plain" else f"{s['daemon_cpu_ms_per_rank_iter']:.3f}")
     Console().print(t)
     per_round = [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]
     write_json(args.out, {"benchmark": "overhead", "time": time.time(), "machine": machine(),

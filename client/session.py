@@ -117,12 +117,13 @@ class Session:
             self.grant_waits.append(self._clock() - start)
             return self._granted_seq >= seq
 
-    def release(self, iteration: int, duration_s: float = 0.0) -> None:
-        """The device work of this iteration is complete."""
+    def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False) -> None:
+        """The device work of this iteration is complete (and, with ``comm_begins``, its allreduce starts)."""
         with self._cond:
             if self._attached and self._requested_gen == self._generation:
                 self._requested_gen = -1
-                self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=iteration, duration_s=duration_s))
+                self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=iteration, duration_s=duration_s,
+                                        comm_begins=comm_begins))
 
     def comm_begin(self, iteration: int) -> None:
         with self._cond:

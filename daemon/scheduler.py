@@ -246,10 +246,11 @@ class Scheduler:
         return outbox
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
-              turn_base: int = 0) -> None:
+              turn_base: int = 0, comm_begins: bool = False) -> None:
         """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`.
 
         A compute request's place in the policy's order is its turn, `turn_base + iteration`.
+        A `compute_done` with `comm_begins` also begins the rank's allreduce.
         """
         if duration_s < 0 or duration_s > 86_400 or duration_s != duration_s:
             raise InvalidRequest(f"duration_s={duration_s} is not a plausible phase length")
@@ -285,6 +286,9 @@ class Scheduler:
             elif kind == "compute_done":
                 self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done)
                 sess.forgive_done = False
+                if comm_begins:
+                    self._set_phase(sess, Phase.COMM, now)
+                    record.append(("comm_begin", sess, {"iteration": iteration}))
             elif kind == "comm_begin":
                 if sess.phase in (Phase.COMPUTE, Phase.WAITING):
                     self._finish_compute(sess, now, record, 0.0, strict=False)
@@ -537,7 +541,8 @@ class Scheduler:
             waited = now - sess.requested_at
             sess.stats.waited_total += waited
             self._set_phase(sess, Phase.COMPUTE, now)
-            sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
+            if self._policy.blocks:  # under a policy that never blocks, nobody waits for the message
+                sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
             if record is not None:
                 record.append(("grant", sess, {"iteration": sess.iteration, "waited_s": waited}))
 

@@ -188,7 +188,8 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
                 try:
                     if kind is None:
                         raise InvalidRequest(f"event kind {ev.kind} is not valid after OPEN")
-                    self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s, ev.turn_base)
+                    self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s, ev.turn_base,
+                                     ev.comm_begins)
                 except CrossoverError as exc:
                     _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
                     inbox.put_nowait(CloseMsg(str(exc), exc))

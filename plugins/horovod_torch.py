@@ -254,6 +254,7 @@ class _PhaseTracker:
         self.quiet_wait = quiet_wait
         self.iteration = 0
         self.holding = False
+        self.in_comm = False  # the daemon has been told this iteration's allreduce began
         self.compute_start = 0.0
         self.hooks_fired = 0
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
@@ -317,7 +318,9 @@ class _PhaseTracker:
     def _comm_begin(self) -> None:
         if self.holding:
             self._release()
-        self.session.comm_begin(self.iteration)
+        elif not self.in_comm:
+            self.session.comm_begin(self.iteration)
+            self.in_comm = True
 
     @_guard
     def _comm_end(self, duration: float) -> None:
@@ -334,6 +337,7 @@ class _PhaseTracker:
             self.session.turn_agreed = True
             self.agree(self.session)
         self.hooks_fired = 0
+        self.in_comm = False
         self.session.acquire(self.iteration, comm_s)
         self.holding = True
         self.compute_start = time.perf_counter()
@@ -346,4 +350,5 @@ class _PhaseTracker:
             done.record()
             done.synchronize()
         self.holding = False
-        self.session.release(self.iteration, time.perf_counter() - self.compute_start)
+        self.in_comm = True  # the gradients' allreduces are submitted: one message says both
+        self.session.release(self.iteration, time.perf_counter() - self.compute_start, comm_begins=True)

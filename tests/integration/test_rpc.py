@@ -471,12 +471,13 @@ def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sess
     d = serve(policy="exclusive")
     s = sessions(f"unix://{d.socket_path}", "folded")
     assert s.acquire(0) is True
-    s.release(0, 0.01)
-    s.comm_begin(0)
+    s.release(0, 0.01, comm_begins=True)  # one message: COMPUTE_DONE that begins the allreduce
     assert s.acquire(1, comm_s=0.25) is True  # one message: COMPUTE_REQUEST with the comm length
-    events = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] in ("comm_end", "request")
-                               and e.get("job_name") == "folded"][-2:] or None)
-    comm_end, request = events
+    kinds = ("comm_begin", "comm_end", "request")
+    events = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] in kinds
+                               and e.get("job_name") == "folded"][-3:] or None)
+    comm_begin, comm_end, request = events
+    assert comm_begin["event"] == "comm_begin" and comm_begin["iteration"] == 0
     assert comm_end["event"] == "comm_end" and comm_end["iteration"] == 0 and comm_end["duration_s"] == 0.25
     assert request["event"] == "request" and request["iteration"] == 1
     rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "folded")
