@@ -12,7 +12,7 @@ $(STAMP): scripts/bootstrap.sh requirements-dev.txt setup.py
 	touch $@
 
 # pytest exits 5 when it collects nothing, so an empty run cannot pass.
-test: bootstrap
+test: bootstrap typecheck
 	.venv/bin/ruff check client daemon plugins scripts tests bench
 	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra
 
