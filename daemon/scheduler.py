@@ -280,9 +280,7 @@ class Scheduler:
                 sess.requested_at = now
                 sess.turn = turn_base + iteration
                 sess.forgive_done = False
-                self._set_phase(sess, Phase.WAITING, now)
-                record.append(("request", sess, {"iteration": iteration, "seq": seq, "turn": turn_base + iteration}))
-                self._deliver(self._policy.request(key, turn_base + iteration, now), now, record)
+                self._queue_request(sess, iteration, now, record)
             elif kind == "compute_done":
                 self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done)
                 sess.forgive_done = False
@@ -342,15 +340,12 @@ class Scheduler:
                 silent = now - sess.last_seen
                 if sess.attached and silent > self.evict_after_s:
                     doomed.append((sess.id, f"no heartbeat for {silent:.2f}s"))
-                elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
-                    if self._pid_alive(sess.ident.pid):
-                        self._suspend(sess, silent, now, record)
-                    else:
-                        doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
                 elif not sess.attached and now - sess.registered_at > max(5.0, 4 * self.heartbeat_timeout_s):
                     doomed.append((sess.id, "registered but never opened its stream"))
                 elif not self._pid_alive(sess.ident.pid):
                     doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
+                elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
+                    self._suspend(sess, silent, now, record)
             self._flush(record)
         for sid, reason in doomed:
             self.close(sid, reason)
@@ -489,10 +484,13 @@ class Scheduler:
         record.append(("resume", sess, {"silent_s": silent}))
         self._deliver(self._policy.join(sess.ref, now), now, record)
         if was is Phase.WAITING:  # it still waits for that grant: queue the request again, same turn
-            self._set_phase(sess, Phase.WAITING, now)
-            record.append(("request", sess, {"iteration": sess.iteration, "seq": sess.pending_seq, "turn": sess.turn}))
-            self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
+            self._queue_request(sess, sess.iteration, now, record)
         _log.info("resumed %s rank %d after %.2fs of silence", sess.ident.job_name, sess.ident.rank, silent)
+
+    def _queue_request(self, sess: _Session, iteration: int, now: float, record: list) -> None:
+        self._set_phase(sess, Phase.WAITING, now)
+        record.append(("request", sess, {"iteration": iteration, "seq": sess.pending_seq, "turn": sess.turn}))
+        self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
 
     def _set_phase(self, sess: _Session, phase: Phase, now: float) -> None:
         sess.phase = phase

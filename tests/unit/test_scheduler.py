@@ -247,11 +247,7 @@ def test_compute_done_while_waiting_withdraws_the_request(make):
 
 
 def _phase(s: Scheduler, sid: str) -> Phase:
-    return next(r.phase for r in s.snapshot()[1] if r.ident.rank == _rank_of(s, sid))
-
-
-def _rank_of(s: Scheduler, sid: str) -> int:
-    return s._sessions[sid].ident.rank  # noqa: SLF001 (test introspection)
+    return s._sessions[sid].phase  # noqa: SLF001 (test introspection)
 
 
 def _events_of(s: Scheduler, rank: int) -> list[str]:
