@@ -402,7 +402,7 @@ class Scheduler:
             active = [s for s in self._sessions.values() if s.phase in (Phase.COMPUTE, Phase.WAITING)]
             active.sort(key=lambda s: (s.phase is not Phase.COMPUTE, s.requested_at))
             for sess in active:
-                self._deliver(new.request(sess.ref.key, sess.iteration, now), now, record)
+                self._deliver(new.request(sess.ref.key, sess.turn, now), now, record)
             for sess in self._sessions.values():
                 sess.send(PolicyMsg(new.name, new.blocks))
             self._flush(record)
