@@ -19,7 +19,13 @@ _log = logging.getLogger(__name__)
 
 
 class EventLog:
-    """Append-only record of events, each a flat dict with `t` (monotonic) and `wall`."""
+    """Append-only record of events, each a flat dict with `t` (monotonic) and `wall`.
+
+    With a `path`, events are also written there as JSON lines by a writer
+    thread every `flush_interval_s`: encoding and writing stay off the thread
+    that decides grants. A daemon killed with SIGKILL loses at most that last
+    interval of the file (the in-memory log is complete); `close()` writes the rest.
+    """
 
     def __init__(
         self,
@@ -27,37 +33,65 @@ class EventLog:
         path: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        flush_interval_s: float = 0.1,
     ) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
         self._clock = clock
         self._wall = wall_clock
         self._file: IO[str] | None = None
+        self._unwritten: list[dict[str, Any]] = []
+        self._closed = threading.Event()
+        self._writer: threading.Thread | None = None
         if path is not None:
-            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._writer = threading.Thread(target=self._write_loop, args=(flush_interval_s,),
+                                            name="event-log-writer", daemon=True)
+            self._writer.start()
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         entry = {"t": self._clock(), "wall": self._wall(), "event": event, **fields}
-        line = json.dumps(entry, separators=(",", ":")) if self._file else None
         with self._lock:
             self._events.append(entry)
-            if self._file is not None and line is not None:
-                try:
-                    self._file.write(line + "\n")
-                except OSError as exc:  # a full disk must not stop scheduling
-                    _log.error("event log file write failed, keeping memory log only: %s", exc)
-                    self._file = None
+            if self._file is not None:
+                self._unwritten.append(entry)
         return entry
 
     def snapshot(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._events)
 
+    def flush(self) -> None:
+        """Write the events recorded since the last flush to the file (if any)."""
+        with self._lock:
+            batch, self._unwritten = self._unwritten, []
+            f = self._file
+        if f is None or not batch:
+            return
+        text = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch)
+        try:
+            f.write(text)
+            f.flush()
+        except (OSError, ValueError) as exc:  # a full disk must not stop scheduling
+            _log.error("event log file write failed, keeping memory log only: %s", exc)
+            with self._lock:
+                self._file = None
+                self._unwritten = []
+
     def close(self) -> None:
+        self._closed.set()
+        if self._writer is not None and self._writer is not threading.current_thread():
+            self._writer.join(5)
+        self.flush()
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+    def _write_loop(self, interval: float) -> None:
+        # One writer at a time: close() joins this thread before its own final flush.
+        while not self._closed.wait(interval):
+            self.flush()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

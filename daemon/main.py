@@ -49,7 +49,8 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
               "allreduce overlaps another's compute.")
 @click.option("--node-name", default=lambda: os.uname().nodename, show_default="hostname",
               help="Name this node reports; must be unique in the cluster.")
-@click.option("--event-log", type=click.Path(dir_okay=False), help="Append every phase change to this JSON-lines file.")
+@click.option("--event-log", type=click.Path(dir_okay=False),
+              help="Append every phase change to this JSON-lines file (written every 0.1 s, off the grant path).")
 @click.option("--event-log-size", type=click.IntRange(1), default=100_000, show_default=True,
               help="Events kept in memory.")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.05, 60), default=0.8, show_default=True,

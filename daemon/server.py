@@ -152,8 +152,13 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
 
+        loop_thread = threading.get_ident()
+
         def deliver(msg: Any) -> None:  # called from any thread by the scheduler
-            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            if threading.get_ident() == loop_thread:  # a grant decided while reading an event: no wake-up needed
+                inbox.put_nowait(msg)
+            else:
+                loop.call_soon_threadsafe(inbox.put_nowait, msg)
 
         try:
             self._core.attach(sid, deliver)

@@ -1,0 +1,43 @@
+"""The event log: memory at once, the file shortly after and completely at close."""
+from __future__ import annotations
+
+import json
+import time
+
+from crossover.daemon.event_log import EventLog, read_jsonl
+
+
+def test_file_follows_memory_within_the_flush_interval_and_close_writes_the_rest(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path=path, flush_interval_s=0.05)
+    try:
+        log.record("grant", rank=0)
+        assert [e["event"] for e in log.snapshot()] == ["grant"]
+        deadline = time.monotonic() + 5
+        while not read_jsonl(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [e["event"] for e in read_jsonl(path)] == ["grant"]
+        for i in range(500):
+            log.record("release", rank=0, i=i)
+    finally:
+        log.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 501
+    assert [json.loads(x)["i"] for x in lines[1:]] == list(range(500)), "order must be kept"
+
+
+def test_a_failing_file_keeps_the_memory_log(tmp_path):
+    log = EventLog(path=tmp_path / "ev.jsonl", flush_interval_s=60)
+    log._file.close()  # the next write raises ValueError, as a vanished file would raise OSError
+    log.record("grant", rank=0)
+    log.flush()
+    log.record("release", rank=0)
+    log.close()
+    assert [e["event"] for e in log.snapshot()] == ["grant", "release"]
+
+
+def test_memory_log_is_bounded():
+    log = EventLog(maxlen=3)
+    for i in range(10):
+        log.record("x", i=i)
+    assert [e["i"] for e in log.snapshot()] == [7, 8, 9]
