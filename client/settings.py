@@ -57,12 +57,13 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_ADASUM_ALGORITHM": ("auto", "Plugin Adasum data movement: allgather, recursive_doubling, or auto "
                                    "(allgather up to 8 ranks)."),
     "CROSSOVER_LBBSP_PERIOD": ("10", "weighted: batch sizes may change every this many iterations."),
-    "CROSSOVER_LBBSP_METHOD": ("ema", "weighted: speed model, ema (time linear in batch) or numerical "
-                               "(fitted time curves)."),
+    "CROSSOVER_LBBSP_METHOD": ("ema", "weighted: speed model, ema (time = fixed cost + per-sample cost, "
+                               "fitted) or numerical (fitted time curves)."),
     "CROSSOVER_LBBSP_HYSTERESIS": ("0.05", "weighted: adopt new sizes only if some rank moves by more than this "
                                    "fraction of its batch."),
     "CROSSOVER_LBBSP_MIN_GAIN": ("0.1", "weighted: adopt new sizes only if they are predicted to shorten the "
-                                 "iteration by at least this fraction."),
+                                 "iteration by at least this fraction (and by more than the measurements' "
+                                 "scatter)."),
     "CROSSOVER_LBBSP_EMA_ALPHA": ("0.3", "weighted: weight of the newest measurement in the speed averages."),
     "CROSSOVER_LBBSP_MAX_BATCH": ("", "weighted: per-rank batch cap (memory), one int or one per rank "
                                   "(`64,64,32`); empty: no cap."),

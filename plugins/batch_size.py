@@ -15,9 +15,17 @@ the same inputs without further communication.
 
 Two prediction methods:
 
-* ``"ema"`` — per-sample time is taken as constant in the batch size (CPU
-  clusters): an exponential moving average of each rank's samples/second;
-  sizes are proportional to the predicted speeds (clamped to the caps).
+* ``"ema"`` — compute time is taken as linear in the batch size (CPU
+  clusters), ``t_i(b) = a_i + k_i·b``: a fixed per-iteration cost ``a_i``
+  (batch fetch, launch and Python overheads, which a slower device stretches
+  too) plus a per-sample cost ``k_i``, fitted by exponentially weighted least
+  squares over each rank's measurements. While a rank's batch sizes have
+  barely varied the intercept cannot be told from noise and the fit falls
+  back to time proportional to ``b`` (``a_i = 0``). Sizes are those that
+  equalise the predicted times (clamped to the caps). Why the intercept: with
+  a proportional model a straggler's per-sample speed falls as its batch
+  shrinks, so the allocation creeps towards the balance over many periods;
+  with the affine fit it lands there at the next decision.
 * ``"numerical"`` — batch time is non-linear in the batch size (GPUs are
   under-used at small batches): each rank's time curve ``t_i(b)`` is fitted
   piecewise-linearly through its recent ``(b, t)`` points, and sizes that
@@ -255,7 +263,12 @@ def apportion(
             raise BatchSizeError(f"weight of rank {rank} must be positive and finite, got {weight!r}")
     if not sum(low) <= total <= sum(high) or any(lo > hi for lo, hi in zip(low, high)):
         raise BatchSizeError(f"cannot split {total} within mins {low} and maxs {high}")
-    shares = _proportional_shares(total, weights, low, high)
+    return _round_shares(total, _proportional_shares(total, weights, low, high), low, high)
+
+
+def _round_shares(total: int, shares: Sequence[float], low: Sequence[int], high: Sequence[int]) -> list[int]:
+    """Integers within ``[low, high]`` summing to ``total``, by largest remainder (ties to the lower rank)."""
+    count = len(shares)
     sizes = [min(max(math.floor(share), lo), hi) for share, lo, hi in zip(shares, low, high)]
     remainders = [share - size for share, size in zip(shares, sizes)]
     deficit = total - sum(sizes)
@@ -273,6 +286,100 @@ def apportion(
                 sizes[rank] -= 1
                 deficit += 1
     return sizes
+
+
+class _AffineFit:
+    """Exponentially weighted least-squares fit of ``t = a + k·b`` for one rank.
+
+    Observation ``j`` back weighs ``alpha·(1 - alpha)^j``; moments are divided
+    by the total weight, so the first few observations count alike instead of
+    the very first one standing in for the average (a bias-corrected moving
+    average). Only the weighted moments are kept.
+    """
+
+    # Below this relative spread of the observed batch sizes (std / mean) the
+    # slope is mostly measurement noise: use the proportional model instead.
+    MIN_SPREAD = 0.2
+    # A slope near zero (noise again) would make the intercept the whole time
+    # and tip the rank between all samples and none: the intercept may explain
+    # at most this share of the mean time.
+    MAX_FIXED_SHARE = 0.8
+
+    def __init__(self, alpha: float) -> None:
+        self._alpha = alpha
+        self._w = self._w2 = self._b = self._t = self._bb = self._bt = self._tt = 0.0
+
+    def __bool__(self) -> bool:
+        return self._w > 0
+
+    def add(self, batch: int, seconds: float) -> None:
+        keep, a = 1.0 - self._alpha, self._alpha
+        self._w = keep * self._w + a
+        self._w2 = keep * keep * self._w2 + a * a
+        self._b = keep * self._b + a * batch
+        self._t = keep * self._t + a * seconds
+        self._bb = keep * self._bb + a * batch * batch
+        self._bt = keep * self._bt + a * batch * seconds
+        self._tt = keep * self._tt + a * seconds * seconds
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, k)``: intercept (>= 0) and per-sample seconds (> 0)."""
+        mean_b, mean_t = self._b / self._w, self._t / self._w
+        var_b = max(0.0, self._bb / self._w - mean_b * mean_b)
+        if var_b > (self.MIN_SPREAD * mean_b) ** 2:
+            k = (self._bt / self._w - mean_b * mean_t) / var_b
+            a = min(mean_t - k * mean_b, self.MAX_FIXED_SHARE * mean_t)
+            if k > 0 and a >= 0:
+                return a, (mean_t - a) / mean_b  # the line still passes through the mean point
+        return 0.0, mean_t / mean_b
+
+    def predict(self, batch: float) -> float:
+        a, k = self.coefficients()
+        return a + k * batch
+
+    def standard_error(self) -> float:
+        """Seconds: how far the fitted time at the mean batch may be off, from the residuals' spread."""
+        w = self._w
+        mean_b, mean_t = self._b / w, self._t / w
+        var_b = max(0.0, self._bb / w - mean_b * mean_b)
+        var_t = max(0.0, self._tt / w - mean_t * mean_t)
+        cov = self._bt / w - mean_b * mean_t
+        _, k = self.coefficients()
+        residual = max(0.0, var_t - 2 * k * cov + k * k * var_b)
+        effective_n = w * w / self._w2
+        return math.sqrt(residual / effective_n)
+
+
+def _equal_time_shares(
+    total: int, models: Sequence[tuple[float, float]], mins: Sequence[int], maxs: Sequence[int]
+) -> list[float]:
+    """Real sizes ``clamp((T - a_i) / k_i, min_i, max_i)`` summing to ``total``.
+
+    Their sum grows with the common finishing time ``T``; bisection finds it
+    (a fixed number of steps of plain float arithmetic, so every rank gets
+    the same answer from the same inputs).
+    """
+    def sizes(finish: float) -> list[float]:
+        return [min(max((finish - a) / k, float(lo)), float(hi)) for (a, k), lo, hi in zip(models, mins, maxs)]
+
+    low = min(a + k * lo for (a, k), lo in zip(models, mins))
+    high = max(a + k * hi for (a, k), hi in zip(models, maxs))
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        if sum(sizes(middle)) < total:
+            low = middle
+        else:
+            high = middle
+    # Solve the last piece exactly: ranks free at that T share what the clamped ones leave.
+    shares = sizes(high)
+    free = [r for r, ((a, k), lo, hi) in enumerate(zip(models, mins, maxs)) if lo < (high - a) / k < hi]
+    if free:
+        left = total - sum(shares[r] for r in range(len(shares)) if r not in free)
+        finish = (left + sum(models[r][0] / models[r][1] for r in free)) / sum(1.0 / models[r][1] for r in free)
+        for r in free:
+            a, k = models[r]
+            shares[r] = min(max((finish - a) / k, float(mins[r])), float(maxs[r]))
+    return shares
 
 
 class _TimeCurve:
@@ -351,6 +458,7 @@ class BatchSizeController:
         self._sizes = tuple(sizes)
         self._speeds: list[Optional[float]] = [None] * config.world_size
         self._curves = [_TimeCurve(config.ema_alpha, config.history) for _ in range(config.world_size)]
+        self._fits = [_AffineFit(config.ema_alpha) for _ in range(config.world_size)]
         self._last_iteration: Optional[int] = None
 
     def _check_assignment(self, sizes: Sequence[int]) -> None:
@@ -400,6 +508,7 @@ class BatchSizeController:
             alpha = self._config.ema_alpha
             self._speeds[item.rank] = speed if previous is None else alpha * speed + (1 - alpha) * previous
             self._curves[item.rank].add(item.batch_size, float(seconds))
+            self._fits[item.rank].add(item.batch_size, float(seconds))
 
     def update(self, iteration: int, measurements: Sequence[Measurement]) -> list[int]:
         """Record iteration ``iteration``'s measurements; return the sizes for the next one.
@@ -436,19 +545,27 @@ class BatchSizeController:
         """Predicted compute seconds of each rank for ``sizes`` under the configured
         method, or ``None`` while some rank has no measurement."""
         if self._config.method == "ema":
-            speeds = self._speeds
-            if any(speed is None for speed in speeds):
+            if not all(self._fits):
                 return None
-            return [size / speed for size, speed in zip(sizes, speeds)]  # type: ignore[operator]
+            return [fit.predict(size) for fit, size in zip(self._fits, sizes)]
         if not all(self._curves):
             return None
         return [curve.predict(size) for curve, size in zip(self._curves, sizes)]
+
+    def prediction_errors(self) -> Optional[list[float]]:
+        """Per rank, the standard error (seconds) of its predicted time near its
+        recent batch sizes, from the scatter of its measurements; ``None``
+        while some rank has no measurement."""
+        if not all(self._fits):
+            return None
+        return [fit.standard_error() for fit in self._fits]
 
     def propose(self) -> Optional[list[int]]:
         """The assignment the method would choose now (ignoring period and
         hysteresis), or ``None`` while some rank has no measurement.
 
-        ``ema``: sizes proportional to the EMA speeds, clamped to the caps.
+        ``ema``: the sizes that equalise the fitted ``a_i + k_i·b_i``, clamped
+        to the caps (proportional to the speeds while no intercept is known).
         ``numerical``: start from the better (under the fitted curves) of that
         proportional allocation, using each rank's latest ``b/t`` as its speed,
         and the current sizes; then repeatedly move ``step`` samples from the
@@ -462,9 +579,11 @@ class BatchSizeController:
         """
         cfg = self._config
         if cfg.method == "ema":
-            if any(speed is None for speed in self._speeds):
+            if not all(self._fits):
                 return None
-            return apportion(cfg.global_batch, self._speeds, self._mins, self._maxs)  # type: ignore[arg-type]
+            models = [fit.coefficients() for fit in self._fits]
+            shares = _equal_time_shares(cfg.global_batch, models, self._mins, self._maxs)
+            return _round_shares(cfg.global_batch, shares, self._mins, self._maxs)
         if not all(self._curves):
             return None
         latest_speeds = [batch / seconds for batch, seconds in (c.latest() for c in self._curves)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import random
 from typing import Any
 
 import pytest
@@ -439,3 +440,29 @@ def test_weighted_hooks_scale_gradients_and_decide_at_boundaries():
     assert [name.rsplit(".", 1)[1] for kind, name in hvd.calls] == ["1", "3"]
     assert state.steps == 4 and state.step_s > 0 and 0 < state.overhead_s < state.step_s
     assert state.controller.speeds[0] is not None  # measurements of steps 1 and 2 reached the controller
+
+
+def test_decide_does_not_chase_scatter_but_still_moves_a_straggler():
+    # Equal ranks measured with +-30% scatter: proposals differ from the even split by more
+    # than min_gain, but the gain is within the measurements' own scatter, so nothing moves.
+    # A 3x straggler under the same scatter is moved at once.
+    rng = random.Random(5)
+    config = BatchSizeConfig(global_batch=256, world_size=4, period=5, hysteresis=0.05, ema_alpha=0.1)
+
+    def observed(factors):
+        controller = BatchSizeController(config)
+        for _ in range(4):
+            controller.observe([Measurement(r, 64, 0.03 * f * rng.uniform(0.7, 1.3)) for r, f in enumerate(factors)])
+        return controller
+
+    tempting = adopted = 0  # trials where min_gain alone would re-split / where decide() does
+    for _ in range(100):
+        controller = observed((1, 1, 1, 1))
+        adopted += decide(controller, [64, 64, 64, 64], min_gain=0.1) is not None
+        now = controller.predicted_times([64, 64, 64, 64])
+        then = controller.predicted_times(controller.propose())
+        tempting += max(now) >= 1.1 * max(then)
+    assert tempting >= 20, "the scatter should be large enough to tempt the min_gain rule"
+    assert adopted <= 3, f"{adopted} of 100 noisy equal-speed trials were re-split"
+    moved = [decide(observed((1, 1, 1, 3)), [64, 64, 64, 64], min_gain=0.1) for _ in range(20)]
+    assert all(m is not None and m[3] < 35 for m in moved), moved

@@ -266,3 +266,44 @@ def test_numerical_method_with_fixed_overhead() -> None:
     assert makespan(controller.sizes, curves) <= 1.02 * _optimum(256, curves)
     times = controller.predicted_times(controller.sizes)
     assert times is not None and len(times) == 2
+
+
+def affine(fixed_s: float, seconds_per_sample: float, factor: float = 1.0) -> Curve:
+    """A rank whose compute has a fixed part; a straggler stretches both parts by ``factor``."""
+    return lambda batch: factor * (fixed_s + seconds_per_sample * batch)
+
+
+def test_ema_lands_on_the_balance_one_decision_after_the_sizes_first_vary() -> None:
+    # Fixed cost 12 ms + 0.29 ms/sample, rank 3 three times slower: the balance gives it
+    # ~1.5 samples. A proportional model sees its per-sample speed fall as its batch shrinks
+    # and creeps there over many periods; the affine fit gets there at the next decision.
+    curves = [affine(0.012, 0.00029)] * 3 + [affine(0.012, 0.00029, factor=3.0)]
+    config = BatchSizeConfig(global_batch=256, world_size=4, period=5, hysteresis=0.05, ema_alpha=0.3)
+    controller, history = simulate(config, curves, iterations=11)
+    first = history[5]  # proportional to the speeds at 64: nothing is known of the fixed cost yet
+    assert first[3] == pytest.approx(256 / 10, abs=1)
+    second = history[10]
+    assert second[3] <= 2, f"the straggler should be near its balance after the second decision, got {second}"
+    times = [curve(size) for curve, size in zip(curves, second)]
+    assert max(times) / min(times) < 1.05
+
+
+def test_ema_predicts_the_fixed_cost_it_has_seen() -> None:
+    config = BatchSizeConfig(global_batch=100, world_size=2, period=1, ema_alpha=0.5)
+    controller = BatchSizeController(config)
+    curve = affine(0.010, 0.001)
+    for size in (50, 20, 50, 20):
+        controller.observe([Measurement(0, size, curve(size)), Measurement(1, 50, 0.06)])
+    predicted = controller.predicted_times([5, 25])
+    assert predicted is not None
+    assert predicted[0] == pytest.approx(curve(5), rel=1e-9)  # rank 0: its own line, intercept included
+    assert predicted[1] == pytest.approx(0.03, rel=1e-9)  # rank 1 never varied: proportional, 0.06 s at 50
+
+
+def test_ema_falls_back_to_proportional_when_noise_fakes_a_negative_slope() -> None:
+    config = BatchSizeConfig(global_batch=100, world_size=2, period=1, ema_alpha=0.5)
+    controller = BatchSizeController(config)
+    for size, seconds in ((40, 0.050), (60, 0.045)):  # more samples took less time: noise, not a model
+        controller.observe([Measurement(0, size, seconds), Measurement(1, 50, 0.05)])
+    predicted = controller.predicted_times([100, 50])
+    assert predicted is not None and predicted[0] > 0.05  # still grows with the batch
