@@ -63,8 +63,9 @@ Rules
     estimates and proposals), and so all adopt the same new sizes for the
     same following global batch. A proposal is adopted only when it passes
     the controller's size hysteresis *and* promises an iteration shorter by
-    at least ``CROSSOVER_LBBSP_MIN_GAIN`` (:func:`decide`), so that a job
-    without stragglers does not chase measurement noise. A tensor
+    at least ``CROSSOVER_LBBSP_MIN_GAIN`` and by more than the measurements'
+    scatter (:func:`decide`), so that a job without stragglers does not chase
+    measurement noise. A tensor
     allgather is used rather than ``hvd.allgather_object`` because the
     latter has no ``process_set`` argument in Horovod 0.28. The first step
     is not measured (one-off start-up costs).
