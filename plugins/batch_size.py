@@ -383,22 +383,33 @@ def _equal_time_shares(
 
 
 class _TimeCurve:
-    """Recent ``(batch size, EMA of time)`` points of one rank and a monotone
-    piecewise-linear model through them."""
+    """Recent ``(batch size, moving average of time)`` points of one rank and a
+    monotone piecewise-linear model through them.
+
+    Each point's average is bias-corrected like :class:`_AffineFit`'s: its
+    first few measurements count alike (the first one alone would otherwise
+    stand for the point until many more arrive at that exact size).
+    """
 
     def __init__(self, alpha: float, capacity: int) -> None:
         self._alpha = alpha
         self._capacity = capacity
-        self._points: OrderedDict[int, float] = OrderedDict()  # recency order
+        self._points: OrderedDict[int, float] = OrderedDict()  # recency order; the averages
+        self._sums: dict[int, tuple[float, float]] = {}  # decayed (weight·seconds, weight) per point
 
     def __bool__(self) -> bool:
         return bool(self._points)
 
     def add(self, batch: int, seconds: float) -> None:
-        old = self._points.pop(batch, None)
-        self._points[batch] = seconds if old is None else self._alpha * seconds + (1 - self._alpha) * old
+        keep = 1.0 - self._alpha
+        total, weight = self._sums.get(batch, (0.0, 0.0))
+        total, weight = keep * total + self._alpha * seconds, keep * weight + self._alpha
+        self._sums[batch] = (total, weight)
+        self._points.pop(batch, None)
+        self._points[batch] = total / weight
         while len(self._points) > self._capacity:
-            self._points.popitem(last=False)
+            dropped, _ = self._points.popitem(last=False)
+            del self._sums[dropped]
 
     def latest(self) -> tuple[int, float]:
         return next(reversed(self._points.items()))

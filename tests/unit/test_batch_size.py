@@ -307,3 +307,21 @@ def test_ema_falls_back_to_proportional_when_noise_fakes_a_negative_slope() -> N
         controller.observe([Measurement(0, size, seconds), Measurement(1, 50, 0.05)])
     predicted = controller.predicted_times([100, 50])
     assert predicted is not None and predicted[0] > 0.05  # still grows with the batch
+
+
+@pytest.mark.parametrize("method", ["ema", "numerical"])
+def test_first_measurement_does_not_stand_for_the_average(method: str) -> None:
+    # A slow first measurement (a cold cache, a page fault) and three normal ones: with a
+    # bias-corrected average the estimate sits near the normal ones after a few steps; an
+    # average seeded with the first value would still be 70% of the way up after three.
+    config = BatchSizeConfig(global_batch=100, world_size=2, period=1, ema_alpha=0.1,
+                             method=method)  # type: ignore[arg-type]
+    controller = BatchSizeController(config)
+    for seconds in (0.10, 0.05, 0.05, 0.05):
+        controller.observe([Measurement(0, 50, seconds), Measurement(1, 50, 0.05)])
+    predicted = controller.predicted_times([50, 50])
+    assert predicted is not None
+    weights = [0.9 ** 3, 0.9 ** 2, 0.9, 1.0]
+    expected = sum(w * t for w, t in zip(weights, (0.10, 0.05, 0.05, 0.05))) / sum(weights)
+    assert predicted[0] == pytest.approx(expected, rel=1e-9)
+    assert predicted[0] < 0.07
