@@ -886,10 +886,9 @@ def decide(controller: BatchSizeController, current: Sequence[int], min_gain: fl
     Adopts the controller's proposal only when (1) some rank's size moves by
     more than ``max(1, hysteresis × its size)`` (the controller's own
     hysteresis rule) and (2) the predicted iteration time (the slowest
-    rank's predicted compute time) drops by at least ``min_gain`` and (3) by
-    more than ``2 + sqrt(2 ln n)`` times the largest standard error of a
-    rank's prediction (the scatter of its own measurements; the square root
-    is how far the slowest of ``n`` equal but noisy ranks seems to lag). Rules 2 and 3 keep a homogeneous job
+    rank's predicted compute time) drops by at least ``min_gain`` even with
+    cautious predictions (3): each rank's current time lowered and its new
+    time raised by one standard error of its own measurements' scatter. Rules 2 and 3 keep a homogeneous job
     from chasing measurement noise: with equal true speeds every noisy
     re-split makes the real slowest rank slower, so a re-split must promise a
     gain the measurements can vouch for. Pure: every rank gets the same
@@ -905,10 +904,14 @@ def decide(controller: BatchSizeController, current: Sequence[int], min_gain: fl
     errors = controller.prediction_errors()
     if now is None or then is None or max(then) <= 0:
         return None
-    # With equal true speeds the slowest of n noisy estimates still sits about
-    # sqrt(2 ln n) standard errors above the rest: a real gain must clear that and 2 more.
-    if errors is not None and max(now) - max(then) <= (2.0 + math.sqrt(2.0 * math.log(len(now)))) * max(errors):
-        return None  # the promised gain is within the measurements' own scatter
+    if errors is not None:
+        # Judge the move on cautious predictions: each rank's current time as short as
+        # one standard error of its own scatter allows, its new time as long (the same
+        # relative error). Equal ranks that only look unequal then promise nothing, while
+        # a straggler far above its own scatter still moves; a bound on the largest error
+        # of all ranks instead held a straggler back whenever its steps had hiccups.
+        then = [t * (1.0 + e / n) for t, e, n in zip(then, errors, now)]
+        now = [t - e for t, e in zip(now, errors)]
     return list(proposal) if max(now) >= (1.0 + min_gain) * max(then) else None
 
 

@@ -463,7 +463,7 @@ def test_decide_does_not_chase_scatter_but_still_moves_a_straggler():
         then = controller.predicted_times(controller.propose())
         tempting += max(now) >= 1.1 * max(then)
     assert tempting >= 20, "the scatter should be large enough to tempt the min_gain rule"
-    assert adopted <= 3, f"{adopted} of 100 noisy equal-speed trials were re-split"
+    assert adopted <= 6, f"{adopted} of 100 noisy equal-speed trials were re-split"
     moved = [decide(observed((1, 1, 1, 3)), [64, 64, 64, 64], min_gain=0.1) for _ in range(20)]
     assert all(m is not None and m[3] < 35 for m in moved), moved
 
