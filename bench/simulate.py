@@ -40,7 +40,7 @@ from rich.table import Table
 # bench/crossover.py would shadow the `crossover` package: import it with this folder off sys.path.
 _BENCH = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-from crossover.daemon.simulator import POLICIES, JobSpec, SimConfig, simulate, simulate_small  # noqa: E402
+from crossover.daemon.simulator import LINK_SHARING, POLICIES, JobSpec, SimConfig, simulate, simulate_small  # noqa: E402
 
 sys.path.insert(0, str(_BENCH))
 from _harness import machine, write_json  # noqa: E402
@@ -97,7 +97,7 @@ def large_jobs(scenario: str, iters: int, seed: int) -> list[JobSpec]:
 def run_large(scenario: str, policy: str, args: dict[str, Any]) -> dict[str, Any]:
     jobs = large_jobs(scenario, args["iters"], args["seed"])
     cfg = SimConfig(seed=args["seed"], switch_penalty=args["switch_penalty"], startup_spread_s=args["spread"],
-                    grant_latency_s=args["grant_latency_ms"] / 1000)
+                    grant_latency_s=args["grant_latency_ms"] / 1000, link_sharing=args["link_sharing"])
     t0, c0 = time.perf_counter(), time.process_time()
     res = simulate(jobs, policy, n_nodes=N_NODES, devices_per_node=GPUS, config=cfg)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -114,7 +114,8 @@ def run_small(n_jobs: int, ratio: str, policy: str, args: dict[str, Any]) -> dic
     m = args["comm_ms"] / 1000 * SMALL_RATIOS[ratio]
     t0 = time.perf_counter()
     res = simulate_small(c, m, n_jobs, policy, iterations=args["iters"], seed=args["seed"],
-                         switch_penalty=args["switch_penalty"], grant_latency_s=args["grant_latency_ms"] / 1000)
+                         switch_penalty=args["switch_penalty"], grant_latency_s=args["grant_latency_ms"] / 1000,
+                         link_sharing=args["link_sharing"])
     return {"kind": "small", "scenario": f"{n_jobs} jobs {ratio}", "ratio": ratio, **res,
             "wall_s": time.perf_counter() - t0}
 
@@ -175,6 +176,10 @@ def main() -> None:
                    help="slowdown of co-running computes (passthrough): each of k runs at 1/(k(1+p))")
     p.add_argument("--spread", type=float, default=1.0, help="a job's ranks join within this many seconds")
     p.add_argument("--grant-latency-ms", type=float, default=0.3)
+    p.add_argument("--link-sharing", choices=LINK_SHARING, default="fair",
+                   help="how concurrent allreduces share a link: fair (equal rates; unscheduled jobs stay in "
+                        "lockstep) or fifo (in the order they began; unscheduled jobs fall into alternation). "
+                        "Real links lie between: run both to bracket the unscheduled baseline")
     p.add_argument("--compute-ms", type=float, default=50.0, help="small scenarios: C")
     p.add_argument("--comm-ms", type=float, default=50.0, help="small scenarios: M at 1:1 (scaled by the ratio)")
     p.add_argument("--per-job", action="store_true", help="keep per-job results in the JSON")
@@ -183,7 +188,7 @@ def main() -> None:
     args = p.parse_args()
     common = {"iters": args.iters, "seed": args.seed, "switch_penalty": args.switch_penalty, "spread": args.spread,
               "grant_latency_ms": args.grant_latency_ms, "compute_ms": args.compute_ms, "comm_ms": args.comm_ms,
-              "per_job": args.per_job}
+              "per_job": args.per_job, "link_sharing": args.link_sharing}
 
     cases: list[tuple[Any, ...]] = []
     if not args.small:

@@ -17,8 +17,14 @@ deadlines. Only the world around the policies is modelled:
   has one device and one link); allreduces crossing a link at the same time
   share it, so a job's allreduce runs at 1/k of full speed where k is the
   largest number of allreduces on any of its links (`shared_links=False`: a
-  fixed delay). Each rank then reports `observe('comm')` for its comm phase
-  (from its release to the allreduce's end).
+  fixed delay). `link_sharing="fifo"` instead serves a link's allreduces in the
+  order they began (the earliest runs at full speed, the others wait). The
+  emulated cluster's links behave in between (why is not established; TCP
+  flows that start at different times do not share evenly at once). Unscheduled co-located jobs stay in
+  lockstep under `fair` (neutrally stable) and fall into alternation under
+  `fifo`, so the two bracket what an unscheduled cluster does. Each rank then
+  reports `observe('comm')` for its comm phase (from its release to the
+  allreduce's end).
 * Ranks computing on one device at once (what `passthrough` allows) share it
   by processor sharing: each of k progresses at 1/(k * (1 + switch_penalty)).
 * Ticks: with `tick_s`, on a fixed cadence per node like the daemon's reaper
@@ -56,6 +62,7 @@ __all__ = [
     "SimResult",
     "ComputeSpan",
     "SimulationError",
+    "LINK_SHARING",
     "LocalOrderCrossoverPolicy",
     "POLICIES",
     "SMALL_POLICIES",
@@ -63,6 +70,9 @@ __all__ = [
     "simulate_small",
     "alone_iteration_s",
 ]
+
+
+LINK_SHARING = ("fair", "fifo")
 
 
 class SimulationError(CrossoverError):
@@ -166,6 +176,7 @@ class SimConfig:
     seed: int = 0
     switch_penalty: float = 0.0  # k>1 concurrent computes each run at 1/(k*(1+penalty))
     shared_links: bool = True  # concurrent allreduces through one (node, device) link share it
+    link_sharing: str = "fair"  # how they share it: "fair" (equal rates) or "fifo" (in the order they began)
     tick_s: float | None = None  # None: tick at the policy's deadlines; else every tick_s (daemon reaper)
     fallback_tick_s: float = 0.0005  # tick period for a policy whose deadlines cannot be read
     startup_spread_s: float = 0.0  # ranks of a job join within this window after its arrival
@@ -569,7 +580,7 @@ class _World:
         job.in_comm = True
         job.comm_work = job.spec.comm_s * self.jitter(job.spec.jitter)
         job.comm_since = self.now
-        job.comm_rate = 0.0
+        job.comm_rate = -1.0  # forces a rate (and, if it may run, a completion event) in `rerate`
         affected: dict[_Job, None] = {job: None}
         for link in job.links:
             sharing = self.links.setdefault(link, [])
@@ -592,16 +603,21 @@ class _World:
     def rerate(self, jobs: Any) -> None:
         now = self.now
         for job in jobs:
-            if self.cfg.shared_links:
-                rate = 1.0 / max(map(len, map(self.links.__getitem__, job.links)))
-            else:
+            if not self.cfg.shared_links:
                 rate = 1.0
+            elif self.cfg.link_sharing == "fifo":
+                # Lists are in arrival order on every link, so the earliest of any set of
+                # sharing jobs is first on all its links: someone always runs, no deadlock.
+                rate = 1.0 if all(self.links[link][0] is job for link in job.links) else 0.0
+            else:
+                rate = 1.0 / max(map(len, map(self.links.__getitem__, job.links)))
             if rate != job.comm_rate:
                 job.comm_work = max(0.0, job.comm_work - (now - job.comm_since) * job.comm_rate)
                 job.comm_since = now
                 job.comm_rate = rate
                 job.comm_version += 1
-                self.push(now + job.comm_work / rate, _COMM_DONE, job, job.comm_version)
+                if rate > 0:
+                    self.push(now + job.comm_work / rate, _COMM_DONE, job, job.comm_version)
 
     def on_comm_done(self, job: _Job, version: int) -> None:
         if version != job.comm_version or not job.in_comm:
@@ -732,6 +748,8 @@ def simulate(jobs: Sequence[JobSpec], policy: Union[str, PolicyFactory], *, n_no
     `config.horizon_s`); a job without `iterations` or `leave_s` needs a horizon.
     """
     cfg = config or SimConfig()
+    if cfg.link_sharing not in LINK_SHARING:
+        raise ValueError(f"unknown link_sharing {cfg.link_sharing!r}; choose one of: {', '.join(LINK_SHARING)}")
     if isinstance(policy, str):
         try:
             factory = POLICIES[policy]
@@ -749,7 +767,7 @@ def simulate(jobs: Sequence[JobSpec], policy: Union[str, PolicyFactory], *, n_no
 def simulate_small(compute_s: float, comm_s: float, n_jobs: int, policy: str, *, n_nodes: int = 2,
                    iterations: int = 200, jitter: float = 0.05, switch_penalty: float = 0.05,
                    tick_s: float | None = 0.1, startup_spread_s: float = 0.5, grant_latency_s: float = 0.0003,
-                   seed: int = 0) -> dict[str, Any]:
+                   seed: int = 0, link_sharing: str = "fair") -> dict[str, Any]:
     """The emulated-cluster scenario: `n_nodes` x 1 device, `n_jobs` identical jobs with one rank per node.
 
     `policy` is one of `SMALL_POLICIES`: a name in `POLICIES` (jobs co-located),
@@ -763,7 +781,7 @@ def simulate_small(compute_s: float, comm_s: float, n_jobs: int, policy: str, *,
     if policy not in SMALL_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(SMALL_POLICIES)}")
     cfg = SimConfig(seed=seed, switch_penalty=switch_penalty, tick_s=tick_s, startup_spread_s=startup_spread_s,
-                    grant_latency_s=grant_latency_s)
+                    grant_latency_s=grant_latency_s, link_sharing=link_sharing)
     place = tuple((n, 0) for n in range(n_nodes))
     specs = [JobSpec(f"job{i}", place, compute_s, comm_s, iterations=iterations, jitter=jitter) for i in range(n_jobs)]
     bound = 1.0 / max(n_jobs * compute_s, n_jobs * comm_s, compute_s + comm_s)
