@@ -364,7 +364,7 @@ def _equal_time_shares(
 
     low = min(a + k * lo for (a, k), lo in zip(models, mins))
     high = max(a + k * hi for (a, k), hi in zip(models, maxs))
-    for _ in range(200):
+    for _ in range(60):  # 2**-60 of the range: below float resolution for any real batch
         middle = 0.5 * (low + high)
         if sum(sizes(middle)) < total:
             low = middle
