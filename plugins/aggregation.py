@@ -57,8 +57,8 @@ Rules
     synchronisation: forward and backward, without evaluation or logging
     done between steps) with one
     ``hvd.allgather_async`` of a small float64 tensor, started after the
-    boundary step and read after the next step (its latency hides behind
-    that step), feed the same list to their own
+    boundary step and read two steps later (its latency hides behind
+    those steps; one step with ``period`` 1), feed the same list to their own
     :class:`~crossover.plugins.batch_size.BatchSizeController` (speed
     estimates and proposals), and so all adopt the same new sizes for the
     same following global batch. A proposal is adopted only when it passes
@@ -648,6 +648,7 @@ def lbbsp_stats() -> Optional[dict[str, Any]]:
     }
 
 
+_SHARE_LAG = 2  # steps between starting the measurement allgather and reading it
 _aggregator_ids = itertools.count()  # same sequence on every rank: all build the same optimizers in order
 
 
@@ -676,6 +677,7 @@ class _WeightedAggregator:
         self._hook_seconds = 0.0
         self._warned = False
         self._inflight: Any = None  # handle of the measurement allgather started at the last boundary
+        self._share_started = 0  # the iteration after which it was started
         self._instance = next(_aggregator_ids)
 
     def attach(self) -> None:
@@ -763,9 +765,10 @@ class _WeightedAggregator:
             if state.world_size != self._size:
                 raise AggregationError(f"the LB-BSP sampler was built for {state.world_size} ranks, the optimizer "
                                        f"combines {self._size}; pass the optimizer's process_set to batch_sampler()")
-            if self._inflight is not None:
+            period = state.controller.config.period
+            if self._inflight is not None and iteration - self._share_started >= min(_SHARE_LAG, period):
                 self._finish_share(state)
-            if (iteration + 1) % state.controller.config.period == 0:
+            if (iteration + 1) % period == 0:
                 self._start_share()
         else:
             self._buffer.clear()
@@ -784,14 +787,17 @@ class _WeightedAggregator:
         self._last_step_end = ended
 
     # Cross-rank agreement: every rank starts the exchange after the same step
-    # (a period boundary) and reads it after the next one, so all ranks feed
-    # identical measurement lists to identical controllers at the same step
-    # and adopt the same sizes for the same next global batch. Reading it one
-    # step later hides the allgather behind that step's compute.
+    # (a period boundary) and reads it _SHARE_LAG steps later (1 with period 1),
+    # so all ranks feed identical measurement lists to identical controllers at
+    # the same step and adopt the same sizes for the same next global batch.
+    # Reading it later hides the allgather behind those steps' compute; with one
+    # step, a loaded machine sometimes left it unfinished and the wait showed up
+    # as controller overhead.
 
     def _start_share(self) -> None:
         local = torch.tensor(self._buffer, dtype=torch.float64).reshape(-1, 3)
         self._buffer.clear()
+        self._share_started = self._iteration
         name = f"crossover.lbbsp.{self._instance}.{self._iteration}"
         self._inflight = self._hvd.allgather_async(local, name=name, process_set=self._process_set)
         _guard_shutdown(self)
