@@ -322,12 +322,19 @@ class _AffineFit:
         self._bt = keep * self._bt + a * batch * seconds
         self._tt = keep * self._tt + a * seconds * seconds
 
+    def _moments(self) -> tuple[float, float, float, float, float]:
+        """Weighted means of batch and time, variances of each, and their covariance."""
+        w = self._w
+        mean_b, mean_t = self._b / w, self._t / w
+        var_b = max(0.0, self._bb / w - mean_b * mean_b)
+        var_t = max(0.0, self._tt / w - mean_t * mean_t)
+        return mean_b, mean_t, var_b, var_t, self._bt / w - mean_b * mean_t
+
     def coefficients(self) -> tuple[float, float]:
         """``(a, k)``: intercept (>= 0) and per-sample seconds (> 0)."""
-        mean_b, mean_t = self._b / self._w, self._t / self._w
-        var_b = max(0.0, self._bb / self._w - mean_b * mean_b)
+        mean_b, mean_t, var_b, _, cov = self._moments()
         if var_b > (self.MIN_SPREAD * mean_b) ** 2:
-            k = (self._bt / self._w - mean_b * mean_t) / var_b
+            k = cov / var_b
             a = min(mean_t - k * mean_b, self.MAX_FIXED_SHARE * mean_t)
             if k > 0 and a >= 0:
                 return a, (mean_t - a) / mean_b  # the line still passes through the mean point
@@ -339,13 +346,10 @@ class _AffineFit:
 
     def standard_error(self) -> float:
         """Seconds: how far the fitted time at the mean batch may be off, from the residuals' spread."""
-        w = self._w
-        mean_b, mean_t = self._b / w, self._t / w
-        var_b = max(0.0, self._bb / w - mean_b * mean_b)
-        var_t = max(0.0, self._tt / w - mean_t * mean_t)
-        cov = self._bt / w - mean_b * mean_t
+        _, _, var_b, var_t, cov = self._moments()
         _, k = self.coefficients()
         residual = max(0.0, var_t - 2 * k * cov + k * k * var_b)
+        w = self._w
         effective_n = w * w / self._w2
         return math.sqrt(residual / effective_n)
 
@@ -394,25 +398,22 @@ class _TimeCurve:
     def __init__(self, alpha: float, capacity: int) -> None:
         self._alpha = alpha
         self._capacity = capacity
-        self._points: OrderedDict[int, float] = OrderedDict()  # recency order; the averages
-        self._sums: dict[int, tuple[float, float]] = {}  # decayed (weight·seconds, weight) per point
+        # batch -> decayed (weight·seconds, weight), in recency order; a point's average is their ratio
+        self._points: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self._points)
 
     def add(self, batch: int, seconds: float) -> None:
         keep = 1.0 - self._alpha
-        total, weight = self._sums.get(batch, (0.0, 0.0))
-        total, weight = keep * total + self._alpha * seconds, keep * weight + self._alpha
-        self._sums[batch] = (total, weight)
-        self._points.pop(batch, None)
-        self._points[batch] = total / weight
+        total, weight = self._points.pop(batch, (0.0, 0.0))
+        self._points[batch] = (keep * total + self._alpha * seconds, keep * weight + self._alpha)
         while len(self._points) > self._capacity:
-            dropped, _ = self._points.popitem(last=False)
-            del self._sums[dropped]
+            self._points.popitem(last=False)
 
     def latest(self) -> tuple[int, float]:
-        return next(reversed(self._points.items()))
+        batch, (total, weight) = next(reversed(self._points.items()))
+        return batch, total / weight
 
     def predict(self, batch: float) -> float:
         """Predicted seconds for ``batch`` samples.
@@ -425,7 +426,7 @@ class _TimeCurve:
         with the larger of the last segment's slope and the average time per
         sample ``t/b`` there. A single point means time proportional to ``b``.
         """
-        points = sorted(self._points.items())
+        points = sorted((b, total / weight) for b, (total, weight) in self._points.items())
         batches = [float(b) for b, _ in points]
         times: list[float] = []
         for _, seconds in points:
