@@ -285,13 +285,11 @@ class Scheduler:
                 self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done)
                 sess.forgive_done = False
                 if comm_begins:
-                    self._set_phase(sess, Phase.COMM, now)
-                    record.append(("comm_begin", sess, {"iteration": iteration}))
+                    self._begin_comm(sess, iteration, now, record)
             elif kind == "comm_begin":
                 if sess.phase in (Phase.COMPUTE, Phase.WAITING):
                     self._finish_compute(sess, now, record, 0.0, strict=False)
-                self._set_phase(sess, Phase.COMM, now)
-                record.append(("comm_begin", sess, {"iteration": iteration}))
+                self._begin_comm(sess, iteration, now, record)
             elif kind == "comm_end":
                 self._end_comm(sess, iteration, duration_s, now, record)
             else:
@@ -465,6 +463,10 @@ class Scheduler:
         self._policy.observe(sess.ref.key, "comm", measured, now)
         self._set_phase(sess, Phase.OTHER, now)
         record.append(("comm_end", sess, {"iteration": iteration, "duration_s": measured}))
+
+    def _begin_comm(self, sess: _Session, iteration: int, now: float, record: list) -> None:
+        self._set_phase(sess, Phase.COMM, now)
+        record.append(("comm_begin", sess, {"iteration": iteration}))
 
     def _suspend(self, sess: _Session, silent: float, now: float, record: list) -> None:
         was = sess.phase
