@@ -18,13 +18,12 @@ deadlines. Only the world around the policies is modelled:
   share it, so a job's allreduce runs at 1/k of full speed where k is the
   largest number of allreduces on any of its links (`shared_links=False`: a
   fixed delay). `link_sharing="fifo"` instead serves a link's allreduces in the
-  order they began (the earliest runs at full speed, the others wait). The
-  emulated cluster's links behave in between (why is not established; TCP
-  flows that start at different times do not share evenly at once). Unscheduled co-located jobs stay in
-  lockstep under `fair` (neutrally stable) and fall into alternation under
-  `fifo`, so the two bracket what an unscheduled cluster does. Each rank then
-  reports `observe('comm')` for its comm phase (from its release to the
-  allreduce's end).
+  order they began (the earliest runs at full speed, the others wait).
+  Unscheduled co-located jobs stay in lockstep under `fair` (neutrally
+  stable) and fall into alternation under `fifo`; the emulated cluster's
+  links behave in between (why is not established), so the two bracket what
+  an unscheduled cluster does. Each rank then reports `observe('comm')` for
+  its comm phase (from its release to the allreduce's end).
 * Ranks computing on one device at once (what `passthrough` allows) share it
   by processor sharing: each of k progresses at 1/(k * (1 + switch_penalty)).
 * Ticks: with `tick_s`, on a fixed cadence per node like the daemon's reaper
