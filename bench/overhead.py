@@ -3,8 +3,10 @@
 Variants run interleaved, round after round, so machine noise hits all of
 them alike; the table reports the median over rounds of each variant's mean
 iteration time, the overhead relative to plain Horovod measured in the same
-round, the grant round-trip (time a rank spends in a blocking acquire
-that nobody contends, measured inside the ranks), and the daemon's CPU time
+round, the acquire time (what a rank spends in `acquire` with nobody
+contending, measured inside the ranks: under a lease no round trip, with
+`--no-lease` the grant round trip), how many acquires ran under a lease,
+and the daemon's CPU time
 per rank-iteration (its user+system time from the job's start to its end:
 the cost the node pays, less noisy than wall time on a saturated machine).
 
@@ -38,7 +40,9 @@ from _harness import (  # noqa: E402
     write_json,
 )
 
-VARIANTS = ("plain", "passthrough", "exclusive")
+# exclusive: each rank is alone on its device, so it computes under a lease (no round trip per
+# iteration); exclusive-no-lease (crossoverd --no-lease) measures the round trip every contended request pays.
+VARIANTS = ("plain", "passthrough", "exclusive", "exclusive-no-lease")
 
 
 def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int) -> dict:
@@ -48,9 +52,13 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
         proc, out = start_job(name, WORKLOAD, workdir, args.np, job_args, {})
         ranks = finish_job(proc, out)
         waits: list[float] = []
+        leased = acquires = 0
         daemon_cpu_s = 0.0
     else:
-        with Daemon(workdir, "--cpu-devices", "2", "--policy", variant, name=name, nice=args.daemon_nice) as d:
+        policy, _, lease = variant.partition("-")
+        flags = ["--no-lease"] if lease == "no-lease" else []
+        with Daemon(workdir, "--cpu-devices", "2", "--policy", policy, *flags, name=name,
+                    nice=args.daemon_nice) as d:
             before = psutil.Process(d.proc.pid).cpu_times()  # the daemon's own start-up is not the job's cost
             stats = workdir / f"{name}.stats.{{rank}}.json"
             # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
@@ -61,13 +69,17 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
             cpu = psutil.Process(d.proc.pid).cpu_times()
             daemon_cpu_s = cpu.user + cpu.system - before.user - before.system
         waits = []
+        leased = acquires = 0
         for r in range(args.np):
             s = json.loads(Path(str(stats).replace("{rank}", str(r))).read_text())
             assert s["attached"], f"{variant}: rank {r} ran unattached; the measurement would be meaningless"
             waits += s["grant_waits_s"][args.warmup:]
+            leased += s["leased_acquires"]
+            acquires += len(s["grant_waits_s"])
     iters = [t for r in ranks for t in r["iter_times"][args.warmup:]]
     steps = sum(len(r["iter_times"]) for r in ranks)
     return {"iter_mean_s": mean(iters), "iter_p50_s": percentile(iters, 50), "grant_waits_s": waits,
+            "leased_acquires": leased, "acquires": acquires,
             "daemon_cpu_ms_per_rank_iter": 1000 * daemon_cpu_s / max(steps, 1)}
 
 
@@ -124,19 +136,22 @@ def main() -> None:
                       "overhead_pct_rounds": [100 * x for x in rel],
                       "grant_rtt_p50_ms": 1000 * percentile(waits, 50) if waits else None,
                       "grant_rtt_p99_ms": 1000 * percentile(waits, 99) if waits else None, "grants": len(waits),
+                      "leased_acquires": sum(r[v]["leased_acquires"] for r in rounds),
+                      "acquires": sum(r[v]["acquires"] for r in rounds),
                       "daemon_cpu_ms_per_rank_iter": statistics.median(
                           r[v]["daemon_cpu_ms_per_rank_iter"] for r in rounds)}
 
     t = Table(title=f"plugin overhead: 1 job x {args.np} ranks, batch {args.batch}, {args.rounds} interleaved rounds, "
                     f"{args.iters} iters")
-    for c in ("variant", "iter ms (median)", "overhead vs plain", "per round", "grant RTT p50 ms", "p99 ms",
-              "daemon CPU ms / rank-iter"):
+    for c in ("variant", "iter ms (median)", "overhead vs plain", "per round", "acquire p50 ms", "p99 ms",
+              "leased", "daemon CPU ms / rank-iter"):
         t.add_column(c, justify="right")
     for v, s in summary.items():
         t.add_row(v, f"{s['iter_ms_median']:.2f}", f"{s['overhead_pct_median']:+.2f}%",
                   " ".join(f"{x:+.1f}" for x in s["overhead_pct_rounds"]),
                   "-" if s["grant_rtt_p50_ms"] is None else f"{s['grant_rtt_p50_ms']:.3f}",
                   "-" if s["grant_rtt_p99_ms"] is None else f"{s['grant_rtt_p99_ms']:.3f}",
+                  f"{s['leased_acquires']}/{s['acquires']}" if s["acquires"] else "-",
                   "-" if v == "plain" else f"{s['daemon_cpu_ms_per_rank_iter']:.3f}")
     Console().print(t)
     per_round = [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]

@@ -65,6 +65,8 @@ class Session:
         self._generation = 0
         self._attached = False
         self._blocks = False
+        self._leased = False  # the daemon lets this rank compute without waiting for grants
+        self._last_send = 0.0
         self._granted_seq = 0
         self._outbox: queue.SimpleQueue | None = None
         self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
@@ -75,6 +77,7 @@ class Session:
         self.registration: pb.RegisterResponse | None = None
         self.on_attach: Callable[[pb.RegisterResponse], None] | None = None
         self.grant_waits: list[float] = []  # seconds each blocking acquire took (benchmarks read it)
+        self.leased_acquires = 0  # how many of those returned at once under a lease
         self.turn_base = 0  # the job's agreed place in its devices' rotation (see turn_floor)
         self.turn_agreed = False
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
@@ -98,14 +101,19 @@ class Session:
                 if comm_s is not None:
                     self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
                 return False
+            start = self._clock()
             seq = next(self._seq)
             gen = self._generation
             self._requested_gen = gen
             self._send(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq,
-                                    turn_base=self.turn_base, duration_s=comm_s or 0.0))
+                                    turn_base=self.turn_base, duration_s=comm_s or 0.0,
+                                    under_lease=self._leased and self._blocks))
             if not self._blocks:
                 return True
-            start = self._clock()
+            if self._leased:
+                self.leased_acquires += 1
+                self.grant_waits.append(self._clock() - start)
+                return True
             deadline = start + self.settings.grant_timeout_s
             while self._granted_seq < seq and self._attached and self._generation == gen and self._blocks:
                 left = deadline - self._clock()
@@ -175,6 +183,7 @@ class Session:
     def _send(self, event: pb.RankEvent) -> None:
         if self._outbox is not None:
             self._outbox.put(event)
+            self._last_send = self._clock()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -183,7 +192,9 @@ class Session:
                 if self._stop.wait(interval):
                     return
                 with self._cond:
-                    if self._attached:
+                    # Any event proves the rank alive: a heartbeat only fills a silence
+                    # (at most two intervals long, well inside the daemon's timeout).
+                    if self._attached and self._clock() - self._last_send >= interval:
                         self._send(pb.RankEvent(kind=pb.HEARTBEAT))
             else:
                 if self._stop.wait(self.settings.reconnect_interval_s):
@@ -205,7 +216,8 @@ class Session:
             return
         try:
             grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
-            reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity),
+            reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity,
+                                                   accepts_leases=s.lease),
                                 timeout=s.connect_timeout_s, metadata=self._metadata)
         except grpc.FutureTimeoutError:
             self._lost(f"no daemon answers at {s.target}")
@@ -221,6 +233,7 @@ class Session:
             self._outbox = outbox
             self._attached = True
             self._blocks = reg.policy_blocks
+            self._leased = False
             self._granted_seq = 0
             self.registration = reg
         receiver = threading.Thread(target=self._receive, args=(responses, self._generation),
@@ -247,6 +260,10 @@ class Session:
                 with self._cond:
                     if d.HasField("grant"):
                         self._granted_seq = max(self._granted_seq, d.grant.seq)
+                    elif d.HasField("lease"):
+                        self._leased = d.lease.held
+                        if not d.lease.held:  # after every request made under it: the daemon relies on that order
+                            self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
                     elif d.HasField("policy"):
                         self._blocks = d.policy.policy_blocks
                         _log.info("daemon switched policy to %s", d.policy.policy)
@@ -261,6 +278,7 @@ class Session:
 
     def _detach_locked(self) -> None:
         self._attached = False
+        self._leased = False
         self._requested_gen = -1
         if self._outbox is not None:
             self._outbox.put(_CLOSE)

@@ -45,6 +45,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                          "(a missing socket means no daemon: no wait)."),
     "CROSSOVER_RECONNECT_INTERVAL": ("2", "Seconds between attempts to re-attach to a lost daemon."),
     "CROSSOVER_PIN": ("1", "0: do not pin to the CPU core a CPU device names."),
+    "CROSSOVER_LEASE": ("1", "Accept a lease when this rank is alone on its device: it then computes without a "
+                        "grant round trip per iteration until another rank joins; 0: always wait for grants."),
     "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
                              "co-located job's compute (Horovod's own wait keeps a core busy); 0: Horovod's wait."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
@@ -179,6 +181,7 @@ class PluginSettings:
     pin: bool
     log_level: str
     quiet_wait: bool = True
+    lease: bool = True
     stats_file: str = ""
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
 
@@ -205,6 +208,7 @@ class PluginSettings:
             reconnect_interval_s=_float("CROSSOVER_RECONNECT_INTERVAL", 2.0, 0.05, 600.0),
             pin=_bool("CROSSOVER_PIN", True),
             quiet_wait=_bool("CROSSOVER_QUIET_WAIT", True),
+            lease=_bool("CROSSOVER_LEASE", True),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", "WARNING").upper(),
             stats_file=os.environ.get("CROSSOVER_STATS_FILE", ""),
             aggregation=AggregationSettings.from_env(),

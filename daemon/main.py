@@ -59,12 +59,16 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 @click.option("--evict-after", type=click.FloatRange(0.05, 3600), default=10.0, show_default=True,
               help="Seconds without a heartbeat before a suspended rank is removed (its stream is closed; "
               "the rank re-registers). At least --heartbeat-timeout.")
+@click.option("--lease/--no-lease", default=True, show_default=True,
+              help="Let a rank alone on its device compute without waiting for each grant (it still reports "
+              "its phases); revoked the moment another rank joins the device. --no-lease makes every "
+              "request a round trip.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default="INFO", show_default=True)
 def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
          tls_cert: str | None, tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
          event_log: str | None, event_log_size: int, heartbeat_timeout: float, evict_after: float,
-         log_level: str) -> None:
+         lease: bool, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
     Run one per node (GPU machine), then start jobs whose script begins with
@@ -87,7 +91,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         heartbeat_interval = min(0.2, heartbeat_timeout / 4)
         core = Scheduler(inventory, policy, node=node_name, event_log=log,
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
-                         evict_after_s=evict_after)
+                         evict_after_s=evict_after, lease=lease)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
         daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls).start()
     except CrossoverError as exc:

@@ -5,6 +5,15 @@ feeds their events to the policy under one lock, delivers grants to each
 session's outbox (a queue the gRPC stream drains), and evicts ranks whose
 stream ended, whose process died or whose heartbeats stopped. It knows
 nothing of gRPC: `server.py` translates.
+
+Leases. A rank alone on its device under a blocking policy would be granted
+every request at once, so it is given a lease: it keeps reporting its phases
+but stops waiting for each grant (a round trip per iteration saved). The
+lease is revoked when another rank joins the device, on a drain or a policy
+switch. Until the holder confirms (LEASE_RELEASED, which follows every request
+it made under the lease on its stream), other ranks' requests on that device
+are held back from the policy, so the policy never grants the device while
+the holder might be computing unseen.
 """
 from __future__ import annotations
 
@@ -36,7 +45,8 @@ from .event_log import EventLog
 from .inventory import Inventory
 
 __all__ = [
-    "Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "CloseMsg", "RankSnapshot", "DeviceSnapshot",
+    "Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "LeaseMsg", "CloseMsg", "RankSnapshot",
+    "DeviceSnapshot",
 ]
 
 _log = logging.getLogger(__name__)
@@ -83,6 +93,13 @@ class PolicyMsg:
 
 
 @dataclass(frozen=True)
+class LeaseMsg:
+    """The session may compute without waiting for grants (held) or must wait again (revoked)."""
+
+    held: bool
+
+
+@dataclass(frozen=True)
 class CloseMsg:
     """Ends a session's stream; `error` set means the rank sent something invalid."""
 
@@ -117,6 +134,9 @@ class _Session:
     turn: int = 0  # the pending request's place in the rotation
     suspended_from: Phase | None = None  # the phase it was silenced in (while SUSPENDED)
     forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
+    accepts_leases: bool = False
+    leased: bool = False
+    request_leased: bool = False  # the pending request was made under a lease: nobody waits for its grant
     stats: _Stats = field(default_factory=_Stats)
     process: psutil.Process | None = None
 
@@ -166,6 +186,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         pid_alive: Callable[[int], bool] = psutil.pid_exists,
         evict_after_s: float = 10.0,
+        lease: bool = True,
     ) -> None:
         if evict_after_s < heartbeat_timeout_s:
             raise InvalidRequest(
@@ -183,6 +204,10 @@ class Scheduler:
         self._sessions: dict[str, _Session] = {}
         self._by_key: dict[RankKey, _Session] = {}
         self._draining: set[int] = set()
+        self._lease_enabled = lease
+        self._leases: dict[int, str] = {}  # device -> session holding its lease
+        self._revoking: dict[int, tuple[str, float]] = {}  # device -> (session whose LEASE_RELEASED is awaited, since)
+        self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
         self._started = clock()
         self._closed = False
         self._ids = itertools.count()
@@ -190,7 +215,7 @@ class Scheduler:
 
     # ---- rank lifecycle ------------------------------------------------
 
-    def register(self, ident: Identity) -> Registration:
+    def register(self, ident: Identity, accepts_leases: bool = False) -> Registration:
         _validate(ident, len(self.inventory.devices))
         now = self._clock()
         device_index = ident.device if ident.device >= 0 else ident.local_rank % len(self.inventory.devices)
@@ -211,7 +236,8 @@ class Scheduler:
             sid = f"{uuid.uuid4().hex}{next(self._ids):x}"
             ref = RankRef(key, ident.job_name, device.index, ident.world_size, now)
             ident = Identity(**{**ident.__dict__, "node": self.node, "device": device.index})
-            sess = _Session(sid, ident, ref, registered_at=now, last_seen=now, phase_since=now)
+            sess = _Session(sid, ident, ref, registered_at=now, last_seen=now, phase_since=now,
+                            accepts_leases=accepts_leases)
             try:
                 sess.process = psutil.Process(ident.pid)
             except (psutil.Error, ValueError):
@@ -219,6 +245,7 @@ class Scheduler:
             self._sessions[sid] = sess
             self._by_key[key] = sess
             joined: list[tuple[str, _Session, dict]] = [("register", sess, {"pid": ident.pid})]
+            self._revoke(device.index, "another rank joined the device", joined)
             self._deliver(self._policy.join(ref, now), now, joined)
             self._flush(joined)
             blocks = self._policy.blocks
@@ -246,11 +273,13 @@ class Scheduler:
         return outbox
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
-              turn_base: int = 0, comm_begins: bool = False) -> None:
-        """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`.
+              turn_base: int = 0, comm_begins: bool = False, under_lease: bool = False) -> None:
+        """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`,
+        `lease_released`.
 
         A compute request's place in the policy's order is its turn, `turn_base + iteration`.
-        A `compute_done` with `comm_begins` also begins the rank's allreduce.
+        A `compute_done` with `comm_begins` also begins the rank's allreduce. A request
+        `under_lease` is not answered: the rank did not wait.
         """
         if duration_s < 0 or duration_s > 86_400 or duration_s != duration_s:
             raise InvalidRequest(f"duration_s={duration_s} is not a plausible phase length")
@@ -280,6 +309,7 @@ class Scheduler:
                 sess.requested_at = now
                 sess.turn = turn_base + iteration
                 sess.forgive_done = False
+                sess.request_leased = under_lease
                 self._queue_request(sess, iteration, now, record)
             elif kind == "compute_done":
                 self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done)
@@ -292,6 +322,10 @@ class Scheduler:
                 self._begin_comm(sess, iteration, now, record)
             elif kind == "comm_end":
                 self._end_comm(sess, iteration, duration_s, now, record)
+            elif kind == "lease_released":
+                if self._revoking.get(sess.ref.device, ("",))[0] == sess.id:
+                    record.append(("lease_released", sess, {}))
+                    self._end_revoke(sess.ref.device, now, record)
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
             self._flush(record)
@@ -315,6 +349,7 @@ class Scheduler:
                 record.append(("release", sess, {"reason": reason}))
             if sess.phase is not Phase.SUSPENDED:  # a suspended rank already left the policy
                 self._deliver(self._policy.leave(sess.ref.key, now), now, record)
+            self._forget_lease(sess, now, record)
             sess.send(CloseMsg(reason))
             record.insert(0, ("leave", sess, {"reason": reason}))
             self._flush(record)
@@ -344,6 +379,14 @@ class Scheduler:
                     doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
                 elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
                     self._suspend(sess, silent, now, record)
+            for device, (sid, since) in list(self._revoking.items()):
+                if now - since > self.heartbeat_timeout_s:  # a client that never answers must not block the device
+                    holder = self._sessions[sid]
+                    _log.warning("%s rank %d did not give up its lease on device %d within %.2fs; "
+                                 "serving the device's other ranks anyway", holder.ident.job_name,
+                                 holder.ident.rank, device, self.heartbeat_timeout_s)
+                    record.append(("lease_expired", holder, {}))
+                    self._end_revoke(device, now, record)
             self._flush(record)
         for sid, reason in doomed:
             self.close(sid, reason)
@@ -393,6 +436,8 @@ class Scheduler:
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
             old = self._policy.name
+            for device in list(self._leases):
+                self._revoke(device, f"policy switched to {name}", record)
             self._policy = new
             for sess in sorted(self._sessions.values(), key=lambda s: s.registered_at):
                 if sess.phase is not Phase.SUSPENDED:
@@ -400,7 +445,8 @@ class Scheduler:
             active = [s for s in self._sessions.values() if s.phase in (Phase.COMPUTE, Phase.WAITING)]
             active.sort(key=lambda s: (s.phase is not Phase.COMPUTE, s.requested_at))
             for sess in active:
-                self._deliver(new.request(sess.ref.key, sess.turn, now), now, record)
+                if not self._defer(sess):
+                    self._deliver(new.request(sess.ref.key, sess.turn, now), now, record)
             for sess in self._sessions.values():
                 sess.send(PolicyMsg(new.name, new.blocks))
             self._flush(record)
@@ -410,8 +456,12 @@ class Scheduler:
 
     def drain(self, device: int, draining: bool) -> bool:
         self.inventory.by_index(device)
+        record: list[tuple[str, _Session, dict]] = []
         with self._lock:
             (self._draining.add if draining else self._draining.discard)(device)
+            if draining:
+                self._revoke(device, "device draining", record)
+            self._flush(record)
         self.events.record("drain" if draining else "resume", device=device)
         return draining
 
@@ -423,13 +473,17 @@ class Scheduler:
         return self._clock() - self._started
 
     def snapshot(self) -> tuple[dict[int, DeviceSnapshot], list[RankSnapshot]]:
-        """Per device: (holders, waiting in grant order, others, job order); plus all ranks."""
+        """Per device: (holders, waiting in grant order, others, job order); plus all ranks.
+
+        Requests held back while a lease is given up are listed last among the waiting.
+        """
         now = self._clock()
         with self._lock:
             snaps = {sid: self._rank_snapshot(s, now) for sid, s in self._sessions.items()}
             processes = [(sid, s.process) for sid, s in self._sessions.items() if s.process is not None]
             by_key = {s.ref.key: s.id for s in self._sessions.values()}
             views = {dev.index: self._policy.view(dev.index) for dev in self.inventory.devices}
+            held_back = {dev: [self._sessions[sid].ref.key for sid in sids] for dev, sids in self._deferred.items()}
             devices = {sid: s.ref.device for sid, s in self._sessions.items()}
         for sid, proc in processes:  # psutil reads /proc: keep it outside the lock
             try:
@@ -441,8 +495,8 @@ class Scheduler:
         out = {}
         for index, view in views.items():
             holders = [snaps[by_key[k]] for k in view.holders if k in by_key]
-            waiting = [snaps[by_key[k]] for k in view.waiting if k in by_key]
-            seen = {by_key[k] for k in (*view.holders, *view.waiting) if k in by_key}
+            waiting = [snaps[by_key[k]] for k in (*view.waiting, *held_back.get(index, ())) if k in by_key]
+            seen = {by_key[k] for k in (*view.holders, *view.waiting, *held_back.get(index, ())) if k in by_key}
             others = [snaps[sid] for sid, d in devices.items() if d == index and sid not in seen]
             out[index] = DeviceSnapshot(holders, waiting, others, view.order)
         return out, list(snaps.values())
@@ -477,6 +531,7 @@ class Scheduler:
         self._set_phase(sess, Phase.SUSPENDED, now)
         sess.suspended_from = was
         self._deliver(self._policy.leave(sess.ref.key, now), now, record)
+        self._forget_lease(sess, now, record)
         _log.warning("suspended %s rank %d: silent for %.2fs (its device is free; it resumes when it speaks again)",
                      sess.ident.job_name, sess.ident.rank, silent)
 
@@ -492,7 +547,62 @@ class Scheduler:
     def _queue_request(self, sess: _Session, iteration: int, now: float, record: list) -> None:
         self._set_phase(sess, Phase.WAITING, now)
         record.append(("request", sess, {"iteration": iteration, "seq": sess.pending_seq, "turn": sess.turn}))
-        self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
+        if not self._defer(sess):
+            self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
+
+    # ---- leases --------------------------------------------------------
+
+    def _maybe_lease(self, sess: _Session, record: list) -> None:
+        """Just granted: lease the device to the session if nobody else can want it."""
+        device = sess.ref.device
+        if (not self._lease_enabled or not sess.accepts_leases or sess.leased or device in self._leases
+                or device in self._revoking or device in self._draining or not self._policy.blocks):
+            return
+        if any(s.ref.device == device for s in self._sessions.values() if s is not sess):
+            return
+        sess.leased = True
+        self._leases[device] = sess.id
+        sess.send(LeaseMsg(True))
+        record.append(("lease", sess, {}))
+
+    def _revoke(self, device: int, reason: str, record: list) -> None:
+        sid = self._leases.pop(device, None)
+        if sid is None:
+            return
+        holder = self._sessions[sid]
+        holder.leased = False
+        holder.send(LeaseMsg(False))
+        self._revoking[device] = (sid, self._clock())
+        record.append(("lease_revoke", holder, {"reason": reason}))
+
+    def _defer(self, sess: _Session) -> bool:
+        """Hold a request back while its device's lease is being given up by another rank."""
+        holder = self._revoking.get(sess.ref.device)
+        if holder is None or holder[0] == sess.id:
+            return False
+        self._deferred.setdefault(sess.ref.device, {})[sess.id] = None
+        return True
+
+    def _end_revoke(self, device: int, now: float, record: list) -> None:
+        """The holder's requests are all known: hand the held-back ones to the policy, in arrival order."""
+        del self._revoking[device]
+        for sid in self._deferred.pop(device, {}):
+            sess = self._sessions.get(sid)
+            if sess is not None and sess.phase is Phase.WAITING and not self._policy.is_waiting(sess.ref.key):
+                self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
+
+    def _forget_lease(self, sess: _Session, now: float, record: list) -> None:
+        """The session left the policy (closed or suspended): its lease, or the wait for its release, ends."""
+        device = sess.ref.device
+        if self._leases.get(device) == sess.id:
+            del self._leases[device]
+            sess.leased = False
+            sess.send(LeaseMsg(False))  # a suspended rank reads it when it wakes, and waits for grants again
+        if self._revoking.get(device, ("",))[0] == sess.id:
+            self._end_revoke(device, now, record)
+        deferred = self._deferred.get(device)
+        if deferred is not None:
+            deferred.pop(sess.id, None)
 
     def _set_phase(self, sess: _Session, phase: Phase, now: float) -> None:
         sess.phase = phase
@@ -514,6 +624,10 @@ class Scheduler:
             self._set_phase(sess, Phase.OTHER, now)
             record.append(("cancel", sess, {}))
             self._deliver(self._policy.cancel(key, now), now, record)
+        elif sess.phase is Phase.WAITING and sess.id in self._deferred.get(sess.ref.device, {}):
+            self._set_phase(sess, Phase.OTHER, now)
+            record.append(("cancel", sess, {}))
+            del self._deferred[sess.ref.device][sess.id]
         elif sess.phase is Phase.COMPUTE:
             # Re-queued by a policy switch while it computed, and not yet granted
             # under the new policy: it is done now, so withdraw that request too,
@@ -541,10 +655,12 @@ class Scheduler:
             waited = now - sess.requested_at
             sess.stats.waited_total += waited
             self._set_phase(sess, Phase.COMPUTE, now)
-            if self._policy.blocks:  # under a policy that never blocks, nobody waits for the message
-                sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
             if record is not None:
                 record.append(("grant", sess, {"iteration": sess.iteration, "waited_s": waited}))
+            # Nobody waits for the message under a policy that never blocks, or with a lease.
+            if self._policy.blocks and not sess.request_leased:
+                sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
+                self._maybe_lease(sess, record if record is not None else [])
 
     def _flush(self, record: list[tuple[str, _Session, dict]]) -> None:
         # Called with the lock held, so the log's order is the order decisions were made

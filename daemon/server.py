@@ -32,7 +32,7 @@ from .api import (
     Phase,
     UnsupportedVersion,
 )
-from .scheduler import CloseMsg, GrantMsg, Identity, PolicyMsg, RankSnapshot, Scheduler
+from .scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, RankSnapshot, Scheduler
 
 __all__ = ["Daemon", "status_code"]
 
@@ -44,6 +44,7 @@ _KINDS = {
     pb.COMM_BEGIN: "comm_begin",
     pb.COMM_END: "comm_end",
     pb.HEARTBEAT: "heartbeat",
+    pb.LEASE_RELEASED: "lease_released",
 }
 _PHASES = {
     Phase.IDLE: pb.IDLE,
@@ -118,7 +119,8 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
             raise InvalidRequest("identity is missing")
         i = request.identity
         reg = self._core.register(
-            Identity(i.job_id, i.job_name, i.rank, i.local_rank, i.world_size, i.local_size, i.node, i.device, i.pid)
+            Identity(i.job_id, i.job_name, i.rank, i.local_rank, i.world_size, i.local_size, i.node, i.device, i.pid),
+            accepts_leases=request.accepts_leases,
         )
         return pb.RegisterResponse(
             session_id=reg.session_id,
@@ -175,6 +177,8 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
                 if isinstance(msg, GrantMsg):
                     await context.write(pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration,
                                                                     waited_s=msg.waited_s)))
+                elif isinstance(msg, LeaseMsg):
+                    await context.write(pb.Directive(lease=pb.Lease(held=msg.held)))
                 elif isinstance(msg, PolicyMsg):
                     await context.write(pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy,
                                                                             policy_blocks=msg.blocks)))
@@ -194,7 +198,7 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
                     if kind is None:
                         raise InvalidRequest(f"event kind {ev.kind} is not valid after OPEN")
                     self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s, ev.turn_base,
-                                     ev.comm_begins)
+                                     ev.comm_begins, ev.under_lease)
                 except CrossoverError as exc:
                     _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
                     inbox.put_nowait(CloseMsg(str(exc), exc))

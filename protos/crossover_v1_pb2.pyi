@@ -16,6 +16,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMM_BEGIN: _ClassVar[EventKind]
     COMM_END: _ClassVar[EventKind]
     HEARTBEAT: _ClassVar[EventKind]
+    LEASE_RELEASED: _ClassVar[EventKind]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +34,7 @@ COMPUTE_DONE: EventKind
 COMM_BEGIN: EventKind
 COMM_END: EventKind
 HEARTBEAT: EventKind
+LEASE_RELEASED: EventKind
 PHASE_UNSPECIFIED: Phase
 IDLE: Phase
 WAITING: Phase
@@ -64,12 +66,14 @@ class RankIdentity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_size: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "identity")
+    __slots__ = ("protocol_version", "identity", "accepts_leases")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_LEASES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     identity: RankIdentity
-    def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ...) -> None: ...
+    accepts_leases: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., accepts_leases: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "node", "device", "cpu_affinity", "heartbeat_interval_s", "policy", "policy_blocks")
@@ -90,7 +94,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
 
 class RankEvent(_message.Message):
-    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins")
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "under_lease")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +102,7 @@ class RankEvent(_message.Message):
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     TURN_BASE_FIELD_NUMBER: _ClassVar[int]
     COMM_BEGINS_FIELD_NUMBER: _ClassVar[int]
+    UNDER_LEASE_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     session_id: str
     iteration: int
@@ -105,15 +110,24 @@ class RankEvent(_message.Message):
     duration_s: float
     turn_base: int
     comm_begins: bool
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ...) -> None: ...
+    under_lease: bool
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., under_lease: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("grant", "policy")
+    __slots__ = ("grant", "policy", "lease")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     grant: Grant
     policy: PolicyUpdate
-    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ...) -> None: ...
+    lease: Lease
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("seq", "iteration", "waited_s")

@@ -204,8 +204,8 @@ def test_bad_requests_get_clear_statuses_and_the_daemon_keeps_serving(serve, cha
     assert good.acquire(0) is True
     good.release(0, duration_s=0.01)
     wait_for(lambda: any(e["event"] == "release" and e["job_name"] == "good-job" for e in d.core.events.snapshot()))
-    assert [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "good-job"][:4] == [
-        "register", "request", "grant", "release"]
+    assert [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "good-job"][:5] == [
+        "register", "request", "grant", "lease", "release"]  # alone on its device: leased
 
 
 def test_admin_rpcs_check_version_and_device(serve, channels):
@@ -500,3 +500,54 @@ def test_no_socket_means_no_daemon_at_once_and_a_silent_one_gets_the_connect_tim
         assert not s.attached and time.monotonic() - t0 >= 0.5
     finally:
         silent.close()
+
+
+def test_a_lease_is_revoked_when_a_second_rank_arrives_and_compute_never_overlaps(serve, sessions):
+    """A rank computes alone under a lease while other ranks come and go on its device.
+
+    Overlap is observed where it would happen, in the clients: each marks the
+    device busy while it "computes", so a grant the daemon gave too early
+    shows up as two at once, whatever the event log says. Every arrival
+    revokes the lease, every departure lets the lone rank have it again.
+    """
+    d = serve(policy="exclusive")
+    target = f"unix://{d.socket_path}"
+    busy, most = [0], [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+    counts: dict[str, int] = {}
+
+    def work(s: Session, name: str, iters: int) -> None:
+        counts[name] = 0
+        for i in range(iters):
+            if stop.is_set():
+                return
+            assert s.acquire(i, comm_s=0.001 if i else None) is True
+            with lock:
+                busy[0] += 1
+                most[0] = max(most[0], busy[0])
+            time.sleep(0.002)
+            with lock:
+                busy[0] -= 1
+            s.release(i, 0.002, comm_begins=True)
+            counts[name] += 1
+            time.sleep(0.001)  # "allreduce"
+
+    alpha = sessions(target, "alpha")
+    ta = threading.Thread(target=work, args=(alpha, "alpha", 100_000), daemon=True)
+    ta.start()
+    visitors = 12
+    for n in range(visitors):
+        before = alpha.leased_acquires
+        wait_for(lambda b=before: alpha.leased_acquires >= b + 5)  # alone again, and leased
+        visitor = sessions(target, f"visitor{n}")
+        work(visitor, visitor.info.job_name, 5)
+        visitor.close()
+    stop.set()
+    ta.join(timeout=30)
+    assert all(counts[f"visitor{n}"] == 5 for n in range(visitors))
+    assert most[0] == 1
+    kinds = [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "alpha"]
+    assert kinds.count("lease") == visitors + 1
+    assert kinds.count("lease_revoke") == kinds.count("lease_released") == visitors
+    assert "lease_expired" not in kinds

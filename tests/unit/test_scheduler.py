@@ -11,7 +11,7 @@ import pytest
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
-from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, PolicyMsg, Scheduler
+from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler
 
 # pids above Linux's largest pid_max (2**22): psutil never finds such a process.
 _PID = 10_000_000
@@ -55,10 +55,11 @@ def make(clock, pids):
     made: list[Scheduler] = []
 
     def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5,
-              evict_after: float = 5.0) -> Scheduler:
+              evict_after: float = 5.0, lease: bool = False) -> Scheduler:
         inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
         s = Scheduler(inv, policy, node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids, evict_after_s=evict_after)
+                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids, evict_after_s=evict_after,
+                      lease=lease)
         made.append(s)
         return s
 
@@ -84,8 +85,8 @@ def drain_outbox(box: queue.SimpleQueue) -> list:
             return out
 
 
-def join(s: Scheduler, **kw) -> tuple[str, queue.SimpleQueue]:
-    reg = s.register(ident(**kw))
+def join(s: Scheduler, leases: bool = True, **kw) -> tuple[str, queue.SimpleQueue]:
+    reg = s.register(ident(**kw), accepts_leases=leases)
     return reg.session_id, s.attach(reg.session_id)
 
 
@@ -382,6 +383,177 @@ def test_shutdown_grants_every_waiter_and_closes_streams(make):
     with pytest.raises(FailedPrecondition, match="shutting down"):
         s.register(ident(job="late"))
     assert s.snapshot()[1] == []
+
+
+# ---- leases --------------------------------------------------------------
+
+
+def holders_over_time(s: Scheduler, device: int = 0) -> int:
+    """The most ranks the event log ever shows holding ``device`` at once."""
+    held: set = set()
+    most = 0
+    for e in s.events.snapshot():
+        if e.get("device") != device:
+            continue
+        if e["event"] == "grant":
+            held.add((e["job"], e["rank"]))
+        elif e["event"] in ("release", "leave"):
+            held.discard((e["job"], e["rank"]))
+        most = max(most, len(held))
+    return most
+
+
+def test_a_lone_rank_is_leased_and_then_not_sent_grants(make):
+    s = make(lease=True)
+    a, box = join(s, rank=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    assert drain_outbox(box) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
+    s.event(a, "compute_done", iteration=0, comm_begins=True)
+    for i in (1, 2):
+        s.event(a, "compute_request", iteration=i, seq=i + 1, under_lease=True)
+        s.event(a, "compute_done", iteration=i, comm_begins=True)
+    assert drain_outbox(box) == []  # the rank did not wait, so nothing is sent
+    # a request made before the rank read its lease is still answered: it is waiting for that grant
+    s.event(a, "compute_request", iteration=3, seq=4)
+    assert drain_outbox(box) == [GrantMsg(4, 3, 0.0)]
+    log = [e["event"] for e in s.events.snapshot()]
+    assert log.count("grant") == 4 and log.count("release") == 3 and log.count("lease") == 1
+
+
+def test_no_lease_when_the_device_is_shared_or_leases_are_off(make):
+    s = make(lease=True)
+    a, box_a = join(s, rank=0, device=0)
+    join(s, rank=1, device=0)
+    s.event(a, "compute_request", seq=1)
+    assert drain_outbox(box_a) == [GrantMsg(1, 0, 0.0)]
+    off = make(lease=False)
+    b, box_b = join(off, job="solo", world=1, rank=0)
+    off.event(b, "compute_request", seq=1)
+    assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
+    old_client = make(lease=True)
+    c, box_c = join(old_client, leases=False, job="solo", world=1, rank=0)
+    old_client.event(c, "compute_request", seq=1)
+    assert drain_outbox(box_c) == [GrantMsg(1, 0, 0.0)]
+
+
+def test_passthrough_leases_nothing(make):
+    s = make("passthrough", lease=True)
+    a, box = join(s, rank=0)
+    s.event(a, "compute_request", seq=1)
+    assert drain_outbox(box) == []
+
+
+def leased(s: Scheduler) -> tuple[str, queue.SimpleQueue]:
+    a, box = join(s, job="old", world=1, rank=0, device=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    s.event(a, "compute_done", iteration=0, comm_begins=True)
+    assert drain_outbox(box) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
+    return a, box
+
+
+def test_a_newcomer_waits_for_the_holders_requests_in_flight(make):
+    """The hazard: the holder computes under its lease while its request is still on the wire.
+
+    The newcomer's request must not reach the policy before the holder's
+    LEASE_RELEASED, which follows that request on the holder's stream.
+    """
+    s = make(lease=True)
+    a, box_a = leased(s)
+    b, box_b = join(s, job="new", world=1, rank=0, device=0)
+    assert drain_outbox(box_a) == [LeaseMsg(False)]
+    s.event(b, "compute_request", iteration=0, seq=1)
+    assert drain_outbox(box_b) == []  # held back although the daemon has not seen the holder compute
+    assert [r.ident.job_id for r in s.snapshot()[0][0].waiting] == ["new"]
+    s.event(a, "compute_request", iteration=1, seq=2, under_lease=True)  # before the holder saw the revoke
+    s.event(a, "lease_released")
+    assert drain_outbox(box_b) == []  # queued behind the holder now
+    s.event(a, "compute_done", iteration=1, comm_begins=True)
+    assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
+    assert holders_over_time(s) == 1
+    # from now on the holder waits like everyone else
+    s.event(a, "compute_request", iteration=2, seq=3)
+    assert drain_outbox(box_a) == []
+    s.event(b, "compute_done", iteration=0)
+    assert drain_outbox(box_a) == [GrantMsg(3, 2, 0.0)]
+    events = [e["event"] for e in s.events.snapshot()]
+    assert events.count("lease_revoke") == 1 and events.count("lease_released") == 1
+
+
+def test_the_newcomer_is_granted_at_the_release_when_the_holder_was_idle(make):
+    s = make(lease=True)
+    a, _ = leased(s)
+    b, box_b = join(s, job="new", world=1, rank=0, device=0)
+    s.event(b, "compute_request", seq=7)
+    s.event(a, "lease_released")
+    assert drain_outbox(box_b) == [GrantMsg(7, 0, 0.0)]
+
+
+@pytest.mark.parametrize("end", ["close", "suspend"])
+def test_a_holder_that_leaves_or_goes_silent_ends_the_wait(make, clock, end):
+    s = make(lease=True, timeout=0.5)
+    a, _ = leased(s)
+    b, box_b = join(s, job="new", world=1, rank=0, device=0)
+    s.event(b, "compute_request", seq=7)
+    if end == "close":
+        s.close(a, "test")
+    else:
+        clock.advance(0.3)
+        s.event(b, "heartbeat")
+        clock.advance(0.3)
+        s.reap()
+    msgs = drain_outbox(box_b)
+    assert msgs[0] == GrantMsg(7, 0, pytest.approx(0.6 if end == "suspend" else 0.0))
+    # alone on the device after the holder left, not while it is only silent (it may come back)
+    assert msgs[1:] == ([LeaseMsg(True)] if end == "close" else [])
+
+
+def test_a_held_back_request_can_be_withdrawn(make):
+    s = make(lease=True)
+    a, _ = leased(s)
+    b, box_b = join(s, job="new", world=1, rank=0, device=0)
+    s.event(b, "compute_request", seq=7)
+    s.event(b, "compute_done")  # gave up waiting: no error, and no grant later
+    s.event(a, "lease_released")
+    assert drain_outbox(box_b) == []
+    assert [e["event"] for e in s.events.snapshot() if e.get("job") == "new"][-1] == "cancel"
+
+
+def test_a_suspended_holder_loses_its_lease_and_may_regain_it_alone(make, clock):
+    s = make(lease=True, timeout=0.5)
+    a, box = leased(s)
+    clock.advance(0.6)
+    s.reap()
+    assert drain_outbox(box) == [LeaseMsg(False)]
+    s.event(a, "lease_released")  # it woke up, read the revocation and answered: nothing to do
+    s.event(a, "compute_request", iteration=1, seq=2)
+    assert drain_outbox(box) == [GrantMsg(2, 1, 0.0), LeaseMsg(True)]
+
+
+def test_a_holder_that_never_answers_loses_the_device_after_the_heartbeat_timeout(make, clock):
+    s = make(lease=True, timeout=0.5)
+    a, _ = leased(s)
+    b, box_b = join(s, job="new", world=1, rank=0, device=0)
+    s.event(b, "compute_request", seq=7)
+    for _ in range(4):  # the holder keeps heartbeating but never sends LEASE_RELEASED
+        clock.advance(0.15)
+        s.event(a, "heartbeat")
+        s.event(b, "heartbeat")
+        s.reap()
+    assert drain_outbox(box_b) == [GrantMsg(7, 0, pytest.approx(0.6))]
+    assert "lease_expired" in [e["event"] for e in s.events.snapshot()]
+
+
+@pytest.mark.parametrize("how", ["drain", "policy"])
+def test_drain_and_policy_switch_revoke_the_lease(make, how):
+    s = make(lease=True)
+    _, box = leased(s)
+    if how == "drain":
+        s.drain(0, True)
+        assert drain_outbox(box) == [LeaseMsg(False)]
+    else:
+        s.set_policy("crossover")
+        assert drain_outbox(box) == [LeaseMsg(False), PolicyMsg("crossover", True)]
+    assert [e["reason"] for e in s.events.snapshot() if e["event"] == "lease_revoke"][0]
 
 
 # ---- operator side -----------------------------------------------------
