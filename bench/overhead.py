@@ -153,7 +153,7 @@ def main() -> None:
                   "-" if s["grant_rtt_p99_ms"] is None else f"{s['grant_rtt_p99_ms']:.3f}",
                   f"{s['leased_acquires']}/{s['acquires']}" if s["acquires"] else "-",
                   "-" if v == "plain" else f"{s['daemon_cpu_ms_per_rank_iter']:.3f}")
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
     per_round = [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]
     write_json(args.out, {"benchmark": "overhead", "time": time.time(), "machine": machine(),
                           "args": {**vars(args), "out": str(args.out)}, "summary": summary, "rounds": per_round})

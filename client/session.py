@@ -67,6 +67,7 @@ class Session:
         self._blocks = False
         self._leased = False  # the daemon lets this rank compute without waiting for grants
         self._last_send = 0.0
+        self._unsent: tuple[pb.RankEvent, float] | None = None  # a request not sent on its own (see acquire)
         self._granted_seq = 0
         self._outbox: queue.SimpleQueue | None = None
         self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
@@ -92,7 +93,8 @@ class Session:
         """Ask for the device; block until granted when the policy gates. True when scheduled.
 
         ``comm_s``: the allreduce that just ended, folded into the request (one
-        message instead of a COMM_END and a COMPUTE_REQUEST back to back).
+        message instead of a COMM_END and a COMPUTE_REQUEST back to back). A request
+        nobody waits for (policy that does not block, or a lease) is sent with the release.
         """
         with self._cond:
             if not self._attached:
@@ -105,15 +107,17 @@ class Session:
             seq = next(self._seq)
             gen = self._generation
             self._requested_gen = gen
-            self._send(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq,
-                                    turn_base=self.turn_base, duration_s=comm_s or 0.0,
-                                    under_lease=self._leased and self._blocks))
-            if not self._blocks:
+            request = pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq, turn_base=self.turn_base,
+                                   duration_s=comm_s or 0.0)
+            if not self._blocks or self._leased:
+                # Nobody answers a request the rank does not wait for: it rides on the release
+                # (one message per iteration), or goes first if the daemon must know sooner.
+                self._unsent = (request, start)
+                if self._blocks:
+                    self.leased_acquires += 1
+                    self.grant_waits.append(self._clock() - start)
                 return True
-            if self._leased:
-                self.leased_acquires += 1
-                self.grant_waits.append(self._clock() - start)
-                return True
+            self._send(request)
             deadline = start + self.settings.grant_timeout_s
             while self._granted_seq < seq and self._attached and self._generation == gen and self._blocks:
                 left = deadline - self._clock()
@@ -130,14 +134,16 @@ class Session:
         with self._cond:
             if self._attached and self._requested_gen == self._generation:
                 self._requested_gen = -1
-                self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=iteration, duration_s=duration_s,
-                                        comm_begins=comm_begins))
+                self._send_done(iteration, duration_s, comm_begins)
 
     def comm_begin(self, iteration: int) -> None:
         with self._cond:
             if self._attached:
                 self._requested_gen = -1  # entering comm implicitly releases
-                self._send(pb.RankEvent(kind=pb.COMM_BEGIN, iteration=iteration))
+                if self._unsent is not None:
+                    self._send_done(iteration, 0.0, comm_begins=True)
+                else:
+                    self._send(pb.RankEvent(kind=pb.COMM_BEGIN, iteration=iteration))
 
     def turn_floor(self) -> int:
         """The daemon's answer to "where in the rotation should this job start?" (0 when unattached).
@@ -179,6 +185,25 @@ class Session:
             self._channel.close()
 
     # ---- internals -------------------------------------------------------
+
+    def _send_done(self, iteration: int, duration_s: float, comm_begins: bool) -> None:
+        if self._unsent is None:
+            self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=iteration, duration_s=duration_s,
+                                    comm_begins=comm_begins))
+            return
+        request, start = self._unsent
+        self._unsent = None
+        self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, iteration=request.iteration, seq=request.seq,
+                                turn_base=request.turn_base, comm_s=request.duration_s,
+                                duration_s=duration_s or self._clock() - start, comm_begins=comm_begins))
+
+    def _send_unsent(self) -> None:
+        """The daemon must know now that this rank computes (a lease revoked, a policy that blocks)."""
+        if self._unsent is not None:
+            request, _ = self._unsent
+            self._unsent = None
+            request.no_wait = True
+            self._send(request)
 
     def _send(self, event: pb.RankEvent) -> None:
         if self._outbox is not None:
@@ -234,6 +259,7 @@ class Session:
             self._attached = True
             self._blocks = reg.policy_blocks
             self._leased = False
+            self._unsent = None
             self._granted_seq = 0
             self.registration = reg
         receiver = threading.Thread(target=self._receive, args=(responses, self._generation),
@@ -263,9 +289,12 @@ class Session:
                     elif d.HasField("lease"):
                         self._leased = d.lease.held
                         if not d.lease.held:  # after every request made under it: the daemon relies on that order
+                            self._send_unsent()
                             self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
                     elif d.HasField("policy"):
                         self._blocks = d.policy.policy_blocks
+                        if self._blocks:
+                            self._send_unsent()
                         _log.info("daemon switched policy to %s", d.policy.policy)
                     self._cond.notify_all()
         except grpc.RpcError as exc:
@@ -279,6 +308,7 @@ class Session:
     def _detach_locked(self) -> None:
         self._attached = False
         self._leased = False
+        self._unsent = None
         self._requested_gen = -1
         if self._outbox is not None:
             self._outbox.put(_CLOSE)

@@ -49,8 +49,13 @@ class EventLog:
                                             name="event-log-writer", daemon=True)
             self._writer.start()
 
-    def record(self, event: str, **fields: Any) -> dict[str, Any]:
-        entry = {"t": self._clock(), "wall": self._wall(), "event": event, **fields}
+    def record(self, event: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Append one event; `t` dates it earlier than now (a rank reported it late)."""
+        now, wall = self._clock(), self._wall()
+        if t is not None:
+            wall -= now - t
+            now = t
+        entry = {"t": now, "wall": wall, "event": event, **fields}
         with self._lock:
             self._events.append(entry)
             if self._file is not None:

@@ -136,7 +136,7 @@ class _Session:
     forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
     accepts_leases: bool = False
     leased: bool = False
-    request_leased: bool = False  # the pending request was made under a lease: nobody waits for its grant
+    no_wait: bool = False  # the rank computes without waiting for the pending request's grant
     stats: _Stats = field(default_factory=_Stats)
     process: psutil.Process | None = None
 
@@ -273,16 +273,19 @@ class Scheduler:
         return outbox
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
-              turn_base: int = 0, comm_begins: bool = False, under_lease: bool = False) -> None:
+              turn_base: int = 0, *, comm_begins: bool = False, no_wait: bool = False, requested: bool = False,
+              comm_s: float = 0.0) -> None:
         """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`,
         `lease_released`.
 
-        A compute request's place in the policy's order is its turn, `turn_base + iteration`.
-        A `compute_done` with `comm_begins` also begins the rank's allreduce. A request
-        `under_lease` is not answered: the rank did not wait.
+        A compute request's place in the policy's order is its turn, `turn_base + iteration`;
+        a request with `no_wait` is not answered (the rank computes already). A `compute_done`
+        with `comm_begins` also begins the rank's allreduce; with `requested` it also stands
+        for the phase's request, made `duration_s` earlier and ending an allreduce of `comm_s`.
         """
-        if duration_s < 0 or duration_s > 86_400 or duration_s != duration_s:
-            raise InvalidRequest(f"duration_s={duration_s} is not a plausible phase length")
+        for name, value in (("duration_s", duration_s), ("comm_s", comm_s)):
+            if value < 0 or value > 86_400 or value != value:
+                raise InvalidRequest(f"{name}={value} is not a plausible phase length")
         if iteration < -1:
             raise InvalidRequest(f"iteration={iteration} is negative")
         if turn_base < 0 or turn_base > _MAX_TURN:
@@ -293,25 +296,23 @@ class Scheduler:
             sess = self._session(session_id)
             silent = now - sess.last_seen
             sess.last_seen = now
-            key = sess.ref.key
             if sess.phase is Phase.SUSPENDED:
                 self._resume(sess, silent, now, record)
             if kind == "heartbeat":
                 self._flush(record)
                 return
             if kind == "compute_request":
-                if sess.phase in (Phase.WAITING, Phase.COMPUTE):
-                    raise FailedPrecondition(f"rank {key} requested the device while in phase {sess.phase.value}")
-                if sess.phase is Phase.COMM:  # the request carries the end of the allreduce before it
-                    self._end_comm(sess, iteration - 1, duration_s, now, record)
-                sess.iteration = max(sess.iteration, iteration)
-                sess.pending_seq = seq
-                sess.requested_at = now
-                sess.turn = turn_base + iteration
-                sess.forgive_done = False
-                sess.request_leased = under_lease
-                self._queue_request(sess, iteration, now, record)
+                self._request(sess, iteration, seq, turn_base, duration_s, no_wait, now, record)
             elif kind == "compute_done":
+                if requested:  # its request rode along: apply it first, dated when the phase began
+                    began = now - duration_s
+                    mark = len(record)
+                    self._request(sess, iteration, seq, turn_base, comm_s, True, now, record)
+                    for _, _, fields in record[mark:]:
+                        fields["t"] = began
+                    sess.requested_at = began
+                    if sess.phase is Phase.COMPUTE:
+                        sess.phase_since = began
                 self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done)
                 sess.forgive_done = False
                 if comm_begins:
@@ -329,6 +330,20 @@ class Scheduler:
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
             self._flush(record)
+
+    def _request(self, sess: _Session, iteration: int, seq: int, turn_base: int, comm_s: float, no_wait: bool,
+                 now: float, record: list) -> None:
+        if sess.phase in (Phase.WAITING, Phase.COMPUTE):
+            raise FailedPrecondition(f"rank {sess.ref.key} requested the device while in phase {sess.phase.value}")
+        if sess.phase is Phase.COMM:  # the request carries the end of the allreduce before it
+            self._end_comm(sess, iteration - 1, comm_s, now, record)
+        sess.iteration = max(sess.iteration, iteration)
+        sess.pending_seq = seq
+        sess.requested_at = now
+        sess.turn = turn_base + iteration
+        sess.forgive_done = False
+        sess.no_wait = no_wait
+        self._queue_request(sess, iteration, now, record)
 
     def turn_floor(self, session_id: str) -> int:
         """Where the session's job should join its device's rotation (see `Policy.turn_floor`)."""
@@ -658,7 +673,7 @@ class Scheduler:
             if record is not None:
                 record.append(("grant", sess, {"iteration": sess.iteration, "waited_s": waited}))
             # Nobody waits for the message under a policy that never blocks, or with a lease.
-            if self._policy.blocks and not sess.request_leased:
+            if self._policy.blocks and not sess.no_wait:
                 sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
                 self._maybe_lease(sess, record if record is not None else [])
 

@@ -198,7 +198,8 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
                     if kind is None:
                         raise InvalidRequest(f"event kind {ev.kind} is not valid after OPEN")
                     self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s, ev.turn_base,
-                                     ev.comm_begins, ev.under_lease)
+                                     comm_begins=ev.comm_begins, no_wait=ev.no_wait, requested=ev.requested,
+                                     comm_s=ev.comm_s)
                 except CrossoverError as exc:
                     _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
                     inbox.put_nowait(CloseMsg(str(exc), exc))

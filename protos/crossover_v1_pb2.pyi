@@ -94,7 +94,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
 
 class RankEvent(_message.Message):
-    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "under_lease")
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "no_wait", "requested", "comm_s")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -102,7 +102,9 @@ class RankEvent(_message.Message):
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     TURN_BASE_FIELD_NUMBER: _ClassVar[int]
     COMM_BEGINS_FIELD_NUMBER: _ClassVar[int]
-    UNDER_LEASE_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    COMM_S_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     session_id: str
     iteration: int
@@ -110,8 +112,10 @@ class RankEvent(_message.Message):
     duration_s: float
     turn_base: int
     comm_begins: bool
-    under_lease: bool
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., under_lease: _Optional[bool] = ...) -> None: ...
+    no_wait: bool
+    requested: bool
+    comm_s: float
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("grant", "policy", "lease")

@@ -472,7 +472,8 @@ def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sess
     s = sessions(f"unix://{d.socket_path}", "folded")
     assert s.acquire(0) is True
     s.release(0, 0.01, comm_begins=True)  # one message: COMPUTE_DONE that begins the allreduce
-    assert s.acquire(1, comm_s=0.25) is True  # one message: COMPUTE_REQUEST with the comm length
+    assert s.acquire(1, comm_s=0.25) is True  # COMPUTE_REQUEST with the comm length (under the lease it
+    s.release(1, 0.01)                        # rides on this COMPUTE_DONE: one message for both)
     kinds = ("comm_begin", "comm_end", "request")
     events = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] in kinds
                                and e.get("job_name") == "folded"][-3:] or None)
@@ -551,3 +552,31 @@ def test_a_lease_is_revoked_when_a_second_rank_arrives_and_compute_never_overlap
     assert kinds.count("lease") == visitors + 1
     assert kinds.count("lease_revoke") == kinds.count("lease_released") == visitors
     assert "lease_expired" not in kinds
+
+
+def test_a_newcomer_is_not_granted_before_the_holder_gives_up_its_lease(serve, channels, streams, sessions):
+    """The holder here is driven by hand: it computes under its lease, its request still unsent, and
+    answers the revocation late. The newcomer (a real client) must wait for that answer and then
+    for the holder's COMPUTE_DONE, not be granted the device that looks idle to the daemon."""
+    d = serve(policy="exclusive")
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(job="holder", world=1),
+                                           accepts_leases=True), timeout=5)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1))
+    assert first_directive(call).grant.seq == 1
+    assert first_directive(call).lease.held is True
+    q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0, comm_begins=True))
+    # iteration 1 starts under the lease; nothing is sent yet
+    newcomer = sessions(target, "newcomer")
+    granted = threading.Event()
+    threading.Thread(target=lambda: newcomer.acquire(0) and granted.set(), daemon=True).start()
+    assert first_directive(call).lease.held is False
+    assert not granted.wait(0.3)  # the daemon sees an idle device, but the holder has not answered
+    q.put(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=1, seq=2, no_wait=True))
+    q.put(pb.RankEvent(kind=pb.LEASE_RELEASED))
+    assert not granted.wait(0.3)  # now queued behind the holder's compute phase
+    q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=1, comm_begins=True))
+    assert granted.wait(5)
+    newcomer.release(0)

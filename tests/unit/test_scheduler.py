@@ -410,7 +410,7 @@ def test_a_lone_rank_is_leased_and_then_not_sent_grants(make):
     assert drain_outbox(box) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
     s.event(a, "compute_done", iteration=0, comm_begins=True)
     for i in (1, 2):
-        s.event(a, "compute_request", iteration=i, seq=i + 1, under_lease=True)
+        s.event(a, "compute_request", iteration=i, seq=i + 1, no_wait=True)
         s.event(a, "compute_done", iteration=i, comm_begins=True)
     assert drain_outbox(box) == []  # the rank did not wait, so nothing is sent
     # a request made before the rank read its lease is still answered: it is waiting for that grant
@@ -464,7 +464,7 @@ def test_a_newcomer_waits_for_the_holders_requests_in_flight(make):
     s.event(b, "compute_request", iteration=0, seq=1)
     assert drain_outbox(box_b) == []  # held back although the daemon has not seen the holder compute
     assert [r.ident.job_id for r in s.snapshot()[0][0].waiting] == ["new"]
-    s.event(a, "compute_request", iteration=1, seq=2, under_lease=True)  # before the holder saw the revoke
+    s.event(a, "compute_request", iteration=1, seq=2, no_wait=True)  # before the holder saw the revoke
     s.event(a, "lease_released")
     assert drain_outbox(box_b) == []  # queued behind the holder now
     s.event(a, "compute_done", iteration=1, comm_begins=True)
@@ -589,6 +589,28 @@ def test_passthrough_records_grants_but_sends_none(make):
         s.event(a, "compute_done", iteration=i, comm_begins=True)
     assert drain_outbox(box_a) == []
     assert [e["event"] for e in s.events.snapshot() if e.get("rank") == 0].count("grant") == 3
+
+
+def test_a_compute_done_can_stand_for_its_request_too_and_is_dated_back(make, clock):
+    """A rank that does not wait sends one message per iteration: the request rides on the release."""
+    s = make("passthrough")
+    a, box = join(s, rank=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    clock.advance(0.03)
+    s.event(a, "compute_done", iteration=0, comm_begins=True)
+    t0 = clock.t
+    clock.advance(0.5)
+    s.event(a, "compute_done", iteration=1, seq=2, duration_s=0.1, requested=True, comm_s=0.4, comm_begins=True)
+    log = [e for e in s.events.snapshot() if e.get("job") == "job-a"][-5:]
+    assert [e["event"] for e in log] == ["comm_end", "request", "grant", "release", "comm_begin"]
+    assert [e["t"] - t0 for e in log] == pytest.approx([0.4, 0.4, 0.4, 0.5, 0.5])
+    assert log[0]["duration_s"] == 0.4 and log[3]["held_s"] == pytest.approx(0.1)
+    rank = s.snapshot()[1][0]
+    assert (rank.iteration, rank.phase, rank.mean_comm_s) == (1, Phase.COMM, pytest.approx(0.4))
+    assert rank.mean_compute_s == pytest.approx((0.03 + 0.1) / 2)
+    assert drain_outbox(box) == []
+    with pytest.raises(InvalidRequest, match="comm_s"):
+        s.event(a, "compute_done", requested=True, comm_s=-1.0)
 
 
 def test_compute_done_can_begin_the_allreduce_in_the_same_message(make, clock):
