@@ -68,6 +68,7 @@ class Session:
         self._leased = False  # the daemon lets this rank compute without waiting for grants
         self._last_send = 0.0
         self._unsent: tuple[pb.RankEvent, float] | None = None  # a request not sent on its own (see acquire)
+        self._batch: list[tuple[pb.RankEvent, float]] = []  # iterations of a rank that does not wait, not yet sent
         self._granted_seq = 0
         self._outbox: queue.SimpleQueue | None = None
         self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
@@ -94,7 +95,8 @@ class Session:
 
         ``comm_s``: the allreduce that just ended, folded into the request (one
         message instead of a COMM_END and a COMPUTE_REQUEST back to back). A request
-        nobody waits for (policy that does not block, or a lease) is sent with the release.
+        nobody waits for (policy that does not block, or a lease) is sent with the release,
+        and such iterations are reported a few at a time (CROSSOVER_REPORT_INTERVAL).
         """
         with self._cond:
             if not self._attached:
@@ -193,9 +195,24 @@ class Session:
             return
         request, start = self._unsent
         self._unsent = None
-        self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, iteration=request.iteration, seq=request.seq,
-                                turn_base=request.turn_base, comm_s=request.duration_s,
-                                duration_s=duration_s or self._clock() - start, comm_begins=comm_begins))
+        now = self._clock()
+        self._batch.append((pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, iteration=request.iteration,
+                                         seq=request.seq, turn_base=request.turn_base, comm_s=request.duration_s,
+                                         duration_s=duration_s or now - start, comm_begins=comm_begins), now))
+        if now - self._batch[0][1] >= self.settings.report_interval_s:
+            self._flush_batch()
+
+    def _flush_batch(self) -> None:
+        """Send the iterations reported late, each dated by how long ago it happened."""
+        if not self._batch:
+            return
+        now = self._clock()
+        batch = pb.RankEvent(kind=pb.BATCH)
+        for event, at in self._batch:
+            event.ago_s = max(0.0, now - at)
+            batch.batch.append(event)
+        self._batch.clear()
+        self._put(batch)
 
     def _send_unsent(self) -> None:
         """The daemon must know now that this rank computes (a lease revoked, a policy that blocks)."""
@@ -206,6 +223,10 @@ class Session:
             self._send(request)
 
     def _send(self, event: pb.RankEvent) -> None:
+        self._flush_batch()  # the daemon must see events in the order they happened
+        self._put(event)
+
+    def _put(self, event: pb.RankEvent) -> None:
         if self._outbox is not None:
             self._outbox.put(event)
             self._last_send = self._clock()
@@ -219,7 +240,9 @@ class Session:
                 with self._cond:
                     # Any event proves the rank alive: a heartbeat only fills a silence
                     # (at most two intervals long, well inside the daemon's timeout).
-                    if self._attached and self._clock() - self._last_send >= interval:
+                    if self._attached and self._batch:
+                        self._flush_batch()
+                    elif self._attached and self._clock() - self._last_send >= interval:
                         self._send(pb.RankEvent(kind=pb.HEARTBEAT))
             else:
                 if self._stop.wait(self.settings.reconnect_interval_s):
@@ -310,6 +333,7 @@ class Session:
         self._leased = False
         self._unsent = None
         self._requested_gen = -1
+        self._flush_batch()
         if self._outbox is not None:
             self._outbox.put(_CLOSE)
             self._outbox = None

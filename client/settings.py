@@ -47,6 +47,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_PIN": ("1", "0: do not pin to the CPU core a CPU device names."),
     "CROSSOVER_LEASE": ("1", "Accept a lease when this rank is alone on its device: it then computes without a "
                         "grant round trip per iteration until another rank joins; 0: always wait for grants."),
+    "CROSSOVER_REPORT_INTERVAL": ("0.1", "Seconds a rank that does not wait for grants (passthrough, or a lease) "
+                                  "may hold its phase reports to send several in one message; each is dated "
+                                  "exactly. 0: send each at once."),
     "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
                              "co-located job's compute (Horovod's own wait keeps a core busy); 0: Horovod's wait."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
@@ -182,6 +185,7 @@ class PluginSettings:
     log_level: str
     quiet_wait: bool = True
     lease: bool = True
+    report_interval_s: float = 0.1
     stats_file: str = ""
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
 
@@ -209,6 +213,7 @@ class PluginSettings:
             pin=_bool("CROSSOVER_PIN", True),
             quiet_wait=_bool("CROSSOVER_QUIET_WAIT", True),
             lease=_bool("CROSSOVER_LEASE", True),
+            report_interval_s=_float("CROSSOVER_REPORT_INTERVAL", 0.1, 0.0, 1.0),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", "WARNING").upper(),
             stats_file=os.environ.get("CROSSOVER_STATS_FILE", ""),
             aggregation=AggregationSettings.from_env(),

@@ -274,7 +274,7 @@ class Scheduler:
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
               turn_base: int = 0, *, comm_begins: bool = False, no_wait: bool = False, requested: bool = False,
-              comm_s: float = 0.0) -> None:
+              comm_s: float = 0.0, ago_s: float = 0.0) -> None:
         """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`,
         `lease_released`.
 
@@ -282,20 +282,23 @@ class Scheduler:
         a request with `no_wait` is not answered (the rank computes already). A `compute_done`
         with `comm_begins` also begins the rank's allreduce; with `requested` it also stands
         for the phase's request, made `duration_s` earlier and ending an allreduce of `comm_s`.
+        `ago_s`: the rank reports the event late (a batch); it is applied and logged at the
+        time it happened (liveness counts from its arrival).
         """
-        for name, value in (("duration_s", duration_s), ("comm_s", comm_s)):
+        for name, value in (("duration_s", duration_s), ("comm_s", comm_s), ("ago_s", ago_s)):
             if value < 0 or value > 86_400 or value != value:
                 raise InvalidRequest(f"{name}={value} is not a plausible phase length")
         if iteration < -1:
             raise InvalidRequest(f"iteration={iteration} is negative")
         if turn_base < 0 or turn_base > _MAX_TURN:
             raise InvalidRequest(f"turn_base={turn_base} is outside 0..{_MAX_TURN}")
-        now = self._clock()
+        arrived = self._clock()
+        now = arrived - ago_s
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
             sess = self._session(session_id)
-            silent = now - sess.last_seen
-            sess.last_seen = now
+            silent = arrived - sess.last_seen
+            sess.last_seen = arrived
             if sess.phase is Phase.SUSPENDED:
                 self._resume(sess, silent, now, record)
             if kind == "heartbeat":
@@ -329,6 +332,9 @@ class Scheduler:
                     self._end_revoke(sess.ref.device, now, record)
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
+            if ago_s:
+                for _, _, fields in record:
+                    fields.setdefault("t", now)
             self._flush(record)
 
     def _request(self, sess: _Session, iteration: int, seq: int, turn_base: int, comm_s: float, no_wait: bool,

@@ -193,13 +193,15 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
                 ev = await context.read()
                 if ev is grpc.aio.EOF:
                     return
-                kind = _KINDS.get(ev.kind)
                 try:
-                    if kind is None:
-                        raise InvalidRequest(f"event kind {ev.kind} is not valid after OPEN")
-                    self._core.event(sid, kind, ev.iteration, ev.seq, ev.duration_s, ev.turn_base,
-                                     comm_begins=ev.comm_begins, no_wait=ev.no_wait, requested=ev.requested,
-                                     comm_s=ev.comm_s)
+                    for one in (ev.batch if ev.kind == pb.BATCH else (ev,)):
+                        kind = _KINDS.get(one.kind)
+                        if kind is None:
+                            where = "inside a BATCH" if one is not ev else "after OPEN"
+                            raise InvalidRequest(f"event kind {one.kind} is not valid {where}")
+                        self._core.event(sid, kind, one.iteration, one.seq, one.duration_s, one.turn_base,
+                                         comm_begins=one.comm_begins, no_wait=one.no_wait, requested=one.requested,
+                                         comm_s=one.comm_s, ago_s=one.ago_s if one is not ev else 0.0)
                 except CrossoverError as exc:
                     _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
                     inbox.put_nowait(CloseMsg(str(exc), exc))

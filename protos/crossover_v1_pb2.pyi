@@ -17,6 +17,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMM_END: _ClassVar[EventKind]
     HEARTBEAT: _ClassVar[EventKind]
     LEASE_RELEASED: _ClassVar[EventKind]
+    BATCH: _ClassVar[EventKind]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ COMM_BEGIN: EventKind
 COMM_END: EventKind
 HEARTBEAT: EventKind
 LEASE_RELEASED: EventKind
+BATCH: EventKind
 PHASE_UNSPECIFIED: Phase
 IDLE: Phase
 WAITING: Phase
@@ -94,7 +96,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
 
 class RankEvent(_message.Message):
-    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "no_wait", "requested", "comm_s")
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,8 @@ class RankEvent(_message.Message):
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     COMM_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    AGO_S_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     session_id: str
     iteration: int
@@ -115,7 +119,9 @@ class RankEvent(_message.Message):
     no_wait: bool
     requested: bool
     comm_s: float
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[RankEvent]
+    ago_s: float
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("grant", "policy", "lease")

@@ -580,3 +580,36 @@ def test_a_newcomer_is_not_granted_before_the_holder_gives_up_its_lease(serve, c
     q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=1, comm_begins=True))
     assert granted.wait(5)
     newcomer.release(0)
+
+
+def test_a_rank_that_does_not_wait_reports_in_dated_batches(serve, sessions):
+    d = serve(policy="passthrough")
+    s = sessions(f"unix://{d.socket_path}", "batched")
+    sent: list[int] = []
+    put = s._put
+    s._put = lambda event: (sent.append(event.kind), put(event))  # type: ignore[method-assign]
+    for i in range(12):
+        assert s.acquire(i, comm_s=0.004 if i else None) is True
+        time.sleep(0.02)
+        s.release(i, 0.02, comm_begins=True)
+        time.sleep(0.004)
+    grants = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] == "grant"
+                               and e.get("job_name") == "batched"][11:] and
+                      [e for e in d.core.events.snapshot() if e["event"] == "grant" and e.get("job_name") == "batched"])
+    assert sent.count(pb.BATCH) <= 6 and pb.COMPUTE_REQUEST not in sent  # 12 iterations, a few messages
+    gaps = [b["t"] - a["t"] for a, b in zip(grants, grants[1:])]
+    assert all(0.018 < g < 0.06 for g in gaps), gaps  # dated when they happened, not when they arrived
+    rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "batched")
+    assert rank.iteration == 11 and rank.mean_compute_s == pytest.approx(0.02)
+
+
+def test_a_batch_may_not_nest_or_open_or_date_into_the_future(serve, channels):
+    d = serve()
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    for inner, words in ((pb.RankEvent(kind=pb.OPEN), "inside a BATCH"),
+                         (pb.RankEvent(kind=pb.BATCH), "inside a BATCH"),
+                         (pb.RankEvent(kind=pb.HEARTBEAT, ago_s=-1.0), "ago_s")):
+        reg = register(stub, job=f"nest{inner.kind}{inner.ago_s}")
+        events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), pb.RankEvent(kind=pb.BATCH, batch=[inner])]
+        err = rpc_error(lambda ev=events: list(stub.Session(iter(ev), timeout=5)))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and words in err.details()
