@@ -1,7 +1,7 @@
 """Plugin overhead: one job (2 ranks by default), plain Horovod vs. the plugin under passthrough and exclusive.
 
-Variants run interleaved, round after round, so machine noise hits all of
-them alike; the table reports the median over rounds of each variant's mean
+Variants run interleaved, round after round and in a rotated order, so
+machine noise and order effects hit all of them alike; the table reports the median over rounds of each variant's mean
 iteration time, the overhead relative to plain Horovod measured in the same
 round, the acquire time (what a rank spends in `acquire` with nobody
 contending, measured inside the ranks: under a lease no round trip, with
@@ -120,7 +120,8 @@ def main() -> None:
         task = progress.add_task("overhead", total=args.rounds * len(VARIANTS))
         for rnd in range(args.rounds):
             res = {}
-            for v in VARIANTS:
+            # Each round starts with a different variant, so none always runs right after the same one.
+            for v in VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]:
                 progress.update(task, description=f"round {rnd + 1}/{args.rounds}: {v}")
                 res[v] = run_variant(v, Path(tmp), args, rnd)
                 progress.advance(task)
