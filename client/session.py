@@ -315,9 +315,10 @@ class Session:
                             self._send_unsent()
                             self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
                     elif d.HasField("policy"):
-                        self._blocks = d.policy.policy_blocks
-                        if self._blocks:
+                        was_blocking, self._blocks = self._blocks, d.policy.policy_blocks
+                        if self._blocks and not was_blocking:  # the daemon waits for this answer, as for a lease
                             self._send_unsent()
+                            self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
                         _log.info("daemon switched policy to %s", d.policy.policy)
                     self._cond.notify_all()
         except grpc.RpcError as exc:

@@ -206,7 +206,7 @@ class Scheduler:
         self._draining: set[int] = set()
         self._lease_enabled = lease
         self._leases: dict[int, str] = {}  # device -> session holding its lease
-        self._revoking: dict[int, tuple[str, float]] = {}  # device -> (session whose LEASE_RELEASED is awaited, since)
+        self._revoking: dict[int, dict[str, float]] = {}  # device -> {session whose LEASE_RELEASED is awaited: since}
         self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
         self._started = clock()
         self._closed = False
@@ -327,9 +327,9 @@ class Scheduler:
             elif kind == "comm_end":
                 self._end_comm(sess, iteration, duration_s, now, record)
             elif kind == "lease_released":
-                if self._revoking.get(sess.ref.device, ("",))[0] == sess.id:
+                if sess.id in self._revoking.get(sess.ref.device, {}):
                     record.append(("lease_released", sess, {}))
-                    self._end_revoke(sess.ref.device, now, record)
+                    self._end_revoke(sess.ref.device, sess.id, now, record)
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
             if ago_s:
@@ -400,14 +400,15 @@ class Scheduler:
                     doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
                 elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
                     self._suspend(sess, silent, now, record)
-            for device, (sid, since) in list(self._revoking.items()):
-                if now - since > self.heartbeat_timeout_s:  # a client that never answers must not block the device
-                    holder = self._sessions[sid]
-                    _log.warning("%s rank %d did not give up its lease on device %d within %.2fs; "
-                                 "serving the device's other ranks anyway", holder.ident.job_name,
-                                 holder.ident.rank, device, self.heartbeat_timeout_s)
-                    record.append(("lease_expired", holder, {}))
-                    self._end_revoke(device, now, record)
+            for device, holders in list(self._revoking.items()):
+                for sid, since in list(holders.items()):
+                    if now - since > self.heartbeat_timeout_s:  # a client that never answers must not block others
+                        holder = self._sessions[sid]
+                        _log.warning("%s rank %d did not give up computing without grants on device %d within "
+                                     "%.2fs; serving the device's other ranks anyway", holder.ident.job_name,
+                                     holder.ident.rank, device, self.heartbeat_timeout_s)
+                        record.append(("lease_expired", holder, {}))
+                        self._end_revoke(device, sid, now, record)
             self._flush(record)
         for sid, reason in doomed:
             self.close(sid, reason)
@@ -459,6 +460,13 @@ class Scheduler:
             old = self._policy.name
             for device in list(self._leases):
                 self._revoke(device, f"policy switched to {name}", record)
+            if new.blocks and not self._policy.blocks:
+                # Ranks computed without grants and report late: each must first say what it
+                # is doing (its answer follows any request it computes under), as for a lease.
+                for sess in self._sessions.values():
+                    if sess.accepts_leases and sess.phase is not Phase.SUSPENDED:
+                        self._revoking.setdefault(sess.ref.device, {})[sess.id] = now
+                        record.append(("lease_revoke", sess, {"reason": f"policy switched to {name}"}))
             self._policy = new
             for sess in sorted(self._sessions.values(), key=lambda s: s.registered_at):
                 if sess.phase is not Phase.SUSPENDED:
@@ -593,19 +601,24 @@ class Scheduler:
         holder = self._sessions[sid]
         holder.leased = False
         holder.send(LeaseMsg(False))
-        self._revoking[device] = (sid, self._clock())
+        self._revoking.setdefault(device, {})[sid] = self._clock()
         record.append(("lease_revoke", holder, {"reason": reason}))
 
     def _defer(self, sess: _Session) -> bool:
-        """Hold a request back while its device's lease is being given up by another rank."""
-        holder = self._revoking.get(sess.ref.device)
-        if holder is None or holder[0] == sess.id:
+        """Hold a request back while another rank on its device may be computing unseen."""
+        holders = self._revoking.get(sess.ref.device)
+        if not holders or sess.id in holders:
             return False
         self._deferred.setdefault(sess.ref.device, {})[sess.id] = None
         return True
 
-    def _end_revoke(self, device: int, now: float, record: list) -> None:
-        """The holder's requests are all known: hand the held-back ones to the policy, in arrival order."""
+    def _end_revoke(self, device: int, holder: str, now: float, record: list) -> None:
+        """The holder's requests are all known; once every holder's are, hand the held-back ones
+        to the policy, in arrival order."""
+        holders = self._revoking[device]
+        del holders[holder]
+        if holders:
+            return
         del self._revoking[device]
         for sid in self._deferred.pop(device, {}):
             sess = self._sessions.get(sid)
@@ -619,8 +632,8 @@ class Scheduler:
             del self._leases[device]
             sess.leased = False
             sess.send(LeaseMsg(False))  # a suspended rank reads it when it wakes, and waits for grants again
-        if self._revoking.get(device, ("",))[0] == sess.id:
-            self._end_revoke(device, now, record)
+        if sess.id in self._revoking.get(device, {}):
+            self._end_revoke(device, sess.id, now, record)
         deferred = self._deferred.get(device)
         if deferred is not None:
             deferred.pop(sess.id, None)

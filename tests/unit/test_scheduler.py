@@ -543,6 +543,30 @@ def test_a_holder_that_never_answers_loses_the_device_after_the_heartbeat_timeou
     assert "lease_expired" in [e["event"] for e in s.events.snapshot()]
 
 
+def test_a_switch_to_a_blocking_policy_waits_for_the_ranks_that_computed_without_grants(make):
+    """Under passthrough a rank reports its compute phase only when it ends, so at a switch to
+    exclusive the device may look idle while that rank computes: requests are held back until
+    every rank on the device has said what it is doing."""
+    s = make("passthrough", lease=True)
+    a, box_a = join(s, job="a", world=1, rank=0, device=0)
+    b, box_b = join(s, job="b", world=1, rank=0, device=0)
+    old, box_old = join(s, leases=False, job="old", world=1, rank=0, device=1)
+    s.set_policy("exclusive")
+    for box in (box_a, box_b, box_old):
+        assert drain_outbox(box) == [PolicyMsg("exclusive", True)]
+    s.event(b, "lease_released")  # b was idle
+    s.event(b, "compute_request", seq=1)
+    assert drain_outbox(box_b) == []  # a has not answered: it may be computing
+    s.event(a, "compute_request", seq=9, no_wait=True)  # it was: its held request comes first
+    s.event(a, "lease_released")
+    assert drain_outbox(box_b) == []  # behind a now
+    s.event(a, "compute_done")
+    assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
+    s.event(old, "compute_request", seq=1)  # a client that knows no leases is not waited for
+    assert drain_outbox(box_old) == [GrantMsg(1, 0, 0.0)]
+    assert holders_over_time(s) == 1
+
+
 @pytest.mark.parametrize("how", ["drain", "policy"])
 def test_drain_and_policy_switch_revoke_the_lease(make, how):
     s = make(lease=True)
