@@ -135,7 +135,6 @@ class _Session:
     suspended_from: Phase | None = None  # the phase it was silenced in (while SUSPENDED)
     forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
     accepts_leases: bool = False
-    leased: bool = False
     no_wait: bool = False  # the rank computes without waiting for the pending request's grant
     stats: _Stats = field(default_factory=_Stats)
     process: psutil.Process | None = None
@@ -465,8 +464,7 @@ class Scheduler:
                 # is doing (its answer follows any request it computes under), as for a lease.
                 for sess in self._sessions.values():
                     if sess.accepts_leases and sess.phase is not Phase.SUSPENDED:
-                        self._revoking.setdefault(sess.ref.device, {})[sess.id] = now
-                        record.append(("lease_revoke", sess, {"reason": f"policy switched to {name}"}))
+                        self._await_release(sess, f"policy switched to {name}", record)
             self._policy = new
             for sess in sorted(self._sessions.values(), key=lambda s: s.registered_at):
                 if sess.phase is not Phase.SUSPENDED:
@@ -584,12 +582,11 @@ class Scheduler:
     def _maybe_lease(self, sess: _Session, record: list) -> None:
         """Just granted: lease the device to the session if nobody else can want it."""
         device = sess.ref.device
-        if (not self._lease_enabled or not sess.accepts_leases or sess.leased or device in self._leases
+        if (not self._lease_enabled or not sess.accepts_leases or device in self._leases
                 or device in self._revoking or device in self._draining or not self._policy.blocks):
             return
         if any(s.ref.device == device for s in self._sessions.values() if s is not sess):
             return
-        sess.leased = True
         self._leases[device] = sess.id
         sess.send(LeaseMsg(True))
         record.append(("lease", sess, {}))
@@ -599,10 +596,13 @@ class Scheduler:
         if sid is None:
             return
         holder = self._sessions[sid]
-        holder.leased = False
         holder.send(LeaseMsg(False))
-        self._revoking.setdefault(device, {})[sid] = self._clock()
-        record.append(("lease_revoke", holder, {"reason": reason}))
+        self._await_release(holder, reason, record)
+
+    def _await_release(self, sess: _Session, reason: str, record: list) -> None:
+        """Hold back others' requests on the session's device until it says what it is doing."""
+        self._revoking.setdefault(sess.ref.device, {})[sess.id] = self._clock()
+        record.append(("lease_revoke", sess, {"reason": reason}))
 
     def _defer(self, sess: _Session) -> bool:
         """Hold a request back while another rank on its device may be computing unseen."""
@@ -630,7 +630,6 @@ class Scheduler:
         device = sess.ref.device
         if self._leases.get(device) == sess.id:
             del self._leases[device]
-            sess.leased = False
             sess.send(LeaseMsg(False))  # a suspended rank reads it when it wakes, and waits for grants again
         if sess.id in self._revoking.get(device, {}):
             self._end_revoke(device, sess.id, now, record)
@@ -644,6 +643,7 @@ class Scheduler:
 
     def _finish_compute(self, sess: _Session, now: float, record: list, duration_s: float, strict: bool) -> None:
         key = sess.ref.key
+        held_back = self._deferred.get(sess.ref.device, {})
         if sess.phase is Phase.COMPUTE and self._policy.holds(key):
             held = now - sess.phase_since
             sess.stats.compute_total += held
@@ -652,16 +652,16 @@ class Scheduler:
             self._set_phase(sess, Phase.OTHER, now)
             record.append(("release", sess, {"held_s": held}))
             self._deliver(self._policy.release(key, now), now, record)
-        elif sess.phase is Phase.WAITING and self._policy.is_waiting(key):
+        elif sess.phase is Phase.WAITING and (self._policy.is_waiting(key) or sess.id in held_back):
             # The rank stopped waiting (grant timeout, or it never waits under a
-            # non-blocking policy it still believed in): withdraw the request.
+            # non-blocking policy it still believed in): withdraw the request,
+            # from the policy or from the requests held back for a lease.
             self._set_phase(sess, Phase.OTHER, now)
             record.append(("cancel", sess, {}))
-            self._deliver(self._policy.cancel(key, now), now, record)
-        elif sess.phase is Phase.WAITING and sess.id in self._deferred.get(sess.ref.device, {}):
-            self._set_phase(sess, Phase.OTHER, now)
-            record.append(("cancel", sess, {}))
-            del self._deferred[sess.ref.device][sess.id]
+            if sess.id in held_back:
+                del held_back[sess.id]
+            else:
+                self._deliver(self._policy.cancel(key, now), now, record)
         elif sess.phase is Phase.COMPUTE:
             # Re-queued by a policy switch while it computed, and not yet granted
             # under the new policy: it is done now, so withdraw that request too,
