@@ -295,6 +295,8 @@ class Scheduler:
         now = arrived - ago_s
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
+            if self._closed:  # shutting down: the grant or close already queued for this stream stands
+                return
             sess = self._session(session_id)
             silent = arrived - sess.last_seen
             sess.last_seen = arrived

@@ -383,6 +383,10 @@ def test_shutdown_grants_every_waiter_and_closes_streams(make):
     with pytest.raises(FailedPrecondition, match="shutting down"):
         s.register(ident(job="late"))
     assert s.snapshot()[1] == []
+    # A rank's event already on the wire is ignored: its stream must end with the grant, not an error.
+    s.event(b, "heartbeat")
+    s.event(c, "compute_done", iteration=8)
+    assert drain_outbox(box_b) == [] and drain_outbox(box_c) == []
 
 
 # ---- leases --------------------------------------------------------------
