@@ -41,8 +41,9 @@ from _harness import (  # noqa: E402
 )
 
 # exclusive: each rank is alone on its device, so it computes under a lease (no round trip per
-# iteration); exclusive-no-lease (crossoverd --no-lease) measures the round trip every contended request pays.
-VARIANTS = ("plain", "passthrough", "exclusive", "exclusive-no-lease")
+# iteration); exclusive-no-lease (crossoverd --no-lease) measures the round trip every contended request pays,
+# on the daemon's session socket (the default) and, in exclusive-no-lease-grpc, on the gRPC stream.
+VARIANTS = ("plain", "passthrough", "exclusive", "exclusive-no-lease", "exclusive-no-lease-grpc")
 
 
 def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int) -> dict:
@@ -55,8 +56,9 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
         leased = acquires = 0
         daemon_cpu_s = 0.0
     else:
-        policy, _, lease = variant.partition("-")
-        flags = ["--no-lease"] if lease == "no-lease" else []
+        policy, _, options = variant.partition("-")
+        flags = ["--no-lease"] if "no-lease" in options else []
+        transport = {"CROSSOVER_TRANSPORT": "grpc"} if options.endswith("grpc") else {}
         with Daemon(workdir, "--cpu-devices", "2", "--policy", policy, *flags, name=name,
                     nice=args.daemon_nice) as d:
             before = psutil.Process(d.proc.pid).cpu_times()  # the daemon's own start-up is not the job's cost
@@ -64,7 +66,7 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
             # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
             proc, out = start_job(name, script_with_import(workdir), workdir, args.np, job_args,
                                   {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats),
-                                   "CROSSOVER_PIN": "0"})
+                                   "CROSSOVER_PIN": "0", **transport})
             ranks = finish_job(proc, out)
             cpu = psutil.Process(d.proc.pid).cpu_times()
             daemon_cpu_s = cpu.user + cpu.system - before.user - before.system
@@ -73,6 +75,8 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
         for r in range(args.np):
             s = json.loads(Path(str(stats).replace("{rank}", str(r))).read_text())
             assert s["attached"], f"{variant}: rank {r} ran unattached; the measurement would be meaningless"
+            want = "grpc" if transport else "session socket"
+            assert s["transport"] == want, f"{variant}: rank {r}'s stream went over {s['transport']}, not {want}"
             waits += s["grant_waits_s"][args.warmup:]
             leased += s["leased_acquires"]
             acquires += len(s["grant_waits_s"])

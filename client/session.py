@@ -10,10 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -22,12 +20,12 @@ import grpc
 from .protos import crossover_v1_pb2 as pb
 from .protos import crossover_v1_pb2_grpc as pb_grpc
 from .settings import TOKEN_METADATA_KEY, PluginSettings
+from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken
 
 __all__ = ["RankInfo", "Session", "channel_for"]
 
 _log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
-_CLOSE = object()
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ class Session:
         self._unsent: tuple[pb.RankEvent, float] | None = None  # a request not sent on its own (see acquire)
         self._batch: list[tuple[pb.RankEvent, float]] = []  # iterations of a rank that does not wait, not yet sent
         self._granted_seq = 0
-        self._outbox: queue.SimpleQueue | None = None
+        self._stream: SessionStream | None = None
         self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
         self._warned = False
         self._stop = threading.Event()
@@ -82,6 +80,7 @@ class Session:
         self.leased_acquires = 0  # how many of those returned at once under a lease
         self.turn_base = 0  # the job's agreed place in its devices' rotation (see turn_floor)
         self.turn_agreed = False
+        self.transport = ""  # how the session stream travels: "session socket" or "grpc"
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
 
     # ---- phase calls (made from the training thread) --------------------
@@ -179,10 +178,13 @@ class Session:
         deliver the events still queued (closing the channel at once would drop them)."""
         self._stop.set()
         with self._cond:
+            stream = self._stream
             self._detach_locked()
             receiver = self._receiver
         if receiver is not None and receiver is not threading.current_thread():
             receiver.join(drain_timeout_s)
+        if stream is not None:
+            stream.dispose()
         if self._channel is not None:
             self._channel.close()
 
@@ -227,8 +229,11 @@ class Session:
         self._put(event)
 
     def _put(self, event: pb.RankEvent) -> None:
-        if self._outbox is not None:
-            self._outbox.put(event)
+        if self._stream is not None:
+            try:
+                self._stream.send(event)
+            except StreamBroken as exc:  # the receiving thread sees the end too and detaches
+                _log.info("%s", exc)
             self._last_send = self._clock()
 
     def _run(self) -> None:
@@ -273,19 +278,18 @@ class Session:
         except grpc.RpcError as exc:
             self._lost(f"daemon at {s.target} refused registration: {exc.code().name}: {exc.details()}")
             return
-        outbox: queue.SimpleQueue = queue.SimpleQueue()
-        outbox.put(pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id))
-        responses = stub.Session(_drain(outbox), metadata=self._metadata)
+        stream = self._open_stream(stub, reg)
         with self._cond:
             self._generation += 1
-            self._outbox = outbox
+            self._stream = stream
+            self.transport = stream.name
             self._attached = True
             self._blocks = reg.policy_blocks
             self._leased = False
             self._unsent = None
             self._granted_seq = 0
             self.registration = reg
-        receiver = threading.Thread(target=self._receive, args=(responses, self._generation),
+        receiver = threading.Thread(target=self._receive, args=(stream, self._generation),
                                     name="crossover-recv", daemon=True)
         with self._cond:
             self._receiver = receiver
@@ -294,18 +298,28 @@ class Session:
             _log.warning("re-attached to crossoverd at %s (session %s); training is scheduled again",
                          s.target, reg.session_id[:8])
         else:
-            _log.info("attached to crossoverd at %s: node %s device %d policy %s",
-                      s.target, reg.node, reg.device, reg.policy)
+            _log.info("attached to crossoverd at %s: node %s device %d policy %s, stream over %s",
+                      s.target, reg.node, reg.device, reg.policy, stream.name)
         if self.on_attach is not None:
             try:
                 self.on_attach(reg)
             except Exception:  # a failing callback must not break training
                 _log.exception("on_attach callback failed")
 
-    def _receive(self, responses: Iterator[pb.Directive], gen: int) -> None:
+    def _open_stream(self, stub: pb_grpc.SchedulerStub, reg: pb.RegisterResponse) -> SessionStream:
+        """The session socket when the daemon offers it (and the rank did not ask for gRPC), else gRPC."""
+        first = pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id)
+        if reg.session_socket and self.settings.transport == "auto":
+            try:
+                return FrameStream(reg.session_socket, first, self.settings.connect_timeout_s)
+            except OSError as exc:
+                _log.info("session socket %s unusable (%s); using the gRPC stream", reg.session_socket, exc)
+        return GrpcStream(stub, self._metadata, first)
+
+    def _receive(self, stream: SessionStream, gen: int) -> None:
         reason = "daemon closed the session"
         try:
-            for d in responses:
+            for d in stream.receive():
                 with self._cond:
                     if d.HasField("grant"):
                         self._granted_seq = max(self._granted_seq, d.grant.seq)
@@ -321,8 +335,8 @@ class Session:
                             self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
                         _log.info("daemon switched policy to %s", d.policy.policy)
                     self._cond.notify_all()
-        except grpc.RpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
+        except StreamBroken as exc:
+            reason = str(exc)
         with self._cond:
             if self._generation == gen and self._attached:
                 self._detach_locked()
@@ -335,9 +349,9 @@ class Session:
         self._unsent = None
         self._requested_gen = -1
         self._flush_batch()
-        if self._outbox is not None:
-            self._outbox.put(_CLOSE)
-            self._outbox = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         self._cond.notify_all()
 
     def _lost(self, why: str) -> None:
@@ -358,11 +372,3 @@ def _missing_socket(target: str) -> str:
         return ""
     path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
     return "" if os.path.exists(path) else path
-
-
-def _drain(outbox: queue.SimpleQueue) -> Iterator[pb.RankEvent]:
-    while True:
-        item = outbox.get()
-        if item is _CLOSE:
-            return
-        yield item

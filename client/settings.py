@@ -50,6 +50,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_REPORT_INTERVAL": ("0.1", "Seconds a rank that does not wait for grants (passthrough, or a lease) "
                                   "may hold its phase reports to send several in one message; each is dated "
                                   "exactly. 0: send each at once."),
+    "CROSSOVER_TRANSPORT": ("auto", "How the session stream travels: auto (the daemon's session socket when it "
+                            "offers one, for a grant round trip several times shorter; else gRPC) or grpc."),
     "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
                              "co-located job's compute (Horovod's own wait keeps a core busy); 0: Horovod's wait."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
@@ -78,6 +80,7 @@ AGGREGATION_RULES = ("average", "sum", "adasum", "weighted")
 ADASUM_IMPLS = ("auto", "native", "plugin")
 ADASUM_ALGORITHMS = ("auto", "allgather", "recursive_doubling")
 LBBSP_METHODS = ("ema", "numerical")
+TRANSPORTS = ("auto", "grpc")
 
 
 def _number(name: str, default: Any, lo: Any, hi: Any, convert: Callable[[str], Any], what: str) -> Any:
@@ -186,6 +189,7 @@ class PluginSettings:
     quiet_wait: bool = True
     lease: bool = True
     report_interval_s: float = 0.1
+    transport: str = "auto"
     stats_file: str = ""
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
 
@@ -214,6 +218,7 @@ class PluginSettings:
             quiet_wait=_bool("CROSSOVER_QUIET_WAIT", True),
             lease=_bool("CROSSOVER_LEASE", True),
             report_interval_s=_float("CROSSOVER_REPORT_INTERVAL", 0.1, 0.0, 1.0),
+            transport=_choice("CROSSOVER_TRANSPORT", "auto", TRANSPORTS),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", "WARNING").upper(),
             stats_file=os.environ.get("CROSSOVER_STATS_FILE", ""),
             aggregation=AggregationSettings.from_env(),

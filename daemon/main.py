@@ -63,12 +63,15 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
               help="Let a rank alone on its device compute without waiting for each grant (it still reports "
               "its phases); revoked the moment another rank joins the device. --no-lease makes every "
               "request a round trip.")
+@click.option("--session-socket/--no-session-socket", default=True, show_default=True,
+              help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
+              "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default="INFO", show_default=True)
 def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
          tls_cert: str | None, tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
          event_log: str | None, event_log_size: int, heartbeat_timeout: float, evict_after: float,
-         lease: bool, log_level: str) -> None:
+         lease: bool, session_socket: bool, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
     Run one per node (GPU machine), then start jobs whose script begins with
@@ -93,7 +96,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          evict_after_s=evict_after, lease=lease)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
-        daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls).start()
+        daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls,
+                        session_socket=session_socket).start()
     except CrossoverError as exc:
         click.echo(f"crossoverd: {exc}", err=True)
         sys.exit(2)

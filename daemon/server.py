@@ -22,30 +22,14 @@ from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from ..settings import TOKEN_METADATA_KEY
 from . import policies
-from .api import (
-    PROTOCOL_VERSION,
-    AlreadyExists,
-    CrossoverError,
-    FailedPrecondition,
-    InvalidRequest,
-    NotFound,
-    Phase,
-    UnsupportedVersion,
-)
-from .scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, RankSnapshot, Scheduler
+from .api import PROTOCOL_VERSION, CrossoverError, FailedPrecondition, InvalidRequest, Phase, UnsupportedVersion
+from .scheduler import Identity, RankSnapshot, Scheduler
+from .session_stream import GrpcSessionStream, SessionSocketServer, serve_session, status_code
 
 __all__ = ["Daemon", "status_code"]
 
 _log = logging.getLogger(__name__)
 
-_KINDS = {
-    pb.COMPUTE_REQUEST: "compute_request",
-    pb.COMPUTE_DONE: "compute_done",
-    pb.COMM_BEGIN: "comm_begin",
-    pb.COMM_END: "comm_end",
-    pb.HEARTBEAT: "heartbeat",
-    pb.LEASE_RELEASED: "lease_released",
-}
 _PHASES = {
     Phase.IDLE: pb.IDLE,
     Phase.WAITING: pb.WAITING,
@@ -54,20 +38,6 @@ _PHASES = {
     Phase.OTHER: pb.OTHER,
     Phase.SUSPENDED: pb.SUSPENDED,
 }
-
-
-def status_code(exc: Exception) -> grpc.StatusCode:
-    """The gRPC status a domain error travels as."""
-    for cls, code in (
-        (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-        (NotFound, grpc.StatusCode.NOT_FOUND),
-        (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
-        (UnsupportedVersion, grpc.StatusCode.FAILED_PRECONDITION),
-        (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    ):
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
 
 
 def _check_version(version: int) -> None:
@@ -112,6 +82,10 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
 
+    def __init__(self, core: Scheduler, token: str | None, session_socket: str = "") -> None:
+        super().__init__(core, token)
+        self._session_socket = session_socket
+
     @_unary
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         _check_version(request.protocol_version)
@@ -130,6 +104,8 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
             heartbeat_interval_s=reg.heartbeat_interval_s,
             policy=reg.policy,
             policy_blocks=reg.policy_blocks,
+            # Offered to local peers only: a path means nothing on another node.
+            session_socket=self._session_socket if context.peer().startswith("unix:") else "",
         )
 
     @_unary
@@ -144,75 +120,7 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
         denied = self._auth(context)
         if denied:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
-        first = await context.read()
-        if first is grpc.aio.EOF:
-            return
-        if first.kind != pb.OPEN or not first.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first event of a session must be OPEN with the session_id from Register")
-        sid = first.session_id
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-
-        loop_thread = threading.get_ident()
-
-        def deliver(msg: Any) -> None:  # called from any thread by the scheduler
-            if threading.get_ident() == loop_thread:  # a grant decided while reading an event: no wake-up needed
-                inbox.put_nowait(msg)
-            else:
-                loop.call_soon_threadsafe(inbox.put_nowait, msg)
-
-        try:
-            self._core.attach(sid, deliver)
-        except CrossoverError as exc:
-            await context.abort(status_code(exc), str(exc))
-        reader = asyncio.create_task(self._read(sid, context, inbox))
-        try:
-            while True:
-                msg = await inbox.get()
-                if isinstance(msg, CloseMsg):
-                    if msg.error is not None:
-                        await context.abort(status_code(msg.error), str(msg.error))
-                    return
-                if isinstance(msg, GrantMsg):
-                    await context.write(pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration,
-                                                                    waited_s=msg.waited_s)))
-                elif isinstance(msg, LeaseMsg):
-                    await context.write(pb.Directive(lease=pb.Lease(held=msg.held)))
-                elif isinstance(msg, PolicyMsg):
-                    await context.write(pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy,
-                                                                            policy_blocks=msg.blocks)))
-        finally:
-            reader.cancel()
-            self._core.close(sid, "stream closed")
-
-    async def _read(self, sid: str, context: grpc.aio.ServicerContext, inbox: asyncio.Queue) -> None:
-        reason = "stream ended"
-        try:
-            while True:
-                ev = await context.read()
-                if ev is grpc.aio.EOF:
-                    return
-                try:
-                    for one in (ev.batch if ev.kind == pb.BATCH else (ev,)):
-                        kind = _KINDS.get(one.kind)
-                        if kind is None:
-                            where = "inside a BATCH" if one is not ev else "after OPEN"
-                            raise InvalidRequest(f"event kind {one.kind} is not valid {where}")
-                        self._core.event(sid, kind, one.iteration, one.seq, one.duration_s, one.turn_base,
-                                         comm_begins=one.comm_begins, no_wait=one.no_wait, requested=one.requested,
-                                         comm_s=one.comm_s, ago_s=one.ago_s if one is not ev else 0.0)
-                except CrossoverError as exc:
-                    _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
-                    inbox.put_nowait(CloseMsg(str(exc), exc))
-                    reason = f"invalid event: {exc}"
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the peer vanished mid-read (process killed, connection reset)
-            reason = "stream broken"
-        finally:
-            self._core.close(sid, reason)
+        await serve_session(self._core, GrpcSessionStream(context))
 
 
 def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
@@ -284,6 +192,15 @@ class _AdminService(_Service, pb_grpc.AdminServicer):
         return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
 
 
+def _clear_socket_path(path: Path) -> None:
+    """Make room for a socket: create its folder, remove a stale socket, refuse to replace anything else."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
+        path.unlink()
+
+
 class Daemon:
     """A running `crossoverd`: gRPC server (asyncio, on its own thread), scheduler core, liveness reaper."""
 
@@ -296,6 +213,7 @@ class Daemon:
         tls: tuple[bytes, bytes] | None = None,
         reap_interval_s: float = 0.1,
         max_workers: int = 32,
+        session_socket: bool = True,
     ) -> None:
         if listen and not token:
             raise InvalidRequest("--listen needs --token (or --token-file): TCP calls must be authenticated")
@@ -303,6 +221,9 @@ class Daemon:
             raise InvalidRequest("nothing to listen on: give a socket path or --listen")
         self.core = core
         self.socket_path = socket_path
+        # Beside the gRPC socket, a socket for Session streams as frames (see session_stream).
+        self.session_socket = f"{socket_path}.session" if socket_path and session_socket else None
+        self._session_server: SessionSocketServer | None = None
         self.listen = listen
         self.port: int | None = None
         self._token = token
@@ -316,13 +237,9 @@ class Daemon:
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
 
     def start(self) -> Daemon:
-        if self.socket_path:
-            path = Path(self.socket_path)
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
-            if path.exists() or path.is_symlink():
-                if not stat.S_ISSOCK(path.lstat().st_mode):
-                    raise FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
-                path.unlink()
+        for sock in (self.socket_path, self.session_socket):
+            if sock:
+                _clear_socket_path(Path(sock))
         self._loop_thread.start()
         old = os.umask(0o117)  # the socket is 0660 from the moment it exists
         try:
@@ -332,20 +249,31 @@ class Daemon:
             raise
         finally:
             os.umask(old)
-        if self.socket_path:
-            os.chmod(self.socket_path, 0o660)
+        for sock in (self.socket_path, self.session_socket):
+            if sock:
+                os.chmod(sock, 0o660)
         self._reaper.start()
-        _log.info("crossoverd serving on %s%s (policy %s, %d device(s))",
+        _log.info("crossoverd serving on %s%s%s (policy %s, %d device(s))",
                   self.socket_path or "", f" and {self.listen}" if self.listen else "",
+                  f"; session streams also on {self.session_socket}" if self.session_socket else "",
                   self.core.policy_name, len(self.core.inventory.devices))
         return self
 
     async def _serve(self) -> None:
+        if self.session_socket:
+            try:
+                self._session_server = SessionSocketServer(self.core, self.session_socket)
+                self._session_server.start()
+            except OSError as exc:  # e.g. a path too long for AF_UNIX: the gRPC stream still works
+                _log.warning("no session socket at %s (%s); ranks use the gRPC stream", self.session_socket, exc)
+                self._session_server = None
+                self.session_socket = None
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="admin"),
             options=[("grpc.so_reuseport", 0)],
         )
-        pb_grpc.add_SchedulerServicer_to_server(_SchedulerService(self.core, self._token), server)
+        pb_grpc.add_SchedulerServicer_to_server(
+            _SchedulerService(self.core, self._token, self.session_socket or ""), server)
         pb_grpc.add_AdminServicer_to_server(_AdminService(self.core, self._token), server)
         if self.socket_path:
             server.add_insecure_port(f"unix://{self.socket_path}")
@@ -364,17 +292,21 @@ class Daemon:
             return
         self._stop.set()
         self.core.shutdown()
+        if self._session_server is not None:
+            self._session_server.stop()
         if self._server is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result(timeout=grace + 5)
             except Exception:  # stopping must not fail the shutdown path
                 _log.exception("gRPC server did not stop cleanly")
         self._loop.call_soon_threadsafe(self._loop.stop)
-        if self.socket_path:
+        for sock in (self.socket_path, self.session_socket):
+            if not sock:
+                continue
             try:
                 # Only our socket: after a failed start() the path may be a file we refused to replace.
-                if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
-                    os.unlink(self.socket_path)
+                if stat.S_ISSOCK(os.lstat(sock).st_mode):
+                    os.unlink(sock)
             except FileNotFoundError:
                 pass
         _log.info("crossoverd stopped")

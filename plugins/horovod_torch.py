@@ -136,7 +136,8 @@ def _write_stats(session: Session, path: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
-                       "grant_waits_s": session.grant_waits, "leased_acquires": session.leased_acquires}, f)
+                       "grant_waits_s": session.grant_waits, "leased_acquires": session.leased_acquires,
+                       "transport": session.transport}, f)
     except OSError as exc:
         _log.warning("could not write CROSSOVER_STATS_FILE %s: %s", path, exc)
 

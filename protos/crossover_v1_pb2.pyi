@@ -78,7 +78,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., accepts_leases: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "node", "device", "cpu_affinity", "heartbeat_interval_s", "policy", "policy_blocks")
+    __slots__ = ("session_id", "node", "device", "cpu_affinity", "heartbeat_interval_s", "policy", "policy_blocks", "session_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class RegisterResponse(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POLICY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     node: str
     device: int
@@ -93,7 +94,8 @@ class RegisterResponse(_message.Message):
     heartbeat_interval_s: float
     policy: str
     policy_blocks: bool
-    def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
+    session_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ..., session_socket: _Optional[str] = ...) -> None: ...
 
 class RankEvent(_message.Message):
     __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s")
@@ -124,14 +126,24 @@ class RankEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("grant", "policy", "lease")
+    __slots__ = ("grant", "policy", "lease", "error")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     grant: Grant
     policy: PolicyUpdate
     lease: Lease
-    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    error: SessionError
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("held",)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos import framing
 from crossover.session import RankInfo, Session
 from crossover.settings import TOKEN_METADATA_KEY, PluginSettings
 
@@ -43,9 +46,11 @@ def serve(tmp_path):
     """`serve(**scheduler_kw)` → a started Daemon on a temp socket; stopped at teardown."""
     daemons: list[Daemon] = []
 
-    def start(socket: Path | None = None, listen: str | None = None, token: str | None = None, **core_kw) -> Daemon:
+    def start(socket: Path | None = None, listen: str | None = None, token: str | None = None,
+              session_socket: bool = True, **core_kw) -> Daemon:
         sock = None if listen and socket is None else str(socket or tmp_path / "d.sock")
-        d = Daemon(make_core(**core_kw), socket_path=sock, listen=listen, token=token, reap_interval_s=0.05)
+        d = Daemon(make_core(**core_kw), socket_path=sock, listen=listen, token=token, reap_interval_s=0.05,
+                   session_socket=session_socket)
         daemons.append(d)
         return d.start()
 
@@ -106,7 +111,7 @@ def sessions():
         settings = PluginSettings(target=target, token=kw.pop("token", ""), tls_ca="", disabled=False, job_name=job,
                                   device=kw.pop("device", 0), grant_timeout_s=kw.pop("grant_timeout_s", 5.0),
                                   connect_timeout_s=kw.pop("connect_timeout_s", 2.0), reconnect_interval_s=30.0,
-                                  pin=False, log_level="WARNING")
+                                  pin=False, log_level="WARNING", transport=kw.pop("transport", "auto"))
         info = RankInfo(job_id=f"id-{job}", job_name=job, rank=rank, local_rank=rank, world_size=world,
                         local_size=world, device=settings.device)
         s = Session(info, settings)
@@ -328,8 +333,10 @@ def test_silent_rank_is_suspended_its_grant_goes_to_the_waiter_and_it_is_evicted
     assert waiter.acquire(0) is True  # blocks until the silent rank is suspended
     waited = time.monotonic() - t0
     assert waited < 1.0, f"grant took {waited:.2f}s to move to the waiting rank"
-    suspend = [e for e in d.core.events.snapshot() if e["event"] == "suspend" and e.get("job_name") == "silent"]
-    assert suspend and "heartbeat" in suspend[0]["reason"] and suspend[0]["phase"] == "compute"
+    # the daemon logs after it sends: the grant may arrive before the log has the suspension
+    suspend = wait_for(lambda: [e for e in d.core.events.snapshot()
+                                if e["event"] == "suspend" and e.get("job_name") == "silent"])
+    assert "heartbeat" in suspend[0]["reason"] and suspend[0]["phase"] == "compute"
     silent_rank = [r for r in d.core.snapshot()[1] if r.ident.job_name == "silent"]
     assert [r.phase.value for r in silent_rank] == ["suspended"]
     waiter.release(0)
@@ -475,9 +482,11 @@ def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sess
     assert s.acquire(1, comm_s=0.25) is True  # COMPUTE_REQUEST with the comm length (under the lease it
     s.release(1, 0.01)                        # rides on this COMPUTE_DONE: one message for both)
     kinds = ("comm_begin", "comm_end", "request")
-    events = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] in kinds
-                               and e.get("job_name") == "folded"][-3:] or None)
-    comm_begin, comm_end, request = events
+    def folded() -> list[dict] | None:  # iteration 1 may arrive up to CROSSOVER_REPORT_INTERVAL late
+        events = [e for e in d.core.events.snapshot() if e["event"] in kinds and e.get("job_name") == "folded"]
+        return events[-3:] if events and events[-1]["iteration"] == 1 else None
+
+    comm_begin, comm_end, request = wait_for(folded)
     assert comm_begin["event"] == "comm_begin" and comm_begin["iteration"] == 0
     assert comm_end["event"] == "comm_end" and comm_end["iteration"] == 0 and comm_end["duration_s"] == 0.25
     assert request["event"] == "request" and request["iteration"] == 1
@@ -613,3 +622,137 @@ def test_a_batch_may_not_nest_or_open_or_date_into_the_future(serve, channels):
         events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), pb.RankEvent(kind=pb.BATCH, batch=[inner])]
         err = rpc_error(lambda ev=events: list(stub.Session(iter(ev), timeout=5)))
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and words in err.details()
+
+
+# ---- the session socket: the Session stream as frames -------------------------------------------
+
+
+def frame_client(path: str, *events: pb.RankEvent) -> socket.socket:
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(5)
+    c.connect(path)
+    for ev in events:
+        c.sendall(framing.encode(ev))
+    return c
+
+
+def read_directive(c: socket.socket) -> pb.Directive | None:
+    """The next directive, or None when the daemon closed the connection."""
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = c.recv(n - len(buf))
+            if not chunk:
+                return b""
+            buf += chunk
+        return buf
+
+    header = exact(4)
+    if not header:
+        return None
+    d = pb.Directive()
+    d.ParseFromString(exact(struct.unpack(">I", header)[0]))
+    return d
+
+
+def test_sessions_use_the_session_socket_and_contend_exactly_as_over_grpc(serve, sessions):
+    d = serve(policy="exclusive")
+    assert d.session_socket == f"{d.socket_path}.session"
+    assert stat.S_IMODE(os.stat(d.session_socket).st_mode) == 0o660
+    target = f"unix://{d.socket_path}"
+    fast = sessions(target, "frames")
+    slow = sessions(target, "grpc-stream", transport="grpc")
+    assert (fast.transport, slow.transport) == ("session socket", "grpc")
+    assert fast.registration.session_socket == d.session_socket
+    assert fast.acquire(0) is True
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(slow.acquire(0)), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert got == []  # exclusive: the gRPC rank waits for the frames rank's release
+    fast.release(0, 0.3)
+    t.join(5)
+    assert got == [True]
+    slow.release(0, 0.01)
+    got.clear()
+    t = threading.Thread(target=lambda: got.append(fast.acquire(1)), daemon=True)
+    t.start()
+    t.join(5)
+    assert got == [True]
+    grants = [e for e in d.core.events.snapshot() if e["event"] == "grant"]
+    assert [e["job_name"] for e in grants] == ["frames", "grpc-stream", "frames"]
+    d.stop(grace=0.5)
+    assert not os.path.exists(d.session_socket) and not os.path.exists(d.socket_path)
+
+
+def test_bad_frames_end_that_stream_with_a_clear_error_and_the_daemon_keeps_serving(serve, channels, sessions):
+    d = serve()
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    reg = register(stub, job="bad-frames", world=1)
+    cases = [
+        ([framing.encode(pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))], "INVALID_ARGUMENT", "must be OPEN"),
+        ([framing.encode(pb.RankEvent(kind=pb.OPEN, session_id="nope"))], "NOT_FOUND", "unknown session"),
+        ([struct.pack(">I", framing.MAX_FRAME + 1)], "INVALID_ARGUMENT", "limit"),
+        ([struct.pack(">I", 3) + b"\xff\xff\xff"], "INVALID_ARGUMENT", "RankEvent"),
+        ([framing.encode(pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id)),
+          framing.encode(pb.RankEvent(kind=pb.COMPUTE_DONE, duration_s=-1))], "INVALID_ARGUMENT", "duration_s"),
+    ]
+    for frames, code, words in cases:
+        c = frame_client(d.session_socket)
+        try:
+            for f in frames:
+                c.sendall(f)
+            reply = read_directive(c)
+            assert reply is not None and reply.HasField("error"), (code, words)
+            assert (reply.error.code, words in reply.error.message) == (code, True), reply.error
+            assert read_directive(c) is None  # and the daemon closed that connection
+        finally:
+            c.close()
+    ok = sessions(f"unix://{d.socket_path}", "good")
+    assert ok.transport == "session socket" and ok.acquire(0) is True
+
+
+def test_a_rank_killed_mid_frame_or_silent_on_the_session_socket_frees_its_grant(serve, channels, sessions):
+    d = serve(policy="exclusive")
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    reg = register(stub, job="torn", world=1)
+    c = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                     pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1))
+    assert read_directive(c).grant.seq == 1
+    waiter = sessions(f"unix://{d.socket_path}", "next", grant_timeout_s=10.0)
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(waiter.acquire(0)), daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert got == []
+    c.sendall(framing.encode(pb.RankEvent(kind=pb.HEARTBEAT))[:3])  # dies inside a frame
+    t0 = time.monotonic()
+    c.close()
+    t.join(5)
+    assert got == [True] and time.monotonic() - t0 < 1.0
+
+
+def test_register_over_tcp_offers_no_session_socket(serve, channels, tmp_path):
+    d = serve(socket=tmp_path / "both.sock", listen="127.0.0.1:0", token="s3cret")
+    tcp = pb_grpc.SchedulerStub(channels(f"127.0.0.1:{d.port}"))
+    reg = tcp.Register(pb.RegisterRequest(protocol_version=1, identity=identity(job="remote")), timeout=5,
+                       metadata=[(TOKEN_METADATA_KEY, "s3cret")])
+    assert reg.session_socket == ""  # a path on this node means nothing to a remote peer
+    local = register(pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}")), job="local")
+    assert local.session_socket == d.session_socket
+
+
+def test_without_a_usable_session_socket_a_rank_streams_over_grpc(serve, sessions, caplog):
+    off = serve(session_socket=False)
+    s = sessions(f"unix://{off.socket_path}", "no-offer")
+    assert off.session_socket is None and s.registration.session_socket == "" and s.transport == "grpc"
+    assert s.acquire(0) is True
+    s.release(0)
+
+    gone = serve(socket=off.socket_path.replace("d.sock", "g.sock"))
+    os.unlink(gone.session_socket)  # offered but unusable (say, not mounted into the rank's container)
+    with caplog.at_level(logging.INFO, logger="crossover.session"):
+        s2 = sessions(f"unix://{gone.socket_path}", "fallback")
+    assert s2.transport == "grpc" and "using the gRPC stream" in caplog.text
+    assert s2.acquire(0) is True
+    s2.release(0)

@@ -1,0 +1,159 @@
+"""The two ways a rank's Session stream travels to its daemon.
+
+`GrpcStream` is the Scheduler.Session RPC; it works against any daemon, local
+or over TCP. `FrameStream` carries the same messages on the daemon's session
+socket (see `crossover.protos.framing`): no HTTP/2 and no gRPC threads between
+the training thread and the daemon, so a grant arrives several times sooner.
+Neither ever blocks the training thread on a daemon that stopped reading.
+"""
+from __future__ import annotations
+
+import queue
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+
+from .protos import crossover_v1_pb2 as pb
+from .protos import crossover_v1_pb2_grpc as pb_grpc
+from .protos import framing
+
+__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken"]
+
+_CLOSE = object()
+
+
+class StreamBroken(Exception):
+    """The stream ended other than by the daemon closing it cleanly; the message says why."""
+
+
+class SessionStream(Protocol):
+    name: str
+
+    def send(self, event: pb.RankEvent) -> None:
+        """Queue or write one event without blocking; StreamBroken when it cannot go."""
+
+    def close(self) -> None:
+        """Half-close: the daemon sees the end after every event already sent."""
+
+    def dispose(self) -> None:
+        """Release everything at once (after close, or when the daemon never answers it)."""
+
+    def receive(self) -> Iterator[pb.Directive]:
+        """The daemon's directives until it closes the stream; StreamBroken when it breaks."""
+
+
+class GrpcStream:
+    """Scheduler.Session: events go through a queue the gRPC runtime drains on its own thread."""
+
+    name = "grpc"
+
+    def __init__(self, stub: pb_grpc.SchedulerStub, metadata: list[tuple[str, str]], first: pb.RankEvent) -> None:
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox.put(first)
+        self._responses = stub.Session(_drain(self._outbox), metadata=metadata)
+
+    def send(self, event: pb.RankEvent) -> None:
+        self._outbox.put(event)
+
+    def close(self) -> None:
+        self._outbox.put(_CLOSE)
+
+    def dispose(self) -> None:
+        self._responses.cancel()
+
+    def receive(self) -> Iterator[pb.Directive]:
+        try:
+            yield from self._responses
+        except grpc.RpcError as exc:
+            raise StreamBroken(f"{exc.code().name}: {exc.details()}") from None
+
+
+class FrameStream:
+    """The daemon's session socket: frames written by the caller, read by the receiving thread."""
+
+    name = "session socket"
+
+    def __init__(self, path: str, first: pb.RankEvent, timeout_s: float) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            sock.settimeout(None)
+            sock.sendall(framing.encode(first))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def send(self, event: pb.RankEvent) -> None:
+        data = framing.encode(event)
+        try:
+            # Never wait: a full socket buffer means the daemon stopped reading long ago.
+            sent = self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise StreamBroken(f"cannot write to the session socket: {exc}") from None
+        if sent != len(data):
+            self._abort()
+            raise StreamBroken("the daemon stopped reading the session socket")
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def dispose(self) -> None:
+        self._abort()
+        self._sock.close()
+
+    def _abort(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the receiving thread
+        except OSError:
+            pass
+
+    def receive(self) -> Iterator[pb.Directive]:
+        buf = bytearray()
+        need = framing.HEADER
+        body_len = -1
+        while True:
+            while len(buf) < need:
+                try:
+                    chunk = self._sock.recv(65536)
+                except OSError as exc:
+                    raise StreamBroken(f"session socket: {exc}") from None
+                if not chunk:
+                    if buf:
+                        raise StreamBroken("the daemon closed the session socket inside a frame")
+                    return
+                buf += chunk
+            if body_len < 0:
+                try:
+                    body_len = framing.frame_length(bytes(buf[:framing.HEADER]))
+                except (framing.FrameError, struct.error) as exc:
+                    raise StreamBroken(f"session socket: {exc}") from None
+                need = framing.HEADER + body_len
+                continue
+            directive = pb.Directive()
+            try:
+                directive.ParseFromString(bytes(buf[framing.HEADER:need]))
+            except Exception as exc:  # protobuf's DecodeError
+                raise StreamBroken(f"session socket: not a Directive: {exc}") from None
+            del buf[:need]
+            need, body_len = framing.HEADER, -1
+            if directive.HasField("error"):
+                raise StreamBroken(f"{directive.error.code}: {directive.error.message}")
+            yield directive
+
+
+def _drain(outbox: queue.SimpleQueue) -> Iterator[pb.RankEvent]:
+    while True:
+        item = outbox.get()
+        if item is _CLOSE:
+            return
+        yield item

@@ -1,0 +1,344 @@
+"""A rank's Session stream, whichever way it travels: the gRPC stream or the session socket.
+
+Both carry the same messages, validated and applied the same way
+(`apply_event`), and end the same way: gRPC streams run as coroutines on the
+daemon's event loop (`serve_session`), session socket connections on threads.
+The session socket (`SessionSocketServer`) exists because a grant's round
+trip through gRPC Python costs about 0.5 ms on a small VM before the daemon
+does anything, while length-prefixed frames on a Unix socket, read by a thread
+per rank, cost a fraction of that.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from typing import Any, Protocol
+
+import grpc
+
+from ..protos import crossover_v1_pb2 as pb
+from ..protos import framing
+from .api import AlreadyExists, CrossoverError, FailedPrecondition, InvalidRequest, NotFound, UnsupportedVersion
+from .scheduler import CloseMsg, GrantMsg, LeaseMsg, PolicyMsg, Scheduler
+
+__all__ = ["GrpcSessionStream", "SessionSocketServer", "SessionStream", "serve_session", "status_code"]
+
+_log = logging.getLogger(__name__)
+
+_KINDS = {
+    pb.COMPUTE_REQUEST: "compute_request",
+    pb.COMPUTE_DONE: "compute_done",
+    pb.COMM_BEGIN: "comm_begin",
+    pb.COMM_END: "comm_end",
+    pb.HEARTBEAT: "heartbeat",
+    pb.LEASE_RELEASED: "lease_released",
+}
+
+
+
+def status_code(exc: Exception) -> grpc.StatusCode:
+    """The gRPC status a domain error travels as (on the session socket: its name)."""
+    for cls, code in (
+        (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+        (NotFound, grpc.StatusCode.NOT_FOUND),
+        (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+        (UnsupportedVersion, grpc.StatusCode.FAILED_PRECONDITION),
+        (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    ):
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+_OPEN_FIRST = "the first event of a session must be OPEN with the session_id from Register"
+
+
+class SessionStream(Protocol):
+    """One rank's stream as the daemon sees it."""
+
+    async def read(self) -> pb.RankEvent | None:
+        """The next event; None when the rank half-closed. Raises InvalidRequest on a malformed message."""
+
+    async def write(self, directive: pb.Directive) -> None: ...
+
+    async def fail(self, exc: Exception) -> None:
+        """End the stream with this error (a gRPC status, or a SessionError frame)."""
+
+
+async def serve_session(core: Scheduler, stream: SessionStream) -> None:
+    """Attach the stream's session to the scheduler and relay until either side ends it."""
+    try:
+        first = await stream.read()
+    except InvalidRequest as exc:
+        await stream.fail(exc)
+        return
+    if first is None:
+        return
+    try:
+        sid = _opening(first)
+    except InvalidRequest as exc:
+        await stream.fail(exc)
+        return
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    loop_thread = threading.get_ident()
+
+    def deliver(msg: Any) -> None:  # called from any thread by the scheduler
+        if threading.get_ident() == loop_thread:  # a grant decided while reading an event: no wake-up needed
+            inbox.put_nowait(msg)
+        else:
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+
+    try:
+        core.attach(sid, deliver)
+    except CrossoverError as exc:
+        await stream.fail(exc)
+        return
+    reader = asyncio.create_task(_read(core, sid, stream, inbox))
+    try:
+        while True:
+            msg = await inbox.get()
+            if isinstance(msg, CloseMsg):
+                if msg.error is not None:
+                    await stream.fail(msg.error)
+                return
+            directive = _directive(msg)
+            if directive is not None:
+                await stream.write(directive)
+    finally:
+        reader.cancel()
+        core.close(sid, "stream closed")
+
+
+def apply_event(core: Scheduler, sid: str, ev: pb.RankEvent) -> None:
+    """Hand one message of an open stream (a BATCH: each event in it) to the scheduler."""
+    for one in (ev.batch if ev.kind == pb.BATCH else (ev,)):
+        kind = _KINDS.get(one.kind)
+        if kind is None:
+            where = "inside a BATCH" if one is not ev else "after OPEN"
+            raise InvalidRequest(f"event kind {one.kind} is not valid {where}")
+        core.event(sid, kind, one.iteration, one.seq, one.duration_s, one.turn_base,
+                   comm_begins=one.comm_begins, no_wait=one.no_wait, requested=one.requested,
+                   comm_s=one.comm_s, ago_s=one.ago_s if one is not ev else 0.0)
+
+
+def _opening(first: pb.RankEvent) -> str:
+    if first.kind != pb.OPEN or not first.session_id:
+        raise InvalidRequest(_OPEN_FIRST)
+    return first.session_id
+
+
+def _directive(msg: Any) -> pb.Directive | None:
+    if isinstance(msg, GrantMsg):
+        return pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration, waited_s=msg.waited_s))
+    if isinstance(msg, LeaseMsg):
+        return pb.Directive(lease=pb.Lease(held=msg.held))
+    if isinstance(msg, PolicyMsg):
+        return pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy, policy_blocks=msg.blocks))
+    return None
+
+
+async def _read(core: Scheduler, sid: str, stream: SessionStream, inbox: asyncio.Queue) -> None:
+    reason = "stream ended"
+    try:
+        while True:
+            try:
+                ev = await stream.read()
+                if ev is None:
+                    return
+                apply_event(core, sid, ev)
+            except CrossoverError as exc:
+                _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
+                inbox.put_nowait(CloseMsg(str(exc), exc))
+                reason = f"invalid event: {exc}"
+                return
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # the peer vanished mid-read (process killed, connection reset)
+        reason = "stream broken"
+    finally:
+        core.close(sid, reason)
+
+
+class GrpcSessionStream:
+    """The Session RPC's stream."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    async def read(self) -> pb.RankEvent | None:
+        ev = await self._context.read()
+        return None if ev is grpc.aio.EOF else ev
+
+    async def write(self, directive: pb.Directive) -> None:
+        await self._context.write(directive)
+
+    async def fail(self, exc: Exception) -> None:
+        await self._context.abort(status_code(exc), str(exc))
+
+
+class _FrameConnection:
+    """One rank on the session socket, served by its own thread.
+
+    A thread blocked in recv wakes sooner than an event loop blocked in epoll
+    (measured on a 2-vCPU VM after 50 ms idle: 0.22 vs 0.40-0.49 ms per round
+    trip), and grants are written straight from whichever thread decides them.
+    Writes never wait: a rank whose socket buffer is full stopped reading long
+    ago, and its connection is dropped rather than let it stall the scheduler.
+    """
+
+    def __init__(self, core: Scheduler, conn: socket.socket) -> None:
+        self._core = core
+        self._conn = conn
+        self._write_lock = threading.Lock()
+        self._buf = bytearray()
+
+    def serve(self) -> None:
+        sid = ""  # set once this connection is the session's stream
+        reason = "stream ended"
+        try:
+            first = self._read()
+            if first is None:
+                return
+            opened = _opening(first)
+            self._core.attach(opened, self._deliver)
+            sid = opened
+            while (ev := self._read()) is not None:
+                apply_event(self._core, sid, ev)
+        except CrossoverError as exc:
+            if sid:
+                _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
+                reason = f"invalid event: {exc}"
+            self._fail(exc)
+        except OSError:  # the peer vanished mid-read (process killed, connection reset)
+            reason = "stream broken"
+        finally:
+            if sid:
+                self._core.close(sid, reason)
+            self._drop()
+            self._conn.close()
+
+    def _read(self) -> pb.RankEvent | None:
+        """The next event; None at a clean end. InvalidRequest on a malformed frame."""
+        header = self._fill(framing.HEADER)
+        if header is None:
+            return None
+        try:
+            n = framing.frame_length(header)
+        except framing.FrameError as exc:
+            raise InvalidRequest(str(exc)) from None
+        body = self._fill(n) if n else b""
+        if body is None:
+            raise InvalidRequest("the stream ended inside a frame")
+        event = pb.RankEvent()
+        try:
+            event.ParseFromString(body)
+        except Exception as exc:  # protobuf's DecodeError
+            raise InvalidRequest(f"a frame does not hold a RankEvent: {exc}") from None
+        return event
+
+    def _fill(self, n: int) -> bytes | None:
+        while len(self._buf) < n:
+            chunk = self._conn.recv(65536)
+            if not chunk:
+                if self._buf:
+                    raise InvalidRequest("the stream ended inside a frame")
+                return None
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    def _deliver(self, msg: Any) -> None:  # from any thread, never blocking (the scheduler's contract)
+        if isinstance(msg, CloseMsg):
+            if msg.error is not None:
+                self._fail(msg.error)
+            self._drop()
+            return
+        directive = _directive(msg)
+        if directive is not None and not self._write(framing.encode(directive)):
+            _log.warning("dropping a rank's session: it stopped reading the session socket")
+            self._drop()
+
+    def _write(self, data: bytes) -> bool:
+        with self._write_lock:
+            try:
+                return self._conn.send(data, socket.MSG_DONTWAIT) == len(data)
+            except OSError:  # full (BlockingIOError), or the peer is gone
+                return False
+
+    def _fail(self, exc: Exception) -> None:
+        self._write(framing.encode(pb.Directive(error=pb.SessionError(code=status_code(exc).name,
+                                                                      message=str(exc)))))
+
+    def _drop(self) -> None:
+        """End the connection; the serving thread sees it and closes the session."""
+        try:
+            self._conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class SessionSocketServer:
+    """Serves Session streams as frames on a Unix socket: an accepting thread, and a thread per rank."""
+
+    def __init__(self, core: Scheduler, path: str) -> None:
+        self._core = core
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        threading.Thread(target=self._accept, name="session-accept", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop accepting and end every connection (their sessions close)."""
+        with self._lock:
+            self._stopping = True
+            conns = list(self._conns)
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            except OSError:
+                pass
+            self._sock.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # stopped
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="session-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            _FrameConnection(self._core, conn).serve()
+        except Exception:  # a bug here must not take the daemon down
+            _log.exception("session socket connection failed")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
