@@ -97,7 +97,8 @@ def large_jobs(scenario: str, iters: int, seed: int) -> list[JobSpec]:
 def run_large(scenario: str, policy: str, args: dict[str, Any]) -> dict[str, Any]:
     jobs = large_jobs(scenario, args["iters"], args["seed"])
     cfg = SimConfig(seed=args["seed"], switch_penalty=args["switch_penalty"], startup_spread_s=args["spread"],
-                    grant_latency_s=args["grant_latency_ms"] / 1000, link_sharing=args["link_sharing"])
+                    grant_latency_s=args["grant_latency_ms"] / 1000, link_sharing=args["link_sharing"],
+                    interference=args["interference"])
     t0, c0 = time.perf_counter(), time.process_time()
     res = simulate(jobs, policy, n_nodes=N_NODES, devices_per_node=GPUS, config=cfg)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -115,7 +116,7 @@ def run_small(n_jobs: int, ratio: str, policy: str, args: dict[str, Any]) -> dic
     t0 = time.perf_counter()
     res = simulate_small(c, m, n_jobs, policy, iterations=args["iters"], seed=args["seed"],
                          switch_penalty=args["switch_penalty"], grant_latency_s=args["grant_latency_ms"] / 1000,
-                         link_sharing=args["link_sharing"])
+                         link_sharing=args["link_sharing"], interference=args["interference"])
     return {"kind": "small", "scenario": f"{n_jobs} jobs {ratio}", "ratio": ratio, **res,
             "wall_s": time.perf_counter() - t0}
 
@@ -180,6 +181,9 @@ def main() -> None:
                    help="how concurrent allreduces share a link: fair (equal rates; unscheduled jobs stay in "
                         "lockstep) or fifo (in the order they began; unscheduled jobs fall into alternation). "
                         "Real links lie between: run both to bracket the unscheduled baseline")
+    p.add_argument("--interference", type=float, default=0.0,
+                   help="a compute phase and an allreduce on one device each run at 1/(1+this) while both are "
+                        "active (the emulated cluster's Gloo threads share the pinned core; NCCL kernels take SMs)")
     p.add_argument("--compute-ms", type=float, default=50.0, help="small scenarios: C")
     p.add_argument("--comm-ms", type=float, default=50.0, help="small scenarios: M at 1:1 (scaled by the ratio)")
     p.add_argument("--per-job", action="store_true", help="keep per-job results in the JSON")
@@ -188,7 +192,7 @@ def main() -> None:
     args = p.parse_args()
     common = {"iters": args.iters, "seed": args.seed, "switch_penalty": args.switch_penalty, "spread": args.spread,
               "grant_latency_ms": args.grant_latency_ms, "compute_ms": args.compute_ms, "comm_ms": args.comm_ms,
-              "per_job": args.per_job, "link_sharing": args.link_sharing}
+              "per_job": args.per_job, "link_sharing": args.link_sharing, "interference": args.interference}
 
     cases: list[tuple[Any, ...]] = []
     if not args.small:

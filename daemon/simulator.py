@@ -180,6 +180,7 @@ class SimConfig:
     fallback_tick_s: float = 0.0005  # tick period for a policy whose deadlines cannot be read
     startup_spread_s: float = 0.0  # ranks of a job join within this window after its arrival
     grant_latency_s: float = 0.0  # grant round trip, added to each blocking compute phase
+    interference: float = 0.0  # a compute phase and an allreduce on one (node, device) each run at 1/(1+this)
     horizon_s: float | None = None  # stop here (jobs still running count what they did)
     warmup_iterations: int = 3  # excluded from per-job rates
     record_trace: bool = False  # keep every compute span (node, device, job, start, end)
@@ -285,11 +286,12 @@ class _Job:
 
 
 class _Device:
-    __slots__ = ("node", "computing", "waiting", "hungry", "hungry_since", "hungry_total", "present", "present_since",
-                 "present_total", "busy_since", "busy_total")
+    __slots__ = ("node", "link", "computing", "waiting", "hungry", "hungry_since", "hungry_total", "present",
+                 "present_since", "present_total", "busy_since", "busy_total")
 
-    def __init__(self, node: _Node) -> None:
+    def __init__(self, node: _Node, link: tuple[int, int]) -> None:
         self.node = node
+        self.link = link  # the (node, device) link its ranks' allreduces cross
         self.computing: list[_Rank] = []
         self.waiting = 0
         self.hungry = False  # ranks wait and none computes: the only state in which a tick can matter
@@ -301,10 +303,10 @@ class _Device:
 class _Node:
     __slots__ = ("policy", "devices", "tick_at", "phase", "deadline", "hungry")
 
-    def __init__(self, policy: Policy, n_devices: int, phase: float,
+    def __init__(self, index: int, policy: Policy, n_devices: int, phase: float,
                  deadline: Callable[[], Optional[float]] | None) -> None:
         self.policy = policy
-        self.devices = [_Device(self) for _ in range(n_devices)]
+        self.devices = [_Device(self, (index, d)) for d in range(n_devices)]
         self.hungry = 0  # devices with ranks waiting and none computing
         self.tick_at: float | None = None
         self.phase = phase
@@ -331,9 +333,9 @@ class _World:
         self.calls = 0
         self.trace: list[ComputeSpan] = []
         self.nodes: list[_Node] = []
-        for _ in range(n_nodes):
+        for index in range(n_nodes):
             p = factory()
-            self.nodes.append(_Node(p, devices_per_node, self.rng.random() * (cfg.tick_s or 0.0),
+            self.nodes.append(_Node(index, p, devices_per_node, self.rng.random() * (cfg.tick_s or 0.0),
                                     None if cfg.tick_s else _deadline_reader(p)))
         self.blocks = bool(self.nodes[0].policy.blocks) if self.nodes else True
         self.policy_name = str(getattr(self.nodes[0].policy, "name", "?")) if self.nodes else "?"
@@ -533,6 +535,8 @@ class _World:
             raise SimulationError(f"{self.policy_name} let {len(dev.computing)} ranks compute on node "
                                   f"{rank.node} device {rank.device} at t={self.now:.6f}")
         self.reshare(dev)
+        if self.cfg.interference and len(dev.computing) == 1:  # the link's allreduces now share the device
+            self.rerate(self.links.get(dev.link, ()))
 
     def compute_stop(self, dev: _Device, rank: _Rank) -> None:
         dev.computing.remove(rank)
@@ -544,12 +548,16 @@ class _World:
                                           rank.iteration, rank.granted_at, self.now))
         self.mark(dev)
         self.reshare(dev)
+        if self.cfg.interference and not dev.computing:
+            self.rerate(self.links.get(dev.link, ()))
 
     def reshare(self, dev: _Device) -> None:
         k = len(dev.computing)
         if k == 0:
             return
         rate = 1.0 if k == 1 else 1.0 / (k * (1.0 + self.cfg.switch_penalty))
+        if self.cfg.interference and any(job.comm_rate > 0 for job in self.links.get(dev.link, ())):
+            rate /= 1.0 + self.cfg.interference
         now = self.now
         for r in dev.computing:
             r.work = max(0.0, r.work - (now - r.since) * r.rate)
@@ -587,6 +595,7 @@ class _World:
             if self.cfg.shared_links and len(sharing) > 1:
                 affected.update(dict.fromkeys(sharing))
         self.rerate(affected)
+        self._reshare_links(affected)
 
     def comm_stop(self, job: _Job) -> None:
         job.in_comm = False
@@ -598,6 +607,16 @@ class _World:
             if self.cfg.shared_links and sharing:
                 affected.update(dict.fromkeys(sharing))
         self.rerate(affected)
+        self._reshare_links({job: None, **affected})
+
+    def _device(self, link: tuple[int, int]) -> _Device:
+        return self.nodes[link[0]].devices[link[1]]
+
+    def _reshare_links(self, jobs: Any) -> None:
+        """Compute on the devices these jobs' allreduces cross runs slower or faster now (interference)."""
+        if self.cfg.interference:
+            for link in dict.fromkeys(link for job in jobs for link in job.links):
+                self.reshare(self._device(link))
 
     def rerate(self, jobs: Any) -> None:
         now = self.now
@@ -610,6 +629,8 @@ class _World:
                 rate = 1.0 if all(self.links[link][0] is job for link in job.links) else 0.0
             else:
                 rate = 1.0 / max(map(len, map(self.links.__getitem__, job.links)))
+            if rate > 0 and self.cfg.interference and any(self._device(link).computing for link in job.links):
+                rate /= 1.0 + self.cfg.interference
             if rate != job.comm_rate:
                 job.comm_work = max(0.0, job.comm_work - (now - job.comm_since) * job.comm_rate)
                 job.comm_since = now
@@ -766,7 +787,7 @@ def simulate(jobs: Sequence[JobSpec], policy: Union[str, PolicyFactory], *, n_no
 def simulate_small(compute_s: float, comm_s: float, n_jobs: int, policy: str, *, n_nodes: int = 2,
                    iterations: int = 200, jitter: float = 0.05, switch_penalty: float = 0.05,
                    tick_s: float | None = 0.1, startup_spread_s: float = 0.5, grant_latency_s: float = 0.0003,
-                   seed: int = 0, link_sharing: str = "fair") -> dict[str, Any]:
+                   seed: int = 0, link_sharing: str = "fair", interference: float = 0.0) -> dict[str, Any]:
     """The emulated-cluster scenario: `n_nodes` x 1 device, `n_jobs` identical jobs with one rank per node.
 
     `policy` is one of `SMALL_POLICIES`: a name in `POLICIES` (jobs co-located),
@@ -780,7 +801,7 @@ def simulate_small(compute_s: float, comm_s: float, n_jobs: int, policy: str, *,
     if policy not in SMALL_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(SMALL_POLICIES)}")
     cfg = SimConfig(seed=seed, switch_penalty=switch_penalty, tick_s=tick_s, startup_spread_s=startup_spread_s,
-                    grant_latency_s=grant_latency_s, link_sharing=link_sharing)
+                    grant_latency_s=grant_latency_s, link_sharing=link_sharing, interference=interference)
     place = tuple((n, 0) for n in range(n_nodes))
     specs = [JobSpec(f"job{i}", place, compute_s, comm_s, iterations=iterations, jitter=jitter) for i in range(n_jobs)]
     bound = 1.0 / max(n_jobs * compute_s, n_jobs * comm_s, compute_s + comm_s)

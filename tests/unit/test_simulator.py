@@ -313,3 +313,23 @@ def test_fifo_links_never_deadlock_jobs_that_share_different_links():
             for name, place in (("a", ((0, 0), (1, 0))), ("b", ((1, 0), (2, 0))), ("c", ((0, 0), (2, 0))))]
     res = simulate(jobs, "passthrough", n_nodes=3, config=SimConfig(link_sharing="fifo", seed=4))
     assert all(j.iterations >= 40 for j in res.jobs)
+
+
+@pytest.mark.parametrize("x", [0.25, 1.0])
+def test_interference_stretches_only_the_overlapped_parts_of_phases(x):
+    # Alone, a job's compute and allreduce never overlap on a device: nothing changes.
+    cfg = SimConfig(interference=x, warmup_iterations=0)
+    alone = simulate([job("a", iters=30)], "crossover", n_nodes=2, config=cfg)
+    assert alone.jobs[0].iter_per_s == pytest.approx(1 / (C + M), rel=1e-9)
+    # Two jobs with C = M in perfect alternation: every phase overlaps another job's phase on its
+    # device for its whole length, so each takes (1 + x) times longer: the bound over 1 + x.
+    jobs = [job("a", m=C, iters=120), job("b", m=C, iters=120)]
+    clean = simulate(jobs, "crossover", n_nodes=2, config=SimConfig(seed=2))
+    slowed = simulate(jobs, "crossover", n_nodes=2, config=SimConfig(seed=2, interference=x))
+    assert clean.bound_fraction > 0.95
+    assert slowed.bound_fraction == pytest.approx(clean.bound_fraction / (1 + x), rel=0.03)
+    # Unscheduled sharing of the device itself is processor sharing, not interference: compute
+    # phases that overlap each other are not stretched by it (and lockstep jobs never overlap
+    # their compute with an allreduce under fair links).
+    pt = [simulate(jobs, "passthrough", n_nodes=2, config=SimConfig(seed=2, interference=v)) for v in (0.0, x)]
+    assert pt[1].throughput_iter_s == pytest.approx(pt[0].throughput_iter_s, rel=0.05)
