@@ -1,0 +1,113 @@
+"""The simulator against the emulated cluster: same scenarios, same modes, throughput side by side.
+
+Reads what `bench/crossover.py` wrote. For each scenario the simulator gets the
+phase times that run measured with each job alone (C, M). It also gets one
+interference factor x. While a compute phase and an allreduce share a device,
+each runs at 1/(1+x). x comes from the same run's phase times: it is the mean
+stretch of C and M under `crossover` relative to alone. Only phase lengths go
+in; throughput is what is compared. Each mode is simulated with both link models
+(`fifo` and `fair`; see `crossover.daemon.simulator`).
+
+Checks, per scenario:
+- each mode's simulated throughput within 15 % of the emulated one;
+- the modes in the same order. Modes within 1 % of each other in the emulation
+  count as tied, so a tie is not called a disagreement.
+
+    python bench/sim_vs_emulated.py results/crossover.json [--interference X] [--out results/sim_vs_emulated.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+from crossover.daemon.simulator import simulate_small  # noqa: E402
+
+sys.path.insert(0, str(_BENCH))
+from _harness import machine, write_json  # noqa: E402
+
+MODES = {"sequential": "sequential", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}
+LINKS = ("fifo", "fair")
+TOLERANCE = 0.15
+TIE = 0.01
+
+
+def measured_interference(scenario: dict[str, Any]) -> float:
+    """Mean stretch of the compute and comm phases under crossover, relative to alone."""
+    xo = scenario["modes"]["crossover"]
+    stretch = (xo["C_ms"] / scenario["alone_C_ms"] + xo["M_ms"] / scenario["alone_M_ms"]) / 2
+    return max(0.0, stretch - 1.0)
+
+
+def same_order(emulated: dict[str, float], simulated: dict[str, float]) -> bool:
+    """No pair of modes ranked the other way round, except pairs the emulation cannot tell apart."""
+    modes = list(emulated)
+    for i, a in enumerate(modes):
+        for b in modes[i + 1:]:
+            if abs(emulated[a] - emulated[b]) <= TIE * max(emulated[a], emulated[b]):
+                continue
+            if (emulated[a] - emulated[b]) * (simulated[a] - simulated[b]) < 0:
+                return False
+    return True
+
+
+def compare(scenario: dict[str, Any], interference: float | None, iters: int) -> dict[str, Any]:
+    c, m = scenario["alone_C_ms"] / 1000, scenario["alone_M_ms"] / 1000
+    x = measured_interference(scenario) if interference is None else interference
+    emulated = {mode: scenario["modes"][mode]["aggregate_samples_per_s"] / scenario["global_batch"] for mode in MODES}
+    out: dict[str, Any] = {"scenario": scenario["scenario"], "C_ms": 1000 * c, "M_ms": 1000 * m, "interference": x,
+                           "emulated_iter_s": emulated, "links": {}}
+    for link in LINKS:
+        sim = {mode: simulate_small(c, m, scenario["jobs"], policy, iterations=iters, link_sharing=link,
+                                    interference=x)["throughput_iter_s"] for mode, policy in MODES.items()}
+        errors = {mode: sim[mode] / emulated[mode] - 1 for mode in MODES}
+        out["links"][link] = {"iter_s": sim, "error": errors,
+                              "within": all(abs(e) <= TOLERANCE for e in errors.values()),
+                              "same_order": same_order(emulated, sim)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("emulated", type=Path, help="JSON written by bench/crossover.py")
+    p.add_argument("--interference", type=float, default=None,
+                   help="use this x for every scenario instead of each one's measured phase stretch (0: none)")
+    p.add_argument("--iters", type=int, default=200, help="simulated iterations per job")
+    p.add_argument("--out", type=Path, default=Path("results/sim_vs_emulated.json"))
+    args = p.parse_args()
+    try:
+        data = json.loads(args.emulated.read_text())
+        scenarios = data["scenarios"]
+    except (OSError, ValueError, KeyError) as exc:
+        sys.exit(f"sim_vs_emulated: {args.emulated} is not a bench/crossover.py result: {exc}")
+    rows = [compare(s, args.interference, args.iters) for s in scenarios]
+
+    t = Table(title=f"simulator vs emulated cluster ({args.emulated}), iterations/s over all jobs")
+    for col in ("scenario", "x", "mode", "emulated", *(f"sim {link}" for link in LINKS)):
+        t.add_column(col, justify="right")
+    for r in rows:
+        for i, mode in enumerate(MODES):
+            cells = [f"{r['links'][link]['iter_s'][mode]:.2f} ({100 * r['links'][link]['error'][mode]:+.0f}%)"
+                     for link in LINKS]
+            t.add_row(r["scenario"] if i == 0 else "", f"{r['interference']:.3f}" if i == 0 else "", mode,
+                      f"{r['emulated_iter_s'][mode]:.2f}", *cells)
+        t.add_row("", "", "within 15 %, same order", "",
+                  *(f"{'yes' if r['links'][link]['within'] else 'no'}, "
+                    f"{'yes' if r['links'][link]['same_order'] else 'no'}" for link in LINKS), end_section=True)
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
+    write_json(args.out, {"benchmark": "sim_vs_emulated", "time": time.time(), "machine": machine(),
+                          "emulated": str(args.emulated), "args": {**vars(args), "emulated": str(args.emulated),
+                                                                    "out": str(args.out)}, "scenarios": rows})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
