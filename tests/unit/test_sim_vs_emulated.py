@@ -1,0 +1,50 @@
+"""bench/sim_vs_emulated.py's checks: the interference it reads from a run, and what counts as the same order."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "sim_vs_emulated.py"
+
+
+@pytest.fixture(scope="module")
+def sve():
+    spec = importlib.util.spec_from_file_location("_sim_vs_emulated_under_test", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def scenario(modes: dict[str, float], c_ms=200.0, m_ms=200.0, xo_c=230.0, xo_m=250.0) -> dict:
+    out = {"scenario": "1:1 x2", "jobs": 2, "global_batch": 100, "alone_C_ms": c_ms, "alone_M_ms": m_ms, "modes": {}}
+    for mode, iter_s in modes.items():
+        out["modes"][mode] = {"aggregate_samples_per_s": 100 * iter_s, "C_ms": c_ms, "M_ms": m_ms}
+    out["modes"]["crossover"].update(C_ms=xo_c, M_ms=xo_m)
+    return out
+
+
+def test_interference_is_the_mean_phase_stretch_under_crossover(sve):
+    s = scenario({"sequential": 2.0, "unscheduled": 3.0, "exclusive": 3.2, "crossover": 3.3})
+    assert sve.measured_interference(s) == pytest.approx((230 / 200 + 250 / 200) / 2 - 1)
+    assert sve.measured_interference(scenario({m: 1.0 for m in sve.MODES}, xo_c=150, xo_m=190)) == 0.0
+
+
+def test_order_ignores_ties_the_emulation_cannot_resolve(sve):
+    emulated = {"a": 1.0, "b": 2.0, "c": 2.01}
+    assert sve.same_order(emulated, {"a": 1.0, "b": 2.5, "c": 2.4})  # b, c tied within 1 %
+    assert not sve.same_order(emulated, {"a": 2.5, "b": 2.0, "c": 2.0})
+    assert sve.same_order(emulated, {"a": 1.0, "b": 2.0, "c": 2.0})  # a simulated tie is not a reversal
+
+
+def test_a_run_the_simulator_itself_produced_passes_and_a_distorted_one_fails(sve):
+    from crossover.daemon.simulator import simulate_small
+
+    x = (230 / 200 + 250 / 200) / 2 - 1
+    sim = {mode: simulate_small(0.2, 0.2, 2, policy, iterations=200, link_sharing="fifo",
+                                interference=x)["throughput_iter_s"] for mode, policy in sve.MODES.items()}
+    row = sve.compare(scenario(sim), None, 200)
+    assert row["links"]["fifo"]["within"] and row["links"]["fifo"]["same_order"]
+    assert max(abs(e) for e in row["links"]["fifo"]["error"].values()) < 1e-9
+    assert not row["links"]["fair"]["within"]  # fair links keep unscheduled jobs in lockstep
+    off = dict(sim, crossover=sim["crossover"] * 0.8)
+    assert not sve.compare(scenario(off), None, 200)["links"]["fifo"]["within"]
