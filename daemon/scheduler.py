@@ -136,6 +136,7 @@ class _Session:
     forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
     accepts_leases: bool = False
     no_wait: bool = False  # the rank computes without waiting for the pending request's grant
+    last_t: float = 0.0  # when its latest event happened: its events are applied in order, never earlier
     stats: _Stats = field(default_factory=_Stats)
     process: psutil.Process | None = None
 
@@ -235,7 +236,7 @@ class Scheduler:
             sid = f"{uuid.uuid4().hex}{next(self._ids):x}"
             ref = RankRef(key, ident.job_name, device.index, ident.world_size, now)
             ident = Identity(**{**ident.__dict__, "node": self.node, "device": device.index})
-            sess = _Session(sid, ident, ref, registered_at=now, last_seen=now, phase_since=now,
+            sess = _Session(sid, ident, ref, registered_at=now, last_seen=now, last_t=now, phase_since=now,
                             accepts_leases=accepts_leases)
             try:
                 sess.process = psutil.Process(ident.pid)
@@ -300,6 +301,12 @@ class Scheduler:
             sess = self._session(session_id)
             silent = arrived - sess.last_seen
             sess.last_seen = arrived
+            # A dated event is its batch's arrival less its age; batches travel with different
+            # delays, so a date can fall before the rank's previous event. A rank's events are
+            # sequential: clamp, or its own consecutive phases would overlap in the log.
+            previous = sess.last_t
+            now = max(now, previous)
+            sess.last_t = now
             if sess.phase is Phase.SUSPENDED:
                 self._resume(sess, silent, now, record)
             if kind == "heartbeat":
@@ -309,7 +316,7 @@ class Scheduler:
                 self._request(sess, iteration, seq, turn_base, duration_s, no_wait, now, record)
             elif kind == "compute_done":
                 if requested:  # its request rode along: apply it first, dated when the phase began
-                    began = now - duration_s
+                    began = max(now - duration_s, previous)
                     mark = len(record)
                     self._request(sess, iteration, seq, turn_base, comm_s, True, now, record)
                     for _, _, fields in record[mark:]:

@@ -641,6 +641,25 @@ def test_a_compute_done_can_stand_for_its_request_too_and_is_dated_back(make, cl
         s.event(a, "compute_done", requested=True, comm_s=-1.0)
 
 
+def test_a_rank_s_dated_events_never_fall_before_its_previous_one(make, clock):
+    # Two batches, the first slow on the wire (0.8 ms) and the next fast (0.1 ms): dated by
+    # arrival less age, iteration 1's start (0.4 ms after iteration 0 ended) would land before
+    # that end, and the rank's own compute phases would overlap in the log.
+    s = make("passthrough")
+    a, _ = join(s, rank=0)
+    s.event(a, "compute_done", iteration=0, seq=1, duration_s=0.004, requested=True, comm_begins=True)
+    end0 = clock.t
+    clock.advance(0.0044 - 0.0008 + 0.0001)  # iteration 1 ran 0.4 ms after it for 4 ms, then a faster batch
+    s.event(a, "compute_done", iteration=1, seq=2, duration_s=0.004, requested=True, comm_s=0.0003,
+            comm_begins=True, ago_s=0.0001)
+    log = [e for e in s.events.snapshot() if e.get("job") == "job-a"]
+    grants = [e["t"] for e in log if e["event"] == "grant"]
+    releases = [e["t"] for e in log if e["event"] == "release"]
+    assert releases[0] == pytest.approx(end0)
+    assert grants[1] >= releases[0]  # without the clamp: 0.3 ms before it
+    assert all(b["t"] >= a_["t"] for a_, b in zip(log, log[1:]))
+
+
 def test_compute_done_can_begin_the_allreduce_in_the_same_message(make, clock):
     s = make("exclusive")
     a, box_a = join(s, rank=0)
