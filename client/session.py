@@ -89,11 +89,6 @@ class Session:
     def attached(self) -> bool:
         return self._attached
 
-    @property
-    def leased(self) -> bool:
-        """The daemon leased this rank its device: no other rank is on it (until it says otherwise)."""
-        return self._leased
-
     def acquire(self, iteration: int, comm_s: float | None = None) -> bool:
         """Ask for the device; block until granted when the policy gates. True when scheduled.
 

@@ -287,7 +287,7 @@ class _PhaseTracker:
                 self._comm_begin()
                 t0 = time.perf_counter()
                 try:
-                    if quiet and not self.session.leased:  # alone on the device: nobody to leave it to
+                    if quiet:
                         _wait_quietly(opt)
                     return orig_sync()
                 finally:
