@@ -224,6 +224,11 @@ class Session:
             request.no_wait = True
             self._send(request)
 
+    def _answer_release(self) -> None:
+        """LEASE_RELEASED, after every request this rank computes under: the daemon relies on that order."""
+        self._send_unsent()
+        self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
+
     def _send(self, event: pb.RankEvent) -> None:
         self._flush_batch()  # the daemon must see events in the order they happened
         self._put(event)
@@ -325,14 +330,12 @@ class Session:
                         self._granted_seq = max(self._granted_seq, d.grant.seq)
                     elif d.HasField("lease"):
                         self._leased = d.lease.held
-                        if not d.lease.held:  # after every request made under it: the daemon relies on that order
-                            self._send_unsent()
-                            self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
+                        if not d.lease.held:
+                            self._answer_release()
                     elif d.HasField("policy"):
                         was_blocking, self._blocks = self._blocks, d.policy.policy_blocks
-                        if self._blocks and not was_blocking:  # the daemon waits for this answer, as for a lease
-                            self._send_unsent()
-                            self._send(pb.RankEvent(kind=pb.LEASE_RELEASED))
+                        if self._blocks and not was_blocking:  # the daemon waits for this, as for a lease
+                            self._answer_release()
                         _log.info("daemon switched policy to %s", d.policy.policy)
                     self._cond.notify_all()
         except StreamBroken as exc:

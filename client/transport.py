@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import socket
-import struct
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -118,34 +117,19 @@ class FrameStream:
             pass
 
     def receive(self) -> Iterator[pb.Directive]:
-        buf = bytearray()
-        need = framing.HEADER
-        body_len = -1
+        frames = framing.FrameReader(self._sock.recv)
         while True:
-            while len(buf) < need:
-                try:
-                    chunk = self._sock.recv(65536)
-                except OSError as exc:
-                    raise StreamBroken(f"session socket: {exc}") from None
-                if not chunk:
-                    if buf:
-                        raise StreamBroken("the daemon closed the session socket inside a frame")
-                    return
-                buf += chunk
-            if body_len < 0:
-                try:
-                    body_len = framing.frame_length(bytes(buf[:framing.HEADER]))
-                except (framing.FrameError, struct.error) as exc:
-                    raise StreamBroken(f"session socket: {exc}") from None
-                need = framing.HEADER + body_len
-                continue
+            try:
+                body = frames.next()
+            except (framing.FrameError, OSError) as exc:
+                raise StreamBroken(f"session socket: {exc}") from None
+            if body is None:
+                return
             directive = pb.Directive()
             try:
-                directive.ParseFromString(bytes(buf[framing.HEADER:need]))
+                directive.ParseFromString(body)
             except Exception as exc:  # protobuf's DecodeError
                 raise StreamBroken(f"session socket: not a Directive: {exc}") from None
-            del buf[:need]
-            need, body_len = framing.HEADER, -1
             if directive.HasField("error"):
                 raise StreamBroken(f"{directive.error.code}: {directive.error.message}")
             yield directive

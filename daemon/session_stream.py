@@ -14,7 +14,7 @@ import asyncio
 import logging
 import socket
 import threading
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -23,7 +23,7 @@ from ..protos import framing
 from .api import AlreadyExists, CrossoverError, FailedPrecondition, InvalidRequest, NotFound, UnsupportedVersion
 from .scheduler import CloseMsg, GrantMsg, LeaseMsg, PolicyMsg, Scheduler
 
-__all__ = ["GrpcSessionStream", "SessionSocketServer", "SessionStream", "serve_session", "status_code"]
+__all__ = ["GrpcSessionStream", "SessionSocketServer", "apply_event", "serve_session", "status_code"]
 
 _log = logging.getLogger(__name__)
 
@@ -55,25 +55,9 @@ def status_code(exc: Exception) -> grpc.StatusCode:
 _OPEN_FIRST = "the first event of a session must be OPEN with the session_id from Register"
 
 
-class SessionStream(Protocol):
-    """One rank's stream as the daemon sees it."""
-
-    async def read(self) -> pb.RankEvent | None:
-        """The next event; None when the rank half-closed. Raises InvalidRequest on a malformed message."""
-
-    async def write(self, directive: pb.Directive) -> None: ...
-
-    async def fail(self, exc: Exception) -> None:
-        """End the stream with this error (a gRPC status, or a SessionError frame)."""
-
-
-async def serve_session(core: Scheduler, stream: SessionStream) -> None:
+async def serve_session(core: Scheduler, stream: GrpcSessionStream) -> None:
     """Attach the stream's session to the scheduler and relay until either side ends it."""
-    try:
-        first = await stream.read()
-    except InvalidRequest as exc:
-        await stream.fail(exc)
-        return
+    first = await stream.read()
     if first is None:
         return
     try:
@@ -140,7 +124,7 @@ def _directive(msg: Any) -> pb.Directive | None:
     return None
 
 
-async def _read(core: Scheduler, sid: str, stream: SessionStream, inbox: asyncio.Queue) -> None:
+async def _read(core: Scheduler, sid: str, stream: GrpcSessionStream, inbox: asyncio.Queue) -> None:
     reason = "stream ended"
     try:
         while True:
@@ -163,7 +147,7 @@ async def _read(core: Scheduler, sid: str, stream: SessionStream, inbox: asyncio
 
 
 class GrpcSessionStream:
-    """The Session RPC's stream."""
+    """The Session RPC's stream: None at its end, a gRPC status to fail it."""
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
@@ -193,7 +177,7 @@ class _FrameConnection:
         self._core = core
         self._conn = conn
         self._write_lock = threading.Lock()
-        self._buf = bytearray()
+        self._frames = framing.FrameReader(conn.recv)
 
     def serve(self) -> None:
         sid = ""  # set once this connection is the session's stream
@@ -222,34 +206,18 @@ class _FrameConnection:
 
     def _read(self) -> pb.RankEvent | None:
         """The next event; None at a clean end. InvalidRequest on a malformed frame."""
-        header = self._fill(framing.HEADER)
-        if header is None:
-            return None
         try:
-            n = framing.frame_length(header)
+            body = self._frames.next()
         except framing.FrameError as exc:
             raise InvalidRequest(str(exc)) from None
-        body = self._fill(n) if n else b""
         if body is None:
-            raise InvalidRequest("the stream ended inside a frame")
+            return None
         event = pb.RankEvent()
         try:
             event.ParseFromString(body)
         except Exception as exc:  # protobuf's DecodeError
             raise InvalidRequest(f"a frame does not hold a RankEvent: {exc}") from None
         return event
-
-    def _fill(self, n: int) -> bytes | None:
-        while len(self._buf) < n:
-            chunk = self._conn.recv(65536)
-            if not chunk:
-                if self._buf:
-                    raise InvalidRequest("the stream ended inside a frame")
-                return None
-            self._buf += chunk
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
 
     def _deliver(self, msg: Any) -> None:  # from any thread, never blocking (the scheduler's contract)
         if isinstance(msg, CloseMsg):
@@ -275,10 +243,7 @@ class _FrameConnection:
 
     def _drop(self) -> None:
         """End the connection; the serving thread sees it and closes the session."""
-        try:
-            self._conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shut(self._conn)
 
 
 class SessionSocketServer:
@@ -309,16 +274,10 @@ class SessionSocketServer:
             self._stopping = True
             conns = list(self._conns)
         if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
-            except OSError:
-                pass
+            _shut(self._sock)  # wakes the accepting thread
             self._sock.close()
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(c)
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -342,3 +301,11 @@ class SessionSocketServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut both directions, waking any thread blocked on the socket; one already gone is fine."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

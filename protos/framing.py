@@ -8,8 +8,9 @@ it is several times shorter than over the gRPC stream.
 from __future__ import annotations
 
 import struct
+from typing import Callable
 
-__all__ = ["HEADER", "MAX_FRAME", "FrameError", "encode", "frame_length"]
+__all__ = ["HEADER", "MAX_FRAME", "FrameError", "FrameReader", "encode", "frame_length"]
 
 HEADER = 4
 MAX_FRAME = 1 << 20  # the largest event (a BATCH of a few hundred iterations) is a few KiB
@@ -17,7 +18,7 @@ _LEN = struct.Struct(">I")
 
 
 class FrameError(ValueError):
-    """A frame header that cannot start a valid message."""
+    """A frame header that cannot start a valid message, or a stream that ends inside a frame."""
 
 
 def encode(message: object) -> bytes:
@@ -34,3 +35,37 @@ def frame_length(header: bytes) -> int:
     if n > MAX_FRAME:
         raise FrameError(f"frame of {n} bytes announced; the limit is {MAX_FRAME}")
     return n
+
+
+class FrameReader:
+    """Cuts a byte stream into frame bodies; `recv(n)` returns up to n bytes, b"" at the end."""
+
+    def __init__(self, recv: Callable[[int], bytes]) -> None:
+        self._recv = recv
+        self._buf = bytearray()
+
+    def next(self) -> bytes | None:
+        """The next body; None when the stream ends between frames.
+
+        FrameError when it ends inside one or announces one over the limit;
+        whatever `recv` raises (OSError) passes through.
+        """
+        header = self._fill(HEADER)
+        if header is None:
+            return None
+        body = self._fill(frame_length(header))
+        if body is None:
+            raise FrameError("the stream ended inside a frame")
+        return body
+
+    def _fill(self, n: int) -> bytes | None:
+        while len(self._buf) < n:
+            chunk = self._recv(65536)
+            if not chunk:
+                if self._buf:
+                    raise FrameError("the stream ended inside a frame")
+                return None
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
