@@ -136,7 +136,7 @@ class _Session:
     forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
     accepts_leases: bool = False
     no_wait: bool = False  # the rank computes without waiting for the pending request's grant
-    last_t: float = 0.0  # when its latest event happened: its events are applied in order, never earlier
+    last_t: float = 0.0  # the date of its latest logged entry: its next ones are never dated earlier
     stats: _Stats = field(default_factory=_Stats)
     process: psutil.Process | None = None
 
@@ -247,7 +247,7 @@ class Scheduler:
             joined: list[tuple[str, _Session, dict]] = [("register", sess, {"pid": ident.pid})]
             self._revoke(device.index, "another rank joined the device", joined)
             self._deliver(self._policy.join(ref, now), now, joined)
-            self._flush(joined)
+            self._flush(joined, now)
             blocks = self._policy.blocks
             name = self._policy.name
         _log.info("registered %s rank %d (pid %d) on device %d", ident.job_name, ident.rank, ident.pid, device.index)
@@ -306,11 +306,10 @@ class Scheduler:
             # sequential: clamp, or its own consecutive phases would overlap in the log.
             previous = sess.last_t
             now = max(now, previous)
-            sess.last_t = now
             if sess.phase is Phase.SUSPENDED:
                 self._resume(sess, silent, now, record)
             if kind == "heartbeat":
-                self._flush(record)
+                self._flush(record, now)
                 return
             if kind == "compute_request":
                 self._request(sess, iteration, seq, turn_base, duration_s, no_wait, now, record)
@@ -340,10 +339,7 @@ class Scheduler:
                     self._end_revoke(sess.ref.device, sess.id, now, record)
             else:
                 raise InvalidRequest(f"unknown event kind {kind!r}")
-            if ago_s:
-                for _, _, fields in record:
-                    fields.setdefault("t", now)
-            self._flush(record)
+            self._flush(record, now)
 
     def _request(self, sess: _Session, iteration: int, seq: int, turn_base: int, comm_s: float, no_wait: bool,
                  now: float, record: list) -> None:
@@ -381,7 +377,7 @@ class Scheduler:
             self._forget_lease(sess, now, record)
             sess.send(CloseMsg(reason))
             record.insert(0, ("leave", sess, {"reason": reason}))
-            self._flush(record)
+            self._flush(record, now)
         _log.info("removed %s rank %d: %s", sess.ident.job_name, sess.ident.rank, reason)
         return True
 
@@ -417,7 +413,7 @@ class Scheduler:
                                      holder.ident.rank, device, self.heartbeat_timeout_s)
                         record.append(("lease_expired", holder, {}))
                         self._end_revoke(device, sid, now, record)
-            self._flush(record)
+            self._flush(record, now)
         for sid, reason in doomed:
             self.close(sid, reason)
         self.tick()
@@ -429,7 +425,7 @@ class Scheduler:
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
             self._deliver(self._policy.tick(now), now, record)
-            self._flush(record)
+            self._flush(record, now)
 
     def next_deadline(self) -> float | None:
         """When `tick` must next run (monotonic seconds), or None; `deadline_changed` is set when it moves."""
@@ -485,19 +481,20 @@ class Scheduler:
                     self._deliver(new.request(sess.ref.key, sess.turn, now), now, record)
             for sess in self._sessions.values():
                 sess.send(PolicyMsg(new.name, new.blocks))
-            self._flush(record)
+            self._flush(record, now)
         self.events.record("policy", old=old, new=name)
         _log.info("policy %s -> %s", old, name)
         return name
 
     def drain(self, device: int, draining: bool) -> bool:
         self.inventory.by_index(device)
+        now = self._clock()
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
             (self._draining.add if draining else self._draining.discard)(device)
             if draining:
                 self._revoke(device, "device draining", record)
-            self._flush(record)
+            self._flush(record, now)
         self.events.record("drain" if draining else "resume", device=device)
         return draining
 
@@ -705,10 +702,14 @@ class Scheduler:
                 sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
                 self._maybe_lease(sess, record if record is not None else [])
 
-    def _flush(self, record: list[tuple[str, _Session, dict]]) -> None:
+    def _flush(self, record: list[tuple[str, _Session, dict]], now: float) -> None:
         # Called with the lock held, so the log's order is the order decisions were made
-        # (tests and benchmarks check policies against it).
+        # (tests and benchmarks check policies against it). One decision is one instant: its
+        # entries are dated `now` (unless dated back), not by the log's clock as it writes them,
+        # and never before their rank's previous entry; else a rank's next dated-back phase could
+        # start before the end of its previous phase, logged a few microseconds late.
         for name, sess, fields in record:
+            sess.last_t = fields["t"] = max(fields.get("t", now), sess.last_t)
             self._record(name, sess, **fields)
 
     def _record(self, event: str, sess: _Session, **fields) -> None:

@@ -12,6 +12,7 @@ from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidReque
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler
+from helpers import compute_intervals, overlaps
 
 # pids above Linux's largest pid_max (2**22): psutil never finds such a process.
 _PID = 10_000_000
@@ -658,6 +659,26 @@ def test_a_rank_s_dated_events_never_fall_before_its_previous_one(make, clock):
     assert releases[0] == pytest.approx(end0)
     assert grants[1] >= releases[0]  # without the clamp: 0.3 ms before it
     assert all(b["t"] >= a_["t"] for a_, b in zip(log, log[1:]))
+
+
+def test_one_decision_is_logged_at_one_instant_so_a_rank_s_phases_never_overlap(clock, pids):
+    # The log's own clock reads a little later than the decision it records (it runs after the
+    # scheduler's work). A phase logged that late could end after its rank's next phase began,
+    # when that next phase is dated back from its report (CI saw 17 us).
+    inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
+    s = Scheduler(inv, "passthrough", node="node-t", event_log=EventLog(clock=lambda: clock.t + 17e-6),
+                  clock=clock, pid_alive=pids)
+    try:
+        a, _ = join(s, rank=0)
+        s.event(a, "compute_done", iteration=0, seq=1, duration_s=0.004, requested=True, comm_begins=True)
+        clock.advance(0.0044)  # the next phase began 5 us after that one ended
+        s.event(a, "compute_done", iteration=1, seq=2, duration_s=0.0044 - 5e-6, requested=True,
+                comm_s=0.0003, comm_begins=True)
+        log = [e for e in s.events.snapshot() if e.get("job") == "job-a"]
+        assert overlaps([iv for ivs in compute_intervals(log).values() for iv in ivs]) == []
+        assert all(b["t"] >= a_["t"] for a_, b in zip(log, log[1:]))
+    finally:
+        s.shutdown()
 
 
 def test_compute_done_can_begin_the_allreduce_in_the_same_message(make, clock):
