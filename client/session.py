@@ -64,6 +64,7 @@ class Session:
         self._attached = False
         self._blocks = False
         self._leased = False  # the daemon lets this rank compute without waiting for grants
+        self._shares_device = True  # until the daemon says the rank is alone on its device
         self._last_send = 0.0
         self._unsent: tuple[pb.RankEvent, float] | None = None  # a request not sent on its own (see acquire)
         self._batch: list[tuple[pb.RankEvent, float]] = []  # iterations of a rank that does not wait, not yet sent
@@ -88,6 +89,12 @@ class Session:
     @property
     def attached(self) -> bool:
         return self._attached
+
+    @property
+    def shares_device(self) -> bool:
+        """Another rank is registered on this rank's device, as far as the daemon last said
+        (True while that is unknown: detached, or a daemon that does not say)."""
+        return self._shares_device
 
     def acquire(self, iteration: int, comm_s: float | None = None) -> bool:
         """Ask for the device; block until granted when the policy gates. True when scheduled.
@@ -332,6 +339,8 @@ class Session:
                         self._leased = d.lease.held
                         if not d.lease.held:
                             self._answer_release()
+                    elif d.HasField("share"):
+                        self._shares_device = d.share.other_ranks > 0
                     elif d.HasField("policy"):
                         was_blocking, self._blocks = self._blocks, d.policy.policy_blocks
                         if self._blocks and not was_blocking:  # the daemon waits for this, as for a lease
@@ -349,6 +358,7 @@ class Session:
     def _detach_locked(self) -> None:
         self._attached = False
         self._leased = False
+        self._shares_device = True
         self._unsent = None
         self._requested_gen = -1
         self._flush_batch()

@@ -53,7 +53,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_TRANSPORT": ("auto", "How the session stream travels: auto (the daemon's session socket when it "
                             "offers one, for a grant round trip several times shorter; else gRPC) or grpc."),
     "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
-                             "co-located job's compute (Horovod's own wait keeps a core busy); 0: Horovod's wait."),
+                             "co-located job's compute (Horovod's own wait keeps a core busy); only while another rank "
+                             "shares the device; 0: Horovod's wait."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
     "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats (grant waits) as JSON here; "
                              "`{rank}` is replaced by the Horovod rank."),

@@ -45,8 +45,8 @@ from .event_log import EventLog
 from .inventory import Inventory
 
 __all__ = [
-    "Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "LeaseMsg", "CloseMsg", "RankSnapshot",
-    "DeviceSnapshot",
+    "Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "LeaseMsg", "ShareMsg", "CloseMsg",
+    "RankSnapshot", "DeviceSnapshot",
 ]
 
 _log = logging.getLogger(__name__)
@@ -97,6 +97,13 @@ class LeaseMsg:
     """The session may compute without waiting for grants (held) or must wait again (revoked)."""
 
     held: bool
+
+
+@dataclass(frozen=True)
+class ShareMsg:
+    """How many other ranks are registered on the session's device now."""
+
+    other_ranks: int
 
 
 @dataclass(frozen=True)
@@ -248,6 +255,7 @@ class Scheduler:
             self._revoke(device.index, "another rank joined the device", joined)
             self._deliver(self._policy.join(ref, now), now, joined)
             self._flush(joined, now)
+            self._tell_share(device.index)
             blocks = self._policy.blocks
             name = self._policy.name
         _log.info("registered %s rank %d (pid %d) on device %d", ident.job_name, ident.rank, ident.pid, device.index)
@@ -378,6 +386,7 @@ class Scheduler:
             sess.send(CloseMsg(reason))
             record.insert(0, ("leave", sess, {"reason": reason}))
             self._flush(record, now)
+            self._tell_share(sess.ref.device)
         _log.info("removed %s rank %d: %s", sess.ident.job_name, sess.ident.rank, reason)
         return True
 
@@ -582,6 +591,12 @@ class Scheduler:
         record.append(("request", sess, {"iteration": iteration, "seq": sess.pending_seq, "turn": sess.turn}))
         if not self._defer(sess):
             self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
+
+    def _tell_share(self, device: int) -> None:
+        """Tell each rank on the device how many others share it (they joined or left)."""
+        on_device = [s for s in self._sessions.values() if s.ref.device == device]
+        for sess in on_device:
+            sess.send(ShareMsg(len(on_device) - 1))
 
     # ---- leases --------------------------------------------------------
 

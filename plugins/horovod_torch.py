@@ -287,7 +287,7 @@ class _PhaseTracker:
                 self._comm_begin()
                 t0 = time.perf_counter()
                 try:
-                    if quiet:
+                    if quiet and self.session.shares_device:  # alone, nobody needs the core
                         _wait_quietly(opt)
                     return orig_sync()
                 finally:

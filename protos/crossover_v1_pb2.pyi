@@ -126,16 +126,24 @@ class RankEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("grant", "policy", "lease", "error")
+    __slots__ = ("grant", "policy", "lease", "error", "share")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     grant: Grant
     policy: PolicyUpdate
     lease: Lease
     error: SessionError
-    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+    share: DeviceShare
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., share: _Optional[_Union[DeviceShare, _Mapping]] = ...) -> None: ...
+
+class DeviceShare(_message.Message):
+    __slots__ = ("other_ranks",)
+    OTHER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    other_ranks: int
+    def __init__(self, other_ranks: _Optional[int] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")

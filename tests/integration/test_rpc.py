@@ -149,9 +149,17 @@ def rpc_error(fn, *args, **kw) -> grpc.RpcError:
 
 
 def first_directive(call: grpc.Call, timeout: float = 5.0) -> pb.Directive:
-    """Next directive from a stream, with a bound; runs the blocking `next` in a helper thread."""
+    """Next directive from a stream but for device-share news, with a bound; runs the blocking
+    `next` in a helper thread."""
     box: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=lambda: box.put(next(call, None)), daemon=True).start()
+
+    def take() -> None:
+        d = next(call, None)
+        while d is not None and d.HasField("share"):
+            d = next(call, None)
+        box.put(d)
+
+    threading.Thread(target=take, daemon=True).start()
     return box.get(timeout=timeout)
 
 
@@ -563,6 +571,21 @@ def test_a_lease_is_revoked_when_a_second_rank_arrives_and_compute_never_overlap
     assert "lease_expired" not in kinds
 
 
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_rank_knows_whether_it_shares_its_device(serve, sessions, transport):
+    d = serve(policy="passthrough")
+    target = f"unix://{d.socket_path}"
+    alone = sessions(target, "alone", transport=transport)
+    wait_for(lambda: alone.attached and not alone.shares_device)
+    other_device = sessions(target, "elsewhere", device=1, transport=transport)
+    wait_for(lambda: other_device.attached and not other_device.shares_device)
+    assert not alone.shares_device
+    company = sessions(target, "company", transport=transport)
+    wait_for(lambda: company.attached and alone.shares_device and company.shares_device)
+    company.close()
+    wait_for(lambda: not alone.shares_device)
+
+
 def test_a_newcomer_is_not_granted_before_the_holder_gives_up_its_lease(serve, channels, streams, sessions):
     """The holder here is driven by hand: it computes under its lease, its request still unsent, and
     answers the revocation late. The newcomer (a real client) must wait for that answer and then
@@ -637,7 +660,7 @@ def frame_client(path: str, *events: pb.RankEvent) -> socket.socket:
 
 
 def read_directive(c: socket.socket) -> pb.Directive | None:
-    """The next directive, or None when the daemon closed the connection."""
+    """The next directive but for device-share news, or None when the daemon closed the connection."""
     def exact(n: int) -> bytes:
         buf = b""
         while len(buf) < n:
@@ -647,12 +670,14 @@ def read_directive(c: socket.socket) -> pb.Directive | None:
             buf += chunk
         return buf
 
-    header = exact(4)
-    if not header:
-        return None
-    d = pb.Directive()
-    d.ParseFromString(exact(struct.unpack(">I", header)[0]))
-    return d
+    while True:
+        header = exact(4)
+        if not header:
+            return None
+        d = pb.Directive()
+        d.ParseFromString(exact(struct.unpack(">I", header)[0]))
+        if not d.HasField("share"):
+            return d
 
 
 def test_sessions_use_the_session_socket_and_contend_exactly_as_over_grpc(serve, sessions):

@@ -11,7 +11,7 @@ import pytest
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
-from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler
+from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
 from helpers import compute_intervals, overlaps
 
 # pids above Linux's largest pid_max (2**22): psutil never finds such a process.
@@ -77,13 +77,16 @@ def ident(job: str = "job-a", rank: int = 0, world: int = 2, device: int = 0, lo
                     pid=next(_pids) if pid is None else pid)
 
 
-def drain_outbox(box: queue.SimpleQueue) -> list:
+def drain_outbox(box: queue.SimpleQueue, shares: bool = False) -> list:
+    """The messages queued for a session; `ShareMsg`s only when asked for (most tests are about the rest)."""
     out = []
     while True:
         try:
-            out.append(box.get_nowait())
+            msg = box.get_nowait()
         except queue.Empty:
             return out
+        if shares or not isinstance(msg, ShareMsg):
+            out.append(msg)
 
 
 def join(s: Scheduler, leases: bool = True, **kw) -> tuple[str, queue.SimpleQueue]:
@@ -92,6 +95,20 @@ def join(s: Scheduler, leases: bool = True, **kw) -> tuple[str, queue.SimpleQueu
 
 
 # ---- registration ------------------------------------------------------
+
+
+def test_each_rank_hears_how_many_others_share_its_device(make, pids):
+    s = make("passthrough")
+    a, box_a = join(s, job="job-a", rank=0, device=0)
+    assert drain_outbox(box_a, shares=True) == [ShareMsg(0)]
+    b, box_b = join(s, job="job-b", rank=0, device=0)
+    c, box_c = join(s, job="job-c", rank=0, device=1)  # another device: nothing changes on device 0
+    assert drain_outbox(box_a, shares=True) == [ShareMsg(1)]
+    assert drain_outbox(box_b, shares=True) == [ShareMsg(1)]
+    assert drain_outbox(box_c, shares=True) == [ShareMsg(0)]
+    s.close(b, "stream ended")
+    assert drain_outbox(box_a, shares=True) == [ShareMsg(0)]
+    assert drain_outbox(box_c, shares=True) == []
 
 
 def test_register_returns_placement_and_policy(make):
