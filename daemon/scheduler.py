@@ -224,11 +224,11 @@ class Scheduler:
 
     def register(self, ident: Identity, accepts_leases: bool = False) -> Registration:
         _validate(ident, len(self.inventory.devices))
-        now = self._clock()
         device_index = ident.device if ident.device >= 0 else ident.local_rank % len(self.inventory.devices)
         device = self.inventory.by_index(device_index)
         key = RankKey(ident.job_id, ident.rank)
         with self._lock:
+            now = self._clock()
             if self._closed:
                 raise FailedPrecondition("the daemon is shutting down")
             if key in self._by_key:
@@ -300,10 +300,13 @@ class Scheduler:
             raise InvalidRequest(f"iteration={iteration} is negative")
         if turn_base < 0 or turn_base > _MAX_TURN:
             raise InvalidRequest(f"turn_base={turn_base} is outside 0..{_MAX_TURN}")
-        arrived = self._clock()
-        now = arrived - ago_s
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
+            # The clock is read under the lock, here and in every other decision: a thread
+            # preempted between reading it and taking the lock would otherwise log its
+            # decision before one it follows.
+            arrived = self._clock()
+            now = arrived - ago_s
             if self._closed:  # shutting down: the grant or close already queued for this stream stands
                 return
             sess = self._session(session_id)
@@ -371,8 +374,8 @@ class Scheduler:
 
     def close(self, session_id: str, reason: str) -> bool:
         """Remove a session (stream ended, process died, heartbeat lost); frees its grant."""
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             sess = self._sessions.pop(session_id, None)
             if sess is None:
                 return False
@@ -399,8 +402,8 @@ class Scheduler:
         was when it speaks again, instead of training unscheduled until it
         re-registers.
         """
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             doomed = []
             record: list[tuple[str, _Session, dict]] = []
             for sess in self._sessions.values():
@@ -430,9 +433,9 @@ class Scheduler:
 
     def tick(self) -> None:
         """Let the policy act on deadlines that have passed (bounded waits)."""
-        now = self._clock()
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
+            now = self._clock()
             self._deliver(self._policy.tick(now), now, record)
             self._flush(record, now)
 
@@ -444,8 +447,8 @@ class Scheduler:
 
     def shutdown(self) -> None:
         """Fail open: every waiting rank is granted, every stream is closed."""
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             self._closed = True
             sessions = list(self._sessions.values())
             for sess in sessions:
@@ -467,9 +470,9 @@ class Scheduler:
     def set_policy(self, name: str) -> str:
         """Switch policy at once; ranks computing or waiting are re-queued under the new one."""
         new = policies.create(name)
-        now = self._clock()
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
+            now = self._clock()
             old = self._policy.name
             for device in list(self._leases):
                 self._revoke(device, f"policy switched to {name}", record)
@@ -497,9 +500,9 @@ class Scheduler:
 
     def drain(self, device: int, draining: bool) -> bool:
         self.inventory.by_index(device)
-        now = self._clock()
         record: list[tuple[str, _Session, dict]] = []
         with self._lock:
+            now = self._clock()
             (self._draining.add if draining else self._draining.discard)(device)
             if draining:
                 self._revoke(device, "device draining", record)
@@ -519,8 +522,8 @@ class Scheduler:
 
         Requests held back while a lease is given up are listed last among the waiting.
         """
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             snaps = {sid: self._rank_snapshot(s, now) for sid, s in self._sessions.items()}
             processes = [(sid, s.process) for sid, s in self._sessions.items() if s.process is not None]
             by_key = {s.ref.key: s.id for s in self._sessions.values()}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
+import time
 
 import pytest
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase
@@ -694,6 +696,49 @@ def test_one_decision_is_logged_at_one_instant_so_a_rank_s_phases_never_overlap(
         log = [e for e in s.events.snapshot() if e.get("job") == "job-a"]
         assert overlaps([iv for ivs in compute_intervals(log).values() for iv in ivs]) == []
         assert all(b["t"] >= a_["t"] for a_, b in zip(log, log[1:]))
+    finally:
+        s.shutdown()
+
+
+def test_decisions_are_logged_in_the_order_they_are_made_even_when_a_thread_is_preempted(pids):
+    # Thread X reads the clock for its event and is preempted for a while; thread Y's
+    # event meanwhile is decided and logged. X's decision comes after Y's, so it must not
+    # be dated before it (CI saw a grant logged 2.6 ms before the release it followed).
+    ticks = itertools.count()
+    stall = {"thread": None, "until": threading.Event()}
+
+    def clock() -> float:
+        t = 1000.0 + 0.001 * next(ticks)
+        if threading.current_thread() is stall["thread"]:
+            stall["thread"] = None
+            stall["until"].wait(0.5)  # under the lock Y cannot run: the wait just times out
+        return t
+
+    inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
+    s = Scheduler(inv, "exclusive", node="node-t", event_log=EventLog(clock=clock), clock=clock, pid_alive=pids)
+    try:
+        a, _ = join(s, job="job-a", rank=0, leases=False)
+        b, _ = join(s, job="job-b", rank=0, leases=False)
+        s.event(a, "compute_request", iteration=0, seq=1)
+
+        def x() -> None:
+            s.event(a, "compute_done", iteration=0, comm_begins=True)
+
+        def y() -> None:
+            s.event(b, "compute_request", iteration=0, seq=1)
+            stall["until"].set()
+
+        tx = threading.Thread(target=x)
+        stall["thread"] = tx
+        tx.start()
+        while stall["thread"] is not None:  # X has read the clock
+            time.sleep(0.001)
+        ty = threading.Thread(target=y)
+        ty.start()
+        tx.join(5)
+        ty.join(5)
+        times = [e["t"] for e in s.events.snapshot()]
+        assert times == sorted(times)
     finally:
         s.shutdown()
 
