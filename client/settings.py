@@ -73,6 +73,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                  "iteration by at least this fraction (and by more than the measurements' "
                                  "scatter)."),
     "CROSSOVER_LBBSP_EMA_ALPHA": ("0.3", "weighted: weight of the newest measurement in the speed averages."),
+    "CROSSOVER_LBBSP_WARMUP": ("5", "weighted: each rank's first this many measured steps are left out of the "
+                               "speed estimates (start-up is not a rank's pace), so the first decision waits for "
+                               "steady steps."),
     "CROSSOVER_LBBSP_MAX_BATCH": ("", "weighted: per-rank batch cap (memory), one int or one per rank "
                                   "(`64,64,32`); empty: no cap."),
 }
@@ -155,6 +158,7 @@ class AggregationSettings:
     lbbsp_hysteresis: float = 0.05
     lbbsp_min_gain: float = 0.1
     lbbsp_ema_alpha: float = 0.3
+    lbbsp_warmup: int = 5
     lbbsp_max_batch: tuple[int, ...] = ()
 
     @classmethod
@@ -168,6 +172,7 @@ class AggregationSettings:
             lbbsp_hysteresis=_float("CROSSOVER_LBBSP_HYSTERESIS", 0.05, 0.0, 10.0),
             lbbsp_min_gain=_float("CROSSOVER_LBBSP_MIN_GAIN", 0.1, 0.0, 10.0),
             lbbsp_ema_alpha=_float("CROSSOVER_LBBSP_EMA_ALPHA", 0.3, 1e-6, 1.0),
+            lbbsp_warmup=_int("CROSSOVER_LBBSP_WARMUP", 5, 0, 1_000_000),
             lbbsp_max_batch=_int_list("CROSSOVER_LBBSP_MAX_BATCH"),
         )
 

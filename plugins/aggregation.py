@@ -68,7 +68,10 @@ Rules
     measurement noise. A tensor
     allgather is used rather than ``hvd.allgather_object`` because the
     latter has no ``process_set`` argument in Horovod 0.28. The first step
-    is not measured (one-off start-up costs).
+    is not measured (one-off start-up costs), and the controller leaves out
+    each rank's next ``CROSSOVER_LBBSP_WARMUP`` measurements: in the
+    benchmark, first decisions made from the first four steps went wrong in
+    two runs of six, one giving a healthy rank 5 samples of 256.
 
 Threads: the gradient hooks run on the autograd thread (the training thread
 on CPU, a device thread on CUDA); they only pop from a ``deque`` that the
@@ -584,6 +587,7 @@ def batch_sampler(
     hysteresis: Optional[float] = None,
     ema_alpha: Optional[float] = None,
     min_gain: Optional[float] = None,
+    warmup: Optional[int] = None,
     process_set: Any = None,
 ) -> LBBSPSampler:
     """The one change an LB-BSP script makes: ``DataLoader(ds, batch_sampler=batch_sampler(len(ds), B))``.
@@ -614,6 +618,7 @@ def batch_sampler(
         hysteresis=hysteresis if hysteresis is not None else settings.lbbsp_hysteresis,
         ema_alpha=ema_alpha if ema_alpha is not None else settings.lbbsp_ema_alpha,
         method=method_name,  # type: ignore[arg-type]
+        warmup=warmup if warmup is not None else settings.lbbsp_warmup,
     )
     state = _LBBSP(
         controller=BatchSizeController(config, initial_sizes),

@@ -36,7 +36,8 @@ Two prediction methods:
 
 Changes take effect only every ``period`` iterations and only when some rank's
 size would move by more than ``max(1, hysteresis × current)`` samples, so
-measurement noise does not make sizes oscillate.
+measurement noise does not make sizes oscillate. Each rank's first ``warmup``
+measurements are left out: a job's first steps are not its pace.
 """
 from __future__ import annotations
 
@@ -118,6 +119,10 @@ class BatchSizeConfig:
         method: ``"ema"`` or ``"numerical"`` (see the module docstring).
         history: how many distinct recent batch sizes per rank the numerical
             method keeps as points of its time curve (>= 2).
+        warmup: how many of each rank's first measurements are left out of
+            its estimates: a job's first steps (allocator and caches warming,
+            data-loader workers and other jobs still starting) are not its pace,
+            and the first decision would otherwise rest on them alone.
     """
 
     global_batch: int
@@ -129,9 +134,10 @@ class BatchSizeConfig:
     ema_alpha: float = 0.3
     method: Method = "ema"
     history: int = 8
+    warmup: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("global_batch", "world_size", "period", "history"):
+        for name in ("global_batch", "world_size", "period", "history", "warmup"):
             value = getattr(self, name)
             if not _is_int(value):
                 raise BatchSizeConfigError(f"{name} must be an int, got {value!r}")
@@ -143,6 +149,8 @@ class BatchSizeConfig:
             raise BatchSizeConfigError(f"period must be >= 1, got {self.period}")
         if self.history < 2:
             raise BatchSizeConfigError(f"history must be >= 2, got {self.history}")
+        if self.warmup < 0:
+            raise BatchSizeConfigError(f"warmup must be >= 0, got {self.warmup}")
         if not isinstance(self.hysteresis, (int, float)) or not (
             math.isfinite(self.hysteresis) and self.hysteresis >= 0
         ):
@@ -471,6 +479,7 @@ class BatchSizeController:
         self._speeds: list[Optional[float]] = [None] * config.world_size
         self._curves = [_TimeCurve(config.ema_alpha, config.history) for _ in range(config.world_size)]
         self._fits = [_AffineFit(config.ema_alpha) for _ in range(config.world_size)]
+        self._skipped = [0] * config.world_size  # measurements left out so far (warmup)
         self._last_iteration: Optional[int] = None
 
     def _check_assignment(self, sizes: Sequence[int]) -> None:
@@ -500,7 +509,8 @@ class BatchSizeController:
         return tuple(self._speeds)
 
     def observe(self, measurements: Sequence[Measurement]) -> None:
-        """Fold measurements into the per-rank estimates (no decision)."""
+        """Fold measurements into the per-rank estimates (no decision); each rank's
+        first ``warmup`` valid measurements are checked and left out."""
         for item in measurements:
             if not _is_int(item.rank) or not 0 <= item.rank < self._config.world_size:
                 raise MeasurementError(
@@ -515,6 +525,9 @@ class BatchSizeController:
                 raise MeasurementError(
                     f"rank {item.rank}: compute_seconds must be finite and > 0, got {seconds!r}"
                 )
+            if self._skipped[item.rank] < self._config.warmup:
+                self._skipped[item.rank] += 1
+                continue
             speed = item.batch_size / seconds
             previous = self._speeds[item.rank]
             alpha = self._config.ema_alpha

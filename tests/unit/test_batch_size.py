@@ -68,6 +68,7 @@ def makespan(sizes: Sequence[int], curves: Sequence[Curve]) -> float:
         ({"hysteresis": -0.1}, "-0.1"),
         ({"method": "magic"}, "magic"),
         ({"history": 1}, "history"),
+        ({"warmup": -1}, "warmup"),
         ({"min_batch": (1, 2)}, "min_batch"),
         ({"min_batch": 0}, "min_batch"),
         ({"max_batch": (8, 8, 2, 8), "min_batch": 3}, "max_batch"),
@@ -212,6 +213,22 @@ def test_controllers_on_all_ranks_agree(method: str) -> None:
         ]
         results = {tuple(c.update(iteration, batch)) for c in ranks}
         assert len(results) == 1
+
+
+def test_start_up_steps_are_left_out_of_the_estimates() -> None:
+    # A job's first steps: rank 1 is still starting (three steps at 4x). Its real pace is
+    # the others'. With no warmup the first decision takes most of its batch away.
+    def first_decision(warmup: int) -> list[int]:
+        controller = BatchSizeController(BatchSizeConfig(global_batch=256, world_size=4, period=6, warmup=warmup))
+        sizes: list[int] = []
+        for step in range(6):
+            slow = 4.0 if step < 3 else 1.0
+            sizes = controller.update(step, [Measurement(r, 64, 0.064 * (slow if r == 1 else 1.0))
+                                             for r in range(4)])
+        return sizes
+
+    assert first_decision(warmup=3) == [64, 64, 64, 64]
+    assert first_decision(warmup=0)[1] < 48  # a quarter of its batch gone
 
 
 def test_no_decision_until_every_rank_reported() -> None:
