@@ -25,7 +25,10 @@ Two prediction methods:
   equalise the predicted times (clamped to the caps). Why the intercept: with
   a proportional model a straggler's per-sample speed falls as its batch
   shrinks, so the allocation creeps towards the balance over many periods;
-  with the affine fit it lands there at the next decision.
+  with the affine fit it lands there at the next decision. Once size changes have
+  shown the fixed cost's share ``a/k`` (:class:`_StepShape`, the times just
+  before and after a change, so at one speed), every rank uses that shape with
+  its own recent speed.
 * ``"numerical"`` — batch time is non-linear in the batch size (GPUs are
   under-used at small batches): each rank's time curve ``t_i(b)`` is fitted
   piecewise-linearly through its recent ``(b, t)`` points, and sizes that
@@ -43,7 +46,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
@@ -296,6 +300,47 @@ def _round_shares(total: int, shares: Sequence[float], low: Sequence[int], high:
     return sizes
 
 
+class _StepShape:
+    """The shape ``a / k`` (samples) of one rank's time line, read off its size changes.
+
+    Each time the rank's batch size changes by at least ``MIN_STEP`` of the larger
+    size, the median of its last ``RUN`` times at the old size and of its first
+    ``RUN`` at the new one (a median: one disturbed step must not make the shape)
+    give a slope and an intercept. Steps this close in time
+    compare the rank at one speed; a regression over its whole history mixes its
+    speeds with its sizes, and once a rank has been held at one size long enough
+    it cannot tell its fixed cost at all.
+    """
+
+    RUN = 3
+    MIN_STEP = 0.2
+    KEEP = 5
+
+    def __init__(self) -> None:
+        self._size = 0
+        self._recent: deque[float] = deque(maxlen=self.RUN)  # the latest times at the current size
+        self._before: Optional[tuple[int, float]] = None  # (size, mean time) just before the change
+        self.shapes: deque[float] = deque(maxlen=self.KEEP)
+
+    def add(self, batch: int, seconds: float) -> None:
+        if batch != self._size:
+            full = len(self._recent) == self.RUN
+            self._before = (self._size, statistics.median(self._recent)) if full else None
+            self._size = batch
+            self._recent.clear()
+        self._recent.append(seconds)
+        if len(self._recent) < self.RUN or self._before is None:
+            return
+        old_size, old_time = self._before
+        self._before = None  # one estimate per change: the first RUN times after it
+        if abs(batch - old_size) < self.MIN_STEP * max(batch, old_size):
+            return
+        k = (statistics.median(self._recent) - old_time) / (batch - old_size)
+        a = old_time - k * old_size
+        if k > 0 and a >= 0:
+            self.shapes.append(a / k)
+
+
 class _AffineFit:
     """Exponentially weighted least-squares fit of ``t = a + k·b`` for one rank.
 
@@ -338,19 +383,22 @@ class _AffineFit:
         var_t = max(0.0, self._tt / w - mean_t * mean_t)
         return mean_b, mean_t, var_b, var_t, self._bt / w - mean_b * mean_t
 
-    def coefficients(self) -> tuple[float, float]:
-        """``(a, k)``: intercept (>= 0) and per-sample seconds (> 0)."""
+    def coefficients(self, shape: Optional[float] = None) -> tuple[float, float]:
+        """``(a, k)``: intercept (>= 0) and per-sample seconds (> 0).
+
+        With a known ``shape`` (``a / k`` in samples, from size changes): the line
+        of that shape through the rank's mean point, so only its speed is averaged.
+        """
         mean_b, mean_t, var_b, _, cov = self._moments()
+        if shape is not None:  # measured, not a fit through noise: no cap on the fixed share
+            a = mean_t * shape / (shape + mean_b)
+            return a, (mean_t - a) / mean_b
         if var_b > (self.MIN_SPREAD * mean_b) ** 2:
             k = cov / var_b
             a = min(mean_t - k * mean_b, self.MAX_FIXED_SHARE * mean_t)
             if k > 0 and a >= 0:
                 return a, (mean_t - a) / mean_b  # the line still passes through the mean point
         return 0.0, mean_t / mean_b
-
-    def predict(self, batch: float) -> float:
-        a, k = self.coefficients()
-        return a + k * batch
 
     def standard_error(self) -> float:
         """Seconds: how far the fitted time at the mean batch may be off, from the residuals' spread."""
@@ -479,6 +527,7 @@ class BatchSizeController:
         self._speeds: list[Optional[float]] = [None] * config.world_size
         self._curves = [_TimeCurve(config.ema_alpha, config.history) for _ in range(config.world_size)]
         self._fits = [_AffineFit(config.ema_alpha) for _ in range(config.world_size)]
+        self._steps = [_StepShape() for _ in range(config.world_size)]
         self._skipped = [0] * config.world_size  # measurements left out so far (warmup)
         self._last_iteration: Optional[int] = None
 
@@ -534,6 +583,7 @@ class BatchSizeController:
             self._speeds[item.rank] = speed if previous is None else alpha * speed + (1 - alpha) * previous
             self._curves[item.rank].add(item.batch_size, float(seconds))
             self._fits[item.rank].add(item.batch_size, float(seconds))
+            self._steps[item.rank].add(item.batch_size, float(seconds))
 
     def update(self, iteration: int, measurements: Sequence[Measurement]) -> list[int]:
         """Record iteration ``iteration``'s measurements; return the sizes for the next one.
@@ -572,10 +622,23 @@ class BatchSizeController:
         if self._config.method == "ema":
             if not all(self._fits):
                 return None
-            return [fit.predict(size) for fit, size in zip(self._fits, sizes)]
+            return [a + k * size for (a, k), size in zip(self._models(), sizes)]
         if not all(self._curves):
             return None
         return [curve.predict(size) for curve, size in zip(self._curves, sizes)]
+
+    def _models(self) -> list[tuple[float, float]]:
+        """Each rank's ``(a, k)`` for the ``ema`` method.
+
+        Once any rank's size changes have shown the fixed cost's shape, every rank
+        uses the median of those shapes (the same code on every rank: a slower device
+        stretches its fixed and per-sample costs alike) with its own recent speed;
+        before that, each rank's own regression.
+        """
+        shapes = [shape for step in self._steps for shape in step.shapes]
+        # A fixed cost worth more than the whole global batch is noise, not a measurement.
+        pooled = min(statistics.median(shapes), float(self._config.global_batch)) if shapes else None
+        return [fit.coefficients(pooled) for fit in self._fits]
 
     def prediction_errors(self) -> Optional[list[float]]:
         """Per rank, the standard error (seconds) of its predicted time near its
@@ -606,7 +669,7 @@ class BatchSizeController:
         if cfg.method == "ema":
             if not all(self._fits):
                 return None
-            models = [fit.coefficients() for fit in self._fits]
+            models = self._models()
             shares = _equal_time_shares(cfg.global_batch, models, self._mins, self._maxs)
             return _round_shares(cfg.global_batch, shares, self._mins, self._maxs)
         if not all(self._curves):

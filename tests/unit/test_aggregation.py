@@ -500,3 +500,30 @@ def test_decide_balances_a_noisy_straggler_early_and_leaves_equal_ranks_alone(no
     even = 0.012 + 0.00029 * 64
     equal = [_mean_step_time(1.0, noise, 100 + seed) for seed in range(20)]
     assert sum(t > even * 1.001 for t in equal) <= 1, [round(1000 * t, 1) for t in equal]
+
+
+def test_decide_gives_a_rank_its_samples_back_once_a_slow_spell_is_over():
+    # No straggler, but rank 1 runs 4x slower for 30 steps (another job on its device, say),
+    # so it is rightly given fewer samples. Then it is as fast as the others again. Held at a
+    # small batch, its sizes stop varying; a model that then charges its fixed cost per
+    # sample (time proportional to the batch) keeps it there for good: rank 1 stayed at
+    # 19 of 256 for 250 steps before the fixed cost was read off the size changes.
+    rng = random.Random(7)
+    controller = BatchSizeController(BatchSizeConfig(global_batch=256, world_size=4, period=5, hysteresis=0.05,
+                                                     ema_alpha=0.1))
+
+    def true_time(rank: int, batch: int, step: int) -> float:
+        slow = 4.0 if rank == 1 and 20 <= step < 50 else 1.0
+        return slow * (0.012 + 0.00029 * batch)
+
+    sizes, history = [64, 64, 64, 64], []
+    for step in range(300):
+        if step > 0:
+            controller.observe([Measurement(r, sizes[r], true_time(r, sizes[r], step) * rng.uniform(0.9, 1.1))
+                                for r in range(4)])
+        if (step + 1) % 5 == 0:
+            sizes = decide(controller, sizes, min_gain=0.1) or sizes
+            history.append((step, list(sizes)))
+    assert all(s[1] < 40 for step, s in history if 40 <= step < 50), history  # the slow spell was seen
+    assert sizes[1] >= 48, history
+

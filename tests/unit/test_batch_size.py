@@ -317,6 +317,22 @@ def test_ema_predicts_the_fixed_cost_it_has_seen() -> None:
     assert predicted[1] == pytest.approx(0.03, rel=1e-9)  # rank 1 never varied: proportional, 0.06 s at 50
 
 
+def test_ema_reads_the_fixed_cost_off_a_size_change_even_when_the_speed_changes_later() -> None:
+    # Rank 0 goes 64 -> 16 samples (the fixed cost shows: 3 steps either side), then its
+    # device gets 2x slower and it stays at 16. A regression over its history would mix the
+    # speeds with the sizes; the step keeps the shape (a/k = 40 samples) and the speed is
+    # its own recent one: 2 x (0.02 + 0.0005 x 64) predicted at 64.
+    config = BatchSizeConfig(global_batch=80, world_size=2, period=1, ema_alpha=0.3)
+    controller = BatchSizeController(config)
+    fast = affine(0.020, 0.0005)
+    for size, factor in [(64, 1.0)] * 3 + [(16, 1.0)] * 3 + [(16, 2.0)] * 40:
+        controller.observe([Measurement(0, size, fast(size) * factor), Measurement(1, 16, fast(16))])
+    predicted = controller.predicted_times([64, 16])
+    assert predicted is not None
+    assert predicted[0] == pytest.approx(2 * fast(64), rel=1e-3)
+    assert predicted[1] == pytest.approx(fast(16), rel=1e-3)  # rank 1 never changed size: the shared shape
+
+
 def test_ema_falls_back_to_proportional_when_noise_fakes_a_negative_slope() -> None:
     config = BatchSizeConfig(global_batch=100, world_size=2, period=1, ema_alpha=0.5)
     controller = BatchSizeController(config)
