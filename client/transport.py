@@ -97,7 +97,7 @@ class FrameStream:
         except OSError as exc:
             raise StreamBroken(f"cannot write to the session socket: {exc}") from None
         if sent != len(data):
-            self._abort()
+            framing.shut(self._sock)  # wakes the receiving thread
             raise StreamBroken("the daemon stopped reading the session socket")
 
     def close(self) -> None:
@@ -107,29 +107,18 @@ class FrameStream:
             pass
 
     def dispose(self) -> None:
-        self._abort()
+        framing.shut(self._sock)  # wakes the receiving thread
         self._sock.close()
-
-    def _abort(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the receiving thread
-        except OSError:
-            pass
 
     def receive(self) -> Iterator[pb.Directive]:
         frames = framing.FrameReader(self._sock.recv)
         while True:
             try:
-                body = frames.next()
+                directive = frames.next_message(pb.Directive)
             except (framing.FrameError, OSError) as exc:
                 raise StreamBroken(f"session socket: {exc}") from None
-            if body is None:
+            if directive is None:
                 return
-            directive = pb.Directive()
-            try:
-                directive.ParseFromString(body)
-            except Exception as exc:  # protobuf's DecodeError
-                raise StreamBroken(f"session socket: not a Directive: {exc}") from None
             if directive.HasField("error"):
                 raise StreamBroken(f"{directive.error.code}: {directive.error.message}")
             yield directive

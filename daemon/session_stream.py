@@ -37,7 +37,6 @@ _KINDS = {
 }
 
 
-
 def status_code(exc: Exception) -> grpc.StatusCode:
     """The gRPC status a domain error travels as (on the session socket: its name)."""
     for cls, code in (
@@ -209,17 +208,9 @@ class _FrameConnection:
     def _read(self) -> pb.RankEvent | None:
         """The next event; None at a clean end. InvalidRequest on a malformed frame."""
         try:
-            body = self._frames.next()
+            return self._frames.next_message(pb.RankEvent)
         except framing.FrameError as exc:
             raise InvalidRequest(str(exc)) from None
-        if body is None:
-            return None
-        event = pb.RankEvent()
-        try:
-            event.ParseFromString(body)
-        except Exception as exc:  # protobuf's DecodeError
-            raise InvalidRequest(f"a frame does not hold a RankEvent: {exc}") from None
-        return event
 
     def _deliver(self, msg: Any) -> None:  # from any thread, never blocking (the scheduler's contract)
         if isinstance(msg, CloseMsg):
@@ -245,7 +236,7 @@ class _FrameConnection:
 
     def _drop(self) -> None:
         """End the connection; the serving thread sees it and closes the session."""
-        _shut(self._conn)
+        framing.shut(self._conn)
 
 
 class SessionSocketServer:
@@ -276,10 +267,10 @@ class SessionSocketServer:
             self._stopping = True
             conns = list(self._conns)
         if self._sock is not None:
-            _shut(self._sock)  # wakes the accepting thread
+            framing.shut(self._sock)  # wakes the accepting thread
             self._sock.close()
         for c in conns:
-            _shut(c)
+            framing.shut(c)
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -303,11 +294,3 @@ class SessionSocketServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
-
-
-def _shut(sock: socket.socket) -> None:
-    """Shut both directions, waking any thread blocked on the socket; one already gone is fine."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

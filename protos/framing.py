@@ -7,10 +7,13 @@ it is several times shorter than over the gRPC stream.
 """
 from __future__ import annotations
 
+import socket
 import struct
-from typing import Callable
+from typing import Callable, TypeVar
 
-__all__ = ["HEADER", "MAX_FRAME", "FrameError", "FrameReader", "encode", "frame_length"]
+__all__ = ["HEADER", "MAX_FRAME", "FrameError", "FrameReader", "encode", "frame_length", "shut"]
+
+_M = TypeVar("_M")
 
 HEADER = 4
 MAX_FRAME = 1 << 20  # the largest event (a BATCH of a few hundred iterations) is a few KiB
@@ -58,6 +61,21 @@ class FrameReader:
             raise FrameError("the stream ended inside a frame")
         return body
 
+    def next_message(self, message_type: Callable[[], _M]) -> _M | None:
+        """The next frame parsed as a `message_type` (a protobuf class); None at a clean end.
+
+        FrameError as for `next`, and when the body does not parse as that message.
+        """
+        body = self.next()
+        if body is None:
+            return None
+        message = message_type()
+        try:
+            message.ParseFromString(body)  # type: ignore[attr-defined]
+        except Exception as exc:  # protobuf's DecodeError
+            raise FrameError(f"a frame does not hold a {type(message).__name__}: {exc}") from None
+        return message
+
     def _fill(self, n: int) -> bytes | None:
         while len(self._buf) < n:
             chunk = self._recv(65536)
@@ -69,3 +87,11 @@ class FrameReader:
         out = bytes(self._buf[:n])
         del self._buf[:n]
         return out
+
+
+def shut(sock: socket.socket) -> None:
+    """Shut both directions, waking any thread blocked on the socket; one already gone is fine."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
