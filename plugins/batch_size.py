@@ -319,7 +319,7 @@ class _StepShape:
     def __init__(self) -> None:
         self._size = 0
         self._recent: deque[float] = deque(maxlen=self.RUN)  # the latest times at the current size
-        self._before: Optional[tuple[int, float]] = None  # (size, mean time) just before the change
+        self._before: Optional[tuple[int, float]] = None  # (size, median time) just before the change
         self.shapes: deque[float] = deque(maxlen=self.KEEP)
 
     def add(self, batch: int, seconds: float) -> None:
