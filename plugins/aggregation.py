@@ -508,6 +508,9 @@ class _LBBSP:
     # thread, popped by gradient hooks.
     pending: collections.deque[tuple[int, int]] = field(default_factory=lambda: collections.deque(maxlen=1024))
     history: list[tuple[int, list[int]]] = field(default_factory=list)  # (first step, sizes)
+    # The first _TRACE_STEPS steps' shared measurements, [step][rank] = (batch, compute seconds):
+    # what every rank's controller saw, so a run can be replayed offline against another rule.
+    trace: list[list[tuple[int, float]]] = field(default_factory=list)
     overhead_s: float = 0.0
     compute_s: float = 0.0
     step_s: float = 0.0
@@ -637,7 +640,10 @@ def lbbsp_stats() -> Optional[dict[str, Any]]:
     ``overhead_s`` is the time spent in the weighting hooks and at controller
     boundaries (measurement exchange and decision), ``step_s`` the wall time
     of the steps it was measured over, so ``overhead_s / step_s`` is the
-    controller's share of training time.
+    controller's share of training time. ``trace`` holds what the ranks
+    shared of their first 5000 steps, ``[step][rank] = [batch, compute
+    seconds]`` (seconds NaN where a step was not measured), in the order the
+    controller saw them, for replaying a run offline.
     """
     state = _lbbsp["state"]
     if state is None:
@@ -650,10 +656,12 @@ def lbbsp_stats() -> Optional[dict[str, Any]]:
         "overhead_s": state.overhead_s,
         "compute_s": state.compute_s,
         "step_s": state.step_s,
+        "trace": [[list(entry) for entry in step] for step in state.trace],
     }
 
 
 _SHARE_LAG = 2  # steps between starting the measurement allgather and reading it
+_TRACE_STEPS = 5000  # steps of shared measurements kept for lbbsp_stats()["trace"]
 _aggregator_ids = itertools.count()  # same sequence on every rank: all build the same optimizers in order
 
 
@@ -827,7 +835,11 @@ class _WeightedAggregator:
     def _finish_share(self, state: _LBBSP) -> None:
         gathered = self._hvd.synchronize(self._inflight)
         self._inflight = None
-        apply_measurements(state.controller, gathered.reshape(self._size, -1, 3).tolist())
+        rows = gathered.reshape(self._size, -1, 3).tolist()
+        for column in range(len(rows[0]) if rows else 0):
+            if len(state.trace) < _TRACE_STEPS:
+                state.trace.append([(int(row[column][1]), float(row[column][2])) for row in rows])
+        apply_measurements(state.controller, rows)
         adopted = decide(state.controller, state.sizes, state.min_gain)
         if adopted is not None:
             state.sizes = tuple(adopted)
@@ -899,7 +911,9 @@ def decide(controller: BatchSizeController, current: Sequence[int], min_gain: fl
     hysteresis rule) and (2) the predicted iteration time (the slowest
     rank's predicted compute time) drops by at least ``min_gain`` even with
     cautious predictions (3): each rank's current time lowered and its new
-    time raised by one standard error of its own measurements' scatter. Rules 2 and 3 keep a homogeneous job
+    time raised by how far its prediction may be off (the bias and standard
+    error of its recent times around its model, both robust to one-step
+    hiccups, see :meth:`BatchSizeController.prediction_errors`). Rules 2 and 3 keep a homogeneous job
     from chasing measurement noise: with equal true speeds every noisy
     re-split makes the real slowest rank slower, so a re-split must promise a
     gain the measurements can vouch for. Pure: every rank gets the same

@@ -28,7 +28,8 @@ Two prediction methods:
   with the affine fit it lands there at the next decision. Once size changes have
   shown the fixed cost's share ``a/k`` (:class:`_StepShape`, the times just
   before and after a change, so at one speed), every rank uses that shape with
-  its own recent speed.
+  its own recent speed. Times enter the averages through a median of three
+  (:class:`_Despiker`): a one-step hiccup is not a slower device.
 * ``"numerical"`` — batch time is non-linear in the batch size (GPUs are
   under-used at small batches): each rank's time curve ``t_i(b)`` is fitted
   piecewise-linearly through its recent ``(b, t)`` points, and sizes that
@@ -300,6 +301,67 @@ def _round_shares(total: int, shares: Sequence[float], low: Sequence[int], high:
     return sizes
 
 
+class _Despiker:
+    """One rank's times with isolated hiccups taken out: the median of its last
+    three at the current size (the smaller of two; the time itself when alone).
+
+    A hiccup (the OS preempting the rank, a collection pause) only makes a
+    step slower and lasts one step; in a moving average of few measurements it
+    shows up as a slower device, and an equal rank loses samples it should
+    keep. A real change of speed persists and passes after two steps.
+    """
+
+    RUN = 3
+
+    def __init__(self) -> None:
+        self._size = 0
+        self._recent: deque[float] = deque(maxlen=self.RUN)
+
+    def filter(self, batch: int, seconds: float) -> float:
+        if batch != self._size:
+            self._size = batch
+            self._recent.clear()
+        self._recent.append(seconds)
+        if len(self._recent) < self.RUN:
+            return min(self._recent)
+        return statistics.median(self._recent)
+
+
+class _Scatter:
+    """How far one rank's recent raw times fall from its model, robustly.
+
+    Two parts, both from the ratios ``time / predicted time`` over the last
+    measurements (as many as the moving averages effectively hold): their
+    median's distance from 1, the bias of a model that still lags a change of
+    speed, and the standard error from their median absolute deviation. Medians,
+    so that one hiccup does not make the rank look unpredictable and hold back
+    decisions for many periods, as a variance would.
+    """
+
+    MIN_POINTS = 3
+    MAX_POINTS = 20
+    _MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution is 0.6745 sigma
+    _CLIP = 3.0  # ratios further than this many (robust) sigmas from the median count as that far
+
+    def __init__(self, span: int) -> None:
+        self._points: deque[tuple[int, float]] = deque(maxlen=span)
+
+    def add(self, batch: int, seconds: float) -> None:
+        self._points.append((batch, seconds))
+
+    def error(self, a: float, k: float) -> float:
+        """Seconds, at the latest batch size, for the line ``t = a + k·b``."""
+        if not self._points:
+            return 0.0
+        ratios = [seconds / (a + k * batch) for batch, seconds in self._points]
+        centre = statistics.median(ratios)
+        limit = self._CLIP * self._MAD_TO_SIGMA * statistics.median(abs(r - centre) for r in ratios)
+        clipped = [min(max(r, centre - limit), centre + limit) for r in ratios]
+        spread = statistics.pstdev(clipped)
+        latest = self._points[-1][0]
+        return (abs(centre - 1.0) + spread / math.sqrt(len(ratios))) * (a + k * latest)
+
+
 class _StepShape:
     """The shape ``a / k`` (samples) of one rank's time line, read off its size changes.
 
@@ -399,16 +461,6 @@ class _AffineFit:
             if k > 0 and a >= 0:
                 return a, (mean_t - a) / mean_b  # the line still passes through the mean point
         return 0.0, mean_t / mean_b
-
-    def standard_error(self) -> float:
-        """Seconds: how far the fitted time at the mean batch may be off, from the residuals' spread."""
-        _, _, var_b, var_t, cov = self._moments()
-        _, k = self.coefficients()
-        residual = max(0.0, var_t - 2 * k * cov + k * k * var_b)
-        w = self._w
-        effective_n = w * w / self._w2
-        return math.sqrt(residual / effective_n)
-
 
 def _equal_time_shares(
     total: int, models: Sequence[tuple[float, float]], mins: Sequence[int], maxs: Sequence[int]
@@ -528,6 +580,9 @@ class BatchSizeController:
         self._curves = [_TimeCurve(config.ema_alpha, config.history) for _ in range(config.world_size)]
         self._fits = [_AffineFit(config.ema_alpha) for _ in range(config.world_size)]
         self._steps = [_StepShape() for _ in range(config.world_size)]
+        self._despikers = [_Despiker() for _ in range(config.world_size)]
+        span = max(_Scatter.MIN_POINTS, min(_Scatter.MAX_POINTS, round((2.0 - config.ema_alpha) / config.ema_alpha)))
+        self._scatters = [_Scatter(span) for _ in range(config.world_size)]
         self._skipped = [0] * config.world_size  # measurements left out so far (warmup)
         self._last_iteration: Optional[int] = None
 
@@ -577,13 +632,15 @@ class BatchSizeController:
             if self._skipped[item.rank] < self._config.warmup:
                 self._skipped[item.rank] += 1
                 continue
+            self._steps[item.rank].add(item.batch_size, float(seconds))  # takes its own medians
+            self._scatters[item.rank].add(item.batch_size, float(seconds))
+            seconds = self._despikers[item.rank].filter(item.batch_size, float(seconds))
             speed = item.batch_size / seconds
             previous = self._speeds[item.rank]
             alpha = self._config.ema_alpha
             self._speeds[item.rank] = speed if previous is None else alpha * speed + (1 - alpha) * previous
             self._curves[item.rank].add(item.batch_size, float(seconds))
             self._fits[item.rank].add(item.batch_size, float(seconds))
-            self._steps[item.rank].add(item.batch_size, float(seconds))
 
     def update(self, iteration: int, measurements: Sequence[Measurement]) -> list[int]:
         """Record iteration ``iteration``'s measurements; return the sizes for the next one.
@@ -641,12 +698,17 @@ class BatchSizeController:
         return [fit.coefficients(pooled) for fit in self._fits]
 
     def prediction_errors(self) -> Optional[list[float]]:
-        """Per rank, the standard error (seconds) of its predicted time near its
-        recent batch sizes, from the scatter of its measurements; ``None``
-        while some rank has no measurement."""
+        """Per rank, how far (seconds) its predicted time at its latest batch
+        size may be off, from its recent measurements around its fitted line
+        (for ``ema``, the line its predictions use): their bias and their
+        standard error. ``None`` while some rank has no measurement."""
         if not all(self._fits):
             return None
-        return [fit.standard_error() for fit in self._fits]
+        if self._config.method == "ema":
+            models = self._models()
+        else:
+            models = [fit.coefficients() for fit in self._fits]
+        return [scatter.error(a, k) for scatter, (a, k) in zip(self._scatters, models)]
 
     def propose(self) -> Optional[list[int]]:
         """The assignment the method would choose now (ignoring period and

@@ -358,3 +358,15 @@ def test_first_measurement_does_not_stand_for_the_average(method: str) -> None:
     expected = sum(w * t for w, t in zip(weights, (0.10, 0.05, 0.05, 0.05))) / sum(weights)
     assert predicted[0] == pytest.approx(expected, rel=1e-9)
     assert predicted[0] < 0.07
+
+
+def test_one_hiccup_does_not_take_samples_from_an_equal_rank() -> None:
+    # Four equal ranks; rank 2 is preempted once (one step at 5x) just before the first
+    # decision. A moving average of four steps reads that as a slower device and moves a
+    # fifth of its samples away; the median of its last three steps does not see it.
+    controller = BatchSizeController(BatchSizeConfig(global_batch=256, world_size=4, period=5, ema_alpha=0.3))
+    sizes: list[int] = []
+    for step in range(5):
+        sizes = controller.update(step, [Measurement(r, 64, 0.030 * (5.0 if (r, step) == (2, 3) else 1.0))
+                                         for r in range(4)])
+    assert sizes == [64, 64, 64, 64]
