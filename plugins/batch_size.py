@@ -26,10 +26,10 @@ Two prediction methods:
   a proportional model a straggler's per-sample speed falls as its batch
   shrinks, so the allocation creeps towards the balance over many periods;
   with the affine fit it lands there at the next decision. Once size changes have
-  shown the fixed cost's share ``a/k`` (:class:`_StepShape`, the times just
+  shown the fixed cost's share ``a/k`` (:class:`_SizeRun`, the times just
   before and after a change, so at one speed), every rank uses that shape with
   its own recent speed. Times enter the averages through a median of three
-  (:class:`_Despiker`): a one-step hiccup is not a slower device.
+  (:meth:`_SizeRun.steady_time`): a one-step hiccup is not a slower device.
 * ``"numerical"`` — batch time is non-linear in the batch size (GPUs are
   under-used at small batches): each rank's time curve ``t_i(b)`` is fitted
   piecewise-linearly through its recent ``(b, t)`` points, and sizes that
@@ -301,32 +301,6 @@ def _round_shares(total: int, shares: Sequence[float], low: Sequence[int], high:
     return sizes
 
 
-class _Despiker:
-    """One rank's times with isolated hiccups taken out: the median of its last
-    three at the current size (the smaller of two; the time itself when alone).
-
-    A hiccup (the OS preempting the rank, a collection pause) only makes a
-    step slower and lasts one step; in a moving average of few measurements it
-    shows up as a slower device, and an equal rank loses samples it should
-    keep. A real change of speed persists and passes after two steps.
-    """
-
-    RUN = 3
-
-    def __init__(self) -> None:
-        self._size = 0
-        self._recent: deque[float] = deque(maxlen=self.RUN)
-
-    def filter(self, batch: int, seconds: float) -> float:
-        if batch != self._size:
-            self._size = batch
-            self._recent.clear()
-        self._recent.append(seconds)
-        if len(self._recent) < self.RUN:
-            return min(self._recent)
-        return statistics.median(self._recent)
-
-
 class _Scatter:
     """How far one rank's recent raw times fall from its model, robustly.
 
@@ -362,8 +336,16 @@ class _Scatter:
         return (abs(centre - 1.0) + spread / math.sqrt(len(ratios))) * (a + k * latest)
 
 
-class _StepShape:
-    """The shape ``a / k`` (samples) of one rank's time line, read off its size changes.
+class _SizeRun:
+    """One rank's run of steps at its current batch size: its steady time, and
+    the shape ``a / k`` (samples) of its time line, read off where runs change.
+
+    The steady time is the median of the run's last ``RUN`` times (the smaller
+    of two; the time itself when alone). A hiccup (the OS preempting the rank,
+    a collection pause) only makes a step slower and lasts one step; in a
+    moving average of few measurements it shows up as a slower device, and an
+    equal rank loses samples it should keep. A real change of speed persists
+    and passes after two steps.
 
     Each time the rank's batch size changes by at least ``MIN_STEP`` of the larger
     size, the median of its last ``RUN`` times at the old size and of its first
@@ -402,6 +384,10 @@ class _StepShape:
         if k > 0 and a >= 0:
             self.shapes.append(a / k)
 
+    def steady_time(self) -> float:
+        """The latest time with a one-step hiccup taken out (after at least one :meth:`add`)."""
+        return statistics.median(self._recent) if len(self._recent) == self.RUN else min(self._recent)
+
 
 class _AffineFit:
     """Exponentially weighted least-squares fit of ``t = a + k·b`` for one rank.
@@ -422,7 +408,7 @@ class _AffineFit:
 
     def __init__(self, alpha: float) -> None:
         self._alpha = alpha
-        self._w = self._w2 = self._b = self._t = self._bb = self._bt = self._tt = 0.0
+        self._w = self._b = self._t = self._bb = self._bt = 0.0
 
     def __bool__(self) -> bool:
         return self._w > 0
@@ -430,20 +416,17 @@ class _AffineFit:
     def add(self, batch: int, seconds: float) -> None:
         keep, a = 1.0 - self._alpha, self._alpha
         self._w = keep * self._w + a
-        self._w2 = keep * keep * self._w2 + a * a
         self._b = keep * self._b + a * batch
         self._t = keep * self._t + a * seconds
         self._bb = keep * self._bb + a * batch * batch
         self._bt = keep * self._bt + a * batch * seconds
-        self._tt = keep * self._tt + a * seconds * seconds
 
-    def _moments(self) -> tuple[float, float, float, float, float]:
-        """Weighted means of batch and time, variances of each, and their covariance."""
+    def _moments(self) -> tuple[float, float, float, float]:
+        """Weighted means of batch and time, the batch's variance, and their covariance."""
         w = self._w
         mean_b, mean_t = self._b / w, self._t / w
         var_b = max(0.0, self._bb / w - mean_b * mean_b)
-        var_t = max(0.0, self._tt / w - mean_t * mean_t)
-        return mean_b, mean_t, var_b, var_t, self._bt / w - mean_b * mean_t
+        return mean_b, mean_t, var_b, self._bt / w - mean_b * mean_t
 
     def coefficients(self, shape: Optional[float] = None) -> tuple[float, float]:
         """``(a, k)``: intercept (>= 0) and per-sample seconds (> 0).
@@ -451,7 +434,7 @@ class _AffineFit:
         With a known ``shape`` (``a / k`` in samples, from size changes): the line
         of that shape through the rank's mean point, so only its speed is averaged.
         """
-        mean_b, mean_t, var_b, _, cov = self._moments()
+        mean_b, mean_t, var_b, cov = self._moments()
         if shape is not None:  # measured, not a fit through noise: no cap on the fixed share
             a = mean_t * shape / (shape + mean_b)
             return a, (mean_t - a) / mean_b
@@ -461,6 +444,7 @@ class _AffineFit:
             if k > 0 and a >= 0:
                 return a, (mean_t - a) / mean_b  # the line still passes through the mean point
         return 0.0, mean_t / mean_b
+
 
 def _equal_time_shares(
     total: int, models: Sequence[tuple[float, float]], mins: Sequence[int], maxs: Sequence[int]
@@ -579,8 +563,7 @@ class BatchSizeController:
         self._speeds: list[Optional[float]] = [None] * config.world_size
         self._curves = [_TimeCurve(config.ema_alpha, config.history) for _ in range(config.world_size)]
         self._fits = [_AffineFit(config.ema_alpha) for _ in range(config.world_size)]
-        self._steps = [_StepShape() for _ in range(config.world_size)]
-        self._despikers = [_Despiker() for _ in range(config.world_size)]
+        self._runs = [_SizeRun() for _ in range(config.world_size)]
         span = max(_Scatter.MIN_POINTS, min(_Scatter.MAX_POINTS, round((2.0 - config.ema_alpha) / config.ema_alpha)))
         self._scatters = [_Scatter(span) for _ in range(config.world_size)]
         self._skipped = [0] * config.world_size  # measurements left out so far (warmup)
@@ -632,9 +615,10 @@ class BatchSizeController:
             if self._skipped[item.rank] < self._config.warmup:
                 self._skipped[item.rank] += 1
                 continue
-            self._steps[item.rank].add(item.batch_size, float(seconds))  # takes its own medians
+            run = self._runs[item.rank]
+            run.add(item.batch_size, float(seconds))
             self._scatters[item.rank].add(item.batch_size, float(seconds))
-            seconds = self._despikers[item.rank].filter(item.batch_size, float(seconds))
+            seconds = run.steady_time()
             speed = item.batch_size / seconds
             previous = self._speeds[item.rank]
             alpha = self._config.ema_alpha
@@ -692,7 +676,7 @@ class BatchSizeController:
         stretches its fixed and per-sample costs alike) with its own recent speed;
         before that, each rank's own regression.
         """
-        shapes = [shape for step in self._steps for shape in step.shapes]
+        shapes = [shape for run in self._runs for shape in run.shapes]
         # A fixed cost worth more than the whole global batch is noise, not a measurement.
         pooled = min(statistics.median(shapes), float(self._config.global_batch)) if shapes else None
         return [fit.coefficients(pooled) for fit in self._fits]
