@@ -111,6 +111,10 @@ class Policy(Protocol):
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         """`iteration` is the job's turn: its agreed base plus its own iteration counter."""
 
+    def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
+        """The rank computes already (under a lease, or since before the policy blocked): it
+        holds its device from now on, whoever waits. Same precondition as `request`."""
+
     def turn_floor(self, device: int, job_id: str) -> int:
         """The turn a job joining `device` should start from so it does not run ahead of the others."""
 

@@ -489,8 +489,9 @@ class Scheduler:
             active = [s for s in self._sessions.values() if s.phase in (Phase.COMPUTE, Phase.WAITING)]
             active.sort(key=lambda s: (s.phase is not Phase.COMPUTE, s.requested_at))
             for sess in active:
-                if not self._defer(sess):
-                    self._deliver(new.request(sess.ref.key, sess.turn, now), now, record)
+                if not self._defer(sess):  # a rank granted under the old policy computes: it keeps its device
+                    claim = new.occupy if sess.phase is Phase.COMPUTE else new.request
+                    self._deliver(claim(sess.ref.key, sess.turn, now), now, record)
             for sess in self._sessions.values():
                 sess.send(PolicyMsg(new.name, new.blocks))
             self._flush(record, now)
@@ -593,6 +594,14 @@ class Scheduler:
         self._set_phase(sess, Phase.WAITING, now)
         record.append(("request", sess, {"iteration": iteration, "seq": sess.pending_seq, "turn": sess.turn}))
         if not self._defer(sess):
+            self._hand_to_policy(sess, now, record)
+
+    def _hand_to_policy(self, sess: _Session, now: float, record: list) -> None:
+        """Queue the session's request; a rank that computes already (it did not wait: a lease,
+        or a policy that did not block) holds its device at once, so nobody is granted beside it."""
+        if sess.no_wait and self._policy.blocks:
+            self._deliver(self._policy.occupy(sess.ref.key, sess.turn, now), now, record)
+        else:
             self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
 
     def _tell_share(self, device: int) -> None:
@@ -647,7 +656,7 @@ class Scheduler:
         for sid in self._deferred.pop(device, {}):
             sess = self._sessions.get(sid)
             if sess is not None and sess.phase is Phase.WAITING and not self._policy.is_waiting(sess.ref.key):
-                self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)
+                self._hand_to_policy(sess, now, record)
 
     def _forget_lease(self, sess: _Session, now: float, record: list) -> None:
         """The session left the policy (closed or suspended): its lease, or the wait for its release, ends."""

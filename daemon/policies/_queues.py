@@ -86,6 +86,10 @@ class QueuePolicy:
     def is_waiting(self, key: RankKey) -> bool:
         return key in self._q.device_of(key).waiting
 
+    def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
+        self._q.grant(self._q.enqueue(key, now), key)
+        return [key]
+
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
         return None
 

@@ -110,10 +110,19 @@ class CrossoverPolicy(QueuePolicy):
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._q.enqueue(key, now)
+        self._asked(key, iteration)
+        return self._dispatch(self._q.ranks[key].device, now)
+
+    def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
+        granted = super().occupy(key, iteration, now)
+        self._asked(key, iteration)
+        self._holds.pop(self._q.ranks[key].device, None)
+        return granted
+
+    def _asked(self, key: RankKey, iteration: int) -> None:
         job = self._jobs[key.job_id]
         job.iteration = max(job.iteration, iteration)
         job.active = True
-        return self._dispatch(self._q.ranks[key].device, now)
 
     def release(self, key: RankKey, now: float) -> list[RankKey]:
         self._q.release(key)

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from helpers import cli, compute_intervals, horovodrun, overlaps, queue_state, with_import
+from helpers import cli, compute_intervals, grants_out_of_turn, horovodrun, overlaps, queue_state, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -131,13 +131,4 @@ def test_crossover_serves_the_smallest_turn_on_every_device_and_the_jobs_alterna
             f"device {dev}: {switches:.0%} of consecutive grants alternate, runs {runs[:40]}"
     # The policy's promise, checked on the daemon's own record: every grant goes to the
     # waiting rank with the smallest (turn, job id), the order every node computes alike.
-    pending: dict[tuple[int, str, int], tuple[int, str]] = {}
-    for e in events:
-        who = (e.get("device"), e.get("job"), e.get("rank"))
-        if e["event"] == "request":
-            pending[who] = (e["turn"], e["job"])
-        elif e["event"] == "grant":
-            rivals = [k for w, k in pending.items() if w[0] == who[0]]
-            assert pending.pop(who) == min(rivals), f"grant to {who} while {sorted(rivals)} waited"
-        elif e["event"] in ("cancel", "leave", "suspend"):  # a resumed rank's request is logged again
-            pending.pop(who, None)
+    assert grants_out_of_turn(events) == []

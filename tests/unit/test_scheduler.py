@@ -14,7 +14,7 @@ from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidReque
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
-from helpers import compute_intervals, overlaps
+from helpers import compute_intervals, grants_out_of_turn, overlaps
 
 # pids above Linux's largest pid_max (2**22): psutil never finds such a process.
 _PID = 10_000_000
@@ -503,6 +503,50 @@ def test_a_newcomer_waits_for_the_holders_requests_in_flight(make):
     assert events.count("lease_revoke") == 1 and events.count("lease_released") == 1
 
 
+def test_a_holder_computing_at_the_hand_over_keeps_the_device_under_crossover(make):
+    """The holder's request in flight says it computes already: it holds the device at once.
+
+    Under `crossover` the newcomer is first in turn order, so a plain request from the
+    holder would be queued behind it, and the newcomer granted at LEASE_RELEASED while
+    the holder still computes.
+    """
+    s = make(policy="crossover", lease=True)
+    a, _ = leased(s)
+    b, box_b = join(s, job="new", world=1, rank=0, device=0)
+    s.event(b, "compute_request", iteration=0, seq=1)
+    s.event(a, "compute_request", iteration=1, seq=2, no_wait=True)
+    s.event(a, "lease_released")
+    assert drain_outbox(box_b) == []
+    assert [r.ident.job_id for r in s.snapshot()[0][0].holders] == ["old"]
+    s.event(a, "compute_done", iteration=1, comm_begins=True)
+    assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
+    assert holders_over_time(s) == 1
+
+
+def test_the_order_check_allows_a_lease_hand_over_and_catches_a_grant_out_of_turn(make):
+    """The co-located jobs test judges every grant by the daemon's log (`grants_out_of_turn`).
+
+    At a lease hand-over the log shows the newcomer's request first, then the holder's,
+    granted at once: the holder was already computing, and the newcomer's request was
+    held back. That is the daemon's contract, not a grant out of turn. A grant that skips
+    a smaller waiting key is still caught.
+    """
+    s = make(policy="crossover", lease=True)
+    a, _ = leased(s)
+    b, box_b = join(s, job="new", world=1, rank=0, device=0)  # "new" < "old": first on equal turns
+    s.event(b, "compute_request", iteration=0, seq=1)
+    s.event(a, "compute_request", iteration=1, seq=2, no_wait=True)
+    s.event(a, "lease_released")
+    s.event(a, "compute_done", iteration=1, comm_begins=True)
+    assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
+    events = s.events.snapshot()
+    assert grants_out_of_turn(events) == []
+
+    unleased = [e for e in events if not e["event"].startswith("lease")]
+    assert grants_out_of_turn(unleased) == [
+        "grant to (0, 'old', 0) at (1, 'old') while [(0, 'new')] waited"]
+
+
 def test_the_newcomer_is_granted_at_the_release_when_the_holder_was_idle(make):
     s = make(lease=True)
     a, _ = leased(s)
@@ -770,6 +814,19 @@ def test_set_policy_requeues_waiting_ranks_at_their_turn_not_their_iteration(mak
     s.close(c, "stream ended")  # c leaves (were it to stay, crossover would keep its turn-0 place for it)
     assert [type(m) for m in drain_outbox(box_a)] == [PolicyMsg, GrantMsg]  # the smaller turn goes first
     assert [type(m) for m in drain_outbox(box_b)] == [PolicyMsg]
+
+
+def test_set_policy_keeps_a_computing_rank_on_its_device_whatever_its_turn(make):
+    s = make("exclusive")
+    z, box_z = join(s, job="job-z", rank=0, world=1)
+    a, box_a = join(s, job="job-a", rank=0, world=1)
+    s.event(z, "compute_request", iteration=3, seq=1)  # z computes at turn 3
+    s.event(a, "compute_request", iteration=0, seq=1)  # a waits at turn 0: first in crossover's order
+    s.set_policy("crossover")
+    assert drain_outbox(box_a) == [PolicyMsg("crossover", True)]  # not granted beside z
+    s.event(z, "compute_done", iteration=3, comm_begins=True)
+    assert [type(m) for m in drain_outbox(box_a)] == [GrantMsg]
+    assert holders_over_time(s) == 1
 
 
 def test_set_policy_back_to_exclusive_leaves_no_ghost_request(make):
