@@ -9,7 +9,8 @@ its start-up cost is paid once; a one-epoch warm-up run goes first):
   averaging); `lbbsp` = `CROSSOVER_AGGREGATION=weighted` with the LB-BSP
   sampler. Both train on the same global batches in the same order, so per
   epoch they make the same updates; what differs is wall-clock time. Reported:
-  time to the target test accuracy, final accuracy after the same epochs.
+  time to the target test accuracy, and final accuracy after the same epochs as
+  the mean of the last epoch's evaluations (single ones differ by points).
   The target sits where the curve flattens (95-99% of the final accuracy,
   time-to-train style); the time to an early target (`early_target`, reached in
   the first third of the run, where the controller's first ~17 steps at the even
@@ -156,6 +157,13 @@ def settled_step_ms(curve: list[list[float]]) -> Optional[float]:
     return 1000 * (last[2] - middle[2]) / (last[1] - middle[1])
 
 
+def last_epoch_acc(curve: list[list[float]], epochs: float) -> float:
+    """Mean test accuracy over the last epoch's evaluations: a single evaluation at the end of a
+    run moves by 1-4 pp between neighbours on mnist1d, more than the methods differ."""
+    last = [point[3] for point in curve if point[0] > epochs - 1] or [curve[-1][3]]
+    return sum(last) / len(last)
+
+
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
     spec = run["spec"]
     hit = first_reaching(run["curve"], spec["target"])
@@ -166,6 +174,7 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
         "scenario": spec["scenario"], "pair": spec.get("pair"), "method": spec.get("variant"),
         "repeat": spec.get("repeat", 0),
         "aggregation": run["aggregation"], "target": spec["target"], "final_acc": run["final_acc"],
+        "last_epoch_acc": last_epoch_acc(run["curve"], spec["epochs"]),
         "train_s": run["train_s"], "steps": run["steps"], "epochs": spec["epochs"],
         "time_to_target_s": hit[2] if hit else None, "epochs_to_target": hit[0] if hit else None,
         "early_target": spec.get("early_target"), "time_to_early_target_s": early[2] if early else None,
@@ -176,6 +185,8 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
         else None,
         "curve": run["curve"],
         "trace": lbbsp.get("trace") if spec.get("rule") == "weighted" else None,
+        "lbbsp_config": lbbsp.get("config") if spec.get("rule") == "weighted" else None,
+        "lbbsp_min_gain": lbbsp.get("min_gain") if spec.get("rule") == "weighted" else None,
     }
 
 
@@ -255,6 +266,7 @@ def aggregate(results: dict[str, Any], scenario: str, name: str, method: str) ->
         "time_to_target_s": _mean([r["time_to_target_s"] for r in runs]),
         "train_s": _mean([r["train_s"] for r in runs]),
         "final_acc": _mean([r["final_acc"] for r in runs]),
+        "last_epoch_acc": _mean([r.get("last_epoch_acc") for r in runs]),
         "controller_overhead": max((r["controller_overhead"] for r in runs if r["controller_overhead"] is not None),
                                    default=None),
         "size_imbalance": _mean([r["size_imbalance"] for r in runs]),
@@ -304,9 +316,13 @@ def compare(results: dict[str, Any]) -> list[dict[str, Any]]:
         if settled:
             rows.append({"check": f"{name}: straggler, step time once sizes settled (reported)",
                          "value": _ratios(settled), "met": None})
-        gap = 100 * abs(sync["final_acc"] - lbbsp["final_acc"])  # type: ignore[operator]
-        rows.append({"check": f"{name}: straggler, final accuracy within 0.5 pp", "value": f"{gap:.2f} pp",
-                     "met": gap <= 0.5})
+        gap = 100 * abs(sync["last_epoch_acc"] - lbbsp["last_epoch_acc"])  # type: ignore[operator]
+        rows.append({"check": f"{name}: straggler, final accuracy within 0.5 pp (mean over the last epoch)",
+                     "value": f"{gap:.2f} pp ({100 * sync['last_epoch_acc']:.2f} vs "  # type: ignore[operator]
+                              f"{100 * lbbsp['last_epoch_acc']:.2f})", "met": gap <= 0.5})
+        single = 100 * abs(sync["final_acc"] - lbbsp["final_acc"])  # type: ignore[operator]
+        rows.append({"check": f"{name}: straggler, gap at the single last evaluation (reported)",
+                     "value": f"{single:.2f} pp", "met": None})
         plain = aggregate(results, "no_straggler", name, "sync")
         balanced = aggregate(results, "no_straggler", name, "lbbsp")
         costs = [100 * (1 / ratio - 1) for ratio in paired_ratios(results, "no_straggler", name, "train_s")]

@@ -83,6 +83,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -125,6 +126,7 @@ __all__ = [
     "current_rule",
     "distributed_optimizer",
     "lbbsp_stats",
+    "replay_decisions",
     "resolve_algorithm",
     "set_aggregation",
     "weight_scale",
@@ -657,10 +659,23 @@ def lbbsp_stats() -> Optional[dict[str, Any]]:
         "compute_s": state.compute_s,
         "step_s": state.step_s,
         "trace": [[list(entry) for entry in step] for step in state.trace],
+        "config": dataclasses.asdict(state.controller.config),
+        "min_gain": state.min_gain,
     }
 
 
 _SHARE_LAG = 2  # steps between starting the measurement allgather and reading it
+
+
+def _share_starts(iteration: int, period: int) -> bool:
+    """Every rank starts the measurement exchange after the last step of a period."""
+    return (iteration + 1) % period == 0
+
+
+def _share_due(iteration: int, started: int, period: int) -> bool:
+    """The exchange started after step ``started`` is read (and decided on) after this step."""
+    return iteration - started >= min(_SHARE_LAG, period)
+
 _TRACE_STEPS = 5000  # steps of shared measurements kept for lbbsp_stats()["trace"]
 _aggregator_ids = itertools.count()  # same sequence on every rank: all build the same optimizers in order
 
@@ -779,9 +794,9 @@ class _WeightedAggregator:
                 raise AggregationError(f"the LB-BSP sampler was built for {state.world_size} ranks, the optimizer "
                                        f"combines {self._size}; pass the optimizer's process_set to batch_sampler()")
             period = state.controller.config.period
-            if self._inflight is not None and iteration - self._share_started >= min(_SHARE_LAG, period):
+            if self._inflight is not None and _share_due(iteration, self._share_started, period):
                 self._finish_share(state)
-            if (iteration + 1) % period == 0:
+            if _share_starts(iteration, period):
                 self._start_share()
         else:
             self._buffer.clear()
@@ -1068,3 +1083,42 @@ def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # n
     import horovod.torch as hvd
 
     return distributed_optimizer(hvd, hvd.DistributedOptimizer, optimizer, args, kwargs)
+
+
+def replay_decisions(config: BatchSizeConfig, trace: Sequence[Sequence[Sequence[float]]],
+                     initial_sizes: Optional[Sequence[int]] = None,
+                     min_gain: float = 0.1) -> list[tuple[int, list[int]]]:
+    """The size history a job would adopt from ``trace`` (``lbbsp_stats()["trace"]``).
+
+    Feeds the recorded measurements to a fresh controller on the plugin's own
+    schedule (exchange after each period, read ``_SHARE_LAG`` steps later) and
+    adopts with :func:`decide`, so with the recorded settings it reproduces
+    the recorded ``history``; with other settings it answers "what would this
+    rule have done on that run". Returns ``[(first step, sizes), ...]``.
+    """
+    controller = BatchSizeController(config, initial_sizes)
+    sizes = list(controller.sizes)
+    history = [(0, list(sizes))]
+
+    def read(shared: list[Sequence[Sequence[float]]], iteration: int) -> None:
+        nonlocal sizes
+        apply_measurements(controller, [[(0.0, float(step[rank][0]), float(step[rank][1])) for step in shared]
+                                        for rank in range(config.world_size)])
+        adopted = decide(controller, sizes, min_gain)
+        if adopted is not None:
+            sizes = adopted
+            history.append((iteration + 1, list(adopted)))
+
+    chunk: list[Sequence[Sequence[float]]] = []
+    shared: Optional[list[Sequence[Sequence[float]]]] = None
+    started = 0
+    for iteration, row in enumerate(trace):
+        chunk.append(row)
+        if shared is not None and _share_due(iteration, started, config.period):
+            read(shared, iteration)
+            shared = None
+        if _share_starts(iteration, config.period):
+            shared, chunk, started = chunk, [], iteration
+    if shared is not None:  # the trace holds only exchanges that were read: this one was, after its end
+        read(shared, started + min(_SHARE_LAG, config.period))
+    return history

@@ -51,7 +51,7 @@ import statistics
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 __all__ = [
     "BatchSizeConfig",
@@ -140,6 +140,13 @@ class BatchSizeConfig:
     method: Method = "ema"
     history: int = 8
     warmup: int = 0
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> BatchSizeConfig:
+        """The config ``dataclasses.asdict`` (or a JSON round trip of it) gave; lists become tuples."""
+        values: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value
+                                  for key, value in fields.items()}
+        return cls(**values)
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "world_size", "period", "history", "warmup"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from crossover.plugins.aggregation import replay_decisions
+from crossover.plugins.batch_size import BatchSizeConfig
 from helpers import WORKLOADS, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -60,3 +62,8 @@ def test_lbbsp_with_a_straggler_learns_as_well_as_synchronous_training(jobs, tmp
     assert abs(sync["final_acc"] - lbbsp["final_acc"]) <= 0.02
     sizes = lbbsp["lbbsp"]["sizes"]
     assert sizes[3] < 0.6 * min(sizes[:3]), lbbsp["lbbsp"]["history"]
+    # What the ranks shared replays offline to the same decisions (bench/lbbsp_replay.py relies on it).
+    stats = lbbsp["lbbsp"]
+    replayed = replay_decisions(BatchSizeConfig.from_dict(stats["config"]), stats["trace"], stats["history"][0][1],
+                                stats["min_gain"])
+    assert [[start, sizes] for start, sizes in replayed] == stats["history"]

@@ -18,6 +18,7 @@ from crossover.plugins.aggregation import (
     apply_measurements,
     decide,
     distributed_optimizer,
+    replay_decisions,
     resolve_algorithm,
     set_aggregation,
     weight_scale,
@@ -552,3 +553,31 @@ def test_decide_moves_a_straggler_to_its_balance_despite_hiccups():
             history.append((step, list(sizes)))
     assert 15 <= history[0][1][3] <= 30, history  # the first decision: proportional, ~26
     assert history[1][1][3] <= 8, history  # the second: near the balance (~4)
+
+
+def _trace(steps: int, slow: float, seed: int = 0) -> list[list[list[float]]]:
+    """What 4 ranks at 64 samples each would share: rank 3 ``slow`` times slower; step 0 unmeasured."""
+    rng = random.Random(seed)
+    return [[[64, float("nan") if step == 0 else (slow if r == 3 else 1.0) * 0.03 * rng.uniform(0.95, 1.05)]
+             for r in range(4)] for step in range(steps)]
+
+
+def test_replay_decides_on_the_plugins_schedule():
+    # Shared after steps 4, 9, 14 ... and read two steps later, so with period 5 sizes can change
+    # from steps 7, 12, 17 ...; with 5 warm-up steps left out, the first decision comes at 12.
+    config = BatchSizeConfig(global_batch=256, world_size=4, period=5, ema_alpha=0.3, warmup=5)
+    history = replay_decisions(config, _trace(40, 3.0), [64, 64, 64, 64])
+    assert history[0] == (0, [64, 64, 64, 64])
+    assert history[1][0] == 12 and history[1][1][3] < 40, history
+    assert all(start % 5 == 2 for start, _ in history[1:]), history
+    # A trace ends with an exchange that was read (lbbsp_stats() keeps only those): the one
+    # shared after step 9 is read after step 11, though the trace has only steps 0-9.
+    assert [start for start, _ in replay_decisions(config, _trace(10, 3.0), [64] * 4)] == [0, 12]
+    assert [start for start, _ in replay_decisions(config, _trace(9, 3.0), [64] * 4)] == [0]
+    period_4 = BatchSizeConfig(global_batch=256, world_size=4, period=4, ema_alpha=0.3, warmup=5)
+    assert replay_decisions(period_4, _trace(40, 3.0), [64] * 4)[1][0] == 10  # shared after 7, read after 9
+
+
+def test_replay_leaves_equal_ranks_alone():
+    config = BatchSizeConfig(global_batch=256, world_size=4, period=5, ema_alpha=0.3, warmup=5)
+    assert replay_decisions(config, _trace(200, 1.0, seed=1), [64] * 4) == [(0, [64, 64, 64, 64])]
