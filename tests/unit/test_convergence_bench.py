@@ -1,0 +1,68 @@
+"""bench/convergence.py's judging logic on hand-made results: what it checks, not how fast anything ran."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "convergence.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    saved = list(sys.path)  # the script puts bench/ (with its crossover.py) on the path
+    try:
+        spec = importlib.util.spec_from_file_location("_convergence_under_test", _PATH)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def _run(bench, scenario: str, method: str, repeat: int, accs: list[float], seconds: float) -> dict[str, Any]:
+    """A 2-epoch run evaluated twice per epoch, reaching ``accs`` at evenly spaced times up to ``seconds``."""
+    curve = [[0.0, 0, 0.0, 0.1, 2.0]] + [[(k + 1) / 2, 10 * (k + 1), seconds * (k + 1) / len(accs), acc, 0.5]
+                                         for k, acc in enumerate(accs)]
+    spec = {"scenario": scenario, "pair": "digits-cnn", "variant": method, "repeat": repeat, "target": 0.9,
+            "early_target": 0.5, "epochs": 2, "rule": "weighted" if method == "lbbsp" else "average"}
+    lbbsp = {"step_s": 1.0, "overhead_s": 0.002, "history": [[0, [32, 32, 32, 32]]]} if method == "lbbsp" else None
+    return bench.summarise({"spec": spec, "curve": curve, "aggregation": spec["rule"], "final_acc": accs[-1],
+                            "train_s": seconds, "steps": 10 * len(accs), "lbbsp": lbbsp})
+
+
+def test_final_accuracy_is_the_mean_of_the_last_epochs_evaluations(bench):
+    curve = [[0.0, 0, 0.0, 0.1], [0.5, 5, 1.0, 0.5], [1.0, 10, 2.0, 0.6], [1.5, 15, 3.0, 0.80], [2.0, 20, 4.0, 0.84]]
+    assert bench.last_epoch_acc(curve, 2) == pytest.approx(0.82)
+    assert bench.last_epoch_acc(curve[:1], 2) == pytest.approx(0.1)  # nothing in the last epoch: the last point
+
+
+def test_a_noisy_last_evaluation_does_not_decide_the_accuracy_check(bench):
+    # Same last-epoch mean (0.93), final evaluations 1.6 pp apart: the check passes and the single gap is reported.
+    results = {}
+    for repeat in range(3):
+        for method, accs, seconds in (("sync", [0.6, 0.8, 0.92, 0.94], 30.0), ("lbbsp", [0.6, 0.8, 0.94, 0.92], 12.0)):
+            results[f"straggler/digits-cnn/{method}#{repeat}"] = _run(bench, "straggler", method, repeat, accs,
+                                                                     seconds)
+    rows = {row["check"]: row for row in bench.compare(results)}
+    accuracy = next(row for check, row in rows.items() if "final accuracy within 0.5 pp" in check)
+    assert accuracy["met"] is True and accuracy["value"].startswith("0.00 pp"), accuracy
+    single = next(row for check, row in rows.items() if "single last evaluation" in check)
+    assert single["met"] is None and single["value"] == "2.00 pp", single
+    speed = next(row for check, row in rows.items() if "time to target" in check)
+    assert speed["met"] is True and "median 2.50x" in speed["value"], speed
+
+
+def test_the_no_straggler_control_is_judged_alone(bench):
+    results = {}
+    for repeat, (plain, balanced) in enumerate([(10.0, 10.2), (10.0, 10.5), (10.0, 9.0)]):
+        results[f"no_straggler/digits-cnn/sync#{repeat}"] = _run(bench, "no_straggler", "sync", repeat, [0.95], plain)
+        results[f"no_straggler/digits-cnn/lbbsp#{repeat}"] = _run(bench, "no_straggler", "lbbsp", repeat, [0.95],
+                                                                  balanced)
+    rows = bench.compare(results)
+    assert not any("straggler," in row["check"] and "no straggler" not in row["check"] for row in rows), rows
+    cost = next(row for row in rows if "not slower by > 3%" in row["check"])
+    assert cost["met"] is True and cost["value"].startswith("median +2.0%"), cost
