@@ -107,16 +107,19 @@ def plan(config: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> d
         runs = jobs.setdefault(entry["dataset"], [])
         if not runs:
             runs.append({**common, "name": "warmup", "rule": "average", "epochs": 1, "scenario": "warmup"})
-        # Repeats alternate the order (sync, lbbsp), (lbbsp, sync), ... so that drifts of the machine's
-        # load over time hit both methods alike.
+        # Repeats rotate the order (sync, lbbsp), (lbbsp, sync), ... so that drifts of the machine's
+        # load over time hit every method alike.
         for repeat in range(args.repeats):
-            order = (("sync", "average"), ("lbbsp", "weighted"))
             for scenario, straggler in (("straggler", STRAGGLER), ("no_straggler", "")):
                 if scenario not in entry.get("scenarios", ("straggler", "no_straggler")):
                     continue
-                for method, rule in order if repeat % 2 == 0 else order[::-1]:
-                    runs.append({**common, "name": f"{scenario}/{pair(entry)}/{method}#{repeat}", "rule": rule,
-                                 "straggler": straggler, "scenario": scenario, "pair": pair(entry),
+                order = [("sync", "average", {}), ("lbbsp", "weighted", {})]
+                if scenario == "straggler" and args.also_method:
+                    order.append((f"lbbsp-{args.also_method}", "weighted", {"method": args.also_method}))
+                shift = repeat % len(order)
+                for method, rule, extra in order[shift:] + order[:shift]:
+                    runs.append({**common, **extra, "name": f"{scenario}/{pair(entry)}/{method}#{repeat}",
+                                 "rule": rule, "straggler": straggler, "scenario": scenario, "pair": pair(entry),
                                  "variant": method, "repeat": repeat})
     for entry in config["large_batch"]:
         common = {"model": entry["model"], "width": entry["width"], "lr": entry["lr"], "epochs": entry["epochs"],
@@ -276,8 +279,9 @@ def aggregate(results: dict[str, Any], scenario: str, name: str, method: str) ->
     }
 
 
-def paired_ratios(results: dict[str, Any], scenario: str, name: str, key: str) -> list[float]:
-    """``sync / lbbsp`` of ``key`` per repeat (the two ran back to back), in repeat order."""
+def paired_ratios(results: dict[str, Any], scenario: str, name: str, key: str, variant: str = "lbbsp"
+                  ) -> list[float]:
+    """``sync / variant`` of ``key`` per repeat (they ran back to back), in repeat order."""
     by_repeat: dict[int, dict[str, Any]] = {}
     for r in results.values():
         if (r["scenario"], r["pair"]) == (scenario, name):
@@ -285,8 +289,8 @@ def paired_ratios(results: dict[str, Any], scenario: str, name: str, key: str) -
     ratios = []
     for repeat in sorted(by_repeat):
         runs = by_repeat[repeat]
-        if "sync" in runs and "lbbsp" in runs and runs["sync"].get(key) and runs["lbbsp"].get(key):
-            ratios.append(runs["sync"][key] / runs["lbbsp"][key])
+        if "sync" in runs and variant in runs and runs["sync"].get(key) and runs[variant].get(key):
+            ratios.append(runs["sync"][key] / runs[variant][key])
     return ratios
 
 
@@ -321,6 +325,14 @@ def _straggler_rows(results: dict[str, Any], name: str, sync: dict[str, Any], lb
     single = 100 * abs(sync["final_acc"] - lbbsp["final_acc"])  # type: ignore[operator]
     rows.append({"check": f"{name}: straggler, gap at the single last evaluation (reported)",
                  "value": f"{single:.2f} pp", "met": None})
+    others = sorted({r["method"] for r in results.values() if (r["scenario"], r["pair"]) == ("straggler", name)}
+                    - {"sync", "lbbsp"})
+    for variant in others:  # --also-method: measured beside the checked LB-BSP, reported only
+        for key, what in (("time_to_target_s", "time to target"), ("settled_step_ms", "settled step time")):
+            ratios = paired_ratios(results, "straggler", name, key, variant)
+            if ratios:
+                rows.append({"check": f"{name}: straggler, {variant}, {what} (reported)", "value": _ratios(ratios),
+                             "met": None})
     return rows
 
 
@@ -447,6 +459,9 @@ def main() -> None:
     p.add_argument("--straggler-work", choices=["sleep", "busy"], default="sleep")
     p.add_argument("--period", type=int, default=5, help="LB-BSP controller period")
     p.add_argument("--method", choices=["ema", "numerical"], default="ema", help="LB-BSP speed model")
+    p.add_argument("--also-method", choices=["ema", "numerical"],
+                   help="also run LB-BSP with this speed model in each straggler repeat, beside the checked one "
+                        "(reported as lbbsp-METHOD, ratios against the same repeat's sync run)")
     p.add_argument("--ema-alpha", type=float, default=0.1,
                    help="LB-BSP speed smoothing (timings on a loaded shared machine are noisy)")
     p.add_argument("--repeats", type=int, default=0, help="straggler-scenario repeats (default: 1 quick, 2 full)")

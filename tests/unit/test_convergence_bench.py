@@ -66,3 +66,27 @@ def test_the_no_straggler_control_is_judged_alone(bench):
     assert not any("straggler," in row["check"] and "no straggler" not in row["check"] for row in rows), rows
     cost = next(row for row in rows if "not slower by > 3%" in row["check"])
     assert cost["met"] is True and cost["value"].startswith("median +2.0%"), cost
+
+
+def test_a_second_speed_model_runs_beside_the_checked_one_and_is_only_reported(bench):
+    import argparse
+    args = argparse.Namespace(repeats=3, straggler_work="sleep", period=5, method="ema", ema_alpha=0.1,
+                              base_reference=False, also_method="numerical")
+    runs = bench.plan({"straggler": [bench.FULL["straggler"][0]], "large_batch": []}, args)["digits"]
+    straggler = [r for r in runs if r["scenario"] == "straggler"]
+    assert [r["variant"] for r in straggler] == ["sync", "lbbsp", "lbbsp-numerical", "lbbsp", "lbbsp-numerical",
+                                                 "sync", "lbbsp-numerical", "sync", "lbbsp"]
+    assert {r["method"] for r in straggler if r["variant"] == "lbbsp-numerical"} == {"numerical"}
+    assert {r["method"] for r in straggler if r["variant"] == "lbbsp"} == {"ema"}
+    assert {r["variant"] for r in runs if r["scenario"] == "no_straggler"} == {"sync", "lbbsp"}
+
+    results = {}
+    for repeat in range(3):
+        for method, seconds in (("sync", 30.0), ("lbbsp", 15.0), ("lbbsp-numerical", 10.0)):
+            results[f"straggler/digits-cnn/{method}#{repeat}"] = _run(bench, "straggler", method, repeat,
+                                                                     [0.6, 0.8, 0.92, 0.94], seconds)
+    rows = bench.compare(results)
+    extra = next(row for row in rows if "lbbsp-numerical, time to target" in row["check"])
+    assert extra["met"] is None and extra["value"].startswith("median 3.00x"), extra
+    checked = next(row for row in rows if "LB-BSP sooner by >= 1.5x" in row["check"])
+    assert checked["met"] is True and checked["value"].startswith("median 2.00x"), checked
