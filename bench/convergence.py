@@ -214,8 +214,8 @@ def choose_pace(args: argparse.Namespace) -> float:
     phase length a function of the rank's own work. At least 6x: the
     allreduce, the optimizer step and the data loading are not paced and need
     the CPU too. At 4x (what an idle 2-core machine gave), they took 20-62 ms
-    of a settled LB-BSP step against 6-22 ms at 5.6-6.4x, so the emulated
-    devices were not independent and every method's step was mostly overhead.
+    of a settled LB-BSP step (a quarter to two thirds of it) against 6-22 ms
+    at 5.6-6.4x: the emulated devices were not independent.
     """
     if args.pace != "auto":
         return float(args.pace)
