@@ -665,6 +665,8 @@ def lbbsp_stats() -> Optional[dict[str, Any]]:
 
 
 _SHARE_LAG = 2  # steps between starting the measurement allgather and reading it
+_TRACE_STEPS = 5000  # steps of shared measurements kept for lbbsp_stats()["trace"]
+_aggregator_ids = itertools.count()  # same sequence on every rank: all build the same optimizers in order
 
 
 def _share_starts(iteration: int, period: int) -> bool:
@@ -675,9 +677,6 @@ def _share_starts(iteration: int, period: int) -> bool:
 def _share_due(iteration: int, started: int, period: int) -> bool:
     """The exchange started after step ``started`` is read (and decided on) after this step."""
     return iteration - started >= min(_SHARE_LAG, period)
-
-_TRACE_STEPS = 5000  # steps of shared measurements kept for lbbsp_stats()["trace"]
-_aggregator_ids = itertools.count()  # same sequence on every rank: all build the same optimizers in order
 
 
 class _WeightedAggregator:
