@@ -696,15 +696,11 @@ class Scheduler:
             else:
                 self._deliver(self._policy.cancel(key, now), now, record)
         elif sess.phase is Phase.COMPUTE:
-            # Re-queued by a policy switch while it computed, and not yet granted
-            # under the new policy: it is done now, so withdraw that request too,
-            # or the new policy would later grant (and block the device for) a
-            # rank that no longer asks.
+            # Computing since before a policy switch that held it back (a lease was
+            # being revoked), so the new policy never had it: nothing to release there.
             held = now - sess.phase_since
             self._set_phase(sess, Phase.OTHER, now)
             record.append(("release", sess, {"held_s": held}))
-            if self._policy.is_waiting(key):
-                self._deliver(self._policy.cancel(key, now), now, record)
         elif strict:
             raise FailedPrecondition(f"rank {key} reported compute done but holds no grant (phase {sess.phase.value})")
 
