@@ -849,11 +849,9 @@ class _WeightedAggregator:
     def _finish_share(self, state: _LBBSP) -> None:
         gathered = self._hvd.synchronize(self._inflight)
         self._inflight = None
-        rows = gathered.reshape(self._size, -1, 3).tolist()
-        for column in range(len(rows[0]) if rows else 0):
-            if len(state.trace) < _TRACE_STEPS:
-                state.trace.append([(int(row[column][1]), float(row[column][2])) for row in rows])
-        apply_measurements(state.controller, rows)
+        steps = _steps(gathered.reshape(self._size, -1, 3).tolist())
+        state.trace.extend(steps[:_TRACE_STEPS - len(state.trace)])
+        _observe_steps(state.controller, steps)
         adopted = decide(state.controller, state.sizes, state.min_gain)
         if adopted is not None:
             state.sizes = tuple(adopted)
@@ -909,12 +907,20 @@ def apply_measurements(controller: BatchSizeController, rows: Sequence[Sequence[
     the same iterations in the same order. Entries with no samples or no
     valid time (the first iteration, an empty batch) are left out.
     """
-    for column in range(len(rows[0]) if rows else 0):
-        controller.observe([
-            Measurement(rank, int(row[column][1]), float(row[column][2]))
-            for rank, row in enumerate(rows)
-            if row[column][1] >= 1 and math.isfinite(row[column][2]) and row[column][2] > 0
-        ])
+    _observe_steps(controller, _steps(rows))
+
+
+def _steps(rows: Sequence[Sequence[Sequence[float]]]) -> list[list[tuple[int, float]]]:
+    """``rows[rank][k] = (iteration, batch, seconds)`` turned around: per iteration, each rank's
+    ``(batch, seconds)``, the form the controller reads and ``lbbsp_stats()["trace"]`` keeps."""
+    return [[(int(row[column][1]), float(row[column][2])) for row in rows]
+            for column in range(len(rows[0]) if rows else 0)]
+
+
+def _observe_steps(controller: BatchSizeController, steps: Sequence[Sequence[Sequence[float]]]) -> None:
+    for step in steps:
+        controller.observe([Measurement(rank, int(batch), float(seconds)) for rank, (batch, seconds) in enumerate(step)
+                            if batch >= 1 and math.isfinite(seconds) and seconds > 0])
 
 
 def decide(controller: BatchSizeController, current: Sequence[int], min_gain: float) -> Optional[list[int]]:
@@ -1101,8 +1107,7 @@ def replay_decisions(config: BatchSizeConfig, trace: Sequence[Sequence[Sequence[
 
     def read(shared: list[Sequence[Sequence[float]]], iteration: int) -> None:
         nonlocal sizes
-        apply_measurements(controller, [[(0.0, float(step[rank][0]), float(step[rank][1])) for step in shared]
-                                        for rank in range(config.world_size)])
+        _observe_steps(controller, shared)
         adopted = decide(controller, sizes, min_gain)
         if adopted is not None:
             sizes = adopted
