@@ -314,9 +314,10 @@ class _Scatter:
     Two parts, both from the ratios ``time / predicted time`` over the last
     measurements (as many as the moving averages effectively hold): their
     median's distance from 1, the bias of a model that still lags a change of
-    speed, and the standard error from their median absolute deviation. Medians,
-    so that one hiccup does not make the rank look unpredictable and hold back
-    decisions for many periods, as a variance would.
+    speed, and the standard error of the ratios once each is clipped to within
+    three robust sigmas (from their median absolute deviation) of the median.
+    So one hiccup does not make the rank look unpredictable and hold back
+    decisions for many periods, as a plain variance would.
     """
 
     MIN_POINTS = 3
