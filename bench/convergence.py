@@ -176,6 +176,7 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
     early = first_reaching(run["curve"], spec["early_target"]) if spec.get("early_target") is not None else None
     lbbsp = run.get("lbbsp") or {}
     step_s = lbbsp.get("step_s") or 0.0
+    weighted = spec.get("rule") == "weighted"  # every run has a sampler; only these have a controller at work
     return {
         "scenario": spec["scenario"], "pair": spec.get("pair"), "method": spec.get("variant"),
         "repeat": spec.get("repeat", 0),
@@ -187,12 +188,11 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
         "settled_step_ms": settled_step_ms(run["curve"]),
         "final_sizes": lbbsp.get("sizes"), "size_history": lbbsp.get("history"),
         "size_imbalance": size_imbalance(lbbsp.get("history"), run["steps"]),
-        "controller_overhead": (lbbsp.get("overhead_s", 0.0) / step_s) if step_s and spec.get("rule") == "weighted"
-        else None,
+        "controller_overhead": lbbsp.get("overhead_s", 0.0) / step_s if step_s and weighted else None,
         "curve": run["curve"],
-        "trace": lbbsp.get("trace") if spec.get("rule") == "weighted" else None,
-        "lbbsp_config": lbbsp.get("config") if spec.get("rule") == "weighted" else None,
-        "lbbsp_min_gain": lbbsp.get("min_gain") if spec.get("rule") == "weighted" else None,
+        "trace": lbbsp.get("trace") if weighted else None,
+        "lbbsp_config": lbbsp.get("config") if weighted else None,
+        "lbbsp_min_gain": lbbsp.get("min_gain") if weighted else None,
     }
 
 
