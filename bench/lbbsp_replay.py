@@ -5,7 +5,8 @@ shared (`lbbsp_stats()["trace"]`). This script feeds them to a fresh controller
 on the plugin's own schedule (`crossover.plugins.aggregation.replay_decisions`):
 
 * with the run's own settings it must reproduce the recorded size history;
-  `same` says whether it does (no: the controller changed since the run);
+  `same` says whether it does (no: the controller changed since the run, and
+  the replay columns show what it decides now);
 * with other settings (`--ema-alpha`, `--period`, `--method`, `--warmup`,
   `--hysteresis`, `--min-gain`) it shows what that rule would have decided on
   the same measurements, which is how a controller change is judged before a
@@ -67,11 +68,12 @@ def replay(run: dict[str, Any], top: dict[str, Any], overrides: dict[str, Any],
         "recorded": recorded, "reproduces": again == [h for h in recorded if h[0] <= steps + 2], "steps": steps,
         "config": dataclasses.asdict(config), "min_gain": recorded_gain,
     }
-    if overrides or min_gain is not None:
-        other = dataclasses.replace(config, **overrides)
-        gain = recorded_gain if min_gain is None else min_gain
-        history = replay_decisions(other, trace, initial, gain)
-        out.update(replayed=history, replayed_config=dataclasses.asdict(other), replayed_min_gain=gain)
+    # Without overrides the replay is the current controller on the run's own settings: where it
+    # differs from the record, that is what the controller decides now on the same measurements.
+    other = dataclasses.replace(config, **overrides)
+    gain = recorded_gain if min_gain is None else min_gain
+    history = replay_decisions(other, trace, initial, gain) if overrides or min_gain is not None else again
+    out.update(replayed=history, replayed_config=dataclasses.asdict(other), replayed_min_gain=gain)
     return out
 
 
@@ -125,20 +127,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     table.add_column("run", no_wrap=True)
     for column in ("steps", "same", "re-split at", "final sizes"):
         table.add_column(column, no_wrap=True)
-    if alternative:
+    show_replay = alternative or not all(r["reproduces"] for r in replays.values())
+    if show_replay:
         for column in ("replay: re-split at", "final sizes"):
             table.add_column(column, no_wrap=True)
     for name, r in replays.items():
         cells = [name.replace("/lbbsp", ""), str(r["steps"]), "yes" if r["reproduces"] else "[red]NO[/red]",
                  _steps(r["recorded"]), _sizes(r["recorded"])]
-        if alternative:
+        if show_replay:
             cells += [_steps(r["replayed"]), _sizes(r["replayed"])]
         table.add_row(*cells)
     console.print(table)
     if args.verbose:
         for name, r in replays.items():
             console.print(f"{name}: recorded {r['recorded']}")
-            if alternative:
+            if show_replay:
                 console.print(f"{' ' * len(name)}  replayed {r['replayed']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

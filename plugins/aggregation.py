@@ -936,8 +936,18 @@ def decide(controller: BatchSizeController, current: Sequence[int], min_gain: fl
     hiccups, see :meth:`BatchSizeController.prediction_errors`). Rules 2 and 3 keep a homogeneous job
     from chasing measurement noise: with equal true speeds every noisy
     re-split makes the real slowest rank slower, so a re-split must promise a
-    gain the measurements can vouch for. Pure: every rank gets the same
-    answer from the same estimates.
+    gain the measurements can vouch for.
+
+    One exception to 2: when one rank is clearly the slowest (its cautious
+    time beats every other rank's incautious one by ``min_gain``) and the
+    proposal takes samples from it, its own new time is not asked to vouch
+    for the gain, only the other ranks' cautious new times must stay
+    ``min_gain`` below its cautious current time. Giving samples away never
+    makes it slower, so the move cannot lengthen the iteration; and its
+    model is least trustworthy exactly there, below the batch sizes it has
+    run (the ``ema`` line underrates how much faster a CPU straggler gets,
+    and held it at a too-large batch in half of our benchmark runs). Pure:
+    every rank gets the same answer from the same estimates.
     """
     proposal = controller.propose()
     if proposal is None or list(proposal) == list(current):
@@ -956,7 +966,13 @@ def decide(controller: BatchSizeController, current: Sequence[int], min_gain: fl
         # a straggler far above its own scatter still moves; a bound on the largest error
         # of all ranks instead held a straggler back whenever its steps had hiccups.
         then = [t * (1.0 + e / n) for t, e, n in zip(then, errors, now)]
+        high_now = [t + e for t, e in zip(now, errors)]
         now = [t - e for t, e in zip(now, errors)]
+        slowest = max(range(len(now)), key=lambda r: (now[r], -r))
+        others = [r for r in range(len(now)) if r != slowest]
+        if others and proposal[slowest] < current[slowest] and \
+                now[slowest] >= (1.0 + min_gain) * max(high_now[r] for r in others):
+            then = [then[r] for r in others]
     return list(proposal) if max(now) >= (1.0 + min_gain) * max(then) else None
 
 
