@@ -545,6 +545,7 @@ def main() -> None:
 
 
 def verdicts(checks: list[dict[str, Any]], title: str = "Targets") -> Table:
+    """The checks as a table: met, not met, or reported only (—)."""
     out = Table(title=title)
     for column in ("check", "value", "met"):
         out.add_column(column)

@@ -938,16 +938,17 @@ def decide(controller: BatchSizeController, current: Sequence[int], min_gain: fl
     re-split makes the real slowest rank slower, so a re-split must promise a
     gain the measurements can vouch for.
 
-    One exception to 2: when one rank is clearly the slowest (its cautious
-    time beats every other rank's incautious one by ``min_gain``) and the
-    proposal takes samples from it, its own new time is not asked to vouch
-    for the gain, only the other ranks' cautious new times must stay
-    ``min_gain`` below its cautious current time. Giving samples away never
-    makes it slower, so the move cannot lengthen the iteration; and its
-    model is least trustworthy exactly there, below the batch sizes it has
-    run (the ``ema`` line underrates how much faster a CPU straggler gets,
-    and held it at a too-large batch in half of our benchmark runs). Pure:
-    every rank gets the same answer from the same estimates.
+    One exception to 2: when one rank is clearly the slowest (its current
+    time lowered by its error exceeds every other rank's raised by theirs by
+    ``min_gain``) and the proposal takes samples from it, its own new time is
+    not asked to vouch for the gain: only the other ranks' cautious new times
+    must stay ``min_gain`` below its cautious current time. Giving samples
+    away never makes it slower, so with the others below it the move cannot
+    lengthen the iteration; and its model is least trustworthy exactly
+    there, below the batch sizes it has run (the ``ema`` line underrates how
+    much faster a CPU straggler gets, and held it at a too-large batch in
+    half of our benchmark runs). Pure: every rank gets the same answer from
+    the same estimates.
     """
     proposal = controller.propose()
     if proposal is None or list(proposal) == list(current):
