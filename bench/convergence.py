@@ -562,7 +562,8 @@ def rejudge(path: Path, console: Console) -> int:
         saved = json.loads(path.read_text())
         results = saved["results"]
         for run in results.values():
-            run.setdefault("steady_train_s", steady_train_s(run["curve"]))
+            if "steady_train_s" not in run:
+                run["steady_train_s"] = steady_train_s(run["curve"])
         checks = compare(results)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         console.print(f"error: {path} is not a bench/convergence.py results file: {exc!r}")

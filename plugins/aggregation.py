@@ -674,9 +674,9 @@ def _share_starts(iteration: int, period: int) -> bool:
     return (iteration + 1) % period == 0
 
 
-def _share_due(iteration: int, started: int, period: int) -> bool:
-    """The exchange started after step ``started`` is read (and decided on) after this step."""
-    return iteration - started >= min(_SHARE_LAG, period)
+def _share_read_after(started: int, period: int) -> int:
+    """The step after which the exchange started after step ``started`` is read (and decided on)."""
+    return started + min(_SHARE_LAG, period)
 
 
 class _WeightedAggregator:
@@ -793,7 +793,7 @@ class _WeightedAggregator:
                 raise AggregationError(f"the LB-BSP sampler was built for {state.world_size} ranks, the optimizer "
                                        f"combines {self._size}; pass the optimizer's process_set to batch_sampler()")
             period = state.controller.config.period
-            if self._inflight is not None and _share_due(iteration, self._share_started, period):
+            if self._inflight is not None and iteration >= _share_read_after(self._share_started, period):
                 self._finish_share(state)
             if _share_starts(iteration, period):
                 self._start_share()
@@ -1135,11 +1135,11 @@ def replay_decisions(config: BatchSizeConfig, trace: Sequence[Sequence[Sequence[
     started = 0
     for iteration, row in enumerate(trace):
         chunk.append(row)
-        if shared is not None and _share_due(iteration, started, config.period):
+        if shared is not None and iteration >= _share_read_after(started, config.period):
             read(shared, iteration)
             shared = None
         if _share_starts(iteration, config.period):
             shared, chunk, started = chunk, [], iteration
     if shared is not None:  # the trace holds only exchanges that were read: this one was, after its end
-        read(shared, started + min(_SHARE_LAG, config.period))
+        read(shared, _share_read_after(started, config.period))
     return history

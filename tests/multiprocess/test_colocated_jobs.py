@@ -17,6 +17,11 @@ def _queue(socket) -> dict:
     return queue_state(socket)
 
 
+def _job_names(state: dict) -> set[str]:
+    """Every job with a rank on some device in a `crossover queue --json` document."""
+    return {r["job_name"] for dev in state["devices"] for r in dev["holders"] + dev["waiting"] + dev["others"]}
+
+
 def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs, tmp_path):
     d = daemon_factory("--cpu-devices", "2", "--policy", "exclusive")
     script = with_import(tmp_path)
@@ -32,11 +37,8 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
     while time.monotonic() < deadline and seen != {"alpha", "beta"} and all(j.proc.poll() is None for j in jobs):
         state = _queue(d.socket)
         assert state["version"] == 1 and state["policy"] == "exclusive"
-        seen = set()
-        for dev in state["devices"]:
-            assert len(dev["holders"]) <= 1
-            for r in dev["holders"] + dev["waiting"] + dev["others"]:
-                seen.add(r["job_name"])
+        assert all(len(dev["holders"]) <= 1 for dev in state["devices"])
+        seen = _job_names(state)
         time.sleep(0.1)
     assert seen == {"alpha", "beta"}, f"the queue never showed both jobs at once while running (last saw {seen})"
     # The operator's view of the same thing, through the real CLI while the jobs run. The CLI's own start-up
@@ -45,8 +47,7 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
     names: set[str] = set()
     looks = 0
     while names != {"alpha", "beta"} and looks < 5 and all(j.proc.poll() is None for j in jobs):
-        printed = json.loads(cli("queue", "--json", socket=d.socket).stdout)
-        names = {r["job_name"] for dev in printed["devices"] for r in dev["holders"] + dev["waiting"] + dev["others"]}
+        names = _job_names(json.loads(cli("queue", "--json", socket=d.socket).stdout))
         looks += 1
     leaves = [(e["job_name"], e.get("reason")) for e in d.events() if e["event"] == "leave"]
     assert names == {"alpha", "beta"}, (f"`crossover queue --json` showed {names} in {looks} looks; "
