@@ -15,7 +15,7 @@ __all__ = ["JSON_VERSION", "to_json", "queue_tables", "jobs_table"]
 JSON_VERSION = 1
 
 _PHASE_STYLE = {"COMPUTE": "bold green", "WAITING": "yellow", "COMM": "cyan", "OTHER": "dim", "IDLE": "dim",
-                "SUSPENDED": "bold red"}
+                "SUSPENDED": "bold red", "OVERDUE": "bold red"}
 
 
 def to_json(kind: str, message: Any) -> dict[str, Any]:

@@ -72,6 +72,7 @@ class Session:
         self._stream: SessionStream | None = None
         self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
         self._warned = False
+        self._cool_until = 0.0  # after a grant timeout: train unscheduled until then, then ask again
         self._stop = threading.Event()
         self._channel: grpc.Channel | None = None
         self._receiver: threading.Thread | None = None
@@ -107,6 +108,10 @@ class Session:
         with self._cond:
             if not self._attached:
                 return False
+            if self._clock() < self._cool_until:  # unscheduled for now; still report the allreduce
+                if comm_s is not None:
+                    self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
+                return False
             if self._requested_gen == self._generation:
                 if comm_s is not None:
                     self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
@@ -130,19 +135,26 @@ class Session:
             while self._granted_seq < seq and self._attached and self._generation == gen and self._blocks:
                 left = deadline - self._clock()
                 if left <= 0:
-                    _log.warning("no grant after %.1fs (iteration %d); computing unscheduled this iteration",
-                                 self.settings.grant_timeout_s, iteration)
+                    cool = self.settings.cool_off_s
+                    self._cool_until = self._clock() + cool
+                    _log.warning("no grant after %.1fs (iteration %d); training unscheduled for %.0fs, then "
+                                 "asking again", self.settings.grant_timeout_s, iteration, cool)
                     return False
                 self._cond.wait(left)
             self.grant_waits.append(self._clock() - start)
             return self._granted_seq >= seq
 
-    def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False) -> None:
-        """The device work of this iteration is complete (and, with ``comm_begins``, its allreduce starts)."""
+    def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
+                yields: bool = False) -> None:
+        """The device work of this iteration is complete (and, with ``comm_begins``, its allreduce starts).
+
+        With ``yields`` the phase is not over: the rank hands the device back while it waits
+        for other ranks, and asks again with the same iteration afterwards.
+        """
         with self._cond:
             if self._attached and self._requested_gen == self._generation:
                 self._requested_gen = -1
-                self._send_done(iteration, duration_s, comm_begins)
+                self._send_done(iteration, duration_s, comm_begins, yields)
 
     def comm_begin(self, iteration: int) -> None:
         with self._cond:
@@ -197,17 +209,18 @@ class Session:
 
     # ---- internals -------------------------------------------------------
 
-    def _send_done(self, iteration: int, duration_s: float, comm_begins: bool) -> None:
+    def _send_done(self, iteration: int, duration_s: float, comm_begins: bool, yields: bool = False) -> None:
         if self._unsent is None:
             self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=iteration, duration_s=duration_s,
-                                    comm_begins=comm_begins))
+                                    comm_begins=comm_begins, yields=yields))
             return
         request, start = self._unsent
         self._unsent = None
         now = self._clock()
         self._batch.append((pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, iteration=request.iteration,
                                          seq=request.seq, turn_base=request.turn_base, comm_s=request.duration_s,
-                                         duration_s=duration_s or now - start, comm_begins=comm_begins), now))
+                                         duration_s=duration_s or now - start, comm_begins=comm_begins,
+                                         yields=yields), now))
         if now - self._batch[0][1] >= self.settings.report_interval_s:
             self._flush_batch()
 

@@ -64,6 +64,8 @@ class Phase(enum.Enum):
       COMPUTE -> OTHER    (COMPUTE_DONE)
       OTHER/COMPUTE -> COMM (COMM_BEGIN; a rank entering comm while holding a grant releases it)
       COMM    -> OTHER    (COMM_END)
+      COMPUTE -> OVERDUE  (held its device far past its measured compute time: treated as stalled, the
+                           device goes to the next waiter; its late COMPUTE_DONE ends it)
       any     -> SUSPENDED (silent past the heartbeat timeout: out of the rotation, its grant freed)
       SUSPENDED -> its old place (any event: back in the rotation; a request it was waiting on is re-queued)
       any     -> removed  (stream ended, process gone, silent past the eviction time)
@@ -75,6 +77,7 @@ class Phase(enum.Enum):
     COMM = "comm"
     OTHER = "other"
     SUSPENDED = "suspended"
+    OVERDUE = "overdue"
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,12 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 @click.option("--evict-after", type=click.FloatRange(0.05, 3600), default=10.0, show_default=True,
               help="Seconds without a heartbeat before a suspended rank is removed (its stream is closed; "
               "the rank re-registers). At least --heartbeat-timeout.")
+@click.option("--overdue-factor", type=click.FloatRange(1.5, 1e6), default=10.0, show_default=True,
+              help="A holder past this many times its measured compute time (and past --overdue-after) is "
+              "treated as stalled: the next waiting rank gets the device and the event log records `overdue`.")
+@click.option("--overdue-after", type=click.FloatRange(0.01, 86_400), default=3.0, show_default=True,
+              help="Seconds a rank may hold its device before it can be treated as stalled, whatever its "
+              "compute time (the floor under --overdue-factor; also the limit before its first measured phase).")
 @click.option("--lease/--no-lease", default=True, show_default=True,
               help="Let a rank alone on its device compute without waiting for each grant (it still reports "
               "its phases); revoked the moment another rank joins the device. --no-lease makes every "
@@ -71,7 +77,8 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
          tls_cert: str | None, tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
          event_log: str | None, event_log_size: int, heartbeat_timeout: float, evict_after: float,
-         lease: bool, session_socket: bool, log_level: str) -> None:
+         overdue_factor: float, overdue_after: float, lease: bool, session_socket: bool,
+         log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
     Run one per node (GPU machine), then start jobs whose script begins with
@@ -94,7 +101,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         heartbeat_interval = min(0.2, heartbeat_timeout / 4)
         core = Scheduler(inventory, policy, node=node_name, event_log=log,
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
-                         evict_after_s=evict_after, lease=lease)
+                         evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
+                         overdue_after_s=overdue_after)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
         daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls,
                         session_socket=session_socket).start()

@@ -121,6 +121,7 @@ class _Stats:
     comm_total: float = 0.0
     comm_n: int = 0
     waited_total: float = 0.0
+    compute_ema: float | None = None  # its whole compute phases (yielded pieces added up)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class _Session:
     turn: int = 0  # the pending request's place in the rotation
     suspended_from: Phase | None = None  # the phase it was silenced in (while SUSPENDED)
     forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
+    yielded_s: float = 0.0  # device time of the current iteration's phase before it yielded (see `event`)
     accepts_leases: bool = False
     no_wait: bool = False  # the rank computes without waiting for the pending request's grant
     last_t: float = 0.0  # the date of its latest logged entry: its next ones are never dated earlier
@@ -194,6 +196,8 @@ class Scheduler:
         pid_alive: Callable[[int], bool] = psutil.pid_exists,
         evict_after_s: float = 10.0,
         lease: bool = True,
+        overdue_factor: float = 10.0,
+        overdue_after_s: float = 3.0,
     ) -> None:
         if evict_after_s < heartbeat_timeout_s:
             raise InvalidRequest(
@@ -204,6 +208,9 @@ class Scheduler:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.evict_after_s = evict_after_s
+        self.overdue_factor = overdue_factor
+        self.overdue_after_s = overdue_after_s
+        self.overdue_total = 0  # holders treated as stalled since start (see `reap`)
         self._clock = clock
         self._pid_alive = pid_alive
         self._lock = threading.Lock()
@@ -282,7 +289,7 @@ class Scheduler:
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
               turn_base: int = 0, *, comm_begins: bool = False, no_wait: bool = False, requested: bool = False,
-              comm_s: float = 0.0, ago_s: float = 0.0) -> None:
+              comm_s: float = 0.0, ago_s: float = 0.0, yields: bool = False) -> None:
         """Apply one rank event: `compute_request`, `compute_done`, `comm_begin`, `comm_end`, `heartbeat`,
         `lease_released`.
 
@@ -290,6 +297,9 @@ class Scheduler:
         a request with `no_wait` is not answered (the rank computes already). A `compute_done`
         with `comm_begins` also begins the rank's allreduce; with `requested` it also stands
         for the phase's request, made `duration_s` earlier and ending an allreduce of `comm_s`.
+        A `compute_done` that `yields` frees the device in the middle of a compute phase: the
+        rank is about to wait for other ranks (a collective) and asks again afterwards with the
+        same iteration. Its pieces add up to one phase for the policy's compute estimates.
         `ago_s`: the rank reports the event late (a batch); it is applied and logged at the
         time it happened (liveness counts from its arrival).
         """
@@ -334,12 +344,12 @@ class Scheduler:
                     sess.requested_at = began
                     if sess.phase is Phase.COMPUTE:
                         sess.phase_since = began
-                self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done)
+                self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done, yields=yields)
                 sess.forgive_done = False
                 if comm_begins:
                     self._begin_comm(sess, iteration, now, record)
             elif kind == "comm_begin":
-                if sess.phase in (Phase.COMPUTE, Phase.WAITING):
+                if sess.phase in (Phase.COMPUTE, Phase.WAITING, Phase.OVERDUE):
                     self._finish_compute(sess, now, record, 0.0, strict=False)
                 self._begin_comm(sess, iteration, now, record)
             elif kind == "comm_end":
@@ -416,6 +426,8 @@ class Scheduler:
                     doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
                 elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
                     self._suspend(sess, silent, now, record)
+                elif sess.phase is Phase.COMPUTE:
+                    self._check_overdue(sess, now, record)
             for device, holders in list(self._revoking.items()):
                 for sid, since in list(holders.items()):
                     if now - since > self.heartbeat_timeout_s:  # a client that never answers must not block others
@@ -568,6 +580,29 @@ class Scheduler:
         self._set_phase(sess, Phase.COMM, now)
         record.append(("comm_begin", sess, {"iteration": iteration}))
 
+    def _check_overdue(self, sess: _Session, now: float, record: list) -> None:
+        """A holder far past its own compute time, with a rank waiting for the device, is treated as stalled.
+
+        Defence in depth: the plugin frees the device around every Horovod wait, but a
+        script can still block while holding (another library's collective, a lock).
+        Then the next waiter is served instead of every waiter paying its grant timeout.
+        """
+        key = sess.ref.key
+        if not self._policy.blocks or not self._policy.holds(key):
+            return
+        held = now - sess.phase_since
+        ema = sess.stats.compute_ema
+        limit = max(self.overdue_after_s, self.overdue_factor * ema if ema is not None else 0.0)
+        if held <= limit or not self._policy.view(sess.ref.device).waiting:
+            return
+        self.overdue_total += 1
+        record.append(("overdue", sess, {"held_s": held, "limit_s": limit, "iteration": sess.iteration}))
+        _log.warning("%s rank %d has held device %d for %.2fs (limit %.2fs); treating it as stalled and "
+                     "serving the next rank", sess.ident.job_name, sess.ident.rank, sess.ref.device, held, limit)
+        sess.stats.compute_total += held
+        self._set_phase(sess, Phase.OVERDUE, now)
+        self._deliver(self._policy.release(key, now), now, record)
+
     def _suspend(self, sess: _Session, silent: float, now: float, record: list) -> None:
         was = sess.phase
         record.append(("suspend", sess, {"reason": f"no heartbeat for {silent:.2f}s", "phase": was.value}))
@@ -674,16 +709,25 @@ class Scheduler:
         sess.phase = phase
         sess.phase_since = now
 
-    def _finish_compute(self, sess: _Session, now: float, record: list, duration_s: float, strict: bool) -> None:
+    def _finish_compute(self, sess: _Session, now: float, record: list, duration_s: float, strict: bool,
+                        yields: bool = False) -> None:
         key = sess.ref.key
         held_back = self._deferred.get(sess.ref.device, {})
         if sess.phase is Phase.COMPUTE and self._policy.holds(key):
             held = now - sess.phase_since
             sess.stats.compute_total += held
-            sess.stats.compute_n += 1
-            self._policy.observe(key, "compute", duration_s or held, now)
+            if yields:
+                sess.yielded_s += duration_s or held
+                record.append(("release", sess, {"held_s": held, "yields": True}))
+            else:
+                sess.stats.compute_n += 1
+                phase_s = sess.yielded_s + (duration_s or held)
+                ema = sess.stats.compute_ema
+                sess.stats.compute_ema = phase_s if ema is None else 0.7 * ema + 0.3 * phase_s
+                self._policy.observe(key, "compute", phase_s, now)
+                sess.yielded_s = 0.0
+                record.append(("release", sess, {"held_s": held}))
             self._set_phase(sess, Phase.OTHER, now)
-            record.append(("release", sess, {"held_s": held}))
             self._deliver(self._policy.release(key, now), now, record)
         elif sess.phase is Phase.WAITING and (self._policy.is_waiting(key) or sess.id in held_back):
             # The rank stopped waiting (grant timeout, or it never waits under a
@@ -695,6 +739,11 @@ class Scheduler:
                 del held_back[sess.id]
             else:
                 self._deliver(self._policy.cancel(key, now), now, record)
+        elif sess.phase is Phase.OVERDUE:
+            # Its device went to the next waiter while it overran (see `_mark_overdue`): it is done now.
+            self._set_phase(sess, Phase.OTHER, now)
+            sess.yielded_s = 0.0
+            record.append(("overdue_done", sess, {"late_s": now - sess.phase_since}))
         elif sess.phase is Phase.COMPUTE:
             # Computing since before a policy switch that held it back (a lease was
             # being revoked), so the new policy never had it: nothing to release there.

@@ -37,6 +37,7 @@ _PHASES = {
     Phase.COMM: pb.COMM,
     Phase.OTHER: pb.OTHER,
     Phase.SUSPENDED: pb.SUSPENDED,
+    Phase.OVERDUE: pb.OVERDUE,
 }
 
 
@@ -141,7 +142,8 @@ class _AdminService(_Service, pb_grpc.AdminServicer):
         if request.device >= 0:
             self._core.inventory.by_index(request.device)
         per_device, _ = self._core.snapshot()
-        out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime())
+        out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime(),
+                             overdue_total=self._core.overdue_total)
         for dev in self._core.inventory.devices:
             if request.device >= 0 and dev.index != request.device:
                 continue

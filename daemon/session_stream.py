@@ -104,7 +104,7 @@ def apply_event(core: Scheduler, sid: str, ev: pb.RankEvent) -> None:
             raise InvalidRequest(f"event kind {one.kind} is not valid {where}")
         core.event(sid, kind, one.iteration, one.seq, one.duration_s, one.turn_base,
                    comm_begins=one.comm_begins, no_wait=one.no_wait, requested=one.requested,
-                   comm_s=one.comm_s, ago_s=one.ago_s if one is not ev else 0.0)
+                   comm_s=one.comm_s, ago_s=one.ago_s if one is not ev else 0.0, yields=one.yields)
 
 
 def _opening(first: pb.RankEvent) -> str:

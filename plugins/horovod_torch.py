@@ -6,8 +6,11 @@ Phase brackets, per optimizer (DESIGN.md, "Data flow of one iteration"):
   * compute: a grant is requested as soon as comm ends (before the update) or
     at `zero_grad()` when not yet held (first iteration), and released when the
     last gradient of the step has been accumulated and the device work is
-    complete (a CUDA event on GPUs), or at the latest on entering comm.
+    complete (a CUDA event on GPUs), or at the latest on entering comm;
+  * every other wait for peers (a metric allreduce, a broadcast, `join`, ...)
+    frees the device for its length (`horovod_waits`).
 
+Every optimizer of the rank reports to one `RankPhases` (one iteration counter).
 Nothing here changes gradients, parameters or Horovod's calls: with the
 `passthrough` policy a script computes bit-identical results. Every hook
 swallows its own errors (logged) so Crossover can never break training.
@@ -23,16 +26,18 @@ import time
 import types
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..session import RankInfo, Session
 from ..settings import PluginSettings
+from . import horovod_waits
+from .phases import RankPhases
 
 __all__ = ["install", "uninstall", "current_session"]
 
 _log = logging.getLogger(__name__)
 
-_state: dict[str, Any] = {"original": None, "session": None, "settings": None}
+_state: dict[str, Any] = {"original": None, "session": None, "settings": None, "phases": None}
 
 
 def current_session() -> Session | None:
@@ -71,9 +76,8 @@ def install(settings: PluginSettings | None = None) -> bool:
             if pset is not None and not pset.included():
                 _log.info("this rank is outside the optimizer's process set; nothing to schedule")
                 return opt
-            session = _ensure_session(hvd, pset)
-            _PhaseTracker(opt, session, quiet_wait=settings.quiet_wait,
-                          agree=functools.partial(_agree_turn_base, hvd, pset)).attach()
+            phases = _ensure_phases(hvd, pset)
+            _PhaseTracker(opt, phases, quiet_wait=settings.quiet_wait).attach()
         except Exception:  # never break the user's script
             _log.exception("crossover could not hook this optimizer; it trains unscheduled")
         return opt
@@ -93,9 +97,10 @@ def uninstall() -> None:
 
         hvd.DistributedOptimizer = original
         hvd_opt.DistributedOptimizer = original
+    horovod_waits.uninstall()
     if _state["session"] is not None:
         _state["session"].close()
-    _state.update(original=None, session=None)
+    _state.update(original=None, session=None, phases=None)
 
 
 def _script_name() -> str:
@@ -103,6 +108,19 @@ def _script_name() -> str:
 
     argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else ""
     return Path(argv0).stem if argv0 else ""
+
+
+def _ensure_phases(hvd: Any, process_set: Any) -> RankPhases:
+    """The rank's one phase state, made with its session by the first DistributedOptimizer.
+
+    From then on Horovod's waits yield the device (`horovod_waits`), whoever calls them.
+    """
+    if _state["phases"] is None:
+        session = _ensure_session(hvd, process_set)
+        phases = RankPhases(session, agree=functools.partial(_agree_turn_base, hvd, process_set))
+        horovod_waits.install(phases)
+        _state["phases"] = phases
+    return _state["phases"]
 
 
 def _ensure_session(hvd: Any, process_set: Any) -> Session:
@@ -137,7 +155,8 @@ def _write_stats(session: Session, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
                        "grant_waits_s": session.grant_waits, "leased_acquires": session.leased_acquires,
-                       "transport": session.transport}, f)
+                       "transport": session.transport,
+                       "yields": _state["phases"].yields if _state["phases"] is not None else 0}, f)
     except OSError as exc:
         _log.warning("could not write CROSSOVER_STATS_FILE %s: %s", path, exc)
 
@@ -232,76 +251,60 @@ def _wait_quietly(opt: Any) -> None:
             pause = min(2 * pause, _POLL_MAX_S)
 
 
-def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception:
-            _log.exception("crossover phase hook failed; continuing unscheduled")
-            return None
-
-    return wrapper
-
-
 class _PhaseTracker:
-    """Reports one optimizer's phases to the session. State is touched only by the training thread."""
+    """One optimizer's hooks: they report its phase points to the rank's shared `RankPhases`."""
 
-    def __init__(self, opt: Any, session: Session, quiet_wait: bool = True,
-                 agree: Callable[[Session], None] | None = None) -> None:
+    def __init__(self, opt: Any, phases: RankPhases, quiet_wait: bool = True) -> None:
         self.opt = opt
-        self.session = session
-        self.agree = agree
+        self.phases = phases
         self.quiet_wait = quiet_wait
-        self.iteration = 0
-        self.holding = False
-        self.in_comm = False  # the daemon has been told this iteration's allreduce began
-        self.compute_start = 0.0
         self.hooks_fired = 0
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         self.params = params
         self.expected = len(params) * max(1, int(getattr(opt, "backward_passes_per_step", 1)))
-        self.cuda = any(p.is_cuda for p in params)
+        if any(p.is_cuda for p in params):
+            phases.cuda = True
 
     def attach(self) -> None:
         import horovod.torch.optimizer as hvd_opt
 
-        opt = self.opt
+        opt, phases = self.opt, self.phases
         adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
         orig_step, orig_sync, orig_zero = opt.step, opt.synchronize, opt.zero_grad
+        phases.on_phase_start.append(self._new_phase)
 
         # Bound methods (not plain functions): torch.optim.lr_scheduler reads `step.__func__`.
         if adasum:
             # The Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
             def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
-                self._comm_begin()
+                phases.comm_begin()
                 t0 = time.perf_counter()
                 try:
                     return orig_step(*args, **kwargs)
                 finally:
-                    self._comm_end(time.perf_counter() - t0)
+                    phases.comm_end(time.perf_counter() - t0)
         else:
             quiet = self.quiet_wait
 
             def synchronize(_opt: Any) -> Any:
-                self._comm_begin()
+                phases.comm_begin()
                 t0 = time.perf_counter()
                 try:
-                    if quiet and self.session.shares_device:  # alone, nobody needs the core
+                    if quiet and getattr(phases.session, "shares_device", True):  # alone, nobody needs the core
                         _wait_quietly(opt)
                     return orig_sync()
                 finally:
-                    self._comm_end(time.perf_counter() - t0)
+                    phases.comm_end(time.perf_counter() - t0)
 
             def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
                 out = orig_step(*args, **kwargs)
-                self._ensure_holding()
+                phases.ensure_holding()
                 return out
 
             opt.synchronize = types.MethodType(synchronize, opt)
 
         def zero_grad(_opt: Any, *args: Any, **kwargs: Any) -> Any:
-            self._ensure_holding()
+            phases.ensure_holding()
             return orig_zero(*args, **kwargs)
 
         opt.step = types.MethodType(step, opt)
@@ -309,47 +312,10 @@ class _PhaseTracker:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
-    @_guard
+    def _new_phase(self) -> None:
+        self.hooks_fired = 0
+
     def _on_grad(self, _param: Any) -> None:
         self.hooks_fired += 1
-        if self.hooks_fired >= self.expected and self.holding:
-            self._release()
-
-    @_guard
-    def _comm_begin(self) -> None:
-        if self.holding:
-            self._release()
-        elif not self.in_comm:
-            self.session.comm_begin(self.iteration)
-            self.in_comm = True
-
-    @_guard
-    def _comm_end(self, duration: float) -> None:
-        self.iteration += 1
-        self._acquire(comm_s=duration)  # the request tells the daemon the allreduce ended
-
-    @_guard
-    def _ensure_holding(self) -> None:
-        if not self.holding:
-            self._acquire()
-
-    def _acquire(self, comm_s: float | None = None) -> None:
-        if not self.session.turn_agreed and self.agree is not None:
-            self.session.turn_agreed = True
-            self.agree(self.session)
-        self.hooks_fired = 0
-        self.in_comm = False
-        self.session.acquire(self.iteration, comm_s)
-        self.holding = True
-        self.compute_start = time.perf_counter()
-
-    def _release(self) -> None:
-        if self.cuda:
-            import torch
-
-            done = torch.cuda.Event(blocking=True)  # sleep, not spin, while the GPU finishes
-            done.record()
-            done.synchronize()
-        self.holding = False
-        self.in_comm = True  # the gradients' allreduces are submitted: one message says both
-        self.session.release(self.iteration, time.perf_counter() - self.compute_start, comm_begins=True)
+        if self.hooks_fired >= self.expected:
+            self.phases.compute_done()

@@ -28,6 +28,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMM: _ClassVar[Phase]
     OTHER: _ClassVar[Phase]
     SUSPENDED: _ClassVar[Phase]
+    OVERDUE: _ClassVar[Phase]
 EVENT_KIND_UNSPECIFIED: EventKind
 OPEN: EventKind
 COMPUTE_REQUEST: EventKind
@@ -44,6 +45,7 @@ COMPUTE: Phase
 COMM: Phase
 OTHER: Phase
 SUSPENDED: Phase
+OVERDUE: Phase
 
 class RankIdentity(_message.Message):
     __slots__ = ("job_id", "job_name", "rank", "local_rank", "world_size", "local_size", "node", "device", "pid")
@@ -98,7 +100,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ..., session_socket: _Optional[str] = ...) -> None: ...
 
 class RankEvent(_message.Message):
-    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s")
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "yields")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class RankEvent(_message.Message):
     COMM_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     AGO_S_FIELD_NUMBER: _ClassVar[int]
+    YIELDS_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     session_id: str
     iteration: int
@@ -123,7 +126,8 @@ class RankEvent(_message.Message):
     comm_s: float
     batch: _containers.RepeatedCompositeFieldContainer[RankEvent]
     ago_s: float
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ...) -> None: ...
+    yields: bool
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., yields: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("grant", "policy", "lease", "error", "share")
@@ -256,16 +260,18 @@ class QueueRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class QueueState(_message.Message):
-    __slots__ = ("node", "policy", "uptime_s", "devices")
+    __slots__ = ("node", "policy", "uptime_s", "devices", "overdue_total")
     NODE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    OVERDUE_TOTAL_FIELD_NUMBER: _ClassVar[int]
     node: str
     policy: str
     uptime_s: float
     devices: _containers.RepeatedCompositeFieldContainer[DeviceState]
-    def __init__(self, node: _Optional[str] = ..., policy: _Optional[str] = ..., uptime_s: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ...) -> None: ...
+    overdue_total: int
+    def __init__(self, node: _Optional[str] = ..., policy: _Optional[str] = ..., uptime_s: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., overdue_total: _Optional[int] = ...) -> None: ...
 
 class JobsRequest(_message.Message):
     __slots__ = ("protocol_version",)

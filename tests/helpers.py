@@ -134,14 +134,17 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
 
 
 def compute_intervals(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, str, int]]]:
-    """Per device, the [grant, release) intervals from the event log."""
+    """Per device, the [grant, release) intervals from the event log.
+
+    An `overdue` holder's interval ends where the daemon gave its device to the next rank.
+    """
     open_: dict[tuple[str, int], tuple[float, int]] = {}
     out: dict[int, list[tuple[float, float, str, int]]] = {}
     for e in events:
         key = (e.get("job"), e.get("rank"))
         if e["event"] == "grant":
             open_[key] = (e["t"], e["device"])
-        elif e["event"] in ("release", "leave") and key in open_:
+        elif e["event"] in ("release", "leave", "overdue") and key in open_:
             t0, dev = open_.pop(key)
             out.setdefault(dev, []).append((t0, e["t"], key[0], key[1]))
     return out

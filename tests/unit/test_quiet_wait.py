@@ -6,6 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("horovod.torch")
 from crossover.plugins import horovod_torch as ht  # noqa: E402
+from crossover.plugins.phases import RankPhases  # noqa: E402
 
 
 class FakeSession:
@@ -21,7 +22,8 @@ class FakeSession:
         self.calls.append("acquire")
         return True
 
-    def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False) -> None:
+    def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
+                yields: bool = False) -> None:
         self.calls.append("release")
 
 
@@ -38,7 +40,7 @@ def test_the_quiet_wait_is_only_for_a_shared_device(monkeypatch, shares_device, 
     monkeypatch.setattr(ht, "_wait_quietly", waited.append)
     opt = FakeOptimizer([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     session = FakeSession(shares_device)
-    ht._PhaseTracker(opt, session, quiet_wait=quiet).attach()  # type: ignore[arg-type]
+    ht._PhaseTracker(opt, RankPhases(session), quiet_wait=quiet).attach()  # type: ignore[arg-type]
     opt.synchronize()
     assert len(waited) == waits
     assert session.calls[-1] == "acquire"  # the allreduce's end still opens the next compute phase

@@ -933,3 +933,66 @@ def test_uptime_follows_the_clock(make, clock):
     s = make()
     clock.advance(12.5)
     assert s.uptime() == pytest.approx(12.5)
+
+
+# ---- yields and overdue holders ----------------------------------------
+
+
+def test_a_yield_frees_the_device_and_the_pieces_count_as_one_compute_phase(make, clock):
+    s = make("exclusive")
+    a, box_a = join(s, job="job-a", device=0)
+    b, box_b = join(s, job="job-b", device=0)
+    s.event(a, "compute_request", iteration=3, seq=1)
+    clock.advance(0.010)
+    s.event(a, "compute_done", iteration=3, duration_s=0.010, yields=True)  # a metric allreduce begins
+    s.event(b, "compute_request", iteration=0, seq=1)
+    assert [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "the yielded device went to nobody"
+    s.event(a, "compute_request", iteration=3, seq=2)  # back from the collective: same iteration
+    s.event(b, "compute_done", iteration=0, duration_s=0.002, comm_begins=True)
+    assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)] == [1, 2]
+    clock.advance(0.030)
+    s.event(a, "compute_done", iteration=3, duration_s=0.030, comm_begins=True)
+    rank = next(r for r in s.snapshot()[1] if r.ident.job_id == "job-a")
+    assert rank.iteration == 3
+    assert rank.mean_compute_s == pytest.approx(0.040)  # both pieces, one phase
+    assert s._sessions[a].stats.compute_n == 1 and s._sessions[a].stats.compute_ema == pytest.approx(0.040)
+    yields = [e for e in s.events.snapshot() if e["event"] == "release" and e.get("yields")]
+    assert len(yields) == 1
+
+
+def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_served(make, clock):
+    s = make("exclusive", evict_after=100.0, timeout=100.0)
+    s.overdue_factor, s.overdue_after_s = 10.0, 1.0
+    a, box_a = join(s, job="job-a", device=0)
+    b, box_b = join(s, job="job-b", device=0)
+    for it in range(3):  # a measured compute time of 50 ms
+        s.event(a, "compute_request", iteration=it, seq=it + 1)
+        clock.advance(0.05)
+        s.event(a, "compute_done", iteration=it, duration_s=0.05, comm_begins=True)
+    s.event(a, "compute_request", iteration=3, seq=4)  # then it blocks somewhere while holding
+    s.event(b, "compute_request", iteration=0, seq=1)
+    clock.advance(0.9)
+    s.reap()
+    assert not [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "served before the floor"
+    clock.advance(0.2)
+    s.reap()
+    assert [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "the overdue holder kept the device"
+    assert s.overdue_total == 1
+    per_dev, _ = s.snapshot()
+    assert [r.phase for r in per_dev[0].others] == [Phase.OVERDUE]
+    assert [e["event"] for e in s.events.snapshot()].count("overdue") == 1
+    s.event(a, "compute_done", iteration=3, duration_s=1.2, comm_begins=True)  # its late end is no error
+    s.event(b, "compute_done", iteration=0, duration_s=0.01, comm_begins=True)
+    s.event(a, "compute_request", iteration=4, seq=5)
+    assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)][-1] == 5
+    assert overlaps(compute_intervals(s.events.snapshot())[0]) == []
+
+
+def test_a_long_holder_nobody_waits_for_is_left_alone(make, clock):
+    s = make("exclusive", evict_after=100.0, timeout=100.0)
+    s.overdue_after_s = 1.0
+    a, _ = join(s, job="job-a", device=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    clock.advance(30.0)
+    s.reap()
+    assert s.overdue_total == 0

@@ -28,6 +28,9 @@ def main():
     p.add_argument("--process-set", action="store_true", help="allreduce in a process set of ranks 0 and 1 only")
     p.add_argument("--manual-sync", action="store_true", help="synchronize(), clip, then step() under skip_synchronize")
     p.add_argument("--lr-schedule", action="store_true", help="a StepLR built on the distributed optimizer")
+    p.add_argument("--metric", action="store_true",
+                   help="average the loss over ranks with hvd.allreduce after every step (a metric, as "
+                        "Horovod's ImageNet example does)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="")
@@ -80,6 +83,8 @@ def main():
             opt.step()
         if sched is not None:
             sched.step()
+        if args.metric:
+            hvd.allreduce(loss.detach(), name="metric.loss")
         times.append(time.perf_counter() - t0)
 
     hvd.join()  # ranks outside a process set finish early; wait for the others before shutdown

@@ -1,0 +1,94 @@
+"""Hand the device back whenever a rank waits for other ranks inside Horovod.
+
+Every blocking Horovod call of `horovod.torch` ends in one function,
+`mpi_ops.synchronize(handle)`: allreduce, grouped_allreduce, allgather,
+broadcast, alltoall, reducescatter (and their `*_async` handles when a script
+synchronizes them), `join`, `barrier`, and everything built on them
+(`broadcast_parameters`, `broadcast_optimizer_state`, `broadcast_object`,
+`allgather_object`, SyncBatchNorm, elastic state sync), on any process set.
+Wrapping it (and `poll`, `shutdown`) is enough for a holder to yield its
+device for the length of every such wait, whoever calls it: a script, the
+optimizer, or Crossover's own aggregation.
+
+`poll` does not block, but a loop on it does: a poll that finds the
+operation unfinished yields the device, and the rank asks for it again when
+a poll finds it done (or at its next phase point). `shutdown` may wait for
+the other ranks too; the device is asked for again only if the rank trains on
+(elastic re-initialisation).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from .phases import RankPhases
+
+__all__ = ["install", "uninstall"]
+
+_WRAPPED = ("synchronize", "poll", "shutdown")
+_state: dict[str, Any] = {"phases": None, "originals": {}}
+
+
+def install(phases: RankPhases) -> None:
+    """Route Horovod's waits through `phases` (the latest call wins); idempotent."""
+    import horovod.torch.mpi_ops as mpi_ops
+
+    _state["phases"] = phases
+    originals: dict[str, Callable[..., Any]] = _state["originals"]
+    if originals:
+        return
+    for name in _WRAPPED:
+        originals[name] = getattr(mpi_ops, name)
+    wrappers = {"synchronize": _synchronize, "poll": _poll, "shutdown": _shutdown}
+    _swap({originals[n]: wrappers[n] for n in _WRAPPED})
+
+
+def uninstall() -> None:
+    """Restore Horovod's functions everywhere they were replaced (tests use it)."""
+    originals: dict[str, Callable[..., Any]] = _state["originals"]
+    if originals:
+        wrappers = {_synchronize: originals["synchronize"], _poll: originals["poll"],
+                    _shutdown: originals["shutdown"]}
+        _swap(wrappers)
+    _state.update(phases=None, originals={})
+
+
+def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
+    """Replace each function in every loaded `horovod.torch` module that imported it by name."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "horovod.torch" or name.startswith("horovod.torch.")):
+            continue
+        for attr in _WRAPPED:
+            current = getattr(module, attr, None)
+            if current is not None and current in replace:
+                setattr(module, attr, replace[current])
+
+
+def _phases() -> RankPhases | None:
+    return _state["phases"]
+
+
+def _synchronize(handle: Any) -> Any:
+    phases = _phases()
+    if phases is None:
+        return _state["originals"]["synchronize"](handle)
+    with phases.waiting_for_peers():
+        return _state["originals"]["synchronize"](handle)
+
+
+def _poll(handle: Any) -> bool:
+    done = bool(_state["originals"]["poll"](handle))
+    phases = _phases()
+    if phases is not None:
+        if done:
+            phases.resume()
+        else:
+            phases.pause()
+    return done
+
+
+def _shutdown(*args: Any, **kwargs: Any) -> Any:
+    phases = _phases()
+    if phases is not None:
+        phases.pause()
+    return _state["originals"]["shutdown"](*args, **kwargs)
