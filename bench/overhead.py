@@ -10,7 +10,8 @@ and the daemon's CPU time
 per rank-iteration (its user+system time from the job's start to its end:
 the cost the node pays, less noisy than wall time on a saturated machine).
 
-    python bench/overhead.py [--np 2] [--rounds 3] [--iters 80] [--target-ms 50] [--out results/overhead.json]
+    python bench/overhead.py [--np 2] [--rounds 3] [--iters 80] [--target-ms 50] [--metric]
+                             [--out results/overhead.json]
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ VARIANTS = ("plain", "passthrough", "exclusive", "exclusive-no-lease", "exclusiv
 
 def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int) -> dict:
     job_args = ["--iters", str(args.iters), "--width", str(args.width), "--batch", str(args.batch)]
+    if args.metric:
+        job_args.append("--metric")
     name = f"{variant}{rnd}"
     if variant == "plain":
         proc, out = start_job(name, WORKLOAD, workdir, args.np, job_args, {})
@@ -106,6 +109,10 @@ def main() -> None:
                    help="ranks of the job; on a 2-core machine 2 ranks fill every core, so the daemon's and the "
                         "RPC threads' CPU preempts a rank and stalls both (1 rank leaves them a core)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--metric", action="store_true",
+                   help="the workload averages its loss with hvd.allreduce after every step (Horovod's ImageNet "
+                        "example does): a holder frees its device for that wait and asks again, so the no-lease "
+                        "variants pay one more grant round trip per iteration")
     p.add_argument("--iters", type=int, default=80)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--width", type=int, default=512)
