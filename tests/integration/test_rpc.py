@@ -111,7 +111,8 @@ def sessions():
         settings = PluginSettings(target=target, token=kw.pop("token", ""), tls_ca="", disabled=False, job_name=job,
                                   device=kw.pop("device", 0), grant_timeout_s=kw.pop("grant_timeout_s", 5.0),
                                   connect_timeout_s=kw.pop("connect_timeout_s", 2.0), reconnect_interval_s=30.0,
-                                  pin=False, log_level="WARNING", transport=kw.pop("transport", "auto"))
+                                  pin=False, log_level="WARNING", transport=kw.pop("transport", "auto"),
+                                  cool_off_s=kw.pop("cool_off_s", 10.0))
         info = RankInfo(job_id=f"id-{job}", job_name=job, rank=rank, local_rank=rank, world_size=world,
                         local_size=world, device=settings.device)
         s = Session(info, settings)
@@ -781,3 +782,28 @@ def test_without_a_usable_session_socket_a_rank_streams_over_grpc(serve, session
     assert s2.transport == "grpc" and "using the gRPC stream" in caplog.text
     assert s2.acquire(0) is True
     s2.release(0)
+
+
+def test_after_a_grant_timeout_a_rank_trains_unscheduled_for_the_cool_off_instead_of_waiting_every_iteration(
+        serve, channels, streams, sessions):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = register(stub, job="hog", world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))
+    assert first_directive(call).grant.seq == 1  # the hog holds device 0 and never releases it
+    waiter = sessions(target, "patient", grant_timeout_s=0.3, cool_off_s=1.0)
+    t0 = time.monotonic()
+    assert waiter.acquire(0) is False  # timed out: unscheduled
+    assert time.monotonic() - t0 >= 0.3
+    waiter.release(0, 0.01, comm_begins=True)
+    t1 = time.monotonic()
+    for it in range(1, 6):  # during the cool-off every iteration goes on at once
+        assert waiter.acquire(it, comm_s=0.001) is False
+        waiter.release(it, 0.001, comm_begins=True)
+    assert time.monotonic() - t1 < 0.25, "a rank in its cool-off paid the grant timeout again"
+    time.sleep(1.0)
+    q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0, comm_begins=True))  # the hog lets go
+    assert waiter.acquire(6, comm_s=0.001) is True  # after the cool-off it is scheduled again
+    waiter.release(6)
