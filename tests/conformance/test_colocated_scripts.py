@@ -33,7 +33,7 @@ PAIRS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[dict[str, str], d
     "loader-and-lbbsp": (("--workers", "2", "--eval"), ("--lbbsp", "--metric"),
                          ({}, {"CROSSOVER_AGGREGATION": "weighted", "CROSSOVER_LBBSP_PERIOD": "5"})),
     # The plugin's Adasum (its allgathers run inside step()) on both jobs, with a metric.
-    "adasum": (("--metric",), ("--metric", "--clip"),
+    "adasum": (("--metric",), ("--metric", "--eval", "--object-sync"),
                ({"CROSSOVER_AGGREGATION": "adasum"}, {"CROSSOVER_AGGREGATION": "adasum"})),
 }
 PLACEMENTS = {"rank-per-device": "2", "ranks-share-device": "1"}
