@@ -108,11 +108,8 @@ class Session:
         with self._cond:
             if not self._attached:
                 return False
-            if self._clock() < self._cool_until:  # unscheduled for now; still report the allreduce
-                if comm_s is not None:
-                    self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
-                return False
-            if self._requested_gen == self._generation:
+            # In a cool-off, or already asked: nothing to request, only the allreduce's end to report.
+            if self._clock() < self._cool_until or self._requested_gen == self._generation:
                 if comm_s is not None:
                     self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
                 return False

@@ -740,7 +740,7 @@ class Scheduler:
             else:
                 self._deliver(self._policy.cancel(key, now), now, record)
         elif sess.phase is Phase.OVERDUE:
-            # Its device went to the next waiter while it overran (see `_mark_overdue`): it is done now.
+            # Its device went to the next waiter while it overran (see `_check_overdue`): it is done now.
             self._set_phase(sess, Phase.OTHER, now)
             sess.yielded_s = 0.0
             record.append(("overdue_done", sess, {"late_s": now - sess.phase_since}))

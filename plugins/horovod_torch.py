@@ -290,7 +290,7 @@ class _PhaseTracker:
                 phases.comm_begin()
                 t0 = time.perf_counter()
                 try:
-                    if quiet and getattr(phases.session, "shares_device", True):  # alone, nobody needs the core
+                    if quiet and phases.session.shares_device:  # alone, nobody needs the core
                         _wait_quietly(opt)
                     return orig_sync()
                 finally:

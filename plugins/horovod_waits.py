@@ -25,32 +25,25 @@ from .phases import RankPhases
 
 __all__ = ["install", "uninstall"]
 
-_WRAPPED = ("synchronize", "poll", "shutdown")
-_state: dict[str, Any] = {"phases": None, "originals": {}}
+_state: dict[str, Any] = {"phases": None, "originals": {}}  # originals: Horovod's own, by name
 
 
 def install(phases: RankPhases) -> None:
     """Route Horovod's waits through `phases` (the latest call wins); idempotent."""
     import horovod.torch.mpi_ops as mpi_ops
 
+    first = _state["phases"] is None
     _state["phases"] = phases
-    originals: dict[str, Callable[..., Any]] = _state["originals"]
-    if originals:
-        return
-    for name in _WRAPPED:
-        originals[name] = getattr(mpi_ops, name)
-    wrappers = {"synchronize": _synchronize, "poll": _poll, "shutdown": _shutdown}
-    _swap({originals[n]: wrappers[n] for n in _WRAPPED})
+    if first:
+        _state["originals"] = {name: getattr(mpi_ops, name) for name in _WRAPPERS}
+        _swap({_state["originals"][name]: wrapper for name, wrapper in _WRAPPERS.items()})
 
 
 def uninstall() -> None:
     """Restore Horovod's functions everywhere they were replaced (tests use it)."""
-    originals: dict[str, Callable[..., Any]] = _state["originals"]
-    if originals:
-        wrappers = {_synchronize: originals["synchronize"], _poll: originals["poll"],
-                    _shutdown: originals["shutdown"]}
-        _swap(wrappers)
-    _state.update(phases=None, originals={})
+    if _state["phases"] is not None:
+        _swap({wrapper: _state["originals"][name] for name, wrapper in _WRAPPERS.items()})
+    _state["phases"] = None
 
 
 def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
@@ -58,19 +51,15 @@ def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
     for name, module in list(sys.modules.items()):
         if module is None or not (name == "horovod.torch" or name.startswith("horovod.torch.")):
             continue
-        for attr in _WRAPPED:
+        for attr in _WRAPPERS:
             current = getattr(module, attr, None)
             if current is not None and current in replace:
                 setattr(module, attr, replace[current])
 
 
-def _phases() -> RankPhases | None:
-    return _state["phases"]
-
-
 def _synchronize(handle: Any) -> Any:
-    phases = _phases()
-    if phases is None:
+    phases: RankPhases | None = _state["phases"]
+    if phases is None:  # a reference kept past `uninstall`
         return _state["originals"]["synchronize"](handle)
     with phases.waiting_for_peers():
         return _state["originals"]["synchronize"](handle)
@@ -78,7 +67,7 @@ def _synchronize(handle: Any) -> Any:
 
 def _poll(handle: Any) -> bool:
     done = bool(_state["originals"]["poll"](handle))
-    phases = _phases()
+    phases: RankPhases | None = _state["phases"]
     if phases is not None:
         if done:
             phases.resume()
@@ -88,7 +77,10 @@ def _poll(handle: Any) -> bool:
 
 
 def _shutdown(*args: Any, **kwargs: Any) -> Any:
-    phases = _phases()
+    phases: RankPhases | None = _state["phases"]
     if phases is not None:
         phases.pause()
     return _state["originals"]["shutdown"](*args, **kwargs)
+
+
+_WRAPPERS: dict[str, Callable[..., Any]] = {"synchronize": _synchronize, "poll": _poll, "shutdown": _shutdown}

@@ -30,6 +30,9 @@ class PhaseSession(Protocol):
 
     turn_agreed: bool
 
+    @property
+    def shares_device(self) -> bool: ...
+
     def acquire(self, iteration: int, comm_s: float | None = None) -> bool: ...
 
     def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
@@ -144,14 +147,12 @@ class RankPhases:
         for reset in self.on_phase_start:
             reset()
         self.in_comm = False
+        self._resume(comm_s)
+
+    def _resume(self, comm_s: float | None = None) -> None:
+        """Ask for the device for this iteration (again, after a pause) and hold it."""
         self.yielded = False
         self.session.acquire(self.iteration, comm_s)
-        self.holding = True
-        self._since = self._clock()
-
-    def _resume(self) -> None:
-        self.yielded = False
-        self.session.acquire(self.iteration)
         self.holding = True
         self._since = self._clock()
 

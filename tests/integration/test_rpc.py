@@ -133,6 +133,15 @@ def register(stub: pb_grpc.SchedulerStub, **kw) -> pb.RegisterResponse:
     return stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(**kw)), timeout=5)
 
 
+def holding_stream(stub: pb_grpc.SchedulerStub, streams, job: str) -> tuple[queue.SimpleQueue, grpc.Call]:
+    """A 1-rank job's raw stream that asked for device 0 and was granted it (it holds it until told)."""
+    reg = register(stub, job=job, world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))
+    assert first_directive(call).grant.seq == 1
+    return q, call
+
+
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -387,10 +396,7 @@ def test_stream_end_frees_the_grant(serve, channels, streams, sessions):
     d = serve()
     target = f"unix://{d.socket_path}"
     stub = pb_grpc.SchedulerStub(channels(target))
-    reg = register(stub, job="quitter", world=1)
-    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
-                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))
-    assert first_directive(call).grant.seq == 1
+    q, call = holding_stream(stub, streams, "quitter")
     waiter = sessions(target, "next-in-line", grant_timeout_s=5.0)
     result: list[bool] = []
     t = threading.Thread(target=lambda: result.append(waiter.acquire(0)), daemon=True)
@@ -419,10 +425,7 @@ def test_stopping_the_daemon_releases_waiters(serve, channels, streams, sessions
     d = serve()
     target = f"unix://{d.socket_path}"
     stub = pb_grpc.SchedulerStub(channels(target))
-    reg = register(stub, job="hog", world=1)
-    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
-                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))
-    assert first_directive(call).grant.seq == 1
+    q, call = holding_stream(stub, streams, "hog")
     for _ in range(3):  # keep the hog alive while the waiter blocks
         q.put(pb.RankEvent(kind=pb.HEARTBEAT))
     waiter = sessions(target, "blocked", grant_timeout_s=10.0)
@@ -789,10 +792,7 @@ def test_after_a_grant_timeout_a_rank_trains_unscheduled_for_the_cool_off_instea
     d = serve()
     target = f"unix://{d.socket_path}"
     stub = pb_grpc.SchedulerStub(channels(target))
-    reg = register(stub, job="hog", world=1)
-    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
-                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, seq=1))
-    assert first_directive(call).grant.seq == 1  # the hog holds device 0 and never releases it
+    q, call = holding_stream(stub, streams, "hog")  # the hog holds device 0 and never releases it
     waiter = sessions(target, "patient", grant_timeout_s=0.3, cool_off_s=1.0)
     t0 = time.monotonic()
     assert waiter.acquire(0) is False  # timed out: unscheduled
