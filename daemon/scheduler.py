@@ -222,6 +222,7 @@ class Scheduler:
         self._leases: dict[int, str] = {}  # device -> session holding its lease
         self._revoking: dict[int, dict[str, float]] = {}  # device -> {session whose LEASE_RELEASED is awaited: since}
         self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
+        self._unsent: list[tuple[_Session, Any]] = []  # a decision's messages, sent once its entries are logged
         self._started = clock()
         self._closed = False
         self._ids = itertools.count()
@@ -261,8 +262,8 @@ class Scheduler:
             joined: list[tuple[str, _Session, dict]] = [("register", sess, {"pid": ident.pid})]
             self._revoke(device.index, "another rank joined the device", joined)
             self._deliver(self._policy.join(ref, now), now, joined)
-            self._flush(joined, now)
             self._tell_share(device.index)
+            self._flush(joined, now)
             blocks = self._policy.blocks
             name = self._policy.name
         _log.info("registered %s rank %d (pid %d) on device %d", ident.job_name, ident.rank, ident.pid, device.index)
@@ -319,48 +320,49 @@ class Scheduler:
             now = arrived - ago_s
             if self._closed:  # shutting down: the grant or close already queued for this stream stands
                 return
-            sess = self._session(session_id)
-            silent = arrived - sess.last_seen
-            sess.last_seen = arrived
-            # A dated event is its batch's arrival less its age; batches travel with different
-            # delays, so a date can fall before the rank's previous event. A rank's events are
-            # sequential: clamp, or its own consecutive phases would overlap in the log.
-            previous = sess.last_t
-            now = max(now, previous)
-            if sess.phase is Phase.SUSPENDED:
-                self._resume(sess, silent, now, record)
-            if kind == "heartbeat":
-                self._flush(record, now)
-                return
-            if kind == "compute_request":
-                self._request(sess, iteration, seq, turn_base, duration_s, no_wait, now, record)
-            elif kind == "compute_done":
-                if requested:  # its request rode along: apply it first, dated when the phase began
-                    began = max(now - duration_s, previous)
-                    mark = len(record)
-                    self._request(sess, iteration, seq, turn_base, comm_s, True, now, record)
-                    for _, _, fields in record[mark:]:
-                        fields["t"] = began
-                    sess.requested_at = began
-                    if sess.phase is Phase.COMPUTE:
-                        sess.phase_since = began
-                self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done, yields=yields)
-                sess.forgive_done = False
-                if comm_begins:
+            try:
+                sess = self._session(session_id)
+                silent = arrived - sess.last_seen
+                sess.last_seen = arrived
+                # A dated event is its batch's arrival less its age; batches travel with different
+                # delays, so a date can fall before the rank's previous event. A rank's events are
+                # sequential: clamp, or its own consecutive phases would overlap in the log.
+                previous = sess.last_t
+                now = max(now, previous)
+                if sess.phase is Phase.SUSPENDED:
+                    self._resume(sess, silent, now, record)
+                if kind == "heartbeat":
+                    return
+                if kind == "compute_request":
+                    self._request(sess, iteration, seq, turn_base, duration_s, no_wait, now, record)
+                elif kind == "compute_done":
+                    if requested:  # its request rode along: apply it first, dated when the phase began
+                        began = max(now - duration_s, previous)
+                        mark = len(record)
+                        self._request(sess, iteration, seq, turn_base, comm_s, True, now, record)
+                        for _, _, fields in record[mark:]:
+                            fields["t"] = began
+                        sess.requested_at = began
+                        if sess.phase is Phase.COMPUTE:
+                            sess.phase_since = began
+                    self._finish_compute(sess, now, record, duration_s, strict=not sess.forgive_done, yields=yields)
+                    sess.forgive_done = False
+                    if comm_begins:
+                        self._begin_comm(sess, iteration, now, record)
+                elif kind == "comm_begin":
+                    if sess.phase in (Phase.COMPUTE, Phase.WAITING, Phase.OVERDUE):
+                        self._finish_compute(sess, now, record, 0.0, strict=False)
                     self._begin_comm(sess, iteration, now, record)
-            elif kind == "comm_begin":
-                if sess.phase in (Phase.COMPUTE, Phase.WAITING, Phase.OVERDUE):
-                    self._finish_compute(sess, now, record, 0.0, strict=False)
-                self._begin_comm(sess, iteration, now, record)
-            elif kind == "comm_end":
-                self._end_comm(sess, iteration, duration_s, now, record)
-            elif kind == "lease_released":
-                if sess.id in self._revoking.get(sess.ref.device, {}):
-                    record.append(("lease_released", sess, {}))
-                    self._end_revoke(sess.ref.device, sess.id, now, record)
-            else:
-                raise InvalidRequest(f"unknown event kind {kind!r}")
-            self._flush(record, now)
+                elif kind == "comm_end":
+                    self._end_comm(sess, iteration, duration_s, now, record)
+                elif kind == "lease_released":
+                    if sess.id in self._revoking.get(sess.ref.device, {}):
+                        record.append(("lease_released", sess, {}))
+                        self._end_revoke(sess.ref.device, sess.id, now, record)
+                else:
+                    raise InvalidRequest(f"unknown event kind {kind!r}")
+            finally:  # what was decided before an error stands: log it and send its messages
+                self._flush(record, now)
 
     def _request(self, sess: _Session, iteration: int, seq: int, turn_base: int, comm_s: float, no_wait: bool,
                  now: float, record: list) -> None:
@@ -396,10 +398,10 @@ class Scheduler:
             if sess.phase is not Phase.SUSPENDED:  # a suspended rank already left the policy
                 self._deliver(self._policy.leave(sess.ref.key, now), now, record)
             self._forget_lease(sess, now, record)
-            sess.send(CloseMsg(reason))
+            self._post(sess, CloseMsg(reason))
             record.insert(0, ("leave", sess, {"reason": reason}))
-            self._flush(record, now)
             self._tell_share(sess.ref.device)
+            self._flush(record, now)
         _log.info("removed %s rank %d: %s", sess.ident.job_name, sess.ident.rank, reason)
         return True
 
@@ -505,7 +507,7 @@ class Scheduler:
                     claim = new.occupy if sess.phase is Phase.COMPUTE else new.request
                     self._deliver(claim(sess.ref.key, sess.turn, now), now, record)
             for sess in self._sessions.values():
-                sess.send(PolicyMsg(new.name, new.blocks))
+                self._post(sess, PolicyMsg(new.name, new.blocks))
             self._flush(record, now)
         self.events.record("policy", old=old, new=name)
         _log.info("policy %s -> %s", old, name)
@@ -643,7 +645,7 @@ class Scheduler:
         """Tell each rank on the device how many others share it (they joined or left)."""
         on_device = [s for s in self._sessions.values() if s.ref.device == device]
         for sess in on_device:
-            sess.send(ShareMsg(len(on_device) - 1))
+            self._post(sess, ShareMsg(len(on_device) - 1))
 
     # ---- leases --------------------------------------------------------
 
@@ -656,7 +658,7 @@ class Scheduler:
         if any(s.ref.device == device for s in self._sessions.values() if s is not sess):
             return
         self._leases[device] = sess.id
-        sess.send(LeaseMsg(True))
+        self._post(sess, LeaseMsg(True))
         record.append(("lease", sess, {}))
 
     def _revoke(self, device: int, reason: str, record: list) -> None:
@@ -664,7 +666,7 @@ class Scheduler:
         if sid is None:
             return
         holder = self._sessions[sid]
-        holder.send(LeaseMsg(False))
+        self._post(holder, LeaseMsg(False))
         self._await_release(holder, reason, record)
 
     def _await_release(self, sess: _Session, reason: str, record: list) -> None:
@@ -698,7 +700,7 @@ class Scheduler:
         device = sess.ref.device
         if self._leases.get(device) == sess.id:
             del self._leases[device]
-            sess.send(LeaseMsg(False))  # a suspended rank reads it when it wakes, and waits for grants again
+            self._post(sess, LeaseMsg(False))  # a suspended rank reads it when it wakes, and waits for grants again
         if sess.id in self._revoking.get(device, {}):
             self._end_revoke(device, sess.id, now, record)
         deferred = self._deferred.get(device)
@@ -771,7 +773,7 @@ class Scheduler:
                 record.append(("grant", sess, {"iteration": sess.iteration, "waited_s": waited}))
             # Nobody waits for the message under a policy that never blocks, or with a lease.
             if self._policy.blocks and not sess.no_wait:
-                sess.send(GrantMsg(sess.pending_seq, sess.iteration, waited))
+                self._post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited))
                 self._maybe_lease(sess, record if record is not None else [])
 
     def _flush(self, record: list[tuple[str, _Session, dict]], now: float) -> None:
@@ -783,6 +785,15 @@ class Scheduler:
         for name, sess, fields in record:
             sess.last_t = fields["t"] = max(fields.get("t", now), sess.last_t)
             self._record(name, sess, **fields)
+        record.clear()
+        unsent, self._unsent = self._unsent, []
+        for sess, msg in unsent:
+            sess.send(msg)
+
+    def _post(self, sess: _Session, msg: Any) -> None:
+        """Send `msg` once the current decision is logged (`_flush`), so that no rank acts on
+        a grant or lease before the event log shows it; called with the lock held."""
+        self._unsent.append((sess, msg))
 
     def _record(self, event: str, sess: _Session, **fields) -> None:
         self.events.record(

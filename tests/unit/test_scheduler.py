@@ -204,6 +204,26 @@ def test_waiter_is_granted_on_release_with_waited_time(make, clock):
     assert [m.seq for m in drain_outbox(box_a)] == [1]
 
 
+def test_a_rank_never_hears_of_a_grant_or_lease_before_the_event_log_shows_it(make):
+    s = make(lease=True)
+    seen: list[tuple[str, int]] = []  # (message, grant or lease entries logged when it was delivered)
+
+    def deliver(msg) -> None:
+        if isinstance(msg, (GrantMsg, LeaseMsg)):
+            kind = "grant" if isinstance(msg, GrantMsg) else "lease" if msg.held else "lease_revoke"
+            seen.append((kind, sum(e["event"] == kind for e in s.events.snapshot())))
+
+    a = s.register(ident(rank=0), accepts_leases=True).session_id
+    s.attach(a, deliver)
+    s.event(a, "compute_request", iteration=0, seq=1)  # a lone rank: granted and leased
+    b = s.register(ident(rank=1), accepts_leases=True).session_id
+    s.attach(b, deliver)
+    s.event(a, "compute_done", iteration=0, comm_begins=True)
+    s.event(a, "lease_released")
+    s.event(b, "compute_request", iteration=0, seq=1)
+    assert seen == [("grant", 1), ("lease", 1), ("lease_revoke", 1), ("grant", 2)]
+
+
 def test_compute_done_without_grant_is_refused(make):
     s = make()
     sid, _ = join(s)
