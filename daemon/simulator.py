@@ -109,8 +109,8 @@ class LocalOrderCrossoverPolicy(CrossoverPolicy):
             self._join_seq.pop(key.job_id, None)
         return granted
 
-    def _key(self, job_id: str, waiting: bool) -> tuple:
-        return (self._jobs[job_id].iteration + (0 if waiting else 1), self._join_seq[job_id])
+    def _tiebreak(self, job_id: str) -> str | int:
+        return self._join_seq[job_id]
 
 
 PolicyFactory = Callable[[], Policy]

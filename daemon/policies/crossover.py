@@ -91,6 +91,7 @@ class CrossoverPolicy(QueuePolicy):
         super().__init__()
         self.settings = settings or CrossoverSettings()
         self._jobs: dict[str, _Job] = {}
+        self._turns: dict[RankKey, int] = {}  # each rank's latest requested turn
         self._holds: dict[int, _Hold] = {}
         self.backfills = 0
         self.timeouts = 0
@@ -104,6 +105,7 @@ class CrossoverPolicy(QueuePolicy):
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
         device = self._q.remove(key)
+        self._turns.pop(key, None)
         if not any(k.job_id == key.job_id for k in self._q.ranks):
             del self._jobs[key.job_id]
         return self._dispatch(device, now)
@@ -123,6 +125,7 @@ class CrossoverPolicy(QueuePolicy):
         job = self._jobs[key.job_id]
         job.iteration = max(job.iteration, iteration)
         job.active = True
+        self._turns[key] = iteration
 
     def release(self, key: RankKey, now: float) -> list[RankKey]:
         self._q.release(key)
@@ -159,12 +162,10 @@ class CrossoverPolicy(QueuePolicy):
 
     def order(self, device: int) -> list[str]:
         """Job ids on the device, in the order the policy would serve them now."""
-        waiting = self._waiting_jobs(device)
-        return sorted(self._jobs_on(device), key=lambda j: self._key(j, j in waiting))
+        return sorted(self._jobs_on(device), key=lambda j: self._key(j, device))
 
     def turn_floor(self, device: int, job_id: str) -> int:
-        waiting = self._waiting_jobs(device)
-        turns = [self._key(j, j in waiting)[0] for j in self._jobs_on(device)
+        turns = [self._key(j, device)[0] for j in self._jobs_on(device)
                  if j != job_id and self._jobs[j].iteration >= 0 and self._jobs[j].active]
         return min(turns, default=0)
 
@@ -173,16 +174,35 @@ class CrossoverPolicy(QueuePolicy):
 
     # ---- decisions ----------------------------------------------------------
 
-    def _waiting_jobs(self, device: int) -> set[str]:
-        dev = self._q.devices.get(device)
-        return {k.job_id for k in dev.waiting} if dev else set()
-
     def _jobs_on(self, device: int) -> set[str]:
         return {k.job_id for k, r in self._q.ranks.items() if r.device == device}
 
-    def _key(self, job_id: str, waiting: bool) -> tuple:
-        """Serve order: smallest first. A job not waiting will ask for its next iteration."""
-        return (self._jobs[job_id].iteration + (0 if waiting else 1), job_id)
+    def _key(self, job_id: str, device: int) -> tuple:
+        """Serve order on the device, smallest first: the job's next turn there, then its id.
+
+        The turn is read from the job's own ranks on this device: a waiting rank's
+        requested turn, or the turn after the latest one a rank asked for. Never from
+        the job's furthest rank on the node: its rank on another device may be a turn
+        ahead, and this device would then rank the job a turn later than every other
+        node and device does. A rank that has not asked yet will join at the job's turn.
+        """
+        dev = self._q.devices.get(device)
+        waiting = set(dev.waiting) if dev else set()
+        job = self._jobs[job_id]
+        turns = []
+        for key, rank in self._q.ranks.items():
+            if key.job_id != job_id or rank.device != device:
+                continue
+            asked = self._turns.get(key)
+            if asked is None:
+                turns.append(max(job.iteration, 0))
+            else:
+                turns.append(asked if key in waiting else asked + 1)
+        return (min(turns, default=job.iteration + 1), self._tiebreak(job_id))
+
+    def _tiebreak(self, job_id: str) -> str | int:
+        """Between jobs at the same turn: the job id, the same on every node."""
+        return job_id
 
     def _expected_back(self, job: _Job, device: int, now: float) -> float:
         began = job.comm_began.get(device)
@@ -197,8 +217,8 @@ class CrossoverPolicy(QueuePolicy):
             return []
         waiting_jobs = {k.job_id for k in dev.waiting}
         active = {j for j in self._jobs_on(device) if self._jobs[j].active} | waiting_jobs
-        owner = min(active, key=lambda j: self._key(j, j in waiting_jobs))
-        best_ready = min(waiting_jobs, key=lambda j: self._key(j, True))
+        owner = min(active, key=lambda j: self._key(j, device))
+        best_ready = min(waiting_jobs, key=lambda j: self._waiting_key(dev, j))
         if owner in waiting_jobs:
             return self._grant(dev, device, owner)
         hold = self._holds.get(device)
@@ -216,8 +236,12 @@ class CrossoverPolicy(QueuePolicy):
             return self._grant(dev, device, best_ready)
         return []
 
+    def _waiting_key(self, dev: _Device, job_id: str) -> tuple:
+        """The job's smallest requested turn among its ranks waiting on the device."""
+        return (min(self._turns[k] for k in dev.waiting if k.job_id == job_id), self._tiebreak(job_id))
+
     def _grant(self, dev: _Device, device: int, job_id: str) -> list[RankKey]:
-        key = next(k for k in dev.waiting if k.job_id == job_id)
+        key = min((k for k in dev.waiting if k.job_id == job_id), key=lambda k: self._turns[k])
         self._q.grant(dev, key)
         self._holds.pop(device, None)
         return [key]

@@ -467,3 +467,32 @@ def test_turn_floor_is_the_smallest_turn_of_the_other_active_jobs():
     assert p.turn_floor(0, "c") == 6
     assert p.turn_floor(0, "b") == 7
     assert p.turn_floor(1, "c") == 0  # another device
+
+
+def test_a_job_with_ranks_on_two_devices_of_one_node_is_ordered_by_each_devices_own_rank():
+    """Each device judges a job by its own rank's turn, not by the job's furthest rank on the node.
+
+    Job a's rank on device 0 asks for turn 1 while its rank on device 1 is still in
+    the allreduce of turn 0 and will ask for turn 1 next. Job b then asks for turn 1
+    on both devices. Both devices must prefer a (same turn, smaller id): device 1
+    waits for a's rank there instead of granting b. Judged by the job's furthest rank,
+    a looked one turn later on device 1, b was served there while a computed on
+    device 0, and each job's next allreduce waited for a rank queued behind the other
+    job: the opposite orders seen with two jobs of two ranks on a two-device node.
+    """
+    p = CrossoverPolicy(CrossoverSettings(backfill=False))
+    a0, a1, b0, b1 = ref("a", 0, 0), ref("a", 1, 1), ref("b", 0, 0), ref("b", 1, 1)
+    joined(a0, a1, b0, b1, policy=p)
+    for a, b in ((a0, b0), (a1, b1)):  # turn 0: a, then b, on each device
+        assert p.request(a.key, 0, now=1.0) == [a.key]
+        assert p.request(b.key, 0, now=1.01) == []
+        assert p.release(a.key, now=1.1) == [b.key]
+        p.release(b.key, now=1.2)
+    assert p.request(a0.key, 1, now=1.3) == [a0.key]  # a's rank on device 0 is back first
+    assert p.request(b0.key, 1, now=1.31) == []
+    assert p.request(b1.key, 1, now=1.31) == []  # device 1 waits for a's rank there
+    assert p.order(1) == ["a", "b"]
+    assert p.request(a1.key, 1, now=1.32) == [a1.key]
+    assert p.order(0) == p.order(1) == ["b", "a"]  # a holds both devices; b is next on both
+    assert p.release(a0.key, now=1.4) == [b0.key]
+    assert p.release(a1.key, now=1.4) == [b1.key]
