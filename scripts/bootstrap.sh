@@ -47,6 +47,21 @@ if ! "$VPY" -c 'import torch' 2>/dev/null; then
 fi
 "${PIP[@]}" -r "$ROOT/requirements-dev.txt"
 
+# torchvision, for Horovod's own examples in the conformance tier. PyPI has no CPU build:
+# its wheel requires the CUDA torch, so it goes in without dependencies, at the version
+# that pins this torch (its compiled ops then do not load; tests/conformance/with_crossover.py
+# copes). Checked by presence, not by import, since that import fails beside a CPU torch.
+if ! "$VPY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torchvision") is None)'; then
+  TORCH_NOW="$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  case "$TORCH_NOW" in
+    2.13.*)
+      log "installing torchvision==0.28.0 without dependencies (for torch $TORCH_NOW)"
+      "${PIP[@]}" --no-deps "torchvision==0.28.0" ;;
+    *)
+      log "skipping torchvision: no known version for torch $TORCH_NOW (tests/conformance/test_peer_examples.py needs it)" ;;
+  esac
+fi
+
 if ! "$VPY" -c 'import horovod.torch' 2>/dev/null; then
   TORCH_TAG="$("$VPY" -c 'import torch; print(torch.__version__.replace("+", "_"))')"
   CUDA="$("$VPY" -c 'import torch; print("cuda" if torch.version.cuda else "cpu")')"

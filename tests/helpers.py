@@ -17,6 +17,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
+CONFORMANCE_RESULTS = ROOT / "results" / "conformance.json"
 BIN = Path(sys.executable).parent
 
 
@@ -117,8 +118,13 @@ class Job:
 
 
 def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str, ...] = (),
-               env: dict[str, str] | None = None, mpi: bool = False) -> Job:
-    """Start `horovodrun -np N` on localhost with Gloo (or MPI) running `script`."""
+               env: dict[str, str] | None = None, mpi: bool = False, out_flag: bool = True,
+               cwd: Path | None = None) -> Job:
+    """Start `horovodrun -np N` on localhost with Gloo (or MPI) running `script`.
+
+    `--out OUT` comes before `args` for our workloads; `out_flag=False` leaves it off for scripts
+    that do not take it (someone else's, run through a launcher given as `script`).
+    """
     out = tmp / f"out_{name}"
     log = tmp / f"{name}.log"
     full_env = {**os.environ, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -127,10 +133,18 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
     cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi" if mpi else "--gloo"]
     if mpi:
         cmd += ["--mpi-args=--oversubscribe"]
-    cmd += [sys.executable, str(script), "--out", str(out), *args]
+    cmd += [sys.executable, str(script), *(["--out", str(out)] if out_flag else []), *args]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
     return Job(name, proc, out, log)
+
+
+def record_conformance(row: dict[str, Any]) -> None:
+    """Append a conformance row to `results/conformance.json` (one per pair and placement; the newest wins)."""
+    CONFORMANCE_RESULTS.parent.mkdir(exist_ok=True)
+    rows = json.loads(CONFORMANCE_RESULTS.read_text()) if CONFORMANCE_RESULTS.exists() else []
+    rows = [r for r in rows if (r["pair"], r["placement"]) != (row["pair"], row["placement"])] + [row]
+    CONFORMANCE_RESULTS.write_text(json.dumps(rows, indent=1) + os.linesep)
 
 
 def compute_intervals(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, str, int]]]:

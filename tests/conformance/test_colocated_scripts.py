@@ -11,12 +11,11 @@ Wall times go to `results/conformance.json` for the closing table.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, compute_intervals, horovodrun, overlaps, with_import
+from helpers import compute_intervals, horovodrun, overlaps, record_conformance, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -37,7 +36,6 @@ PAIRS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[dict[str, str], d
                ({"CROSSOVER_AGGREGATION": "adasum"}, {"CROSSOVER_AGGREGATION": "adasum"})),
 }
 PLACEMENTS = {"rank-per-device": "2", "ranks-share-device": "1"}
-RESULTS = ROOT / "results" / "conformance.json"
 
 
 def _run_pair(daemon_factory, jobs, tmp: Path, pair: str, policy: str, devices: str) -> dict:
@@ -87,12 +85,4 @@ def test_colocated_pair_finishes_without_overlap(daemon_factory, jobs, tmp_path,
         row[f"{policy}_yields"] = run["yields"]
         assert ratio <= 2.0, (f"{pair}/{policy} on {placement}: {run['wall_s']:.1f}s against "
                               f"{base['wall_s']:.1f}s unscheduled ({ratio:.2f}x)")
-    _record(row)
-
-
-def _record(row: dict) -> None:
-    """Append this pair's row to the results file (one per pair and placement; the newest wins)."""
-    RESULTS.parent.mkdir(exist_ok=True)
-    rows = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
-    rows = [r for r in rows if (r["pair"], r["placement"]) != (row["pair"], row["placement"])] + [row]
-    RESULTS.write_text(json.dumps(rows, indent=1) + os.linesep)
+    record_conformance(row)
