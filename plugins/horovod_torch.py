@@ -25,6 +25,7 @@ import os
 import time
 import types
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,7 @@ def _ensure_phases(hvd: Any, process_set: Any) -> RankPhases:
     if _state["phases"] is None:
         session = _ensure_session(hvd, process_set)
         phases = RankPhases(session, agree=functools.partial(_agree_turn_base, hvd, process_set))
-        horovod_waits.install(phases)
+        horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))
         _state["phases"] = phases
     return _state["phases"]
 
@@ -144,13 +145,47 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
     _state["session"] = session.start()
     # Close the stream on exit: the daemon then sees a clean end at once instead of
     # waiting for heartbeats that stop while the interpreter shuts down.
-    atexit.register(session.close)
+    atexit.register(_close_session)
     if settings.stats_file:
-        atexit.register(_write_stats, session, settings.stats_file.replace("{rank}", str(info.rank)))
+        atexit.register(_write_stats, settings.stats_file.replace("{rank}", str(info.rank)))
     return session
 
 
-def _write_stats(session: Session, path: str) -> None:
+def _close_session() -> None:
+    if _state["session"] is not None:
+        _state["session"].close()
+
+
+def _follow_reinit(hvd: Any) -> None:
+    """After `hvd.init()` again (an elastic reset): register anew if the rank's place changed.
+
+    Workers were added or removed, so this rank's rank, world size or local rank may
+    differ: the daemon's view follows with a new session of the same job, which keeps
+    the job's turn base (no collective: a worker that just joined does not make it).
+    The phase state and its iteration counter stay.
+    """
+    old: Session | None = _state["session"]
+    phases: RankPhases | None = _state["phases"]
+    if old is None or phases is None:
+        return
+    place = (hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size())
+    if place == (old.info.rank, old.info.local_rank, old.info.world_size, old.info.local_size):
+        return
+    info = replace(old.info, rank=place[0], local_rank=place[1], world_size=place[2], local_size=place[3],
+                   pid=0, node="")
+    new = Session(info, old.settings)
+    new.turn_base, new.turn_agreed = old.turn_base, True
+    new.on_attach = old.on_attach
+    old.close()
+    _state["session"] = phases.session = new.start()
+    _log.info("re-registered after a Horovod re-init: rank %d of %d (was %d of %d)", info.rank, info.world_size,
+              old.info.rank, old.info.world_size)
+
+
+def _write_stats(path: str) -> None:
+    session: Session | None = _state["session"]
+    if session is None:
+        return
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
@@ -161,12 +196,24 @@ def _write_stats(session: Session, path: str) -> None:
         _log.warning("could not write CROSSOVER_STATS_FILE %s: %s", path, exc)
 
 
+def _elastic() -> bool:
+    """Launched by `horovodrun` with elastic settings (Gloo only, in Horovod 0.28)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
 def _agree_job_id(hvd: Any, process_set: Any) -> str:
     """One id for the whole job: rank 0 (of the optimizer's process set) draws it, Horovod broadcasts it.
 
     Every rank of the set builds the optimizer at the same point of the script,
-    so the broadcast is a collective they all reach.
+    so the broadcast is a collective they all reach. Not so in an elastic job: a
+    worker added mid-run builds its optimizer while the others synchronise state,
+    and a collective only it makes would wait forever (Horovod forbids them there).
+    Its workers share the launcher's rendezvous address instead, for the whole run.
     """
+    if _elastic():
+        env = os.environ
+        where = f"{env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR', '')}:{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}"
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"horovod-elastic://{where}").hex
     mine = uuid.uuid4().hex
     if hvd.size() == 1:
         return mine
@@ -186,7 +233,7 @@ def _agree_turn_base(hvd: Any, process_set: Any, session: Session) -> None:
     (the first ``zero_grad`` or step), whether or not its daemon is reachable.
     """
     floor = session.turn_floor()
-    if hvd.size() > 1:
+    if hvd.size() > 1 and not _elastic():  # elastic: no collective a joining worker would make alone
         import torch
 
         kwargs: dict[str, Any] = {"name": "crossover.turn_floor"}

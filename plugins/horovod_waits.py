@@ -18,6 +18,7 @@ the other ranks too; the device is asked for again only if the rank trains on
 """
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Callable
 
@@ -25,15 +26,21 @@ from .phases import RankPhases
 
 __all__ = ["install", "uninstall"]
 
-_state: dict[str, Any] = {"phases": None, "originals": {}}  # originals: Horovod's own, by name
+_log = logging.getLogger(__name__)
+
+_state: dict[str, Any] = {"phases": None, "originals": {}, "on_init": None}  # originals: Horovod's own, by name
 
 
-def install(phases: RankPhases) -> None:
-    """Route Horovod's waits through `phases` (the latest call wins); idempotent."""
+def install(phases: RankPhases, on_init: Callable[[], None] | None = None) -> None:
+    """Route Horovod's waits through `phases` (the latest call wins); idempotent.
+
+    `on_init` runs after every later `init` (an elastic reset re-initialises Horovod).
+    """
     import horovod.torch.mpi_ops as mpi_ops
 
     first = _state["phases"] is None
     _state["phases"] = phases
+    _state["on_init"] = on_init
     if first:
         _state["originals"] = {name: getattr(mpi_ops, name) for name in _WRAPPERS}
         _swap({_state["originals"][name]: wrapper for name, wrapper in _WRAPPERS.items()})
@@ -44,6 +51,7 @@ def uninstall() -> None:
     if _state["phases"] is not None:
         _swap({wrapper: _state["originals"][name] for name, wrapper in _WRAPPERS.items()})
     _state["phases"] = None
+    _state["on_init"] = None
 
 
 def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
@@ -83,4 +91,16 @@ def _shutdown(*args: Any, **kwargs: Any) -> Any:
     return _state["originals"]["shutdown"](*args, **kwargs)
 
 
-_WRAPPERS: dict[str, Callable[..., Any]] = {"synchronize": _synchronize, "poll": _poll, "shutdown": _shutdown}
+def _init(*args: Any, **kwargs: Any) -> Any:
+    result = _state["originals"]["init"](*args, **kwargs)
+    on_init = _state["on_init"]
+    if on_init is not None:
+        try:
+            on_init()
+        except Exception:  # never break training
+            _log.exception("crossover could not follow Horovod's re-init")
+    return result
+
+
+_WRAPPERS: dict[str, Callable[..., Any]] = {"synchronize": _synchronize, "poll": _poll, "shutdown": _shutdown,
+                                            "init": _init}

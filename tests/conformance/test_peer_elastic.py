@@ -1,0 +1,99 @@
+"""Conformance: Horovod's elastic example grows and shrinks with `import crossover.auto`, and the daemon follows.
+
+`examples/elastic/pytorch/pytorch_synthetic_benchmark_elastic.py` from
+`../shared/peer/` (unmodified: `hvd.elastic.run` with `TorchState`) is launched
+with `horovodrun --min-np 2 --max-np 3 --host-discovery-script`. Once it trains,
+the discovery script offers a third slot: Horovod resets, the new worker joins
+and builds its optimizer while the others synchronise state. Once it trains
+with three, the slot goes away again: the third worker is removed and the job
+goes on with two. The job must exit 0, and the daemon's log must show the
+third rank registered, the others registered anew for the new world, the
+third rank gone after the shrink, and no overlapping compute phases.
+
+What the environment forces: one host, so `--network-interface lo` (Horovod's
+elastic Gloo launcher otherwise waits for two hosts to compare interfaces),
+`--elastic-timeout 60` (a failed launch then ends instead of waiting 600 s),
+a small model (`squeezenet1_1`) and batch, `--no-cuda`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, ROOT, compute_intervals, kill_group, overlaps, record_conformance
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
+
+PEER = ROOT.parent / "shared" / "peer" / "horovod-0.28.1"
+EXAMPLE = PEER / "examples" / "elastic" / "pytorch" / "pytorch_synthetic_benchmark_elastic.py"
+LAUNCHER = ROOT / "tests" / "conformance" / "with_crossover.py"
+
+
+def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the elastic job ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+    pytest.fail(f"no {what} within {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+def _registered(d) -> list[tuple[str, int]]:
+    return [(e["event"], e["rank"]) for e in d.events() if e["event"] in ("register", "leave")]
+
+
+@pytest.mark.parametrize("policy", ["exclusive", "crossover"])
+def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tmp_path, policy):
+    if not EXAMPLE.exists():
+        pytest.fail(f"{EXAMPLE} is missing: CI and `make test` need ../shared beside the checkout")
+    d = daemon_factory("--cpu-devices", "2", "--policy", policy, name=policy)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    log = tmp_path / "job.log"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3", "--network-interface", "lo",
+           "--elastic-timeout", "60", "--host-discovery-script", str(discover), "--gloo",
+           sys.executable, str(LAUNCHER), str(EXAMPLE), "--model", "squeezenet1_1", "--batch-size", "1",
+           "--num-iters", "60", "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--no-cuda"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CROSSOVER_SOCKET": str(d.socket),
+           "CROSSOVER_JOB_NAME": f"elastic-{policy}", "CROSSOVER_GRANT_TIMEOUT": "60"}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        iters = lambda: log.read_text(errors="replace").count("Iter #")  # noqa: E731
+        _wait_for("training with two workers", lambda: iters() >= 2, proc, log)
+        hosts.write_text("localhost:3\n")
+        _wait_for("a third rank registered", lambda: ("register", 2) in _registered(d), proc, log)
+        grown = iters()
+        _wait_for("training with three workers", lambda: iters() >= grown + 3, proc, log)
+        hosts.write_text("localhost:2\n")
+        rc = proc.wait(240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the elastic job did not finish:\n{log.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+            proc.wait()
+    wall = time.monotonic() - started
+    text = log.read_text(errors="replace")
+    assert rc == 0, f"{policy}: the elastic job exited {rc}:\n{text[-3000:]}"
+    assert "Total img/sec on 2 CPU(s)" in text, f"{policy}: the job did not end with two workers:\n{text[-2000:]}"
+    d.stop()
+    worlds = {r: [e["world_size"] for e in d.events() if e["event"] == "register" and e["rank"] == r] for r in (0, 1)}
+    assert worlds == {0: [2, 3, 2], 1: [2, 3, 2]}, f"{policy}: the daemon saw these worlds per rank: {worlds}"
+    assert ("leave", 2) in _registered(d), f"{policy}: the removed rank never left the daemon"
+    events = d.events()
+    for dev, intervals in compute_intervals(events).items():
+        assert overlaps(intervals) == [], f"{policy}: compute phases overlap on device {dev}"
+    record_conformance({"pair": f"peer:elastic:{policy}", "placement": "2 -> 3 -> 2 workers on 2 devices",
+                        f"{policy}_s": round(wall, 2),
+                        "grants": sum(e["event"] == "grant" for e in events)})
