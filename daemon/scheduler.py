@@ -259,7 +259,8 @@ class Scheduler:
                 sess.process = None
             self._sessions[sid] = sess
             self._by_key[key] = sess
-            joined: list[tuple[str, _Session, dict]] = [("register", sess, {"pid": ident.pid, "world_size": ident.world_size})]
+            joined: list[tuple[str, _Session, dict]] = [
+                ("register", sess, {"pid": ident.pid, "world_size": ident.world_size})]
             self._revoke(device.index, "another rank joined the device", joined)
             self._deliver(self._policy.join(ref, now), now, joined)
             self._tell_share(device.index)
