@@ -2,11 +2,13 @@
 
 Domain errors become gRPC status codes with the message intact; everything
 else about a rank is the scheduler's business. Calls on a TCP port need the
-shared token; calls on the Unix socket are trusted (the socket is 0660).
+shared token, checked by an interceptor before any handler runs; calls on the
+Unix socket are trusted (the socket is 0660). The two are separate servers.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import stat
@@ -49,28 +51,44 @@ def _check_version(version: int) -> None:
         )
 
 
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses every call without the shared token before any handler runs (the TCP server's only way in).
+
+    The refusal is a handler of the call's own shape that aborts, so a refused call
+    reaches no service code at all. Tokens are compared in constant time.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        given = dict(details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
+        if handler is None or hmac.compare_digest(str(given).encode(), self._token):
+            return handler
+        message = f"missing or wrong {TOKEN_METADATA_KEY} metadata"
+
+        async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        shape = {(False, False): grpc.unary_unary_rpc_method_handler,
+                 (False, True): grpc.unary_stream_rpc_method_handler,
+                 (True, False): grpc.stream_unary_rpc_method_handler,
+                 (True, True): grpc.stream_stream_rpc_method_handler}
+        make = shape[(handler.request_streaming, handler.response_streaming)]
+        return make(refuse, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
 class _Service:
-    """Shared by both services: the scheduler core and the TCP token check."""
+    """Shared by both services: the scheduler core. Authentication is the TCP server's (`_TokenCheck`)."""
 
-    def __init__(self, core: Scheduler, token: str | None) -> None:
+    def __init__(self, core: Scheduler) -> None:
         self._core = core
-        self._token = token
-
-    def _auth(self, context: Any) -> str:
-        """Empty when the call may proceed; Unix-socket peers are trusted (the socket is 0660)."""
-        if not self._token or context.peer().startswith("unix:"):
-            return ""
-        md = dict(context.invocation_metadata() or ())
-        if md.get(TOKEN_METADATA_KEY) != self._token:
-            return f"missing or wrong {TOKEN_METADATA_KEY} metadata"
-        return ""
 
 
 def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        denied = self._auth(context)
-        if denied:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
         try:
             return fn(self, request, context)
         except CrossoverError as exc:
@@ -83,8 +101,8 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
 
-    def __init__(self, core: Scheduler, token: str | None, session_socket: str = "") -> None:
-        super().__init__(core, token)
+    def __init__(self, core: Scheduler, session_socket: str = "") -> None:
+        super().__init__(core)
         self._session_socket = session_socket
 
     @_unary
@@ -118,9 +136,6 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         # Runs on the event loop: reading an event, deciding and writing the grant
         # happen on one thread, which keeps the grant round trip short.
-        denied = self._auth(context)
-        if denied:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
         await serve_session(self._core, GrpcSessionStream(context))
 
 
@@ -235,7 +250,7 @@ class Daemon:
         self._reap_interval = reap_interval_s
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop", daemon=True)
-        self._server: grpc.aio.Server | None = None
+        self._servers: list[grpc.aio.Server] = []
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
 
     def start(self) -> Daemon:
@@ -270,23 +285,31 @@ class Daemon:
                 _log.warning("no session socket at %s (%s); ranks use the gRPC stream", self.session_socket, exc)
                 self._session_server = None
                 self.session_socket = None
-        server = grpc.aio.server(
-            migration_thread_pool=futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="admin"),
-            options=[("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_SchedulerServicer_to_server(
-            _SchedulerService(self.core, self._token, self.session_socket or ""), server)
-        pb_grpc.add_AdminServicer_to_server(_AdminService(self.core, self._token), server)
+        # The Unix socket (trusted: its mode guards it) and TCP (token required) are two servers,
+        # so that the token check is an interceptor that sees every TCP call and no Unix one.
+        pool = futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="admin")
         if self.socket_path:
+            server = self._grpc_server(pool, interceptors=())
             server.add_insecure_port(f"unix://{self.socket_path}")
+            await server.start()
+            self._servers.append(server)
         if self.listen:
+            assert self._token  # __init__ refuses --listen without one
+            server = self._grpc_server(pool, interceptors=(_TokenCheck(self._token),))
             if self._tls:
                 creds = grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])
                 self.port = server.add_secure_port(self.listen, creds)
             else:
                 self.port = server.add_insecure_port(self.listen)
-        await server.start()
-        self._server = server
+            await server.start()
+            self._servers.append(server)
+
+    def _grpc_server(self, pool: futures.ThreadPoolExecutor, interceptors: tuple) -> grpc.aio.Server:
+        server = grpc.aio.server(migration_thread_pool=pool, interceptors=interceptors,
+                                 options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_SchedulerServicer_to_server(_SchedulerService(self.core, self.session_socket or ""), server)
+        pb_grpc.add_AdminServicer_to_server(_AdminService(self.core), server)
+        return server
 
     def stop(self, grace: float = 1.0) -> None:
         """Fail open: release every waiting rank, then stop serving."""
@@ -296,9 +319,9 @@ class Daemon:
         self.core.shutdown()
         if self._session_server is not None:
             self._session_server.stop()
-        if self._server is not None:
+        for server in self._servers:
             try:
-                asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result(timeout=grace + 5)
+                asyncio.run_coroutine_threadsafe(server.stop(grace), self._loop).result(timeout=grace + 5)
             except Exception:  # stopping must not fail the shutdown path
                 _log.exception("gRPC server did not stop cleanly")
         self._loop.call_soon_threadsafe(self._loop.stop)

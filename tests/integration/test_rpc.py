@@ -129,8 +129,9 @@ def identity(job: str = "job-x", rank: int = 0, world: int = 2, device: int = 0,
                            local_size=world, node="n", device=device, pid=pid or os.getpid())
 
 
-def register(stub: pb_grpc.SchedulerStub, **kw) -> pb.RegisterResponse:
-    return stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(**kw)), timeout=5)
+def register(stub: pb_grpc.SchedulerStub, metadata=None, **kw) -> pb.RegisterResponse:
+    return stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(**kw)), timeout=5,
+                         metadata=metadata)
 
 
 def holding_stream(stub: pb_grpc.SchedulerStub, streams, job: str) -> tuple[queue.SimpleQueue, grpc.Call]:
@@ -304,6 +305,41 @@ def test_tcp_needs_the_token(serve, channels, tmp_path):
     # the Unix socket is trusted (its mode guards it): no token needed there
     unix = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
     assert unix.GetQueue(req, timeout=5).node == "node-rpc"
+
+
+@pytest.mark.parametrize("token", [None, "wrong", "s3cre", "s3cret-and-more"])
+def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_path, token):
+    """Every RPC over TCP without the right token is refused before any handler runs."""
+    d = serve(socket=tmp_path / "t.sock", listen="127.0.0.1:0", token="s3cret")
+    tcp = channels(f"127.0.0.1:{d.port}")
+    admin, sched = pb_grpc.AdminStub(tcp), pb_grpc.SchedulerStub(tcp)
+    md = [(TOKEN_METADATA_KEY, token)] if token is not None else []
+    calls = {
+        "SetPolicy": lambda: admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"),
+                                             timeout=5, metadata=md),
+        "Drain": lambda: admin.Drain(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=md),
+        "Resume": lambda: admin.Resume(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=md),
+        "GetQueue": lambda: admin.GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=5, metadata=md),
+        "ListJobs": lambda: admin.ListJobs(pb.JobsRequest(protocol_version=1), timeout=5, metadata=md),
+        "GetPolicy": lambda: admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5, metadata=md),
+        "Register": lambda: register(sched, job="intruder", metadata=md),
+        "TurnFloor": lambda: sched.TurnFloor(pb.TurnFloorRequest(session_id="x"), timeout=5, metadata=md),
+        "Session": lambda: list(sched.Session(iter([pb.RankEvent(kind=pb.OPEN, session_id="x")]), timeout=5,
+                                              metadata=md)),
+    }
+    for name, call in calls.items():
+        err = rpc_error(call)
+        assert err.code() is grpc.StatusCode.UNAUTHENTICATED, f"{name}: {err.code()}"
+    assert d.core.policy_name == "exclusive"
+    unix = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
+    state = unix.GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=5)
+    assert [dev.draining for dev in state.devices] == [False, False]
+    assert unix.ListJobs(pb.JobsRequest(protocol_version=1), timeout=5).jobs == []
+    assert not any(e["event"] in ("register", "policy", "drain", "resume") for e in d.core.events.snapshot())
+    good = [(TOKEN_METADATA_KEY, "s3cret")]
+    admin.Drain(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=good)
+    assert [dev.draining for dev in unix.GetQueue(pb.QueueRequest(protocol_version=1, device=-1),
+                                                  timeout=5).devices] == [False, True]
 
 
 def test_tcp_only_daemon_with_token(serve, channels):
