@@ -636,8 +636,15 @@ class Scheduler:
 
     def _hand_to_policy(self, sess: _Session, now: float, record: list) -> None:
         """Queue the session's request; a rank that computes already (it did not wait: a lease,
-        or a policy that did not block) holds its device at once, so nobody is granted beside it."""
-        if sess.no_wait and self._policy.blocks:
+        or a policy that did not block) holds its device at once, so nobody is granted beside it.
+
+        Only a rank the daemon let compute unseen (its lease, or a lease being revoked) is
+        taken at its word: any other request is queued, whatever it claims, so a client
+        cannot make itself a second holder under a blocking policy.
+        """
+        device = sess.ref.device
+        unseen = self._leases.get(device) == sess.id or sess.id in self._revoking.get(device, {})
+        if sess.no_wait and self._policy.blocks and unseen:
             self._deliver(self._policy.occupy(sess.ref.key, sess.turn, now), now, record)
         else:
             self._deliver(self._policy.request(sess.ref.key, sess.turn, now), now, record)

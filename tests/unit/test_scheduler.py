@@ -15,6 +15,8 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
 from helpers import compute_intervals, grants_out_of_turn, overlaps
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # pids above Linux's largest pid_max (2**22): psutil never finds such a process.
 _PID = 10_000_000
@@ -1016,3 +1018,43 @@ def test_a_long_holder_nobody_waits_for_is_left_alone(make, clock):
     clock.advance(30.0)
     s.reap()
     assert s.overdue_total == 0
+
+
+_KINDS = ("compute_request", "compute_request_no_wait", "compute_done", "compute_done_requested", "comm_begin",
+          "comm_end", "lease_released", "heartbeat")
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=st.sampled_from(["exclusive", "crossover"]), lease=st.booleans(),
+       ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(_KINDS), st.integers(0, 3), st.booleans()),
+                    max_size=60))
+def test_whatever_ranks_send_a_blocking_policy_never_has_two_holders(policy, lease, ops):
+    """The daemon enforces its own invariant: a rank that claims to compute without a grant
+    (`no_wait`) and holds no lease is queued like any other request, never made a second holder."""
+    clock = FakeClock()
+    inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
+    s = Scheduler(inv, policy, node="n", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
+                  heartbeat_timeout_s=5.0, clock=clock, pid_alive=lambda pid: True, evict_after_s=10.0, lease=lease)
+    try:
+        sids = [s.register(ident(job=f"j{i}", rank=0, world=1, device=0), accepts_leases=True).session_id
+                for i in range(3)]
+        for sid in sids:
+            s.attach(sid)
+        for who, kind, iteration, yields in ops:
+            clock.advance(0.01)
+            try:
+                if kind == "compute_request_no_wait":
+                    s.event(sids[who], "compute_request", iteration=iteration, seq=iteration + 1, no_wait=True)
+                elif kind == "compute_done_requested":
+                    s.event(sids[who], "compute_done", iteration=iteration, seq=iteration + 1, requested=True,
+                            duration_s=0.005, yields=yields)
+                elif kind == "compute_done":
+                    s.event(sids[who], "compute_done", iteration=iteration, yields=yields)
+                else:
+                    s.event(sids[who], kind, iteration=iteration, seq=iteration + 1)
+            except (FailedPrecondition, InvalidRequest):
+                pass
+            holders = s.snapshot()[0][0].holders
+            assert len(holders) <= 1, f"two holders after {kind} from session {who}: {holders}"
+    finally:
+        s.shutdown()
