@@ -86,8 +86,17 @@ _common = [
     click.option("--token", envvar="CROSSOVER_TOKEN", help="Token for a TCP daemon [env CROSSOVER_TOKEN]."),
     click.option("--json", "as_json", is_flag=True, help="Print versioned JSON instead of a table."),
     click.option("--timeout", type=click.FloatRange(0.01, 600), default=3.0, show_default=True,
-                 help="Seconds to wait for the daemon."),
+                 callback=lambda ctx, param, value: _finite(param, value), help="Seconds to wait for the daemon."),
 ]
+
+
+_MAX_DEVICE = 2**31 - 1  # the wire's int32
+
+
+def _finite(param: click.Parameter, value: float) -> float:
+    if value != value:  # NaN passes every range comparison
+        raise click.BadParameter("must be a number of seconds, not nan", param=param)
+    return value
 
 
 def _with_common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -117,7 +126,7 @@ def main() -> None:
 
 @main.command()
 @_with_common
-@click.option("--device", type=click.IntRange(-1), default=-1, help="Only this device (-1: all).")
+@click.option("--device", type=click.IntRange(-1, _MAX_DEVICE), default=-1, help="Only this device (-1: all).")
 @click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0, show_default=True,
               help="Seconds between refreshes with --watch.")
@@ -187,9 +196,9 @@ def _device_cmd(method: str, verb: str) -> Callable[..., None]:
 
 
 main.command("drain", help="Stop placing new ranks on DEVICE; ranks already there run to completion.")(
-    _with_common(click.argument("device", type=click.IntRange(0))(_device_cmd("Drain", "drain"))))
+    _with_common(click.argument("device", type=click.IntRange(0, _MAX_DEVICE))(_device_cmd("Drain", "drain"))))
 main.command("resume", help="Accept new ranks on DEVICE again.")(
-    _with_common(click.argument("device", type=click.IntRange(0))(_device_cmd("Resume", "resume"))))
+    _with_common(click.argument("device", type=click.IntRange(0, _MAX_DEVICE))(_device_cmd("Resume", "resume"))))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,17 @@ def _bytes(n: int) -> str:
     return f"{n:.0f}PiB"
 
 
+def shown(value: Any, limit: int = 80) -> Text:
+    """A string someone else chose (a job name, a device name), as plain text for the terminal.
+
+    Never markup (a job named `[/bold]` is shown as written), never a control character
+    (an ESC sequence in a name cannot clear the screen or retitle the window: shown as
+    `\x1b`), and at most `limit` characters.
+    """
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(value))
+    return Text(text if len(text) <= limit else text[: limit - 1] + "…")
+
+
 def _phase(rank: dict[str, Any]) -> Text:
     phase = rank.get("phase", "IDLE")
     return Text(phase.lower(), style=_PHASE_STYLE.get(phase, ""))
@@ -47,7 +58,7 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
     """One table per device: holder first, then waiting ranks in grant order, then the rest."""
     tables = []
     for dev in state.get("devices", []):
-        title = f"device {dev['index']} ({dev['kind']} {dev['name']})"
+        title = Text(f"device {dev['index']} (") + shown(dev["kind"]) + " " + shown(dev["name"]) + ")"
         extras = []
         if dev.get("draining"):
             extras.append("DRAINING")
@@ -56,9 +67,9 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
         if int(dev.get("memory_total_bytes", 0)):
             extras.append(f"mem {_bytes(int(dev['memory_used_bytes']))}/{_bytes(int(dev['memory_total_bytes']))}")
         if dev.get("order"):
-            extras.append("order " + " → ".join(dev["order"]))
+            extras.append("order " + " → ".join(shown(o, 40).plain for o in dev["order"]))
         if extras:
-            title += "  " + "  ".join(extras)
+            title += Text("  " + "  ".join(extras))
         rows = [("holds", r) for r in dev.get("holders", [])]
         rows += [(f"#{i + 1}", r) for i, r in enumerate(dev.get("waiting", []))]
         rows += [("", r) for r in dev.get("others", [])]
@@ -73,7 +84,7 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
             t.add_column(col, justify="right", no_wrap=True)
         for mark, r in rows:
             cpu = r.get("cpu_percent", -1)
-            t.add_row(mark, r.get("job_name", ""), str(r.get("rank", 0)), str(r.get("pid", 0)), _phase(r),
+            t.add_row(mark, shown(r.get("job_name", "")), str(r.get("rank", 0)), str(r.get("pid", 0)), _phase(r),
                       str(r.get("iteration", 0)), _ms(r.get("mean_compute_s", 0.0)), _ms(r.get("mean_comm_s", 0.0)),
                       f"{100 * r.get('wait_fraction', 0.0):.0f}%", f"{cpu:.0f}" if cpu >= 0 else "-",
                       _bytes(int(r.get("rss_bytes", 0))),
@@ -92,7 +103,7 @@ def jobs_table(state: dict[str, Any]) -> Table:
         ranks = job.get("ranks", [])
         phases = ", ".join(f"{r['rank']}:{r.get('phase', 'IDLE').lower()}" for r in ranks)
         iters = max((int(r.get("iteration", 0)) for r in ranks), default=0)
-        t.add_row(job["job_name"], job["job_id"][:12], str(job["world_size"]), str(len(ranks)), phases,
+        t.add_row(shown(job["job_name"]), shown(job["job_id"][:12]), str(job["world_size"]), str(len(ranks)), phases,
                   str(iters), f"{job.get('registered_s', 0.0):.0f}")
     if not state.get("jobs"):
         t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "")

@@ -161,6 +161,14 @@ def test_negative_device_is_a_usage_error(run):
     assert res.exit_code == ExitCode.USAGE
 
 
+@pytest.mark.parametrize("args", [("drain", "2147483648"), ("queue", "--device", "2147483648"),
+                                  ("queue", "--timeout", "nan"), ("policy", "--timeout", "nan")])
+def test_out_of_range_numbers_are_usage_errors_not_tracebacks(tmp_path, args):
+    res = CliRunner().invoke(main, [*args, "--socket", str(tmp_path / "none.sock")])
+    assert res.exit_code == ExitCode.USAGE, res.output
+    assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
+
+
 def test_unreachable_daemon(run, tmp_path):
     res = run("queue", "--json", socket=str(tmp_path / "nobody.sock"))
     assert res.exit_code == ExitCode.UNREACHABLE == 3

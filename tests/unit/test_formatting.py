@@ -1,0 +1,29 @@
+"""What `crossover queue` and `crossover jobs` show of names a client chose: plain, escaped text."""
+from __future__ import annotations
+
+from crossover.formatting import jobs_table, queue_tables, shown
+from rich.console import Console
+
+HOSTILE = "[/bold]\x1b[2J\x1b]0;pwned\x07[link=http://x]y[/link]"
+
+
+def _render(tables) -> str:
+    console = Console(record=True, width=300, force_terminal=True, color_system="truecolor")
+    for t in tables:
+        console.print(t)
+    return console.export_text(styles=False)
+
+
+def test_a_name_is_never_markup_nor_a_terminal_escape():
+    rank = {"job_name": HOSTILE, "rank": 0, "pid": 1, "phase": "COMPUTE"}
+    state = {"devices": [{"index": 0, "kind": "cpu", "name": "cpu0[red]", "holders": [rank], "order": [HOSTILE]}],
+             "jobs": [{"job_name": HOSTILE, "job_id": "id\x1b[31m", "world_size": 1, "ranks": [rank]}]}
+    out = _render([*queue_tables(state), jobs_table(state)])
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.count("[/bold]\\x1b[2J\\x1b]0;pwned\\x07[link=http://x]y[/link]") == 2
+    assert "cpu0[red]" in out and "id\\x1b" in out
+
+
+def test_a_long_name_is_cut():
+    assert len(shown("x" * 5000).plain) == 80
+    assert shown("résumé-β").plain == "résumé-β"
