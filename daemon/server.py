@@ -209,9 +209,26 @@ class _AdminService(_Service, pb_grpc.AdminServicer):
         return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
 
 
+def _socket_folder(folder: Path) -> None:
+    """Create the socket's folder 0770 (whatever the umask), or accept an existing one only
+    if this user (or root) owns it and other users cannot replace what is in it (not
+    writable by others, or sticky like /tmp): otherwise they could swap our socket for theirs."""
+    if not folder.exists():
+        folder.mkdir(parents=True, mode=0o770)
+        os.chmod(folder, 0o770)
+        return
+    st = folder.stat()
+    if st.st_uid not in (os.geteuid(), 0):
+        raise FailedPrecondition(f"{folder} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
+                                 "refusing to serve a socket there")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise FailedPrecondition(f"{folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                                 "refusing to serve a socket there")
+
+
 def _clear_socket_path(path: Path) -> None:
-    """Make room for a socket: create its folder, remove a stale socket, refuse to replace anything else."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
+    """Make room for a socket: prepare its folder, remove a stale socket, refuse to replace anything else."""
+    _socket_folder(path.parent)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")

@@ -843,3 +843,20 @@ def test_after_a_grant_timeout_a_rank_trains_unscheduled_for_the_cool_off_instea
     q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0, comm_begins=True))  # the hog lets go
     assert waiter.acquire(6, comm_s=0.001) is True  # after the cool-off it is scheduled again
     waiter.release(6)
+
+
+def test_the_socket_folder_is_made_0770_and_an_unsafe_one_is_refused(tmp_path):
+    old = os.umask(0o027)
+    try:
+        d = Daemon(make_core(), socket_path=str(tmp_path / "new" / "d.sock"), reap_interval_s=0.05).start()
+        d.stop(grace=0.2)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o770
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # another user could replace the socket
+    with pytest.raises(FailedPrecondition, match="writable by other users"):
+        Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start()
+    os.chmod(shared, 0o1777)  # sticky, like /tmp: others cannot replace our files
+    Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start().stop(grace=0.2)
