@@ -54,16 +54,21 @@ def _rpc_error(exc: grpc.RpcError, target: str) -> NoReturn:
 
 
 class _Ctx:
-    def __init__(self, socket: str, address: str | None, token: str | None, as_json: bool, timeout: float) -> None:
+    def __init__(self, socket: str, address: str | None, token: str | None, as_json: bool, timeout: float,
+                 tls_ca: str | None = None) -> None:
         self.target = address or f"unix://{socket}"
         self.token = token or ""
+        self.tls_ca = tls_ca or ""
         self.as_json = as_json
         self.timeout = timeout
         self._channel: grpc.Channel | None = None
 
     def call(self, method: str, request: Any) -> Any:
         if self._channel is None:
-            self._channel, self._md = channel_for(self.target, self.token)
+            try:
+                self._channel, self._md = channel_for(self.target, self.token, self.tls_ca)
+            except OSError as exc:
+                raise _Fail(f"cannot read --tls-ca {self.tls_ca}: {exc.strerror}", ExitCode.USAGE) from None
         stub = pb_grpc.AdminStub(self._channel)
         try:
             return getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)
@@ -84,6 +89,8 @@ _common = [
                  help="Unix socket of the daemon."),
     click.option("--address", envvar="CROSSOVER_ADDRESS", help="host:port of a TCP daemon (overrides --socket)."),
     click.option("--token", envvar="CROSSOVER_TOKEN", help="Token for a TCP daemon [env CROSSOVER_TOKEN]."),
+    click.option("--tls-ca", envvar="CROSSOVER_TLS_CA", type=click.Path(dir_okay=False),
+                 help="CA certificate (PEM) to verify a TLS daemon at --address [env CROSSOVER_TLS_CA]."),
     click.option("--json", "as_json", is_flag=True, help="Print versioned JSON instead of a table."),
     click.option("--timeout", type=click.FloatRange(0.01, 600), default=3.0, show_default=True,
                  callback=lambda ctx, param, value: _finite(param, value), help="Seconds to wait for the daemon."),
@@ -106,7 +113,8 @@ def _with_common(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _ctx(kw: dict[str, Any]) -> _Ctx:
-    return _Ctx(kw.pop("socket"), kw.pop("address"), kw.pop("token"), kw.pop("as_json"), kw.pop("timeout"))
+    return _Ctx(kw.pop("socket"), kw.pop("address"), kw.pop("token"), kw.pop("as_json"), kw.pop("timeout"),
+                kw.pop("tls_ca"))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

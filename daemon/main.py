@@ -36,7 +36,8 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
               help="Unix socket to serve on (created 0660, its folder 0770). Ranks and `crossover` find it here.")
 @click.option("--no-socket", is_flag=True, help="Serve only on --listen.")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (needs --token or --token-file).")
-@click.option("--token", envvar="CROSSOVER_TOKEN", help="Shared token TCP clients must send [env CROSSOVER_TOKEN].")
+@click.option("--token", envvar="CROSSOVER_TOKEN",
+              help="Shared token TCP clients must send [env CROSSOVER_TOKEN]; `ps` shows it: prefer --token-file.")
 @click.option("--token-file", type=click.Path(dir_okay=False), help="Read the token from this file.")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="PEM certificate: serve TCP with TLS.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key for --tls-cert.")
@@ -91,6 +92,9 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
       crossoverd --listen 0.0.0.0:7070 --token-file /etc/crossover/token
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if token and click.get_current_context().get_parameter_source("token") is click.core.ParameterSource.COMMANDLINE:
+        logging.getLogger("crossover.daemon").warning(
+            "--token on the command line is visible to every user in `ps`; prefer --token-file or CROSSOVER_TOKEN")
     token = _read_secret(token, token_file, "token")
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")

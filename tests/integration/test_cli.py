@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,32 @@ def test_crossoverd_help():
     res = subprocess.run([str(BIN / "crossoverd"), "--help"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0
     assert "Schedule the compute phases" in res.stdout and "--cpu-devices" in res.stdout
+
+
+def test_the_cli_talks_to_a_tls_daemon_with_tls_ca(tmp_path):
+    """`--tls-ca` verifies a daemon served with --tls-cert/--tls-key; without it the call fails, with exit 3."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="node-tls", event_log=EventLog())
+    d = Daemon(core, socket_path=None, listen="127.0.0.1:0", token="s3cret",
+               tls=(cert.read_bytes(), key.read_bytes()), reap_interval_s=0.05).start()
+    try:
+        runner = CliRunner(env={"CROSSOVER_ADDRESS": None, "CROSSOVER_TOKEN": None, "CROSSOVER_TLS_CA": None})
+        base = ["policy", "--address", f"localhost:{d.port}", "--token", "s3cret", "--json", "--timeout", "5"]
+        res = runner.invoke(main, [*base, "--tls-ca", str(cert)])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["name"] == "exclusive"
+        assert runner.invoke(main, base).exit_code == ExitCode.UNREACHABLE  # plaintext to a TLS port
+        res = runner.invoke(main, [*base, "--tls-ca", str(tmp_path / "missing.pem")])
+        assert res.exit_code == ExitCode.USAGE and "cannot read --tls-ca" in res.stderr
+        settings = PluginSettings.from_env("tls-job")
+        rank = Session(RankInfo("tls-job", "tls-job", 0, 0, 1, 1, device=0),
+                       replace(settings, target=f"localhost:{d.port}", token="s3cret", tls_ca=str(cert)))
+        try:
+            assert rank.start().attached and rank.acquire(0) is True
+        finally:
+            rank.close()
+    finally:
+        d.stop(grace=0.5)
