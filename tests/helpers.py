@@ -147,6 +147,28 @@ def record_conformance(row: dict[str, Any]) -> None:
     CONFORMANCE_RESULTS.write_text(json.dumps(rows, indent=1) + os.linesep)
 
 
+def judge_colocated_run(label: str, policy: str, run: dict[str, Any], base: dict[str, Any],
+                        row: dict[str, Any]) -> None:
+    """A co-located pair under a blocking policy, against the same pair under `passthrough`.
+
+    The daemon granted devices, no compute phases overlapped on a device, no holder was
+    `overdue`, and the pair took at most 2x its unscheduled time. Adds the policy's wall
+    time, ratio and yields to `row` (a `results/conformance.json` row).
+    """
+    events = run["events"]
+    per_dev = compute_intervals(events)
+    assert per_dev, f"{label}: the daemon granted nothing"
+    for dev, intervals in per_dev.items():
+        assert overlaps(intervals) == [], f"{label}: compute phases overlap on device {dev}"
+    overdue = [e for e in events if e["event"] == "overdue"]
+    assert overdue == [], f"{label}: a holder stalled while holding its device: {overdue[:3]}"
+    ratio = run["wall_s"] / base["wall_s"]
+    row[f"{policy}_s"] = round(run["wall_s"], 2)
+    row[f"{policy}_ratio"] = round(ratio, 2)
+    row[f"{policy}_yields"] = run["yields"]
+    assert ratio <= 2.0, f"{label}: {run['wall_s']:.1f}s against {base['wall_s']:.1f}s unscheduled ({ratio:.2f}x)"
+
+
 def compute_intervals(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, str, int]]]:
     """Per device, the [grant, release) intervals from the event log.
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import compute_intervals, horovodrun, overlaps, record_conformance, with_import
+from helpers import horovodrun, judge_colocated_run, record_conformance, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -72,17 +72,5 @@ def test_colocated_pair_finishes_without_overlap(daemon_factory, jobs, tmp_path,
     row["passthrough_s"] = round(base["wall_s"], 2)
     for policy in ("exclusive", "crossover"):
         run = _run_pair(daemon_factory, jobs, tmp_path / policy, pair, policy, devices)
-        events = run["events"]
-        per_dev = compute_intervals(events)
-        assert per_dev, f"{pair}/{policy}: the daemon granted nothing"
-        for dev, intervals in per_dev.items():
-            assert overlaps(intervals) == [], f"{pair}/{policy}: compute phases overlap on device {dev}"
-        overdue = [e for e in events if e["event"] == "overdue"]
-        assert overdue == [], f"{pair}/{policy}: a holder stalled while holding its device: {overdue[:3]}"
-        ratio = run["wall_s"] / base["wall_s"]
-        row[f"{policy}_s"] = round(run["wall_s"], 2)
-        row[f"{policy}_ratio"] = round(ratio, 2)
-        row[f"{policy}_yields"] = run["yields"]
-        assert ratio <= 2.0, (f"{pair}/{policy} on {placement}: {run['wall_s']:.1f}s against "
-                              f"{base['wall_s']:.1f}s unscheduled ({ratio:.2f}x)")
+        judge_colocated_run(f"{pair}/{policy} on {placement}", policy, run, base, row)
     record_conformance(row)

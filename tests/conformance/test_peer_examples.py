@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, compute_intervals, horovodrun, overlaps, record_conformance
+from helpers import ROOT, horovodrun, judge_colocated_run, record_conformance
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -152,17 +152,5 @@ def test_peer_example_pair_finishes_without_overlap(daemon_factory, jobs, data, 
     row["passthrough_s"] = round(base["wall_s"], 2)
     for policy in ("exclusive", "crossover"):
         run = _run_pair(daemon_factory, jobs, data, tmp_path / policy, script, policy, devices)
-        events = run["events"]
-        per_dev = compute_intervals(events)
-        assert per_dev, f"{script}/{policy}: the daemon granted nothing"
-        for dev, intervals in per_dev.items():
-            assert overlaps(intervals) == [], f"{script}/{policy}: compute phases overlap on device {dev}"
-        overdue = [e for e in events if e["event"] == "overdue"]
-        assert overdue == [], f"{script}/{policy}: a holder stalled while holding its device: {overdue[:3]}"
-        ratio = run["wall_s"] / base["wall_s"]
-        row[f"{policy}_s"] = round(run["wall_s"], 2)
-        row[f"{policy}_ratio"] = round(ratio, 2)
-        row[f"{policy}_yields"] = run["yields"]
-        assert ratio <= 2.0, (f"{script}/{policy} on {placement}: {run['wall_s']:.1f}s against "
-                              f"{base['wall_s']:.1f}s unscheduled ({ratio:.2f}x)")
+        judge_colocated_run(f"{script}/{policy} on {placement}", policy, run, base, row)
     record_conformance(row)
