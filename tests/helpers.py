@@ -18,6 +18,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
 CONFORMANCE_RESULTS = ROOT / "results" / "conformance.json"
+# Horovod 0.28.1's own tests and examples, beside the checkout (CI has shared/ there); run from there, never copied.
+PEER = ROOT.parent / "shared" / "peer" / "horovod-0.28.1"
+WITH_CROSSOVER = ROOT / "tests" / "conformance" / "with_crossover.py"  # runs a script with the import added
+# The two placements of a 2-rank job: crossoverd --cpu-devices per placement.
+PLACEMENTS = {"rank-per-device": "2", "ranks-share-device": "1"}
 BIN = Path(sys.executable).parent
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import horovodrun, judge_colocated_run, record_conformance, with_import
+from helpers import PLACEMENTS, horovodrun, judge_colocated_run, record_conformance, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -35,7 +35,6 @@ PAIRS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[dict[str, str], d
     "adasum": (("--metric",), ("--metric", "--eval", "--object-sync"),
                ({"CROSSOVER_AGGREGATION": "adasum"}, {"CROSSOVER_AGGREGATION": "adasum"})),
 }
-PLACEMENTS = {"rank-per-device": "2", "ranks-share-device": "1"}
 
 
 def _run_pair(daemon_factory, jobs, tmp: Path, pair: str, policy: str, devices: str) -> dict:

@@ -25,14 +25,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, ROOT, compute_intervals, kill_group, overlaps, record_conformance
+from helpers import BIN, PEER, PLACEMENTS, WITH_CROSSOVER, compute_intervals, kill_group, overlaps, record_conformance
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(900)]
 
-PEER = ROOT.parent / "shared" / "peer" / "horovod-0.28.1"
 SUITE = PEER / "test" / "parallel" / "test_torch.py"
-LAUNCHER = ROOT / "tests" / "conformance" / "with_crossover.py"
-PLACEMENTS = {"rank-per-device": "2", "ranks-share-device": "1"}
 _SUMMARY = re.compile(r"^\[0\]<stdout>:=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s")
 _FAILED = re.compile(r"^\[0\]<stdout>:FAILED \S+::(\w+::\w+)")
 
@@ -40,7 +37,7 @@ _FAILED = re.compile(r"^\[0\]<stdout>:FAILED \S+::(\w+::\w+)")
 def _run_suite(tmp: Path, with_import: bool, env: dict[str, str] | None = None, timeout: float = 420) -> dict:
     """Run the suite under `horovodrun -np 2`; rank 0's counts and failing tests."""
     tmp.mkdir(parents=True, exist_ok=True)
-    python = [sys.executable, str(LAUNCHER), "-m", "pytest"] if with_import else [sys.executable, "-m", "pytest"]
+    python = [sys.executable, str(WITH_CROSSOVER), "-m", "pytest"] if with_import else [sys.executable, "-m", "pytest"]
     cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *python,
            "-q", "-p", "no:cacheprovider", str(SUITE)]
     log = tmp / "suite.log"

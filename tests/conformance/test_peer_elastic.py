@@ -24,13 +24,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, ROOT, compute_intervals, kill_group, overlaps, record_conformance
+from helpers import BIN, PEER, WITH_CROSSOVER, compute_intervals, kill_group, overlaps, record_conformance
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
-PEER = ROOT.parent / "shared" / "peer" / "horovod-0.28.1"
 EXAMPLE = PEER / "examples" / "elastic" / "pytorch" / "pytorch_synthetic_benchmark_elastic.py"
-LAUNCHER = ROOT / "tests" / "conformance" / "with_crossover.py"
 
 
 def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout: float = 150) -> None:
@@ -61,7 +59,7 @@ def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tm
     log = tmp_path / "job.log"
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3", "--network-interface", "lo",
            "--elastic-timeout", "60", "--host-discovery-script", str(discover), "--gloo",
-           sys.executable, str(LAUNCHER), str(EXAMPLE), "--model", "squeezenet1_1", "--batch-size", "1",
+           sys.executable, str(WITH_CROSSOVER), str(EXAMPLE), "--model", "squeezenet1_1", "--batch-size", "1",
            "--num-iters", "60", "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--no-cuda"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CROSSOVER_SOCKET": str(d.socket),
            "CROSSOVER_JOB_NAME": f"elastic-{policy}", "CROSSOVER_GRANT_TIMEOUT": "60"}

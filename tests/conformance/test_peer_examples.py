@@ -46,14 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, horovodrun, judge_colocated_run, record_conformance
+from helpers import PEER, PLACEMENTS, WITH_CROSSOVER, horovodrun, judge_colocated_run, record_conformance
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
-PEER = ROOT.parent / "shared" / "peer" / "horovod-0.28.1"
 EXAMPLES = PEER / "examples" / "pytorch"
-LAUNCHER = ROOT / "tests" / "conformance" / "with_crossover.py"
-PLACEMENTS = {"rank-per-device": "2", "ranks-share-device": "1"}
 
 # script -> its flags, given the module's data folder and this job's own folder
 SCRIPTS: dict[str, Callable[[Path, Path], tuple[str, ...]]] = {
@@ -128,7 +125,7 @@ def _run_pair(daemon_factory, jobs, data: Path, tmp: Path, script: str, policy: 
     for name in ("A", "B"):
         run = tmp / name
         run.mkdir()
-        job = horovodrun(f"{policy}-{name}", LAUNCHER, tmp, np=2, out_flag=False, cwd=run,
+        job = horovodrun(f"{policy}-{name}", WITH_CROSSOVER, tmp, np=2, out_flag=False, cwd=run,
                          args=(str(EXAMPLES / script), *SCRIPTS[script](data, run)),
                          env={"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60",
                               "CROSSOVER_STATS_FILE": str(tmp / f"stats-{policy}-{name}-{{rank}}.json")})
