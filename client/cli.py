@@ -84,6 +84,15 @@ class _Ctx:
             Console(width=None if sys.stdout.isatty() else 140).print(render(data))
 
 
+_MAX_DEVICE = 2**31 - 1  # the wire's int32
+
+
+def _finite(_ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if value != value:  # NaN passes every range comparison
+        raise click.BadParameter("must be a number of seconds, not nan", param=param)
+    return value
+
+
 _common = [
     click.option("--socket", default=default_socket_path, show_default="$CROSSOVER_SOCKET or the daemon's default",
                  help="Unix socket of the daemon."),
@@ -93,17 +102,8 @@ _common = [
                  help="CA certificate (PEM) to verify a TLS daemon at --address [env CROSSOVER_TLS_CA]."),
     click.option("--json", "as_json", is_flag=True, help="Print versioned JSON instead of a table."),
     click.option("--timeout", type=click.FloatRange(0.01, 600), default=3.0, show_default=True,
-                 callback=lambda ctx, param, value: _finite(param, value), help="Seconds to wait for the daemon."),
+                 callback=_finite, help="Seconds to wait for the daemon."),
 ]
-
-
-_MAX_DEVICE = 2**31 - 1  # the wire's int32
-
-
-def _finite(param: click.Parameter, value: float) -> float:
-    if value != value:  # NaN passes every range comparison
-        raise click.BadParameter("must be a number of seconds, not nan", param=param)
-    return value
 
 
 def _with_common(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -236,12 +236,16 @@ class CrossoverPolicy(QueuePolicy):
             return self._grant(dev, device, best_ready)
         return []
 
+    def _first_waiting(self, dev: _Device, job_id: str) -> RankKey:
+        """The job's waiting rank on the device with the smallest requested turn."""
+        return min((k for k in dev.waiting if k.job_id == job_id), key=lambda k: self._turns[k])
+
     def _waiting_key(self, dev: _Device, job_id: str) -> tuple:
-        """The job's smallest requested turn among its ranks waiting on the device."""
-        return (min(self._turns[k] for k in dev.waiting if k.job_id == job_id), self._tiebreak(job_id))
+        """Serve order among ready jobs: the turn of the job's first waiting rank, then the tie-break."""
+        return (self._turns[self._first_waiting(dev, job_id)], self._tiebreak(job_id))
 
     def _grant(self, dev: _Device, device: int, job_id: str) -> list[RankKey]:
-        key = min((k for k in dev.waiting if k.job_id == job_id), key=lambda k: self._turns[k])
+        key = self._first_waiting(dev, job_id)
         self._q.grant(dev, key)
         self._holds.pop(device, None)
         return [key]
