@@ -2,7 +2,9 @@
 
 Fail-open by construction: when the daemon is absent, dies or stops answering,
 every call returns at once and training continues unscheduled; a background
-thread re-attaches when the daemon is back. The first loss of contact is
+thread re-attaches when the daemon is back. A daemon that is there but frozen
+(SIGSTOP, swapped out) is noticed by its unanswered heartbeats within about a
+second (CROSSOVER_DAEMON_SILENCE); its ranks train unscheduled until it answers. The first loss of contact is
 logged once as a warning, later ones at INFO.
 """
 from __future__ import annotations
@@ -73,6 +75,9 @@ class Session:
         self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
         self._warned = False
         self._cool_until = 0.0  # after a grant timeout: train unscheduled until then, then ask again
+        self._answers_heartbeats = False  # this daemon answers heartbeats (Directive.alive)
+        self._unanswered_since: float | None = None  # when the oldest heartbeat not yet answered went out
+        self._frozen = False  # the daemon stopped answering: train unscheduled until it does
         self._stop = threading.Event()
         self._channel: grpc.Channel | None = None
         self._receiver: threading.Thread | None = None
@@ -108,8 +113,9 @@ class Session:
         with self._cond:
             if not self._attached:
                 return False
-            # In a cool-off, or already asked: nothing to request, only the allreduce's end to report.
-            if self._clock() < self._cool_until or self._requested_gen == self._generation:
+            # In a cool-off, a frozen daemon, or already asked: nothing to request, only the
+            # allreduce's end to report.
+            if self._clock() < self._cool_until or self._frozen or self._requested_gen == self._generation:
                 if comm_s is not None:
                     self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
                 return False
@@ -130,6 +136,8 @@ class Session:
             self._send(request)
             deadline = start + self.settings.grant_timeout_s
             while self._granted_seq < seq and self._attached and self._generation == gen and self._blocks:
+                if self._frozen:
+                    return False
                 left = deadline - self._clock()
                 if left <= 0:
                     cool = self.settings.cool_off_s
@@ -271,10 +279,32 @@ class Session:
                         self._flush_batch()
                     elif self._attached and self._clock() - self._last_send >= interval:
                         self._send(pb.RankEvent(kind=pb.HEARTBEAT))
+                        if self._unanswered_since is None:
+                            self._unanswered_since = self._clock()
+                    self._check_silence()
             else:
                 if self._stop.wait(self.settings.reconnect_interval_s):
                     return
                 self._attach()
+
+    def _check_silence(self) -> None:
+        """Take the daemon for frozen once a heartbeat went unanswered for CROSSOVER_DAEMON_SILENCE."""
+        since = self._unanswered_since
+        if not self._attached or self._frozen or not self._answers_heartbeats or since is None:
+            return
+        silent = self._clock() - since
+        if silent >= self.settings.daemon_silence_s:
+            self._frozen = True
+            _log.warning("crossoverd has not answered a heartbeat for %.1fs; training unscheduled until it "
+                         "answers again", silent)
+            self._cond.notify_all()
+
+    def _heard(self) -> None:
+        """Any directive answers every heartbeat sent before it (the stream keeps order)."""
+        self._unanswered_since = None
+        if self._frozen:
+            self._frozen = False
+            _log.warning("crossoverd answers again; training is scheduled again")
 
     def _attach(self) -> None:
         s = self.settings
@@ -310,6 +340,9 @@ class Session:
             self._leased = False
             self._unsent = None
             self._granted_seq = 0
+            self._answers_heartbeats = False
+            self._unanswered_since = None
+            self._frozen = False
             self.registration = reg
         receiver = threading.Thread(target=self._receive, args=(stream, self._generation),
                                     name="crossover-recv", daemon=True)
@@ -343,7 +376,10 @@ class Session:
         try:
             for d in stream.receive():
                 with self._cond:
-                    if d.HasField("grant"):
+                    self._heard()
+                    if d.HasField("alive"):
+                        self._answers_heartbeats = True
+                    elif d.HasField("grant"):
                         self._granted_seq = max(self._granted_seq, d.grant.seq)
                     elif d.HasField("lease"):
                         self._leased = d.lease.held

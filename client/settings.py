@@ -43,6 +43,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_GRANT_TIMEOUT": ("30", "Seconds to wait for a grant before computing unscheduled."),
     "CROSSOVER_COOL_OFF": ("10", "Seconds a rank trains unscheduled after a grant timed out before it asks for "
                            "grants again (it never pays the timeout every iteration)."),
+    "CROSSOVER_DAEMON_SILENCE": ("1", "Seconds a heartbeat may go unanswered before the rank takes its daemon for "
+                                 "frozen (stopped, swapped out) and trains unscheduled until it answers again."),
     "CROSSOVER_CONNECT_TIMEOUT": ("5", "Seconds to wait for a daemon whose socket exists to answer when attaching "
                                          "(a missing socket means no daemon: no wait)."),
     "CROSSOVER_RECONNECT_INTERVAL": ("2", "Seconds between attempts to re-attach to a lost daemon."),
@@ -196,6 +198,7 @@ class PluginSettings:
     log_level: str
     quiet_wait: bool = True
     cool_off_s: float = 10.0
+    daemon_silence_s: float = 1.0
     lease: bool = True
     report_interval_s: float = 0.1
     transport: str = "auto"
@@ -226,6 +229,7 @@ class PluginSettings:
             pin=_bool("CROSSOVER_PIN", True),
             quiet_wait=_bool("CROSSOVER_QUIET_WAIT", True),
             cool_off_s=_float("CROSSOVER_COOL_OFF", 10.0, 0.0, 86_400.0),
+            daemon_silence_s=_float("CROSSOVER_DAEMON_SILENCE", 1.0, 0.05, 3600.0),
             lease=_bool("CROSSOVER_LEASE", True),
             report_interval_s=_float("CROSSOVER_REPORT_INTERVAL", 0.1, 0.0, 1.0),
             transport=_choice("CROSSOVER_TRANSPORT", "auto", TRANSPORTS),

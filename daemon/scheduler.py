@@ -45,7 +45,8 @@ from .event_log import EventLog
 from .inventory import Inventory
 
 __all__ = [
-    "Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "LeaseMsg", "ShareMsg", "CloseMsg",
+    "Scheduler", "Identity", "Registration", "GrantMsg", "PolicyMsg", "LeaseMsg", "ShareMsg", "AliveMsg",
+    "CloseMsg",
     "RankSnapshot", "DeviceSnapshot",
 ]
 
@@ -104,6 +105,11 @@ class ShareMsg:
     """How many other ranks are registered on the session's device now."""
 
     other_ranks: int
+
+
+@dataclass(frozen=True)
+class AliveMsg:
+    """The answer to a heartbeat: the daemon still reads and decides."""
 
 
 @dataclass(frozen=True)
@@ -333,6 +339,7 @@ class Scheduler:
                 if sess.phase is Phase.SUSPENDED:
                     self._resume(sess, silent, now, record)
                 if kind == "heartbeat":
+                    self._post(sess, AliveMsg())
                     return
                 if kind == "compute_request":
                     self._request(sess, iteration, seq, turn_base, duration_s, no_wait, now, record)

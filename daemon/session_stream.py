@@ -21,7 +21,7 @@ import grpc
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import framing
 from .api import AlreadyExists, CrossoverError, FailedPrecondition, InvalidRequest, NotFound, UnsupportedVersion
-from .scheduler import CloseMsg, GrantMsg, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
+from .scheduler import AliveMsg, CloseMsg, GrantMsg, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
 
 __all__ = ["GrpcSessionStream", "SessionSocketServer", "apply_event", "serve_session", "status_code"]
 
@@ -122,6 +122,8 @@ def _directive(msg: Any) -> pb.Directive | None:
         return pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy, policy_blocks=msg.blocks))
     if isinstance(msg, ShareMsg):
         return pb.Directive(share=pb.DeviceShare(other_ranks=msg.other_ranks))
+    if isinstance(msg, AliveMsg):
+        return pb.Directive(alive=pb.Alive())
     return None
 
 

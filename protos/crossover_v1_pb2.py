@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x63rossover_v1.proto\x12\x0c\x63rossover.v1\"\xa5\x01\n\x0cRankIdentity\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nlocal_rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x12\n\nlocal_size\x18\x06 \x01(\x05\x12\x0c\n\x04node\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\x05\x12\x0b\n\x03pid\x18\t \x01(\x05\"q\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12,\n\x08identity\x18\x02 \x01(\x0b\x32\x1a.crossover.v1.RankIdentity\x12\x16\n\x0e\x61\x63\x63\x65pts_leases\x18\x03 \x01(\x08\"\xb7\x01\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x05\x12\x14\n\x0c\x63pu_affinity\x18\x04 \x03(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x15\n\rpolicy_blocks\x18\x07 \x01(\x08\x12\x16\n\x0esession_socket\x18\x08 \x01(\t\"\x9d\x02\n\tRankEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.crossover.v1.EventKind\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\titeration\x18\x03 \x01(\x03\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x11\n\tturn_base\x18\x06 \x01(\x03\x12\x13\n\x0b\x63omm_begins\x18\x07 \x01(\x08\x12\x0f\n\x07no_wait\x18\x08 \x01(\x08\x12\x11\n\trequested\x18\t \x01(\x08\x12\x0e\n\x06\x63omm_s\x18\n \x01(\x01\x12&\n\x05\x62\x61tch\x18\x0b \x03(\x0b\x32\x17.crossover.v1.RankEvent\x12\r\n\x05\x61go_s\x18\x0c \x01(\x01\x12\x0e\n\x06yields\x18\r \x01(\x08\"\xe6\x01\n\tDirective\x12$\n\x05grant\x18\x01 \x01(\x0b\x32\x13.crossover.v1.GrantH\x00\x12,\n\x06policy\x18\x02 \x01(\x0b\x32\x1a.crossover.v1.PolicyUpdateH\x00\x12$\n\x05lease\x18\x03 \x01(\x0b\x32\x13.crossover.v1.LeaseH\x00\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.crossover.v1.SessionErrorH\x00\x12*\n\x05share\x18\x05 \x01(\x0b\x32\x19.crossover.v1.DeviceShareH\x00\x42\x06\n\x04kind\"\"\n\x0b\x44\x65viceShare\x12\x13\n\x0bother_ranks\x18\x01 \x01(\r\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x15\n\x05Lease\x12\x0c\n\x04held\x18\x01 \x01(\x08\"9\n\x05Grant\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\titeration\x18\x02 \x01(\x03\x12\x10\n\x08waited_s\x18\x03 \x01(\x01\"5\n\x0cPolicyUpdate\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x15\n\rpolicy_blocks\x18\x02 \x01(\x08\"&\n\x10TurnFloorRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\"\n\x11TurnFloorResponse\x12\r\n\x05\x66loor\x18\x01 \x01(\x03\"\xaa\x02\n\tRankState\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nlocal_rank\x18\x04 \x01(\x05\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\"\n\x05phase\x18\x06 \x01(\x0e\x32\x13.crossover.v1.Phase\x12\x11\n\titeration\x18\x07 \x01(\x03\x12\x16\n\x0emean_compute_s\x18\x08 \x01(\x01\x12\x13\n\x0bmean_comm_s\x18\t \x01(\x01\x12\x15\n\rwait_fraction\x18\n \x01(\x01\x12\x13\n\x0b\x63pu_percent\x18\x0b \x01(\x01\x12\x11\n\trss_bytes\x18\x0c \x01(\x04\x12\x18\n\x10gpu_memory_bytes\x18\r \x01(\x04\x12\x0f\n\x07since_s\x18\x0e \x01(\x01\"\xa2\x02\n\x0b\x44\x65viceState\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12(\n\x07holders\x18\x05 \x03(\x0b\x32\x17.crossover.v1.RankState\x12(\n\x07waiting\x18\x06 \x03(\x0b\x32\x17.crossover.v1.RankState\x12\'\n\x06others\x18\x07 \x03(\x0b\x32\x17.crossover.v1.RankState\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\t \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\n \x01(\x04\x12\r\n\x05order\x18\x0b \x03(\t\"8\n\x0cQueueRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\"\x7f\n\nQueueState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12*\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x19.crossover.v1.DeviceState\x12\x15\n\roverdue_total\x18\x05 \x01(\x04\"\'\n\x0bJobsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"~\n\x08JobState\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12&\n\x05ranks\x18\x04 \x03(\x0b\x32\x17.crossover.v1.RankState\x12\x14\n\x0cregistered_s\x18\x05 \x01(\x01\"/\n\x07JobList\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.crossover.v1.JobState\"7\n\rPolicyRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"-\n\nPolicyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x03(\t\"9\n\rDeviceRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\"-\n\tDeviceAck\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08*\xa4\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04OPEN\x10\x01\x12\x13\n\x0f\x43OMPUTE_REQUEST\x10\x02\x12\x10\n\x0c\x43OMPUTE_DONE\x10\x03\x12\x0e\n\nCOMM_BEGIN\x10\x04\x12\x0c\n\x08\x43OMM_END\x10\x05\x12\r\n\tHEARTBEAT\x10\x06\x12\x12\n\x0eLEASE_RELEASED\x10\x07\x12\t\n\x05\x42\x41TCH\x10\x08*s\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x08\n\x04IDLE\x10\x01\x12\x0b\n\x07WAITING\x10\x02\x12\x0b\n\x07\x43OMPUTE\x10\x03\x12\x08\n\x04\x43OMM\x10\x04\x12\t\n\x05OTHER\x10\x05\x12\r\n\tSUSPENDED\x10\x06\x12\x0b\n\x07OVERDUE\x10\x07\x32\xe5\x01\n\tScheduler\x12I\n\x08Register\x12\x1d.crossover.v1.RegisterRequest\x1a\x1e.crossover.v1.RegisterResponse\x12?\n\x07Session\x12\x17.crossover.v1.RankEvent\x1a\x17.crossover.v1.Directive(\x01\x30\x01\x12L\n\tTurnFloor\x12\x1e.crossover.v1.TurnFloorRequest\x1a\x1f.crossover.v1.TurnFloorResponse2\x8e\x03\n\x05\x41\x64min\x12@\n\x08GetQueue\x12\x1a.crossover.v1.QueueRequest\x1a\x18.crossover.v1.QueueState\x12<\n\x08ListJobs\x12\x19.crossover.v1.JobsRequest\x1a\x15.crossover.v1.JobList\x12\x42\n\tGetPolicy\x12\x1b.crossover.v1.PolicyRequest\x1a\x18.crossover.v1.PolicyInfo\x12\x42\n\tSetPolicy\x12\x1b.crossover.v1.PolicyRequest\x1a\x18.crossover.v1.PolicyInfo\x12=\n\x05\x44rain\x12\x1b.crossover.v1.DeviceRequest\x1a\x17.crossover.v1.DeviceAck\x12>\n\x06Resume\x12\x1b.crossover.v1.DeviceRequest\x1a\x17.crossover.v1.DeviceAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x63rossover_v1.proto\x12\x0c\x63rossover.v1\"\xa5\x01\n\x0cRankIdentity\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nlocal_rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x12\n\nlocal_size\x18\x06 \x01(\x05\x12\x0c\n\x04node\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\x05\x12\x0b\n\x03pid\x18\t \x01(\x05\"q\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12,\n\x08identity\x18\x02 \x01(\x0b\x32\x1a.crossover.v1.RankIdentity\x12\x16\n\x0e\x61\x63\x63\x65pts_leases\x18\x03 \x01(\x08\"\xb7\x01\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\x05\x12\x14\n\x0c\x63pu_affinity\x18\x04 \x03(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x15\n\rpolicy_blocks\x18\x07 \x01(\x08\x12\x16\n\x0esession_socket\x18\x08 \x01(\t\"\x9d\x02\n\tRankEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.crossover.v1.EventKind\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\titeration\x18\x03 \x01(\x03\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x11\n\tturn_base\x18\x06 \x01(\x03\x12\x13\n\x0b\x63omm_begins\x18\x07 \x01(\x08\x12\x0f\n\x07no_wait\x18\x08 \x01(\x08\x12\x11\n\trequested\x18\t \x01(\x08\x12\x0e\n\x06\x63omm_s\x18\n \x01(\x01\x12&\n\x05\x62\x61tch\x18\x0b \x03(\x0b\x32\x17.crossover.v1.RankEvent\x12\r\n\x05\x61go_s\x18\x0c \x01(\x01\x12\x0e\n\x06yields\x18\r \x01(\x08\"\x8c\x02\n\tDirective\x12$\n\x05grant\x18\x01 \x01(\x0b\x32\x13.crossover.v1.GrantH\x00\x12,\n\x06policy\x18\x02 \x01(\x0b\x32\x1a.crossover.v1.PolicyUpdateH\x00\x12$\n\x05lease\x18\x03 \x01(\x0b\x32\x13.crossover.v1.LeaseH\x00\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.crossover.v1.SessionErrorH\x00\x12*\n\x05share\x18\x05 \x01(\x0b\x32\x19.crossover.v1.DeviceShareH\x00\x12$\n\x05\x61live\x18\x06 \x01(\x0b\x32\x13.crossover.v1.AliveH\x00\x42\x06\n\x04kind\"\x07\n\x05\x41live\"\"\n\x0b\x44\x65viceShare\x12\x13\n\x0bother_ranks\x18\x01 \x01(\r\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x15\n\x05Lease\x12\x0c\n\x04held\x18\x01 \x01(\x08\"9\n\x05Grant\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x11\n\titeration\x18\x02 \x01(\x03\x12\x10\n\x08waited_s\x18\x03 \x01(\x01\"5\n\x0cPolicyUpdate\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x15\n\rpolicy_blocks\x18\x02 \x01(\x08\"&\n\x10TurnFloorRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\"\n\x11TurnFloorResponse\x12\r\n\x05\x66loor\x18\x01 \x01(\x03\"\xaa\x02\n\tRankState\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nlocal_rank\x18\x04 \x01(\x05\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\"\n\x05phase\x18\x06 \x01(\x0e\x32\x13.crossover.v1.Phase\x12\x11\n\titeration\x18\x07 \x01(\x03\x12\x16\n\x0emean_compute_s\x18\x08 \x01(\x01\x12\x13\n\x0bmean_comm_s\x18\t \x01(\x01\x12\x15\n\rwait_fraction\x18\n \x01(\x01\x12\x13\n\x0b\x63pu_percent\x18\x0b \x01(\x01\x12\x11\n\trss_bytes\x18\x0c \x01(\x04\x12\x18\n\x10gpu_memory_bytes\x18\r \x01(\x04\x12\x0f\n\x07since_s\x18\x0e \x01(\x01\"\xa2\x02\n\x0b\x44\x65viceState\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12(\n\x07holders\x18\x05 \x03(\x0b\x32\x17.crossover.v1.RankState\x12(\n\x07waiting\x18\x06 \x03(\x0b\x32\x17.crossover.v1.RankState\x12\'\n\x06others\x18\x07 \x03(\x0b\x32\x17.crossover.v1.RankState\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\t \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\n \x01(\x04\x12\r\n\x05order\x18\x0b \x03(\t\"8\n\x0cQueueRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\"\x7f\n\nQueueState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12*\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x19.crossover.v1.DeviceState\x12\x15\n\roverdue_total\x18\x05 \x01(\x04\"\'\n\x0bJobsRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\"~\n\x08JobState\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_name\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12&\n\x05ranks\x18\x04 \x03(\x0b\x32\x17.crossover.v1.RankState\x12\x14\n\x0cregistered_s\x18\x05 \x01(\x01\"/\n\x07JobList\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.crossover.v1.JobState\"7\n\rPolicyRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"-\n\nPolicyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x03(\t\"9\n\rDeviceRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\"-\n\tDeviceAck\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08*\xa4\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04OPEN\x10\x01\x12\x13\n\x0f\x43OMPUTE_REQUEST\x10\x02\x12\x10\n\x0c\x43OMPUTE_DONE\x10\x03\x12\x0e\n\nCOMM_BEGIN\x10\x04\x12\x0c\n\x08\x43OMM_END\x10\x05\x12\r\n\tHEARTBEAT\x10\x06\x12\x12\n\x0eLEASE_RELEASED\x10\x07\x12\t\n\x05\x42\x41TCH\x10\x08*s\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x08\n\x04IDLE\x10\x01\x12\x0b\n\x07WAITING\x10\x02\x12\x0b\n\x07\x43OMPUTE\x10\x03\x12\x08\n\x04\x43OMM\x10\x04\x12\t\n\x05OTHER\x10\x05\x12\r\n\tSUSPENDED\x10\x06\x12\x0b\n\x07OVERDUE\x10\x07\x32\xe5\x01\n\tScheduler\x12I\n\x08Register\x12\x1d.crossover.v1.RegisterRequest\x1a\x1e.crossover.v1.RegisterResponse\x12?\n\x07Session\x12\x17.crossover.v1.RankEvent\x1a\x17.crossover.v1.Directive(\x01\x30\x01\x12L\n\tTurnFloor\x12\x1e.crossover.v1.TurnFloorRequest\x1a\x1f.crossover.v1.TurnFloorResponse2\x8e\x03\n\x05\x41\x64min\x12@\n\x08GetQueue\x12\x1a.crossover.v1.QueueRequest\x1a\x18.crossover.v1.QueueState\x12<\n\x08ListJobs\x12\x19.crossover.v1.JobsRequest\x1a\x15.crossover.v1.JobList\x12\x42\n\tGetPolicy\x12\x1b.crossover.v1.PolicyRequest\x1a\x18.crossover.v1.PolicyInfo\x12\x42\n\tSetPolicy\x12\x1b.crossover.v1.PolicyRequest\x1a\x18.crossover.v1.PolicyInfo\x12=\n\x05\x44rain\x12\x1b.crossover.v1.DeviceRequest\x1a\x17.crossover.v1.DeviceAck\x12>\n\x06Resume\x12\x1b.crossover.v1.DeviceRequest\x1a\x17.crossover.v1.DeviceAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crossover_v1_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVENTKIND']._serialized_start=2532
-  _globals['_EVENTKIND']._serialized_end=2696
-  _globals['_PHASE']._serialized_start=2698
-  _globals['_PHASE']._serialized_end=2813
+  _globals['_EVENTKIND']._serialized_start=2579
+  _globals['_EVENTKIND']._serialized_end=2743
+  _globals['_PHASE']._serialized_start=2745
+  _globals['_PHASE']._serialized_end=2860
   _globals['_RANKIDENTITY']._serialized_start=37
   _globals['_RANKIDENTITY']._serialized_end=202
   _globals['_REGISTERREQUEST']._serialized_start=204
@@ -44,45 +44,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKEVENT']._serialized_start=506
   _globals['_RANKEVENT']._serialized_end=791
   _globals['_DIRECTIVE']._serialized_start=794
-  _globals['_DIRECTIVE']._serialized_end=1024
-  _globals['_DEVICESHARE']._serialized_start=1026
-  _globals['_DEVICESHARE']._serialized_end=1060
-  _globals['_SESSIONERROR']._serialized_start=1062
-  _globals['_SESSIONERROR']._serialized_end=1107
-  _globals['_LEASE']._serialized_start=1109
-  _globals['_LEASE']._serialized_end=1130
-  _globals['_GRANT']._serialized_start=1132
-  _globals['_GRANT']._serialized_end=1189
-  _globals['_POLICYUPDATE']._serialized_start=1191
-  _globals['_POLICYUPDATE']._serialized_end=1244
-  _globals['_TURNFLOORREQUEST']._serialized_start=1246
-  _globals['_TURNFLOORREQUEST']._serialized_end=1284
-  _globals['_TURNFLOORRESPONSE']._serialized_start=1286
-  _globals['_TURNFLOORRESPONSE']._serialized_end=1320
-  _globals['_RANKSTATE']._serialized_start=1323
-  _globals['_RANKSTATE']._serialized_end=1621
-  _globals['_DEVICESTATE']._serialized_start=1624
-  _globals['_DEVICESTATE']._serialized_end=1914
-  _globals['_QUEUEREQUEST']._serialized_start=1916
-  _globals['_QUEUEREQUEST']._serialized_end=1972
-  _globals['_QUEUESTATE']._serialized_start=1974
-  _globals['_QUEUESTATE']._serialized_end=2101
-  _globals['_JOBSREQUEST']._serialized_start=2103
-  _globals['_JOBSREQUEST']._serialized_end=2142
-  _globals['_JOBSTATE']._serialized_start=2144
-  _globals['_JOBSTATE']._serialized_end=2270
-  _globals['_JOBLIST']._serialized_start=2272
-  _globals['_JOBLIST']._serialized_end=2319
-  _globals['_POLICYREQUEST']._serialized_start=2321
-  _globals['_POLICYREQUEST']._serialized_end=2376
-  _globals['_POLICYINFO']._serialized_start=2378
-  _globals['_POLICYINFO']._serialized_end=2423
-  _globals['_DEVICEREQUEST']._serialized_start=2425
-  _globals['_DEVICEREQUEST']._serialized_end=2482
-  _globals['_DEVICEACK']._serialized_start=2484
-  _globals['_DEVICEACK']._serialized_end=2529
-  _globals['_SCHEDULER']._serialized_start=2816
-  _globals['_SCHEDULER']._serialized_end=3045
-  _globals['_ADMIN']._serialized_start=3048
-  _globals['_ADMIN']._serialized_end=3446
+  _globals['_DIRECTIVE']._serialized_end=1062
+  _globals['_ALIVE']._serialized_start=1064
+  _globals['_ALIVE']._serialized_end=1071
+  _globals['_DEVICESHARE']._serialized_start=1073
+  _globals['_DEVICESHARE']._serialized_end=1107
+  _globals['_SESSIONERROR']._serialized_start=1109
+  _globals['_SESSIONERROR']._serialized_end=1154
+  _globals['_LEASE']._serialized_start=1156
+  _globals['_LEASE']._serialized_end=1177
+  _globals['_GRANT']._serialized_start=1179
+  _globals['_GRANT']._serialized_end=1236
+  _globals['_POLICYUPDATE']._serialized_start=1238
+  _globals['_POLICYUPDATE']._serialized_end=1291
+  _globals['_TURNFLOORREQUEST']._serialized_start=1293
+  _globals['_TURNFLOORREQUEST']._serialized_end=1331
+  _globals['_TURNFLOORRESPONSE']._serialized_start=1333
+  _globals['_TURNFLOORRESPONSE']._serialized_end=1367
+  _globals['_RANKSTATE']._serialized_start=1370
+  _globals['_RANKSTATE']._serialized_end=1668
+  _globals['_DEVICESTATE']._serialized_start=1671
+  _globals['_DEVICESTATE']._serialized_end=1961
+  _globals['_QUEUEREQUEST']._serialized_start=1963
+  _globals['_QUEUEREQUEST']._serialized_end=2019
+  _globals['_QUEUESTATE']._serialized_start=2021
+  _globals['_QUEUESTATE']._serialized_end=2148
+  _globals['_JOBSREQUEST']._serialized_start=2150
+  _globals['_JOBSREQUEST']._serialized_end=2189
+  _globals['_JOBSTATE']._serialized_start=2191
+  _globals['_JOBSTATE']._serialized_end=2317
+  _globals['_JOBLIST']._serialized_start=2319
+  _globals['_JOBLIST']._serialized_end=2366
+  _globals['_POLICYREQUEST']._serialized_start=2368
+  _globals['_POLICYREQUEST']._serialized_end=2423
+  _globals['_POLICYINFO']._serialized_start=2425
+  _globals['_POLICYINFO']._serialized_end=2470
+  _globals['_DEVICEREQUEST']._serialized_start=2472
+  _globals['_DEVICEREQUEST']._serialized_end=2529
+  _globals['_DEVICEACK']._serialized_start=2531
+  _globals['_DEVICEACK']._serialized_end=2576
+  _globals['_SCHEDULER']._serialized_start=2863
+  _globals['_SCHEDULER']._serialized_end=3092
+  _globals['_ADMIN']._serialized_start=3095
+  _globals['_ADMIN']._serialized_end=3493
 # @@protoc_insertion_point(module_scope)

@@ -130,18 +130,24 @@ class RankEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., yields: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("grant", "policy", "lease", "error", "share")
+    __slots__ = ("grant", "policy", "lease", "error", "share", "alive")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
     grant: Grant
     policy: PolicyUpdate
     lease: Lease
     error: SessionError
     share: DeviceShare
-    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., share: _Optional[_Union[DeviceShare, _Mapping]] = ...) -> None: ...
+    alive: Alive
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., share: _Optional[_Union[DeviceShare, _Mapping]] = ..., alive: _Optional[_Union[Alive, _Mapping]] = ...) -> None: ...
+
+class Alive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class DeviceShare(_message.Message):
     __slots__ = ("other_ranks",)

@@ -75,3 +75,42 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
     assert not [e for e in events if e["event"] == "leave" and e["t"] < t0], "a job left before the SIGTERM"
     assert sorted((e["job_name"], e["reason"]) for e in events if e["event"] == "leave") == [
         ("one", "daemon shutdown"), ("two", "daemon shutdown")]
+
+
+def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daemon_factory, tmp_path):
+    """SIGSTOP: a rank waiting for a grant stops waiting once its heartbeat goes unanswered
+    (CROSSOVER_DAEMON_SILENCE), not after the 30 s grant timeout; after SIGCONT it waits for grants again."""
+    from crossover.session import RankInfo, Session
+    from crossover.settings import PluginSettings
+
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease", "--overdue-after", "600",
+                       "--heartbeat-timeout", "5", "--evict-after", "60")
+    settings = PluginSettings(target=f"unix://{d.socket}", token="", tls_ca="", disabled=False, job_name="",
+                              device=0, grant_timeout_s=30.0, connect_timeout_s=5.0, reconnect_interval_s=60.0,
+                              pin=False, log_level="WARNING", daemon_silence_s=1.0)
+    holder, waiter = (Session(RankInfo(f"job-{n}", n, 0, 0, 1, 1, device=0), settings).start()
+                      for n in ("holder", "waiter"))
+    try:
+        assert holder.attached and waiter.attached
+        _wait_for(lambda: waiter._answers_heartbeats, 5, "the daemon's first heartbeat answer")
+        assert holder.acquire(0)
+        d.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert waiter.acquire(0) is False  # the device is held and the daemon is frozen: train unscheduled
+        noticed = time.monotonic() - t0
+        assert noticed < 3.0, f"a frozen daemon took {noticed:.1f}s to notice"
+        t1 = time.monotonic()
+        assert waiter.acquire(1) is False, "a rank must not wait on a daemon it knows is frozen"
+        assert time.monotonic() - t1 < 0.1
+        waiter.release(1)
+        d.proc.send_signal(signal.SIGCONT)
+        _wait_for(lambda: not waiter._frozen, 5, "the thawed daemon's answer")
+        holder.release(0)
+        assert waiter.acquire(2) is True, "after the daemon answers again the rank is scheduled again"
+        waiter.release(2)
+        _wait_for(lambda: any(e["event"] == "grant" and e["job_name"] == "waiter" for e in d.events()), 5,
+                  "the thawed daemon's grant to the waiter in its event log")
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        holder.close()
+        waiter.close()

@@ -13,7 +13,7 @@ import pytest
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
-from crossover.daemon.scheduler import CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
+from crossover.daemon.scheduler import AliveMsg, CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
 from helpers import compute_intervals, grants_out_of_turn, overlaps
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -82,15 +82,17 @@ def ident(job: str = "job-a", rank: int = 0, world: int = 2, device: int = 0, lo
 
 
 def drain_outbox(box: queue.SimpleQueue, shares: bool = False) -> list:
-    """The messages queued for a session; `ShareMsg`s only when asked for (most tests are about the rest)."""
+    """The messages queued for a session; `ShareMsg`s only when asked for, heartbeat answers
+    (`AliveMsg`) never (most tests are about the rest)."""
     out = []
     while True:
         try:
             msg = box.get_nowait()
         except queue.Empty:
             return out
-        if shares or not isinstance(msg, ShareMsg):
-            out.append(msg)
+        if isinstance(msg, AliveMsg) or (isinstance(msg, ShareMsg) and not shares):
+            continue
+        out.append(msg)
 
 
 def join(s: Scheduler, leases: bool = True, **kw) -> tuple[str, queue.SimpleQueue]:
@@ -1058,3 +1060,15 @@ def test_whatever_ranks_send_a_blocking_policy_never_has_two_holders(policy, lea
             assert len(holders) <= 1, f"two holders after {kind} from session {who}: {holders}"
     finally:
         s.shutdown()
+
+
+def test_every_heartbeat_is_answered_so_a_rank_can_tell_a_frozen_daemon(make):
+    s = make()
+    a, box = join(s)
+    drain_outbox(box)
+    s.event(a, "heartbeat")
+    s.event(a, "heartbeat")
+    answers = []
+    while not box.empty():
+        answers.append(box.get_nowait())
+    assert [type(m) for m in answers] == [AliveMsg, AliveMsg]

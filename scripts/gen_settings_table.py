@@ -1,0 +1,30 @@
+"""Rewrite the README's settings table from crossover.settings.PLUGIN_SETTINGS.
+
+Usage: python scripts/gen_settings_table.py   (tests/unit/test_readme.py fails while they differ)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from crossover.settings import PLUGIN_SETTINGS
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_BEGIN = "<!-- settings-table"
+_END = "<!-- /settings-table -->"
+
+
+def table() -> str:
+    rows = [f"| `{name}` | {default} | {meaning} |" for name, (default, meaning) in PLUGIN_SETTINGS.items()]
+    return "\n".join(["| variable | default | meaning |", "| --- | --- | --- |", *rows])
+
+
+def main() -> None:
+    text = README.read_text()
+    head, rest = text.split(_BEGIN, 1)
+    marker, _old = rest.split("\n", 1)
+    _, tail = rest.split(_END, 1)
+    README.write_text(f"{head}{_BEGIN}{marker}\n{table()}\n{_END}{tail}")
+
+
+if __name__ == "__main__":
+    main()
