@@ -15,6 +15,7 @@ import click
 import grpc
 from rich.console import Console, Group
 from rich.live import Live
+from rich.text import Text
 
 from . import formatting
 from .protos import crossover_v1_pb2 as pb
@@ -151,7 +152,8 @@ def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
     req = pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=device)
 
     def render(d: dict[str, Any]) -> Group:
-        head = f"node {d['node']}  policy {d['policy']}  up {d['uptime_s']:.0f}s"
+        head = Text.assemble("node ", formatting.shown(d["node"]), f"  policy {d['policy']}  up {d['uptime_s']:.0f}s  "
+                             f"streams {d['connections']}/{d['max_connections']}")
         return Group(head, *formatting.queue_tables(d))
 
     if not watch:

@@ -21,7 +21,7 @@ import grpc
 
 from .protos import crossover_v1_pb2 as pb
 from .protos import crossover_v1_pb2_grpc as pb_grpc
-from .settings import TOKEN_METADATA_KEY, PluginSettings
+from .settings import MAX_BATCH_EVENTS, TOKEN_METADATA_KEY, PluginSettings
 from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken
 
 __all__ = ["RankInfo", "Session", "channel_for"]
@@ -226,7 +226,7 @@ class Session:
                                          seq=request.seq, turn_base=request.turn_base, comm_s=request.duration_s,
                                          duration_s=duration_s or now - start, comm_begins=comm_begins,
                                          yields=yields), now))
-        if now - self._batch[0][1] >= self.settings.report_interval_s:
+        if now - self._batch[0][1] >= self.settings.report_interval_s or len(self._batch) >= MAX_BATCH_EVENTS:
             self._flush_batch()
 
     def _flush_batch(self) -> None:

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["AggregationSettings", "default_socket_path", "PluginSettings", "PLUGIN_SETTINGS", "SettingError",
-           "TOKEN_METADATA_KEY"]
+__all__ = ["AggregationSettings", "default_socket_path", "MAX_BATCH_EVENTS", "PluginSettings", "PLUGIN_SETTINGS",
+           "SettingError", "TOKEN_METADATA_KEY"]
 
 TOKEN_METADATA_KEY = "x-crossover-token"
+MAX_BATCH_EVENTS = 256  # events one BATCH may carry; the daemon refuses a larger one (INVALID_ARGUMENT)
 
 
 class SettingError(ValueError):

@@ -24,6 +24,7 @@ __all__ = [
     "AlreadyExists",
     "FailedPrecondition",
     "UnsupportedVersion",
+    "ResourceExhausted",
 ]
 
 PROTOCOL_VERSION = 1
@@ -161,3 +162,7 @@ class FailedPrecondition(CrossoverError):
 
 class UnsupportedVersion(CrossoverError):
     """The client speaks a protocol version this daemon does not."""
+
+
+class ResourceExhausted(CrossoverError):
+    """A client went past one of the daemon's limits (events per second, connections)."""

@@ -25,6 +25,10 @@ class EventLog:
     thread every `flush_interval_s`: encoding and writing stay off the thread
     that decides grants. A daemon killed with SIGKILL loses at most that last
     interval of the file (the in-memory log is complete); `close()` writes the rest.
+
+    With `max_bytes`, the file is rotated like any daemon's log before it grows
+    past that size: `path` becomes `path.1`, `path.1` becomes `path.2`, and so on up
+    to `backups` (the oldest is deleted), so clients cannot fill the disk through it.
     """
 
     def __init__(
@@ -34,6 +38,8 @@ class EventLog:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         flush_interval_s: float = 0.1,
+        max_bytes: int = 0,
+        backups: int = 3,
     ) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
@@ -43,8 +49,13 @@ class EventLog:
         self._unwritten: list[dict[str, Any]] = []
         self._closed = threading.Event()
         self._writer: threading.Thread | None = None
+        self._path = Path(path) if path is not None else None
+        self._max_bytes = max_bytes
+        self._backups = backups
+        self._size = 0
         if path is not None:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._size = self._file.tell()
             self._writer = threading.Thread(target=self._write_loop, args=(flush_interval_s,),
                                             name="event-log-writer", daemon=True)
             self._writer.start()
@@ -75,13 +86,35 @@ class EventLog:
             return
         text = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch)
         try:
+            if self._max_bytes and self._size and self._size + len(text) > self._max_bytes:
+                f = self._rotate(f)
             f.write(text)
             f.flush()
+            self._size += len(text)
         except (OSError, ValueError) as exc:  # a full disk must not stop scheduling
             _log.error("event log file write failed, keeping memory log only: %s", exc)
             with self._lock:
                 self._file = None
                 self._unwritten = []
+
+    def _rotate(self, f: IO[str]) -> IO[str]:
+        """Shift the files one place (dropping the oldest) and start an empty one; by the writer only."""
+        assert self._path is not None
+        f.close()
+        for n in range(self._backups, 0, -1):
+            older = self._path.with_name(f"{self._path.name}.{n}")
+            newer = self._path.with_name(f"{self._path.name}.{n - 1}") if n > 1 else self._path
+            if n == self._backups:
+                older.unlink(missing_ok=True)
+            if newer.exists():
+                newer.rename(older)
+        if self._backups == 0:
+            self._path.unlink(missing_ok=True)
+        new = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        with self._lock:
+            self._file = new
+        self._size = 0
+        return new
 
     def close(self) -> None:
         self._closed.set()

@@ -15,6 +15,7 @@ from . import policies
 from .api import CrossoverError
 from .event_log import EventLog
 from .inventory import Inventory, parse_cpu_devices
+from .limits import StreamLimits
 from .scheduler import Scheduler
 from .server import Daemon
 
@@ -54,6 +55,19 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
               help="Append every phase change to this JSON-lines file (written every 0.1 s, off the grant path).")
 @click.option("--event-log-size", type=click.IntRange(1), default=100_000, show_default=True,
               help="Events kept in memory.")
+@click.option("--event-log-max-mb", type=click.FloatRange(0.001), default=64.0, show_default=True,
+              help="Rotate --event-log before it grows past this many MiB: FILE becomes FILE.1, and so on.")
+@click.option("--event-log-backups", type=click.IntRange(0, 100), default=3, show_default=True,
+              help="Rotated event-log files kept (FILE.1 .. FILE.N); older ones are deleted.")
+@click.option("--max-events-per-s", type=click.FloatRange(0), default=StreamLimits.events_per_s, show_default=True,
+              help="Events a session may send per second, sustained (bursts of twice that pass); a session "
+              "past it is closed with RESOURCE_EXHAUSTED and its rank trains unscheduled. 0: no limit.")
+@click.option("--max-connections", type=click.IntRange(1, 1 << 20), default=StreamLimits.max_connections,
+              show_default=True, help="Session streams served at once; one more is refused with "
+              "RESOURCE_EXHAUSTED (the rank trains unscheduled and retries). `crossover queue` shows the count.")
+@click.option("--idle-timeout", type=click.FloatRange(1, 86_400), default=StreamLimits.idle_timeout_s,
+              show_default=True, help="Seconds a session socket connection may stay silent before it is closed "
+              "(ranks send a heartbeat every 0.2 s); one that sends no OPEN is closed after 5 s.")
 @click.option("--heartbeat-timeout", type=click.FloatRange(0.05, 60), default=0.8, show_default=True,
               help="Seconds without a heartbeat before a rank is suspended: its grant is freed and it leaves "
               "the rotation until it speaks again.")
@@ -77,8 +91,9 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
               default="INFO", show_default=True)
 def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
          tls_cert: str | None, tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
-         event_log: str | None, event_log_size: int, heartbeat_timeout: float, evict_after: float,
-         overdue_factor: float, overdue_after: float, lease: bool, session_socket: bool,
+         event_log: str | None, event_log_size: int, event_log_max_mb: float, event_log_backups: int,
+         max_events_per_s: float, max_connections: int, idle_timeout: float, heartbeat_timeout: float,
+         evict_after: float, overdue_factor: float, overdue_after: float, lease: bool, session_socket: bool,
          log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -101,7 +116,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     try:
         cores = parse_cpu_devices(cpu_devices, os.cpu_count() or 1) if cpu_devices else None
         inventory = Inventory.detect(cores)
-        log = EventLog(maxlen=event_log_size, path=event_log)
+        log = EventLog(maxlen=event_log_size, path=event_log, max_bytes=int(event_log_max_mb * (1 << 20)),
+                       backups=event_log_backups)
         heartbeat_interval = min(0.2, heartbeat_timeout / 4)
         core = Scheduler(inventory, policy, node=node_name, event_log=log,
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
@@ -109,7 +125,9 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          overdue_after_s=overdue_after)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
         daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls,
-                        session_socket=session_socket).start()
+                        session_socket=session_socket,
+                        limits=StreamLimits(events_per_s=max_events_per_s, burst_events=int(2 * max_events_per_s),
+                                            max_connections=max_connections, idle_timeout_s=idle_timeout)).start()
     except CrossoverError as exc:
         click.echo(f"crossoverd: {exc}", err=True)
         sys.exit(2)

@@ -22,11 +22,13 @@ import grpc
 
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
+from ..protos import framing
 from ..settings import TOKEN_METADATA_KEY
 from . import policies
 from .api import PROTOCOL_VERSION, CrossoverError, FailedPrecondition, InvalidRequest, Phase, UnsupportedVersion
+from .limits import Connections, StreamLimits
 from .scheduler import Identity, RankSnapshot, Scheduler
-from .session_stream import GrpcSessionStream, SessionSocketServer, serve_session, status_code
+from .session_stream import GrpcSessionStream, SessionSocketServer, error_text, serve_session, status_code
 
 __all__ = ["Daemon", "status_code"]
 
@@ -81,10 +83,13 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
 
 
 class _Service:
-    """Shared by both services: the scheduler core. Authentication is the TCP server's (`_TokenCheck`)."""
+    """Shared by both services: the scheduler core and the session streams' limits and count.
+    Authentication is the TCP server's (`_TokenCheck`)."""
 
-    def __init__(self, core: Scheduler) -> None:
+    def __init__(self, core: Scheduler, limits: StreamLimits, connections: Connections) -> None:
         self._core = core
+        self._limits = limits
+        self._connections = connections
 
 
 def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,7 +97,7 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(self, request, context)
         except CrossoverError as exc:
-            context.abort(status_code(exc), str(exc))
+            context.abort(status_code(exc), error_text(exc))
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
@@ -101,8 +106,9 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
 
-    def __init__(self, core: Scheduler, session_socket: str = "") -> None:
-        super().__init__(core)
+    def __init__(self, core: Scheduler, limits: StreamLimits, connections: Connections,
+                 session_socket: str = "") -> None:
+        super().__init__(core, limits, connections)
         self._session_socket = session_socket
 
     @_unary
@@ -136,7 +142,7 @@ class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         # Runs on the event loop: reading an event, deciding and writing the grant
         # happen on one thread, which keeps the grant round trip short.
-        await serve_session(self._core, GrpcSessionStream(context))
+        await serve_session(self._core, GrpcSessionStream(context), self._limits, self._connections)
 
 
 def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
@@ -158,7 +164,8 @@ class _AdminService(_Service, pb_grpc.AdminServicer):
             self._core.inventory.by_index(request.device)
         per_device, _ = self._core.snapshot()
         out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime(),
-                             overdue_total=self._core.overdue_total)
+                             overdue_total=self._core.overdue_total, connections=self._connections.count,
+                             max_connections=self._connections.cap)
         for dev in self._core.inventory.devices:
             if request.device >= 0 and dev.index != request.device:
                 continue
@@ -248,6 +255,7 @@ class Daemon:
         reap_interval_s: float = 0.1,
         max_workers: int = 32,
         session_socket: bool = True,
+        limits: StreamLimits | None = None,
     ) -> None:
         if listen and not token:
             raise InvalidRequest("--listen needs --token (or --token-file): TCP calls must be authenticated")
@@ -263,6 +271,8 @@ class Daemon:
         self._token = token
         self._tls = tls
         self._max_workers = max_workers
+        self.limits = limits or StreamLimits()
+        self.connections = Connections(self.limits.max_connections)
         self._stop = threading.Event()
         self._reap_interval = reap_interval_s
         self._loop = asyncio.new_event_loop()
@@ -296,7 +306,8 @@ class Daemon:
     async def _serve(self) -> None:
         if self.session_socket:
             try:
-                self._session_server = SessionSocketServer(self.core, self.session_socket)
+                self._session_server = SessionSocketServer(self.core, self.session_socket, self.limits,
+                                                           self.connections)
                 self._session_server.start()
             except OSError as exc:  # e.g. a path too long for AF_UNIX: the gRPC stream still works
                 _log.warning("no session socket at %s (%s); ranks use the gRPC stream", self.session_socket, exc)
@@ -322,10 +333,18 @@ class Daemon:
             self._servers.append(server)
 
     def _grpc_server(self, pool: futures.ThreadPoolExecutor, interceptors: tuple) -> grpc.aio.Server:
-        server = grpc.aio.server(migration_thread_pool=pool, interceptors=interceptors,
-                                 options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_SchedulerServicer_to_server(_SchedulerService(self.core, self.session_socket or ""), server)
-        pb_grpc.add_AdminServicer_to_server(_AdminService(self.core), server)
+        # Session streams are capped by `connections` (a clear refusal); the RPC cap above it only
+        # bounds what a flood of other calls can hold. Keepalive pings find peers that vanished
+        # without closing (a half-open TCP connection); idle connections are closed.
+        server = grpc.aio.server(
+            migration_thread_pool=pool, interceptors=interceptors,
+            maximum_concurrent_rpcs=self.limits.max_connections + 64,
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", framing.MAX_FRAME),
+                     ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+                     ("grpc.max_connection_idle_ms", int(self.limits.idle_timeout_s * 1000) * 5)])
+        pb_grpc.add_SchedulerServicer_to_server(
+            _SchedulerService(self.core, self.limits, self.connections, self.session_socket or ""), server)
+        pb_grpc.add_AdminServicer_to_server(_AdminService(self.core, self.limits, self.connections), server)
         return server
 
     def stop(self, grace: float = 1.0) -> None:

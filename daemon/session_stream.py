@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 import threading
 from typing import Any
 
@@ -20,10 +21,20 @@ import grpc
 
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import framing
-from .api import AlreadyExists, CrossoverError, FailedPrecondition, InvalidRequest, NotFound, UnsupportedVersion
+from ..settings import MAX_BATCH_EVENTS
+from .api import (
+    AlreadyExists,
+    CrossoverError,
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    ResourceExhausted,
+    UnsupportedVersion,
+)
+from .limits import Connections, EventBudget, StreamLimits
 from .scheduler import AliveMsg, CloseMsg, GrantMsg, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
 
-__all__ = ["GrpcSessionStream", "SessionSocketServer", "apply_event", "serve_session", "status_code"]
+__all__ = ["GrpcSessionStream", "SessionSocketServer", "apply_event", "error_text", "serve_session", "status_code"]
 
 _log = logging.getLogger(__name__)
 
@@ -45,18 +56,45 @@ def status_code(exc: Exception) -> grpc.StatusCode:
         (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
         (UnsupportedVersion, grpc.StatusCode.FAILED_PRECONDITION),
         (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+        (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     ):
         if isinstance(exc, cls):
             return code
     return grpc.StatusCode.INTERNAL
 
 
+_MAX_ERROR_TEXT = 300
+
+
+def error_text(exc: Exception) -> str:
+    """An error's message as it goes on the wire: cut short, because it may quote what a client sent."""
+    text = str(exc)
+    if len(text) <= _MAX_ERROR_TEXT:
+        return text
+    return f"{text[:_MAX_ERROR_TEXT]}... ({len(text)} characters)"
+
+
 _OPEN_FIRST = "the first event of a session must be OPEN with the session_id from Register"
 
 
-async def serve_session(core: Scheduler, stream: GrpcSessionStream) -> None:
+async def serve_session(core: Scheduler, stream: GrpcSessionStream, limits: StreamLimits,
+                        connections: Connections) -> None:
     """Attach the stream's session to the scheduler and relay until either side ends it."""
-    first = await stream.read()
+    if not connections.enter():
+        await stream.fail(_too_many(connections))
+        return
+    try:
+        await _serve_session(core, stream, limits)
+    finally:
+        connections.leave()
+
+
+async def _serve_session(core: Scheduler, stream: GrpcSessionStream, limits: StreamLimits) -> None:
+    try:
+        first = await asyncio.wait_for(stream.read(), limits.open_timeout_s)
+    except asyncio.TimeoutError:
+        await stream.fail(InvalidRequest(f"no OPEN within {limits.open_timeout_s:g}s"))
+        return
     if first is None:
         return
     try:
@@ -79,7 +117,8 @@ async def serve_session(core: Scheduler, stream: GrpcSessionStream) -> None:
     except CrossoverError as exc:
         await stream.fail(exc)
         return
-    reader = asyncio.create_task(_read(core, sid, stream, inbox))
+    budget = EventBudget(limits.events_per_s, limits.burst_events)
+    reader = asyncio.create_task(_read(core, sid, stream, inbox, budget))
     try:
         while True:
             msg = await inbox.get()
@@ -95,9 +134,19 @@ async def serve_session(core: Scheduler, stream: GrpcSessionStream) -> None:
         core.close(sid, "stream closed")
 
 
-def apply_event(core: Scheduler, sid: str, ev: pb.RankEvent) -> None:
-    """Hand one message of an open stream (a BATCH: each event in it) to the scheduler."""
-    for one in (ev.batch if ev.kind == pb.BATCH else (ev,)):
+def apply_event(core: Scheduler, sid: str, ev: pb.RankEvent, budget: EventBudget | None = None) -> None:
+    """Hand one message of an open stream (a BATCH: each event in it) to the scheduler.
+
+    InvalidRequest for a malformed event or a BATCH over MAX_BATCH_EVENTS; ResourceExhausted
+    once the session sends faster than its `budget` allows.
+    """
+    events = ev.batch if ev.kind == pb.BATCH else (ev,)
+    if len(events) > MAX_BATCH_EVENTS:
+        raise InvalidRequest(f"a BATCH of {len(events)} events; the limit is {MAX_BATCH_EVENTS}")
+    if budget is not None and not budget.spend(max(len(events), 1)):
+        raise ResourceExhausted("the session sends events faster than this daemon allows "
+                                "(crossoverd --max-events-per-s); a training rank sends a few per iteration")
+    for one in events:
         kind = _KINDS.get(one.kind)
         if kind is None:
             where = "inside a BATCH" if one is not ev else "after OPEN"
@@ -127,7 +176,8 @@ def _directive(msg: Any) -> pb.Directive | None:
     return None
 
 
-async def _read(core: Scheduler, sid: str, stream: GrpcSessionStream, inbox: asyncio.Queue) -> None:
+async def _read(core: Scheduler, sid: str, stream: GrpcSessionStream, inbox: asyncio.Queue,
+                budget: EventBudget) -> None:
     reason = "stream ended"
     try:
         while True:
@@ -135,11 +185,11 @@ async def _read(core: Scheduler, sid: str, stream: GrpcSessionStream, inbox: asy
                 ev = await stream.read()
                 if ev is None:
                     return
-                apply_event(core, sid, ev)
+                apply_event(core, sid, ev, budget)
             except CrossoverError as exc:
-                _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
-                inbox.put_nowait(CloseMsg(str(exc), exc))
-                reason = f"invalid event: {exc}"
+                _log.warning("closing session %s: %s", sid[:8], error_text(exc))
+                inbox.put_nowait(CloseMsg(error_text(exc), exc))
+                reason = f"invalid event: {error_text(exc)}"
                 return
     except asyncio.CancelledError:
         raise
@@ -163,7 +213,12 @@ class GrpcSessionStream:
         await self._context.write(directive)
 
     async def fail(self, exc: Exception) -> None:
-        await self._context.abort(status_code(exc), str(exc))
+        await self._context.abort(status_code(exc), error_text(exc))
+
+
+def _too_many(connections: Connections) -> ResourceExhausted:
+    return ResourceExhausted(f"this daemon serves at most {connections.cap} session streams at once "
+                             "(crossoverd --max-connections)")
 
 
 class _FrameConnection:
@@ -174,11 +229,14 @@ class _FrameConnection:
     trip), and grants are written straight from whichever thread decides them.
     Writes never wait: a rank whose socket buffer is full stopped reading long
     ago, and its connection is dropped rather than let it stall the scheduler.
+    A connection that does not OPEN in time, or then falls silent, is closed
+    (`StreamLimits`), so no thread waits forever on a client that left half-way.
     """
 
-    def __init__(self, core: Scheduler, conn: socket.socket) -> None:
+    def __init__(self, core: Scheduler, conn: socket.socket, limits: StreamLimits) -> None:
         self._core = core
         self._conn = conn
+        self._limits = limits
         self._write_lock = threading.Lock()
         self._frames = framing.FrameReader(conn.recv)
 
@@ -186,19 +244,25 @@ class _FrameConnection:
         sid = ""  # set once this connection is the session's stream
         reason = "stream ended"
         try:
+            _receive_timeout(self._conn, self._limits.open_timeout_s)
             first = self._read()
             if first is None:
                 return
             opened = _opening(first)
             self._core.attach(opened, self._deliver)
             sid = opened
+            _receive_timeout(self._conn, self._limits.idle_timeout_s)
+            budget = EventBudget(self._limits.events_per_s, self._limits.burst_events)
             while (ev := self._read()) is not None:
-                apply_event(self._core, sid, ev)
+                apply_event(self._core, sid, ev, budget)
         except CrossoverError as exc:
             if sid:
-                _log.warning("session %s sent an invalid event: %s", sid[:8], exc)
-                reason = f"invalid event: {exc}"
+                _log.warning("closing session %s: %s", sid[:8], error_text(exc))
+                reason = f"invalid event: {error_text(exc)}"
             self._fail(exc)
+        except BlockingIOError:  # the receive timeout
+            reason = "stream silent"
+            self._fail(InvalidRequest("no OPEN in time" if not sid else "no event in time"))
         except OSError:  # the peer vanished mid-read (process killed, connection reset)
             reason = "stream broken"
         finally:
@@ -233,20 +297,33 @@ class _FrameConnection:
                 return False
 
     def _fail(self, exc: Exception) -> None:
-        self._write(framing.encode(pb.Directive(error=pb.SessionError(code=status_code(exc).name,
-                                                                      message=str(exc)))))
+        _send_error(self._write, exc)
 
     def _drop(self) -> None:
         """End the connection; the serving thread sees it and closes the session."""
         framing.shut(self._conn)
 
 
-class SessionSocketServer:
-    """Serves Session streams as frames on a Unix socket: an accepting thread, and a thread per rank."""
+def _receive_timeout(conn: socket.socket, seconds: float) -> None:
+    """A kernel receive timeout (recv then fails with EAGAIN). Not `settimeout`, which would
+    also make the never-waiting writes (MSG_DONTWAIT) wait for room in the buffer."""
+    whole = int(seconds)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
-    def __init__(self, core: Scheduler, path: str) -> None:
+
+def _send_error(write: Any, exc: Exception) -> None:
+    write(framing.encode(pb.Directive(error=pb.SessionError(code=status_code(exc).name, message=error_text(exc)))))
+
+
+class SessionSocketServer:
+    """Serves Session streams as frames on a Unix socket: an accepting thread, and a thread per rank
+    (at most `connections.cap` streams with the gRPC ones; one more is refused with RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, core: Scheduler, path: str, limits: StreamLimits, connections: Connections) -> None:
         self._core = core
         self.path = path
+        self._limits = limits
+        self._connections = connections
         self._sock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -285,14 +362,29 @@ class SessionSocketServer:
                 if self._stopping:
                     conn.close()
                     return
+            if not self._connections.enter():
+                _log.warning("refusing a session socket connection: %d streams open, the limit",
+                             self._connections.cap)
+                _send_error(lambda data, c=conn: _send_now(c, data), _too_many(self._connections))
+                conn.close()
+                continue
+            with self._lock:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="session-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            _FrameConnection(self._core, conn).serve()
+            _FrameConnection(self._core, conn, self._limits).serve()
         except Exception:  # a bug here must not take the daemon down
             _log.exception("session socket connection failed")
         finally:
             with self._lock:
                 self._conns.discard(conn)
+            self._connections.leave()
+
+
+def _send_now(conn: socket.socket, data: bytes) -> bool:
+    try:
+        return conn.send(data, socket.MSG_DONTWAIT) == len(data)
+    except OSError:
+        return False

@@ -266,18 +266,22 @@ class QueueRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class QueueState(_message.Message):
-    __slots__ = ("node", "policy", "uptime_s", "devices", "overdue_total")
+    __slots__ = ("node", "policy", "uptime_s", "devices", "overdue_total", "connections", "max_connections")
     NODE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     OVERDUE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     node: str
     policy: str
     uptime_s: float
     devices: _containers.RepeatedCompositeFieldContainer[DeviceState]
     overdue_total: int
-    def __init__(self, node: _Optional[str] = ..., policy: _Optional[str] = ..., uptime_s: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., overdue_total: _Optional[int] = ...) -> None: ...
+    connections: int
+    max_connections: int
+    def __init__(self, node: _Optional[str] = ..., policy: _Optional[str] = ..., uptime_s: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceState, _Mapping]]] = ..., overdue_total: _Optional[int] = ..., connections: _Optional[int] = ..., max_connections: _Optional[int] = ...) -> None: ...
 
 class JobsRequest(_message.Message):
     __slots__ = ("protocol_version",)

@@ -5,6 +5,7 @@ failing assertion leaves no server thread or socket behind.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -21,6 +22,7 @@ import pytest
 from crossover.daemon.api import FailedPrecondition, InvalidRequest
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.limits import StreamLimits
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
 from crossover.protos import crossover_v1_pb2 as pb
@@ -47,10 +49,10 @@ def serve(tmp_path):
     daemons: list[Daemon] = []
 
     def start(socket: Path | None = None, listen: str | None = None, token: str | None = None,
-              session_socket: bool = True, **core_kw) -> Daemon:
+              session_socket: bool = True, limits: StreamLimits | None = None, **core_kw) -> Daemon:
         sock = None if listen and socket is None else str(socket or tmp_path / "d.sock")
         d = Daemon(make_core(**core_kw), socket_path=sock, listen=listen, token=token, reap_interval_s=0.05,
-                   session_socket=session_socket)
+                   session_socket=session_socket, limits=limits)
         daemons.append(d)
         return d.start()
 
@@ -160,13 +162,13 @@ def rpc_error(fn, *args, **kw) -> grpc.RpcError:
 
 
 def first_directive(call: grpc.Call, timeout: float = 5.0) -> pb.Directive:
-    """Next directive from a stream but for device-share news, with a bound; runs the blocking
-    `next` in a helper thread."""
+    """Next directive from a stream but for device-share news and heartbeat answers, with a bound;
+    runs the blocking `next` in a helper thread."""
     box: queue.SimpleQueue = queue.SimpleQueue()
 
     def take() -> None:
         d = next(call, None)
-        while d is not None and d.HasField("share"):
+        while d is not None and (d.HasField("share") or d.HasField("alive")):
             d = next(call, None)
         box.put(d)
 
@@ -860,3 +862,95 @@ def test_the_socket_folder_is_made_0770_and_an_unsafe_one_is_refused(tmp_path):
         Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start()
     os.chmod(shared, 0o1777)  # sticky, like /tmp: others cannot replace our files
     Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start().stop(grace=0.2)
+
+
+# ---- limits: what one client may cost the daemon (issue 13 items 3, 4 and 8) -----------------------
+
+
+def _session_threads() -> int:
+    return sum(t.name == "session-conn" for t in threading.enumerate())
+
+
+def test_a_batch_over_the_limit_is_refused_and_nothing_of_it_is_logged(serve, channels):
+    d = serve(policy="passthrough")
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    reg = register(stub, job="flood", world=1)
+    done = pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, duration_s=0.001)
+    batch = pb.RankEvent(kind=pb.BATCH, batch=[done] * 8000)
+    before = len(d.core.events.snapshot())
+    c = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), batch)
+    err = read_directive(c)
+    assert err.error.code == "INVALID_ARGUMENT" and "limit is 256" in err.error.message
+    logged = [e["event"] for e in d.core.events.snapshot()[before:]]
+    assert "compute" not in logged and "done" not in logged and len(logged) <= 3, logged
+    c.close()
+
+
+def test_a_session_sending_faster_than_the_limit_is_closed_with_resource_exhausted(serve, channels, sessions):
+    d = serve(policy="exclusive", limits=StreamLimits(events_per_s=50, burst_events=100))
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    reg = register(stub, job="chatty", world=1)
+    c = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id))
+    with contextlib.suppress(BrokenPipeError):  # the daemon may close it before the last frames
+        c.sendall(framing.encode(pb.RankEvent(kind=pb.HEARTBEAT)) * 300)
+    codes = []
+    while (msg := read_directive(c)) is not None:
+        if msg.HasField("error"):
+            codes.append(msg.error.code)
+    assert codes == ["RESOURCE_EXHAUSTED"]
+    wait_for(lambda: not any(r.ident.job_name == "chatty" for r in d.core.snapshot()[1]))
+    rank = sessions(f"unix://{d.socket_path}", "polite")  # a rank within the limit is served as before
+    assert rank.acquire(0) is True
+    rank.release(0)
+
+
+def test_connections_are_capped_counted_and_their_threads_end(serve, channels, sessions):
+    d = serve(policy="exclusive", limits=StreamLimits(max_connections=2))
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
+    baseline = _session_threads()
+    first, second = frame_client(d.session_socket), frame_client(d.session_socket)
+    third = frame_client(d.session_socket)
+    refusal = read_directive(third)
+    assert refusal.error.code == "RESOURCE_EXHAUSTED" and "--max-connections" in refusal.error.message
+    state = admin.GetQueue(pb.QueueRequest(protocol_version=1, device=-1))
+    assert (state.connections, state.max_connections) == (2, 2)
+    for c in (first, second, third):
+        c.close()
+    wait_for(lambda: admin.GetQueue(pb.QueueRequest(protocol_version=1, device=-1)).connections == 0)
+    wait_for(lambda: _session_threads() == baseline)
+    rank = sessions(f"unix://{d.socket_path}", "after")
+    assert rank.acquire(0) is True
+    rank.release(0)
+
+
+def test_a_connection_that_never_opens_or_falls_silent_is_closed(serve, channels):
+    d = serve(policy="exclusive", limits=StreamLimits(open_timeout_s=0.3, idle_timeout_s=0.6),
+              heartbeat_timeout_s=5.0, evict_after_s=30.0)
+    baseline = _session_threads()
+    mute = frame_client(d.session_socket)
+    t0 = time.monotonic()
+    assert read_directive(mute).error.message == "no OPEN in time"
+    assert read_directive(mute) is None and time.monotonic() - t0 < 3.0
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    reg = register(stub, job="quiet", world=1)
+    quiet = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id))
+    t0 = time.monotonic()
+    while (msg := read_directive(quiet)) is not None and not msg.HasField("error"):
+        pass
+    assert msg is not None and msg.error.message == "no event in time" and time.monotonic() - t0 < 3.0
+    wait_for(lambda: _session_threads() == baseline)
+    mute.close()
+    quiet.close()
+
+
+def test_errors_do_not_echo_unbounded_client_input(serve, channels):
+    d = serve(policy="exclusive")
+    channel = channels(f"unix://{d.socket_path}")
+    huge = "x" * 100_000
+    err = rpc_error(pb_grpc.AdminStub(channel).SetPolicy, pb.PolicyRequest(protocol_version=1, name=huge))
+    assert err.code() == grpc.StatusCode.NOT_FOUND or err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(err.details()) < 400, len(err.details())
+    c = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=huge))
+    refusal = read_directive(c)
+    assert refusal.error.code == "NOT_FOUND" and len(refusal.error.message) < 400
+    c.close()

@@ -41,3 +41,21 @@ def test_memory_log_is_bounded():
     for i in range(10):
         log.record("x", i=i)
     assert [e["i"] for e in log.snapshot()] == [7, 8, 9]
+
+
+def test_the_file_is_rotated_before_it_passes_max_bytes_and_only_backups_are_kept(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path=path, flush_interval_s=60, max_bytes=4000, backups=2)
+    try:
+        for i in range(400):
+            log.record("release", rank=0, i=i)
+            if i % 10 == 9:
+                log.flush()
+    finally:
+        log.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["ev.jsonl", "ev.jsonl.1", "ev.jsonl.2"]
+    assert all((tmp_path / f).stat().st_size <= 4000 for f in files)
+    newest = [e["i"] for f in ("ev.jsonl.2", "ev.jsonl.1", "ev.jsonl") for e in read_jsonl(tmp_path / f)]
+    assert newest == list(range(newest[0], 400)), "the kept files hold the newest events, in order"
+    assert len(log.snapshot()) == 400  # memory is not affected
