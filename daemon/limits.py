@@ -19,8 +19,8 @@ __all__ = ["Connections", "EventBudget", "StreamLimits"]
 class StreamLimits:
     """The daemon's limits on session streams (flags of `crossoverd`)."""
 
-    events_per_s: float = 5000.0  # sustained rate per session; 0: no limit
-    burst_events: int = 10_000  # what a session may send at once above that rate
+    events_per_s: float = 20_000.0  # sustained rate per session (a rank sends a few per collective); 0: none
+    burst_events: int = 40_000  # what a session may send at once above that rate
     max_connections: int = 1024  # session streams open at once, both transports together
     open_timeout_s: float = 5.0  # a session socket connection must send OPEN within this
     idle_timeout_s: float = 60.0  # ... and then some frame at least this often (ranks heartbeat every 0.2 s)
