@@ -142,7 +142,9 @@ class _Admin:
         from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
         self._pb = pb
-        self._channels = [grpc.insecure_channel(f"unix://{n.socket}") for n in cluster.nodes]
+        from crossover.settings import admin_socket_path
+
+        self._channels = [grpc.insecure_channel(f"unix://{admin_socket_path(n.socket)}") for n in cluster.nodes]
         self._stubs = [pb_grpc.AdminStub(ch) for ch in self._channels]
 
     def set_policy(self, name: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import sys
 import time
 from typing import Any, Callable, NoReturn
@@ -21,7 +22,7 @@ from . import formatting
 from .protos import crossover_v1_pb2 as pb
 from .protos import crossover_v1_pb2_grpc as pb_grpc
 from .session import PROTOCOL_VERSION, channel_for
-from .settings import default_socket_path
+from .settings import admin_socket_path, default_socket_path
 
 __all__ = ["main", "ExitCode"]
 
@@ -33,6 +34,7 @@ class ExitCode(enum.IntEnum):
     UNREACHABLE = 3    # no daemon answered
     REFUSED = 4        # the daemon rejected the request (invalid, unknown device/policy, ...)
     UNAUTHENTICATED = 5
+    FORBIDDEN = 6      # an admin call this user (or token) may not make
 
 
 class _Fail(click.ClickException):
@@ -51,12 +53,18 @@ def _rpc_error(exc: grpc.RpcError, target: str) -> NoReturn:
                     "(start it with `crossoverd`, or pass --socket/--address)", ExitCode.UNREACHABLE)
     if code is grpc.StatusCode.UNAUTHENTICATED:
         raise _Fail(f"daemon refused the token: {exc.details()}", ExitCode.UNAUTHENTICATED)
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        raise _Fail(f"not allowed: {exc.details()}", ExitCode.FORBIDDEN)
     raise _Fail(f"{exc.details()} ({code.name})", ExitCode.REFUSED)
+
+
+_ADMIN_CALLS = ("SetPolicy", "Drain", "Resume")  # served on the daemon's admin socket only
 
 
 class _Ctx:
     def __init__(self, socket: str, address: str | None, token: str | None, as_json: bool, timeout: float,
                  tls_ca: str | None = None) -> None:
+        self.socket = None if address else socket
         self.target = address or f"unix://{socket}"
         self.token = token or ""
         self.tls_ca = tls_ca or ""
@@ -65,6 +73,8 @@ class _Ctx:
         self._channel: grpc.Channel | None = None
 
     def call(self, method: str, request: Any) -> Any:
+        if method in _ADMIN_CALLS and self.socket is not None:
+            self._use_admin_socket(method)
         if self._channel is None:
             try:
                 self._channel, self._md = channel_for(self.target, self.token, self.tls_ca)
@@ -75,6 +85,14 @@ class _Ctx:
             return getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)
         except grpc.RpcError as exc:
             _rpc_error(exc, self.target)
+
+    def _use_admin_socket(self, method: str) -> None:
+        assert self.socket is not None
+        path = admin_socket_path(self.socket)
+        if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+            raise _Fail(f"{method} needs the daemon's admin socket {path}, which this user may not open "
+                        "(it belongs to the daemon's user, or to crossoverd --admin-group)", ExitCode.FORBIDDEN)
+        self.target = f"unix://{path}"
 
     def emit(self, kind: str, message: Any, render: Callable[[dict[str, Any]], Any]) -> None:
         data = formatting.to_json(kind, message)
@@ -129,7 +147,8 @@ def main() -> None:
 
     \b
     Exit codes: 0 ok, 1 error, 2 usage, 3 daemon unreachable,
-                4 request refused, 5 token refused.
+                4 request refused, 5 token refused, 6 not allowed
+                (policy, drain and resume go to the daemon's admin socket).
     """
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["AggregationSettings", "default_socket_path", "MAX_BATCH_EVENTS", "PluginSettings", "PLUGIN_SETTINGS",
-           "SettingError", "TOKEN_METADATA_KEY"]
+__all__ = ["admin_socket_path", "AggregationSettings", "default_socket_path", "MAX_BATCH_EVENTS", "PluginSettings",
+           "PLUGIN_SETTINGS", "SettingError", "TOKEN_METADATA_KEY"]
 
 TOKEN_METADATA_KEY = "x-crossover-token"
 MAX_BATCH_EVENTS = 256  # events one BATCH may carry; the daemon refuses a larger one (INVALID_ARGUMENT)
@@ -19,6 +19,11 @@ MAX_BATCH_EVENTS = 256  # events one BATCH may carry; the daemon refuses a large
 
 class SettingError(ValueError):
     """A `CROSSOVER_*` variable or flag has a value we cannot use."""
+
+
+def admin_socket_path(socket_path: str) -> str:
+    """The daemon's admin socket beside its rank socket: only its owner (or --admin-group) may connect."""
+    return f"{socket_path}.admin"
 
 
 def default_socket_path() -> str:

@@ -1,6 +1,7 @@
 """`crossoverd`: the per-node scheduling daemon."""
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import signal
@@ -31,6 +32,15 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
     return value
 
 
+def _group(name: str | None, flag: str) -> int | None:
+    if name is None:
+        return None
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise click.BadParameter(f"no group named {name!r}", param_hint=flag) from None
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--socket", "socket_path", default=default_socket_path,
               show_default="$CROSSOVER_SOCKET or a per-user path",
@@ -40,6 +50,15 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 @click.option("--token", envvar="CROSSOVER_TOKEN",
               help="Shared token TCP clients must send [env CROSSOVER_TOKEN]; `ps` shows it: prefer --token-file.")
 @click.option("--token-file", type=click.Path(dir_okay=False), help="Read the token from this file.")
+@click.option("--admin-token-file", type=click.Path(dir_okay=False),
+              help="Read the admin token from this file: TCP calls that change state (policy, drain, resume) "
+              "need it. Without it, TCP callers can look but not steer.")
+@click.option("--socket-group", metavar="GROUP",
+              help="Group that may reach the rank sockets (ranks run as its members); default: the daemon "
+              "user's group.")
+@click.option("--admin-group", metavar="GROUP",
+              help="Group that may also use the admin socket SOCKET.admin (policy, drain, resume); default: "
+              "the daemon's user (and root) alone.")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="PEM certificate: serve TCP with TLS.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key for --tls-cert.")
 @click.option("--cpu-devices", metavar="N|IDS",
@@ -90,7 +109,8 @@ def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default="INFO", show_default=True)
 def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
-         tls_cert: str | None, tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
+         admin_token_file: str | None, socket_group: str | None, admin_group: str | None, tls_cert: str | None,
+         tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
          event_log: str | None, event_log_size: int, event_log_max_mb: float, event_log_backups: int,
          max_events_per_s: float, max_connections: int, idle_timeout: float, heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, lease: bool, session_socket: bool,
@@ -100,6 +120,10 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     Run one per node (GPU machine), then start jobs whose script begins with
     `import crossover.auto`. Watch with `crossover queue`. SIGTERM or Ctrl-C
     stops the daemon cleanly: waiting ranks are released and keep training.
+
+    Ranks (and anyone who may look) use SOCKET; the calls that steer the daemon
+    (policy, drain, resume) only SOCKET.admin, the daemon user's alone (see
+    SECURITY.md).
 
     \b
     Examples:
@@ -111,6 +135,9 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         logging.getLogger("crossover.daemon").warning(
             "--token on the command line is visible to every user in `ps`; prefer --token-file or CROSSOVER_TOKEN")
     token = _read_secret(token, token_file, "token")
+    admin_token = _read_secret(None, admin_token_file, "admin token")
+    if admin_token and admin_token == token:
+        raise click.UsageError("the admin token must differ from the token every rank holds")
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
     try:
@@ -125,7 +152,9 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          overdue_after_s=overdue_after)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
         daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls,
-                        session_socket=session_socket,
+                        session_socket=session_socket, admin_token=admin_token,
+                        socket_group=_group(socket_group, "--socket-group"),
+                        admin_group=_group(admin_group, "--admin-group"),
                         limits=StreamLimits(events_per_s=max_events_per_s, burst_events=int(2 * max_events_per_s),
                                             max_connections=max_connections, idle_timeout_s=idle_timeout)).start()
     except CrossoverError as exc:

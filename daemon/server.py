@@ -1,9 +1,15 @@
 """gRPC edge of `crossoverd`: translates the wire contract to the scheduler core.
 
 Domain errors become gRPC status codes with the message intact; everything
-else about a rank is the scheduler's business. Calls on a TCP port need the
-shared token, checked by an interceptor before any handler runs; calls on the
-Unix socket are trusted (the socket is 0660). The two are separate servers.
+else about a rank is the scheduler's business.
+
+Who may call what is decided by where the call arrives, before any handler
+runs (`_Gate`, a server interceptor), one server per way in:
+- the rank socket (0660): ranks and readers; the admin calls that change state
+  (`ADMIN_CALLS`) are refused with PERMISSION_DENIED;
+- the admin socket beside it (0600, or 0660 for --admin-group): every call;
+- TCP: every call needs the shared token, the admin calls the admin token
+  (none without --admin-token-file). Tokens are compared in constant time.
 """
 from __future__ import annotations
 
@@ -16,21 +22,23 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import grpc
 
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from ..protos import framing
-from ..settings import TOKEN_METADATA_KEY
+from ..settings import TOKEN_METADATA_KEY, admin_socket_path
 from . import policies
 from .api import PROTOCOL_VERSION, CrossoverError, FailedPrecondition, InvalidRequest, Phase, UnsupportedVersion
 from .limits import Connections, StreamLimits
 from .scheduler import Identity, RankSnapshot, Scheduler
 from .session_stream import GrpcSessionStream, SessionSocketServer, error_text, serve_session, status_code
 
-__all__ = ["Daemon", "status_code"]
+__all__ = ["ADMIN_CALLS", "Daemon", "status_code"]
+
+ADMIN_CALLS = frozenset({"/crossover.v1.Admin/SetPolicy", "/crossover.v1.Admin/Drain", "/crossover.v1.Admin/Resume"})
 
 _log = logging.getLogger(__name__)
 
@@ -53,25 +61,29 @@ def _check_version(version: int) -> None:
         )
 
 
-class _TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses every call without the shared token before any handler runs (the TCP server's only way in).
+_Refusal = tuple[grpc.StatusCode, str]  # how a call is refused
+_Rule = Callable[[str, dict], Optional[_Refusal]]  # (method, metadata) -> a refusal, or None: the call goes on
 
-    The refusal is a handler of the call's own shape that aborts, so a refused call
-    reaches no service code at all. Tokens are compared in constant time.
+
+class _Gate(grpc.aio.ServerInterceptor):
+    """Refuses the calls its rule refuses before any handler runs (a server's only way in).
+
+    The refusal is a handler of the call's own shape that aborts, so a refused
+    call reaches no service code at all.
     """
 
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
+    def __init__(self, rule: _Rule) -> None:
+        self._rule = rule
 
     async def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        given = dict(details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
-        if handler is None or hmac.compare_digest(str(given).encode(), self._token):
+        refusal = None if handler is None else self._rule(details.method, dict(details.invocation_metadata or ()))
+        if refusal is None:
             return handler
-        message = f"missing or wrong {TOKEN_METADATA_KEY} metadata"
+        code, message = refusal
 
         async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            await context.abort(code, message)
 
         shape = {(False, False): grpc.unary_unary_rpc_method_handler,
                  (False, True): grpc.unary_stream_rpc_method_handler,
@@ -82,9 +94,38 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
+def _rank_socket_rule(admin_socket: str | None) -> _Rule:
+    where = f"the admin socket {admin_socket}" if admin_socket else "no admin socket here"
+
+    def rule(method: str, _metadata: dict) -> _Refusal | None:
+        if method in ADMIN_CALLS:
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method.rsplit('/', 1)[-1]} is an admin call; this daemon takes it on {where} "
+                    "(`crossover` uses it by itself)")
+        return None
+
+    return rule
+
+
+def _tcp_rule(token: str, admin_token: str | None) -> _Rule:
+    rank_key, admin_key = token.encode(), admin_token.encode() if admin_token else None
+
+    def rule(method: str, metadata: dict) -> _Refusal | None:
+        given = str(metadata.get(TOKEN_METADATA_KEY, "")).encode()
+        is_admin = admin_key is not None and hmac.compare_digest(given, admin_key)
+        if not is_admin and not hmac.compare_digest(given, rank_key):
+            return grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_METADATA_KEY} metadata"
+        if method in ADMIN_CALLS and not is_admin:
+            why = "the admin token" if admin_key else "an admin token, and this daemon has none (--admin-token-file)"
+            return grpc.StatusCode.PERMISSION_DENIED, f"{method.rsplit('/', 1)[-1]} over TCP needs {why}"
+        return None
+
+    return rule
+
+
 class _Service:
     """Shared by both services: the scheduler core and the session streams' limits and count.
-    Authentication is the TCP server's (`_TokenCheck`)."""
+    Who may call is each server's `_Gate`."""
 
     def __init__(self, core: Scheduler, limits: StreamLimits, connections: Connections) -> None:
         self._core = core
@@ -256,7 +297,12 @@ class Daemon:
         max_workers: int = 32,
         session_socket: bool = True,
         limits: StreamLimits | None = None,
+        admin_token: str | None = None,
+        socket_group: int | None = None,
+        admin_group: int | None = None,
     ) -> None:
+        """`socket_group` (a gid) may reach the rank sockets (ranks run as its members); the admin
+        socket is the daemon user's alone unless `admin_group` may use it too."""
         if listen and not token:
             raise InvalidRequest("--listen needs --token (or --token-file): TCP calls must be authenticated")
         if not socket_path and not listen:
@@ -265,6 +311,10 @@ class Daemon:
         self.socket_path = socket_path
         # Beside the gRPC socket, a socket for Session streams as frames (see session_stream).
         self.session_socket = f"{socket_path}.session" if socket_path and session_socket else None
+        self.admin_socket = admin_socket_path(socket_path) if socket_path else None
+        self._admin_token = admin_token
+        self._socket_group = socket_group
+        self._admin_group = admin_group
         self._session_server: SessionSocketServer | None = None
         self.listen = listen
         self.port: int | None = None
@@ -280,12 +330,16 @@ class Daemon:
         self._servers: list[grpc.aio.Server] = []
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
 
+    def _sockets(self) -> list[str]:
+        return [s for s in (self.socket_path, self.session_socket, self.admin_socket) if s]
+
     def start(self) -> Daemon:
-        for sock in (self.socket_path, self.session_socket):
-            if sock:
-                _clear_socket_path(Path(sock))
+        for sock in self._sockets():
+            _clear_socket_path(Path(sock))
+        if self.socket_path and self._socket_group is not None:
+            os.chown(Path(self.socket_path).parent, -1, self._socket_group)
         self._loop_thread.start()
-        old = os.umask(0o117)  # the socket is 0660 from the moment it exists
+        old = os.umask(0o177)  # every socket is 0600 from the moment it exists, opened up below
         try:
             asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=30)
         except BaseException:
@@ -293,13 +347,18 @@ class Daemon:
             raise
         finally:
             os.umask(old)
-        for sock in (self.socket_path, self.session_socket):
-            if sock:
-                os.chmod(sock, 0o660)
+        for sock, group in ((self.socket_path, self._socket_group), (self.session_socket, self._socket_group),
+                            (self.admin_socket, self._admin_group)):
+            if not sock:
+                continue
+            if group is not None:
+                os.chown(sock, -1, group)
+            os.chmod(sock, 0o600 if sock == self.admin_socket and group is None else 0o660)
         self._reaper.start()
-        _log.info("crossoverd serving on %s%s%s (policy %s, %d device(s))",
+        _log.info("crossoverd serving on %s%s%s%s (policy %s, %d device(s))",
                   self.socket_path or "", f" and {self.listen}" if self.listen else "",
                   f"; session streams also on {self.session_socket}" if self.session_socket else "",
+                  f"; admin calls on {self.admin_socket}" if self.admin_socket else "",
                   self.core.policy_name, len(self.core.inventory.devices))
         return self
 
@@ -313,17 +372,21 @@ class Daemon:
                 _log.warning("no session socket at %s (%s); ranks use the gRPC stream", self.session_socket, exc)
                 self._session_server = None
                 self.session_socket = None
-        # The Unix socket (trusted: its mode guards it) and TCP (token required) are two servers,
-        # so that the token check is an interceptor that sees every TCP call and no Unix one.
+        # One server per way in, so that each server's gate sees every call that arrives its way.
         pool = futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="admin")
         if self.socket_path:
-            server = self._grpc_server(pool, interceptors=())
+            server = self._grpc_server(pool, interceptors=(_Gate(_rank_socket_rule(self.admin_socket)),))
             server.add_insecure_port(f"unix://{self.socket_path}")
+            await server.start()
+            self._servers.append(server)
+        if self.admin_socket:
+            server = self._grpc_server(pool, interceptors=())
+            server.add_insecure_port(f"unix://{self.admin_socket}")
             await server.start()
             self._servers.append(server)
         if self.listen:
             assert self._token  # __init__ refuses --listen without one
-            server = self._grpc_server(pool, interceptors=(_TokenCheck(self._token),))
+            server = self._grpc_server(pool, interceptors=(_Gate(_tcp_rule(self._token, self._admin_token)),))
             if self._tls:
                 creds = grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])
                 self.port = server.add_secure_port(self.listen, creds)
@@ -361,9 +424,7 @@ class Daemon:
             except Exception:  # stopping must not fail the shutdown path
                 _log.exception("gRPC server did not stop cleanly")
         self._loop.call_soon_threadsafe(self._loop.stop)
-        for sock in (self.socket_path, self.session_socket):
-            if not sock:
-                continue
+        for sock in self._sockets():
             try:
                 # Only our socket: after a failed start() the path may be a file we refused to replace.
                 if stat.S_ISSOCK(os.lstat(sock).st_mode):

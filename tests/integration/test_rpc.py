@@ -49,10 +49,11 @@ def serve(tmp_path):
     daemons: list[Daemon] = []
 
     def start(socket: Path | None = None, listen: str | None = None, token: str | None = None,
-              session_socket: bool = True, limits: StreamLimits | None = None, **core_kw) -> Daemon:
+              session_socket: bool = True, limits: StreamLimits | None = None, admin_token: str | None = None,
+              **core_kw) -> Daemon:
         sock = None if listen and socket is None else str(socket or tmp_path / "d.sock")
         d = Daemon(make_core(**core_kw), socket_path=sock, listen=listen, token=token, reap_interval_s=0.05,
-                   session_socket=session_socket, limits=limits)
+                   session_socket=session_socket, limits=limits, admin_token=admin_token)
         daemons.append(d)
         return d.start()
 
@@ -236,7 +237,7 @@ def test_bad_requests_get_clear_statuses_and_the_daemon_keeps_serving(serve, cha
 
 def test_admin_rpcs_check_version_and_device(serve, channels):
     d = serve()
-    admin = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
     err = rpc_error(admin.GetQueue, pb.QueueRequest(protocol_version=0, device=-1), timeout=5)
     assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "protocol_version=0" in err.details()
     err = rpc_error(admin.GetQueue, pb.QueueRequest(protocol_version=1, device=3), timeout=5)
@@ -312,7 +313,7 @@ def test_tcp_needs_the_token(serve, channels, tmp_path):
 @pytest.mark.parametrize("token", [None, "wrong", "s3cre", "s3cret-and-more"])
 def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_path, token):
     """Every RPC over TCP without the right token is refused before any handler runs."""
-    d = serve(socket=tmp_path / "t.sock", listen="127.0.0.1:0", token="s3cret")
+    d = serve(socket=tmp_path / "t.sock", listen="127.0.0.1:0", token="s3cret", admin_token="4dmin")
     tcp = channels(f"127.0.0.1:{d.port}")
     admin, sched = pb_grpc.AdminStub(tcp), pb_grpc.SchedulerStub(tcp)
     md = [(TOKEN_METADATA_KEY, token)] if token is not None else []
@@ -338,10 +339,40 @@ def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_p
     assert [dev.draining for dev in state.devices] == [False, False]
     assert unix.ListJobs(pb.JobsRequest(protocol_version=1), timeout=5).jobs == []
     assert not any(e["event"] in ("register", "policy", "drain", "resume") for e in d.core.events.snapshot())
-    good = [(TOKEN_METADATA_KEY, "s3cret")]
-    admin.Drain(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=good)
+    rank_token = [(TOKEN_METADATA_KEY, "s3cret")]  # every rank holds it: it may look, not steer
+    err = rpc_error(admin.Drain, pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=rank_token)
+    assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "admin token" in err.details()
+    assert admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5, metadata=rank_token).name == "exclusive"
+    assert not d.core.is_draining(1)
+    admin.Drain(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=[(TOKEN_METADATA_KEY, "4dmin")])
     assert [dev.draining for dev in unix.GetQueue(pb.QueueRequest(protocol_version=1, device=-1),
                                                   timeout=5).devices] == [False, True]
+
+
+def test_over_tcp_without_an_admin_token_nobody_steers(serve, channels, tmp_path):
+    d = serve(listen="127.0.0.1:0", token="s3cret")
+    admin = pb_grpc.AdminStub(channels(f"127.0.0.1:{d.port}"))
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5,
+                    metadata=[(TOKEN_METADATA_KEY, "s3cret")])
+    assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "--admin-token-file" in err.details()
+    assert d.core.policy_name == "exclusive"
+
+
+def test_the_rank_socket_refuses_admin_calls_and_the_admin_socket_is_the_owners_alone(serve, channels):
+    d = serve(policy="exclusive")
+    assert stat.S_IMODE(os.stat(d.admin_socket).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(d.socket_path).st_mode) == 0o660
+    rank_side = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
+    for call, req in ((rank_side.SetPolicy, pb.PolicyRequest(protocol_version=1, name="passthrough")),
+                      (rank_side.Drain, pb.DeviceRequest(protocol_version=1, device=0)),
+                      (rank_side.Resume, pb.DeviceRequest(protocol_version=1, device=0))):
+        err = rpc_error(call, req, timeout=5)
+        assert err.code() is grpc.StatusCode.PERMISSION_DENIED and d.admin_socket in err.details()
+    assert rank_side.GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=5).policy == "exclusive"
+    assert d.core.policy_name == "exclusive" and not d.core.is_draining(0)
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
+    assert admin.Drain(pb.DeviceRequest(protocol_version=1, device=0), timeout=5).draining
+    assert admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5).name == "passthrough"
 
 
 def test_tcp_only_daemon_with_token(serve, channels):
@@ -451,7 +482,7 @@ def test_policy_switch_reaches_connected_sessions(serve, channels, sessions, cap
     target = f"unix://{d.socket_path}"
     s = sessions(target, "switcher")
     assert s.registration.policy_blocks is True
-    admin = pb_grpc.AdminStub(channels(target))
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
     with caplog.at_level(logging.INFO, logger="crossover.session"):
         admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5)
         wait_for(lambda: "switched policy to passthrough" in caplog.text)
@@ -945,7 +976,7 @@ def test_a_connection_that_never_opens_or_falls_silent_is_closed(serve, channels
 
 def test_errors_do_not_echo_unbounded_client_input(serve, channels):
     d = serve(policy="exclusive")
-    channel = channels(f"unix://{d.socket_path}")
+    channel = channels(f"unix://{d.admin_socket}")
     huge = "x" * 100_000
     err = rpc_error(pb_grpc.AdminStub(channel).SetPolicy, pb.PolicyRequest(protocol_version=1, name=huge))
     assert err.code() == grpc.StatusCode.NOT_FOUND or err.code() == grpc.StatusCode.INVALID_ARGUMENT
