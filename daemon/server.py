@@ -347,13 +347,13 @@ class Daemon:
             raise
         finally:
             os.umask(old)
-        for sock, group in ((self.socket_path, self._socket_group), (self.session_socket, self._socket_group),
+        for path, group in ((self.socket_path, self._socket_group), (self.session_socket, self._socket_group),
                             (self.admin_socket, self._admin_group)):
-            if not sock:
+            if not path:
                 continue
             if group is not None:
-                os.chown(sock, -1, group)
-            os.chmod(sock, 0o600 if sock == self.admin_socket and group is None else 0o660)
+                os.chown(path, -1, group)
+            os.chmod(path, 0o600 if path == self.admin_socket and group is None else 0o660)
         self._reaper.start()
         _log.info("crossoverd serving on %s%s%s%s (policy %s, %d device(s))",
                   self.socket_path or "", f" and {self.listen}" if self.listen else "",
