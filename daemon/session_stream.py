@@ -193,7 +193,8 @@ async def _read(core: Scheduler, sid: str, stream: GrpcSessionStream, inbox: asy
                 return
     except asyncio.CancelledError:
         raise
-    except Exception:  # the peer vanished mid-read (process killed, connection reset)
+    except Exception as exc:  # the peer vanished mid-read (process killed, connection reset)
+        _log.info("session %s: stream broken (%s: %s)", sid[:8], type(exc).__name__, error_text(exc))
         reason = "stream broken"
     finally:
         core.close(sid, reason)
@@ -286,15 +287,19 @@ class _FrameConnection:
             return
         directive = _directive(msg)
         if directive is not None and not self._write(framing.encode(directive)):
-            _log.warning("dropping a rank's session: it stopped reading the session socket")
             self._drop()
 
     def _write(self, data: bytes) -> bool:
         with self._write_lock:
             try:
-                return self._conn.send(data, socket.MSG_DONTWAIT) == len(data)
-            except OSError:  # full (BlockingIOError), or the peer is gone
+                if self._conn.send(data, socket.MSG_DONTWAIT) == len(data):
+                    return True
+            except BlockingIOError:
+                pass
+            except OSError:  # the peer is gone: its reading thread sees the end too
                 return False
+            _log.warning("dropping a rank's session: it stopped reading the session socket")
+            return False
 
     def _fail(self, exc: Exception) -> None:
         _send_error(self._write, exc)
