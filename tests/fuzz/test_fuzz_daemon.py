@@ -309,6 +309,15 @@ class Fuzzd:
         if self._examples % BATCH == 0:
             self.check()
 
+    def scripted(self, holder: socket.socket | None, send: Callable[[], None]) -> None:
+        """Send one scripted example, close the connection holding its session whatever happens, count it."""
+        try:
+            send()
+        finally:
+            if holder is not None:
+                holder.close()
+        self.example()
+
     # -- checks
 
     def check(self) -> None:
@@ -423,12 +432,7 @@ def test_the_session_socket_survives_malformed_frames(fuzzd: Fuzzd) -> None:
                 payload += data.draw(st.binary(min_size=1, max_size=64), label="garbage")
         abrupt = data.draw(st.sampled_from([False, False, False, True]), label="abrupt")
         fuzzd.stats.sent[f"frames.{kind}{'.abrupt' if abrupt else ''}"] += 1
-        try:
-            fuzzd.frames(payload, abrupt)
-        finally:
-            if holder is not None:
-                holder.close()
-        fuzzd.example()
+        fuzzd.scripted(holder, lambda: fuzzd.frames(payload, abrupt))
 
     run()
     fuzzd.check()
@@ -457,12 +461,8 @@ def test_session_streams_of_hostile_events_end_with_deliberate_statuses(fuzzd: F
         fuzzd.set_policy(data)
         events, holder = fuzzd.script(data)
         fuzzd.stats.sent["grpc.Session"] += 1
-        try:
-            fuzzd.rpc("grpc.Session", lambda: list(fuzzd.sched.Session(iter(events), timeout=10)))
-        finally:
-            if holder is not None:
-                holder.close()
-        fuzzd.example()
+        fuzzd.scripted(holder, lambda: fuzzd.rpc("grpc.Session",
+                                                  lambda: list(fuzzd.sched.Session(iter(events), timeout=10))))
 
     run()
     fuzzd.check()
