@@ -65,9 +65,10 @@ import psutil
 _BENCH = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
 from crossover.daemon.event_log import read_jsonl  # noqa: E402
+from crossover.protos import PROTOCOL_VERSION  # noqa: E402
 from crossover.protos import crossover_v1_pb2 as pb  # noqa: E402
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc  # noqa: E402
-from crossover.session import PROTOCOL_VERSION, RankInfo, Session  # noqa: E402
+from crossover.session import RankInfo, Session  # noqa: E402
 from crossover.settings import PluginSettings  # noqa: E402
 
 sys.path.insert(0, str(_BENCH))

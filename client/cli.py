@@ -19,9 +19,10 @@ from rich.live import Live
 from rich.text import Text
 
 from . import formatting
+from .protos import PROTOCOL_VERSION
 from .protos import crossover_v1_pb2 as pb
 from .protos import crossover_v1_pb2_grpc as pb_grpc
-from .session import PROTOCOL_VERSION, channel_for
+from .session import channel_for
 from .settings import admin_socket_path, default_socket_path
 
 __all__ = ["main", "ExitCode"]

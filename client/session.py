@@ -19,6 +19,7 @@ from typing import Callable
 
 import grpc
 
+from .protos import PROTOCOL_VERSION
 from .protos import crossover_v1_pb2 as pb
 from .protos import crossover_v1_pb2_grpc as pb_grpc
 from .settings import MAX_BATCH_EVENTS, TOKEN_METADATA_KEY, PluginSettings
@@ -27,7 +28,6 @@ from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken
 __all__ = ["RankInfo", "Session", "channel_for"]
 
 _log = logging.getLogger(__name__)
-PROTOCOL_VERSION = 1
 
 
 @dataclass(frozen=True)

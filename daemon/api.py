@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..protos import PROTOCOL_VERSION
+
 __all__ = [
     "PROTOCOL_VERSION",
     "RankKey",
@@ -27,7 +29,6 @@ __all__ = [
     "ResourceExhausted",
 ]
 
-PROTOCOL_VERSION = 1
 
 
 @dataclass(frozen=True, order=True)
