@@ -58,7 +58,7 @@ from typing import Any, Callable
 
 # This module forks+execs daemons and ranks while its process may hold gRPC channels
 # (readiness checks, a benchmark's SetPolicy calls). gRPC's own fork handlers can then
-# deadlock inside fork() (grpc/grpc#37259; seen here: a bench hung 18 min in Popen).
+# deadlock inside fork() (grpc/grpc#37259).
 # Every child execs at once, so the handlers buy nothing: turn them off before gRPC starts.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 # Before anything imports gRPC: the tests fork+exec daemons and ranks while this process holds
-# gRPC channels, and gRPC's fork handlers can deadlock inside fork() (grpc/grpc#37259; seen in
-# CI in tests/netns). crossover.cluster sets the same default, but only if it is imported first.
+# gRPC channels, and gRPC's fork handlers can deadlock inside fork() (grpc/grpc#37259).
+# crossover.cluster sets the same default, but only if it is imported first.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

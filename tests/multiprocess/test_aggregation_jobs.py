@@ -119,7 +119,7 @@ def test_lbbsp_shrinks_the_batch_of_a_straggler(jobs, tmp_path):
 def test_a_fast_rank_shutting_down_does_not_crash_a_slow_one_with_a_share_in_flight(jobs, tmp_path):
     # The last step starts an LB-BSP measurement exchange that no step reads; rank 0 then
     # calls hvd.shutdown() while rank 1 is still 2 s inside its update. Horovod must not
-    # shut down under rank 1 before it has submitted its half (found as a CI crash).
+    # shut down under rank 1 before it has submitted its half.
     summaries = _run(jobs, tmp_path, "late", CHECK, 2, ("late-share", "--sizes", "5,11", "--steps", "4",
                                                         "--late", "2.0"))
     assert summaries[0]["weighted"] == summaries[1]["weighted"]

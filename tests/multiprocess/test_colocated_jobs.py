@@ -27,7 +27,7 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
     script = with_import(tmp_path)
     env = {"CROSSOVER_SOCKET": str(d.socket)}
     # Long enough to overlap: on a loaded machine one job's start-up (horovodrun, torch import)
-    # can outlast another's whole run of 150 iterations (a CI run saw alpha finish before beta registered).
+    # can outlast another's whole run of 150 iterations.
     iters = 400
     for name in ("alpha", "beta"):
         jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", str(iters)), env=env))
@@ -42,8 +42,8 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
         time.sleep(0.1)
     assert seen == {"alpha", "beta"}, f"the queue never showed both jobs at once while running (last saw {seen})"
     # The operator's view of the same thing, through the real CLI while the jobs run. The CLI's own start-up
-    # takes a second or more on a loaded machine, by which time one job may be finishing (a CI run saw that),
-    # so it gets a few looks while both jobs still run.
+    # takes a second or more on a loaded machine, by which time one job may be finishing, so it gets a few
+    # looks while both jobs still run.
     names: set[str] = set()
     looks = 0
     while names != {"alpha", "beta"} and looks < 5 and all(j.proc.poll() is None for j in jobs):

@@ -507,8 +507,8 @@ def test_decide_gives_a_rank_its_samples_back_once_a_slow_spell_is_over():
     # No straggler, but rank 1 runs 4x slower for 30 steps (another job on its device, say),
     # so it is rightly given fewer samples. Then it is as fast as the others again. Held at a
     # small batch, its sizes stop varying; a model that then charges its fixed cost per
-    # sample (time proportional to the batch) keeps it there for good: rank 1 stayed at
-    # 19 of 256 for 250 steps before the fixed cost was read off the size changes.
+    # sample (time proportional to the batch) would keep it there for good; the fixed cost
+    # read off the size changes lets it climb back.
     rng = random.Random(7)
     controller = BatchSizeController(BatchSizeConfig(global_batch=256, world_size=4, period=5, hysteresis=0.05,
                                                      ema_alpha=0.1))

@@ -751,7 +751,7 @@ def test_a_rank_s_dated_events_never_fall_before_its_previous_one(make, clock):
 def test_one_decision_is_logged_at_one_instant_so_a_rank_s_phases_never_overlap(clock, pids):
     # The log's own clock reads a little later than the decision it records (it runs after the
     # scheduler's work). A phase logged that late could end after its rank's next phase began,
-    # when that next phase is dated back from its report (CI saw 17 us).
+    # when that next phase is dated back from its report (here the log reads 17 us late).
     inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
     s = Scheduler(inv, "passthrough", node="node-t", event_log=EventLog(clock=lambda: clock.t + 17e-6),
                   clock=clock, pid_alive=pids)
@@ -771,7 +771,7 @@ def test_one_decision_is_logged_at_one_instant_so_a_rank_s_phases_never_overlap(
 def test_decisions_are_logged_in_the_order_they_are_made_even_when_a_thread_is_preempted(pids):
     # Thread X reads the clock for its event and is preempted for a while; thread Y's
     # event meanwhile is decided and logged. X's decision comes after Y's, so it must not
-    # be dated before it (CI saw a grant logged 2.6 ms before the release it followed).
+    # be dated before it.
     ticks = itertools.count()
     stall = {"thread": None, "until": threading.Event()}
 
