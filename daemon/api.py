@@ -132,7 +132,11 @@ class Policy(Protocol):
         """A measured phase length (`compute` or `comm`) reported by a rank."""
 
     def tick(self, now: float) -> list[RankKey]:
-        """Called periodically; lets a policy act on deadlines (bounded waiting)."""
+        """Called at `next_deadline` (the daemon also calls it periodically); lets a policy act on
+        deadlines (bounded waiting)."""
+
+    def next_deadline(self) -> float | None:
+        """When `tick` must next run (the `now` clock's seconds), or None while no deadline is pending."""
 
     def holds(self, key: RankKey) -> bool: ...
 

@@ -463,9 +463,8 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         """When `tick` must next run (monotonic seconds), or None; `deadline_changed` is set when it moves."""
-        reader = getattr(self._policy, "next_deadline", None)
         with self._lock:
-            return reader() if reader is not None else None
+            return self._policy.next_deadline()
 
     def shutdown(self) -> None:
         """Fail open: every waiting rank is granted, every stream is closed."""
@@ -772,8 +771,7 @@ class Scheduler:
 
     def _deliver(self, keys: Iterable[RankKey], now: float, record: list | None = None) -> None:
         # Every policy call ends here: a good place to tell the timer a deadline may have appeared.
-        reader = getattr(self._policy, "next_deadline", None)
-        if reader is not None and reader() is not None:
+        if self._policy.next_deadline() is not None:
             self.deadline_changed.set()
         for key in keys:
             sess = self._by_key.get(key)

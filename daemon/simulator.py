@@ -27,10 +27,9 @@ deadlines. Only the world around the policies is modelled:
 * Ranks computing on one device at once (what `passthrough` allows) share it
   by processor sharing: each of k progresses at 1/(k * (1 + switch_penalty)).
 * Ticks: with `tick_s`, on a fixed cadence per node like the daemon's reaper
-  (`reap_interval_s`, 0.1 s); otherwise exactly at the policy's next deadline,
-  from its optional `next_deadline()` method; a policy without one is ticked
-  every `fallback_tick_s`. Only while some device has waiting ranks and no holder:
-  the only state in which a tick can change anything.
+  (`reap_interval_s`, 0.1 s); otherwise exactly at the policy's `next_deadline()`.
+  Only while some device has waiting ranks and no holder: the only state in
+  which a tick can change anything.
 
 `crossover-nosync` (`LocalOrderCrossoverPolicy`) is `crossover` without
 crossover synchronization: identical keys, backfilling and bounded waits, but
@@ -177,7 +176,6 @@ class SimConfig:
     shared_links: bool = True  # concurrent allreduces through one (node, device) link share it
     link_sharing: str = "fair"  # how they share it: "fair" (equal rates) or "fifo" (in the order they began)
     tick_s: float | None = None  # None: tick at the policy's deadlines; else every tick_s (daemon reaper)
-    fallback_tick_s: float = 0.0005  # tick period for a policy whose deadlines cannot be read
     startup_spread_s: float = 0.0  # ranks of a job join within this window after its arrival
     grant_latency_s: float = 0.0  # grant round trip, added to each blocking compute phase
     interference: float = 0.0  # a compute phase and an allreduce on one (node, device) each run at 1/(1+this)
@@ -313,12 +311,6 @@ class _Node:
         self.deadline = deadline
 
 
-def _deadline_reader(policy: Policy) -> Callable[[], Optional[float]] | None:
-    """How to learn when `policy` next needs a tick, or None (then: tick periodically while needed)."""
-    reader = getattr(policy, "next_deadline", None)
-    if callable(reader):
-        return reader  # type: ignore[no-any-return]
-    return None
 
 
 class _World:
@@ -336,7 +328,7 @@ class _World:
         for index in range(n_nodes):
             p = factory()
             self.nodes.append(_Node(index, p, devices_per_node, self.rng.random() * (cfg.tick_s or 0.0),
-                                    None if cfg.tick_s else _deadline_reader(p)))
+                                    None if cfg.tick_s else p.next_deadline))
         self.blocks = bool(self.nodes[0].policy.blocks) if self.nodes else True
         self.policy_name = str(getattr(self.nodes[0].policy, "name", "?")) if self.nodes else "?"
         self.links: dict[tuple[int, int], list[_Job]] = {}
@@ -497,7 +489,8 @@ class _World:
             if t is None or t <= now:
                 return
         else:
-            period = self.cfg.tick_s or self.cfg.fallback_tick_s
+            period = self.cfg.tick_s
+            assert period, "a node reads its policy's deadlines unless ticks are periodic"
             t = node.phase + (math.floor((now - node.phase) / period) + 1) * period
             if t <= now:  # `now` sits on the grid up to rounding
                 t += period

@@ -96,6 +96,9 @@ class QueuePolicy:
     def tick(self, now: float) -> list[RankKey]:
         return []
 
+    def next_deadline(self) -> float | None:
+        return None  # order-free policies wait for no deadline
+
     def turn_floor(self, device: int, job_id: str) -> int:
         return 0  # order-free policies: turns mean nothing
 
