@@ -101,15 +101,11 @@ class EventLog:
         """Shift the files one place (dropping the oldest) and start an empty one; by the writer only."""
         assert self._path is not None
         f.close()
-        for n in range(self._backups, 0, -1):
-            older = self._path.with_name(f"{self._path.name}.{n}")
-            newer = self._path.with_name(f"{self._path.name}.{n - 1}") if n > 1 else self._path
-            if n == self._backups:
-                older.unlink(missing_ok=True)
+        files = [self._path, *(self._path.with_name(f"{self._path.name}.{n}") for n in range(1, self._backups + 1))]
+        files[-1].unlink(missing_ok=True)
+        for newer, older in reversed(list(zip(files, files[1:]))):
             if newer.exists():
                 newer.rename(older)
-        if self._backups == 0:
-            self._path.unlink(missing_ok=True)
         new = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         with self._lock:
             self._file = new

@@ -302,7 +302,8 @@ class _FrameConnection:
             return False
 
     def _fail(self, exc: Exception) -> None:
-        _send_error(self._write, exc)
+        self._write(framing.encode(pb.Directive(error=pb.SessionError(code=status_code(exc).name,
+                                                                      message=error_text(exc)))))
 
     def _drop(self) -> None:
         """End the connection; the serving thread sees it and closes the session."""
@@ -314,10 +315,6 @@ def _receive_timeout(conn: socket.socket, seconds: float) -> None:
     also make the never-waiting writes (MSG_DONTWAIT) wait for room in the buffer."""
     whole = int(seconds)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
-
-def _send_error(write: Any, exc: Exception) -> None:
-    write(framing.encode(pb.Directive(error=pb.SessionError(code=status_code(exc).name, message=error_text(exc)))))
 
 
 class SessionSocketServer:
@@ -370,7 +367,7 @@ class SessionSocketServer:
             if not self._connections.enter():
                 _log.warning("refusing a session socket connection: %d streams open, the limit",
                              self._connections.cap)
-                _send_error(lambda data, c=conn: _send_now(c, data), _too_many(self._connections))
+                _FrameConnection(self._core, conn, self._limits)._fail(_too_many(self._connections))
                 conn.close()
                 continue
             with self._lock:
@@ -386,10 +383,3 @@ class SessionSocketServer:
             with self._lock:
                 self._conns.discard(conn)
             self._connections.leave()
-
-
-def _send_now(conn: socket.socket, data: bytes) -> bool:
-    try:
-        return conn.send(data, socket.MSG_DONTWAIT) == len(data)
-    except OSError:
-        return False
