@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.text import Text
 
 from . import formatting
-from .protos import PROTOCOL_VERSION
+from .protos import PROTOCOL_VERSION, STEERING_CALLS
 from .protos import crossover_v1_pb2 as pb
 from .protos import crossover_v1_pb2_grpc as pb_grpc
 from .session import channel_for
@@ -59,9 +59,6 @@ def _rpc_error(exc: grpc.RpcError, target: str) -> NoReturn:
     raise _Fail(f"{exc.details()} ({code.name})", ExitCode.REFUSED)
 
 
-_ADMIN_CALLS = ("SetPolicy", "Drain", "Resume")  # served on the daemon's admin socket only
-
-
 class _Ctx:
     def __init__(self, socket: str, address: str | None, token: str | None, as_json: bool, timeout: float,
                  tls_ca: str | None = None) -> None:
@@ -74,7 +71,7 @@ class _Ctx:
         self._channel: grpc.Channel | None = None
 
     def call(self, method: str, request: Any) -> Any:
-        if method in _ADMIN_CALLS and self.socket is not None:
+        if method in STEERING_CALLS and self.socket is not None:
             self._use_admin_socket(method)
         if self._channel is None:
             try:

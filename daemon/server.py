@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional
 
 import grpc
 
+from ..protos import STEERING_CALLS, framing
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from ..protos import framing
 from ..settings import TOKEN_METADATA_KEY, admin_socket_path
 from . import policies
 from .api import PROTOCOL_VERSION, CrossoverError, FailedPrecondition, InvalidRequest, Phase, UnsupportedVersion
@@ -38,7 +38,7 @@ from .session_stream import GrpcSessionStream, SessionSocketServer, error_text, 
 
 __all__ = ["ADMIN_CALLS", "Daemon", "status_code"]
 
-ADMIN_CALLS = frozenset({"/crossover.v1.Admin/SetPolicy", "/crossover.v1.Admin/Drain", "/crossover.v1.Admin/Resume"})
+ADMIN_CALLS = frozenset(f"/crossover.v1.Admin/{name}" for name in STEERING_CALLS)
 
 _log = logging.getLogger(__name__)
 

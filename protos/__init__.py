@@ -2,3 +2,4 @@
 and the one protocol version every request carries."""
 
 PROTOCOL_VERSION = 1  # RegisterRequest and every Admin request carry it; the daemon refuses another
+STEERING_CALLS = ("SetPolicy", "Drain", "Resume")  # Admin calls that change the daemon: its admin socket only
