@@ -139,9 +139,9 @@ def _drive(tag: str, idx: int, args: argparse.Namespace, seconds: float, socket:
     job = f"{tag}-{idx:04d}"
     info = RankInfo(job_id=job, job_name=f"load{idx}", rank=0, local_rank=0, world_size=1, local_size=1,
                     device=idx % args.devices)
-    settings = PluginSettings(target=f"unix://{socket}", token="", tls_ca="", disabled=False, job_name=info.job_name,
-                              device=info.device, grant_timeout_s=args.grant_timeout, connect_timeout_s=30.0,
-                              reconnect_interval_s=1.0, pin=False, log_level="WARNING", lease=not args.no_lease)
+    settings = PluginSettings(target=f"unix://{socket}", job_name=info.job_name, device=info.device,
+                              grant_timeout_s=args.grant_timeout, connect_timeout_s=30.0, reconnect_interval_s=1.0,
+                              pin=False, lease=not args.no_lease)
     session = Session(info, settings)
     res = SessionResult(job=job, attached=False)
     out.append(res)

@@ -189,19 +189,20 @@ class AggregationSettings:
 
 @dataclass(frozen=True)
 class PluginSettings:
-    """The plugin's settings, read from `CROSSOVER_*` variables once at import."""
+    """The plugin's settings, read from `CROSSOVER_*` variables once at import (`from_env`).
+    Built directly, each field not given has the default its variable has."""
 
     target: str
-    token: str
-    tls_ca: str
-    disabled: bool
-    job_name: str
-    device: int
-    grant_timeout_s: float
-    connect_timeout_s: float
-    reconnect_interval_s: float
-    pin: bool
-    log_level: str
+    token: str = ""
+    tls_ca: str = ""
+    disabled: bool = False
+    job_name: str = "job"
+    device: int = -1
+    grant_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    reconnect_interval_s: float = 2.0
+    pin: bool = True
+    log_level: str = "WARNING"
     quiet_wait: bool = True
     cool_off_s: float = 10.0
     daemon_silence_s: float = 1.0

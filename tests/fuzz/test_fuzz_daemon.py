@@ -342,9 +342,8 @@ class Fuzzd:
     def good_client(self, transport: str) -> None:
         """A real client without leases registers and is granted each of 3 iterations (the event log agrees)."""
         job = f"good-{next(self._ids)}"
-        s = PluginSettings(target=f"unix://{self.daemon.socket_path}", token="", tls_ca="", disabled=False,
-                           job_name=job, device=0, grant_timeout_s=5.0, connect_timeout_s=2.0,
-                           reconnect_interval_s=30.0, pin=False, log_level="WARNING", lease=False,
+        s = PluginSettings(target=f"unix://{self.daemon.socket_path}", job_name=job, device=0, grant_timeout_s=5.0,
+                           connect_timeout_s=2.0, reconnect_interval_s=30.0, pin=False, lease=False,
                            transport=transport)
         session = Session(RankInfo(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1,
                                    local_size=1, device=0), s).start()

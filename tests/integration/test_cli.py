@@ -49,9 +49,8 @@ def session(daemon):
     made: list[Session] = []
 
     def make(job: str) -> Session:
-        settings = PluginSettings(target=f"unix://{daemon.socket_path}", token="", tls_ca="", disabled=False,
-                                  job_name=job, device=0, grant_timeout_s=5.0, connect_timeout_s=2.0,
-                                  reconnect_interval_s=30.0, pin=False, log_level="WARNING")
+        settings = PluginSettings(target=f"unix://{daemon.socket_path}", job_name=job, device=0, grant_timeout_s=5.0,
+                                  connect_timeout_s=2.0, reconnect_interval_s=30.0, pin=False)
         s = Session(RankInfo(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
                              device=0), settings)
         made.append(s)

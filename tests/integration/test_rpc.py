@@ -111,10 +111,10 @@ def sessions():
     made: list[Session] = []
 
     def make(target: str, job: str, rank: int = 0, world: int = 1, **kw) -> Session:
-        settings = PluginSettings(target=target, token=kw.pop("token", ""), tls_ca="", disabled=False, job_name=job,
-                                  device=kw.pop("device", 0), grant_timeout_s=kw.pop("grant_timeout_s", 5.0),
+        settings = PluginSettings(target=target, token=kw.pop("token", ""), job_name=job, device=kw.pop("device", 0),
+                                  grant_timeout_s=kw.pop("grant_timeout_s", 5.0),
                                   connect_timeout_s=kw.pop("connect_timeout_s", 2.0), reconnect_interval_s=30.0,
-                                  pin=False, log_level="WARNING", transport=kw.pop("transport", "auto"),
+                                  pin=False, transport=kw.pop("transport", "auto"),
                                   cool_off_s=kw.pop("cool_off_s", 10.0))
         info = RankInfo(job_id=f"id-{job}", job_name=job, rank=rank, local_rank=rank, world_size=world,
                         local_size=world, device=settings.device)

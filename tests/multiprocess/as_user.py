@@ -26,9 +26,8 @@ from crossover.settings import PluginSettings
 
 
 def _rank(socket: str) -> int:
-    settings = PluginSettings(target=f"unix://{socket}", token="", tls_ca="", disabled=False, job_name="",
-                              device=0, grant_timeout_s=10.0, connect_timeout_s=5.0, reconnect_interval_s=60.0,
-                              pin=False, log_level="WARNING")
+    settings = PluginSettings(target=f"unix://{socket}", job_name="", device=0, grant_timeout_s=10.0,
+                              reconnect_interval_s=60.0, pin=False)
     s = Session(RankInfo("second-user-job", "second-user", 0, 0, 1, 1, device=0), settings).start()
     try:
         granted = []

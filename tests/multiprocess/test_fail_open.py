@@ -85,9 +85,8 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
 
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease", "--overdue-after", "600",
                        "--heartbeat-timeout", "5", "--evict-after", "60")
-    settings = PluginSettings(target=f"unix://{d.socket}", token="", tls_ca="", disabled=False, job_name="",
-                              device=0, grant_timeout_s=30.0, connect_timeout_s=5.0, reconnect_interval_s=60.0,
-                              pin=False, log_level="WARNING", daemon_silence_s=1.0)
+    settings = PluginSettings(target=f"unix://{d.socket}", job_name="", device=0, reconnect_interval_s=60.0,
+                              pin=False, daemon_silence_s=1.0)
     holder, waiter = (Session(RankInfo(f"job-{n}", n, 0, 0, 1, 1, device=0), settings).start()
                       for n in ("holder", "waiter"))
     try:
