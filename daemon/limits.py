@@ -20,10 +20,13 @@ class StreamLimits:
     """The daemon's limits on session streams (flags of `crossoverd`)."""
 
     events_per_s: float = 20_000.0  # sustained rate per session (a rank sends a few per collective); 0: none
-    burst_events: int = 40_000  # what a session may send at once above that rate
     max_connections: int = 1024  # session streams open at once, both transports together
     open_timeout_s: float = 5.0  # a session socket connection must send OPEN within this
     idle_timeout_s: float = 60.0  # ... and then some frame at least this often (ranks heartbeat every 0.2 s)
+
+    def budget(self) -> EventBudget:
+        """A new session's event budget: `events_per_s`, in bursts of up to twice that."""
+        return EventBudget(self.events_per_s, int(2 * self.events_per_s))
 
 
 class EventBudget:

@@ -155,8 +155,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                         session_socket=session_socket, admin_token=admin_token,
                         socket_group=_group(socket_group, "--socket-group"),
                         admin_group=_group(admin_group, "--admin-group"),
-                        limits=StreamLimits(events_per_s=max_events_per_s, burst_events=int(2 * max_events_per_s),
-                                            max_connections=max_connections, idle_timeout_s=idle_timeout)).start()
+                        limits=StreamLimits(events_per_s=max_events_per_s, max_connections=max_connections,
+                                            idle_timeout_s=idle_timeout)).start()
     except CrossoverError as exc:
         click.echo(f"crossoverd: {exc}", err=True)
         sys.exit(2)

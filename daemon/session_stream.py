@@ -117,7 +117,7 @@ async def _serve_session(core: Scheduler, stream: GrpcSessionStream, limits: Str
     except CrossoverError as exc:
         await stream.fail(exc)
         return
-    budget = EventBudget(limits.events_per_s, limits.burst_events)
+    budget = limits.budget()
     reader = asyncio.create_task(_read(core, sid, stream, inbox, budget))
     try:
         while True:
@@ -253,7 +253,7 @@ class _FrameConnection:
             self._core.attach(opened, self._deliver)
             sid = opened
             _receive_timeout(self._conn, self._limits.idle_timeout_s)
-            budget = EventBudget(self._limits.events_per_s, self._limits.burst_events)
+            budget = self._limits.budget()
             while (ev := self._read()) is not None:
                 apply_event(self._core, sid, ev, budget)
         except CrossoverError as exc:

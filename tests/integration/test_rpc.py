@@ -918,7 +918,7 @@ def test_a_batch_over_the_limit_is_refused_and_nothing_of_it_is_logged(serve, ch
 
 
 def test_a_session_sending_faster_than_the_limit_is_closed_with_resource_exhausted(serve, channels, sessions):
-    d = serve(policy="exclusive", limits=StreamLimits(events_per_s=50, burst_events=100))
+    d = serve(policy="exclusive", limits=StreamLimits(events_per_s=50))
     stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
     reg = register(stub, job="chatty", world=1)
     c = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id))
