@@ -1,31 +1,14 @@
-"""Distribution `horovod-crossover`.
+"""Distribution `horovod-crossover`: the package `crossover` and nothing else.
 
-The top-level folders are mapped into one import namespace, `crossover`, so
-nothing generic (`daemon`, `client`, ...) lands at the top of site-packages.
+One rule maps folders to imports: a path from the repository root is the import
+path. `crossover/` is the package root (`auto.py` and the version); the product
+folders the design card keeps at the top, `client/`, `daemon/`, `plugins/` and
+`protos/`, are linked into it, so `daemon/scheduler.py` is reachable as
+`crossover/daemon/scheduler.py`, the module `crossover.daemon.scheduler`.
+Tools (mypy, pytest, `python -m`) follow the links without configuration; the
+wheel holds copies, so an install needs no links.
 """
-from pathlib import Path
-
-from setuptools import setup
-
-_TOP = {
-    "crossover": "client",
-    "crossover.daemon": "daemon",
-    "crossover.plugins": "plugins",
-    "crossover.protos": "protos",
-}
-
-
-def _packages() -> dict[str, str]:
-    """Each mapped folder and every sub-folder with an __init__.py, as `crossover.*` packages."""
-    found = {}
-    for pkg, folder in _TOP.items():
-        for init in sorted(Path(folder).rglob("__init__.py")):
-            rel = init.parent.relative_to(folder)
-            found[".".join([pkg, *rel.parts])] = str(init.parent)
-    return found
-
-
-_PACKAGE_DIRS = _packages()
+from setuptools import find_packages, setup
 
 setup(
     name="horovod-crossover",
@@ -33,8 +16,7 @@ setup(
     description="Time-share GPUs among co-located Horovod jobs (CrossoverScheduler) "
     "with adaptive aggregation",
     python_requires=">=3.9",
-    packages=list(_PACKAGE_DIRS),
-    package_dir=_PACKAGE_DIRS,
+    packages=find_packages(include=["crossover", "crossover.*"]),
     package_data={"crossover": ["py.typed"], "crossover.protos": ["*.proto", "*.pyi"]},
     install_requires=[
         "grpcio>=1.84",
@@ -49,8 +31,7 @@ setup(
     entry_points={
         "console_scripts": [
             "crossoverd = crossover.daemon.main:main",
-            "crossover = crossover.cli:main",
-            "crossover-cluster = crossover.cluster:main",
+            "crossover = crossover.client.cli:main",
         ]
     },
 )

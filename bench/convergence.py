@@ -4,7 +4,7 @@ and Adasum vs averaging at 8x the global batch. 4 ranks under `horovodrun --gloo
 Scenarios (per dataset/model pair, all runs of one dataset in one 4-rank job, so
 its start-up cost is paid once; a one-epoch warm-up run goes first):
 
-* straggler: rank 3 runs 3x slower (`crossover.plugins.straggler`, factor
+* straggler: rank 3 runs 3x slower (`tools.faults`, factor
   3.0). `sync` = plain synchronous Horovod (even split of each global batch,
   averaging); `lbbsp` = `CROSSOVER_AGGREGATION=weighted` with the LB-BSP
   sampler. Both train on the same global batches in the same order, so per
@@ -35,7 +35,7 @@ processes on the machine slow every rank down too). The straggler's extra time
 is a proportional sleep (`--straggler-work sleep`) for the same reason.
 `--straggler-work busy --pace 0` runs the raw, unemulated variant.
 
-    python bench/convergence.py [--quick] [--out results/convergence]
+    python -m bench.convergence [--quick] [--out results/convergence]
 
 Writes `<out>.json` and `<out>_<scenario>_<dataset>-<model>.png`, prints a table.
 """
@@ -57,10 +57,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import ROOT, finish_job, machine, start_job, write_json  # noqa: E402
+from bench.lib import ROOT, finish_job, machine, start_job, write_json
+from tools.harness.jobs import WORKLOADS
 
-WORKLOAD = ROOT / "tests" / "workloads" / "train_classifier.py"
+WORKLOAD = WORKLOADS / "train_classifier.py"
 
 # One entry per dataset/model pair and scenario group; `target` is the test accuracy to reach.
 FULL = {
@@ -118,7 +118,7 @@ def plan(config: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> d
             for scenario, straggler in (("straggler", STRAGGLER), ("no_straggler", "")):
                 if scenario not in entry.get("scenarios", ("straggler", "no_straggler")):
                     continue
-                order = [("sync", "average", {}), ("lbbsp", "weighted", {})]
+                order: list[tuple[str, str, dict[str, Any]]] = [("sync", "average", {}), ("lbbsp", "weighted", {})]
                 if scenario == "straggler" and args.also_method:
                     order.append((f"lbbsp-{args.also_method}", "weighted", {"method": args.also_method}))
                 shift = repeat % len(order)
@@ -286,7 +286,8 @@ def _run_jobs(jobs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, c
 
 
 def _mean(values: list[Optional[float]]) -> Optional[float]:
-    return None if not values or any(v is None for v in values) else sum(values) / len(values)  # type: ignore[misc]
+    known = [v for v in values if v is not None]
+    return None if not values or len(known) < len(values) else sum(known) / len(known)
 
 
 def aggregate(results: dict[str, Any], scenario: str, name: str, method: str) -> dict[str, Optional[float]]:

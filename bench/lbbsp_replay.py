@@ -15,7 +15,7 @@ on the plugin's own schedule (`crossover.plugins.aggregation.replay_decisions`):
 The measurements were taken at the run's own sizes: once a replay's sizes leave
 the recorded ones, what it decides rests on times measured at other sizes.
 
-    python bench/lbbsp_replay.py results/convergence.json [--only straggler/mnist1d] [--ema-alpha 0.3]
+    python -m bench.lbbsp_replay results/convergence.json [--only straggler/mnist1d] [--ema-alpha 0.3]
         [--json results/replay.json] [--verbose]
 """
 from __future__ import annotations
@@ -30,11 +30,8 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-# bench/crossover.py would shadow the package: leave this folder off the path.
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-from crossover.plugins.aggregation import replay_decisions  # noqa: E402
-from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeConfigError  # noqa: E402
+from crossover.plugins.aggregation import replay_decisions
+from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeConfigError
 
 _OVERRIDES = ("period", "ema_alpha", "method", "warmup", "hysteresis")
 # Settings of runs recorded before lbbsp_stats() kept its config: the plugin's defaults of then.

@@ -38,7 +38,7 @@ the same sessions register and close, and a leak is suspected when the last
 wave still left a thread for every fourth session or more (a pool at its cap
 adds none; one thread leaked per session adds one per session every wave).
 
-    python bench/load.py [--sessions 64] [--seconds 30] [--procs 8] [--compute-ms 5] [--comm-ms 20]
+    python -m bench.load [--sessions 64] [--seconds 30] [--procs 8] [--compute-ms 5] [--comm-ms 20]
                          [--out results/load.json]
 """
 from __future__ import annotations
@@ -61,18 +61,14 @@ from typing import Any
 import grpc
 import psutil
 
-# bench/crossover.py would shadow the `crossover` package: import it with this folder off sys.path.
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-from crossover.daemon.event_log import read_jsonl  # noqa: E402
-from crossover.protos import PROTOCOL_VERSION  # noqa: E402
-from crossover.protos import crossover_v1_pb2 as pb  # noqa: E402
-from crossover.protos import crossover_v1_pb2_grpc as pb_grpc  # noqa: E402
-from crossover.session import RankInfo, Session  # noqa: E402
-from crossover.settings import PluginSettings  # noqa: E402
-
-sys.path.insert(0, str(_BENCH))
-from _harness import Daemon, machine, mean, percentile, write_json  # noqa: E402
+from bench.lib import machine, mean, percentile, write_json
+from crossover.client.session import RankInfo, Session
+from crossover.client.settings import PluginSettings
+from crossover.daemon.event_log import read_jsonl
+from crossover.protos import PROTOCOL_VERSION
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from tools.harness.daemon import DaemonProc
 
 _log = logging.getLogger("bench.load")
 
@@ -304,14 +300,14 @@ def settle(admin: pb_grpc.AdminStub, watch: Watch, timeout: float) -> tuple[int,
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # no fork of a process that holds a gRPC channel
-    daemon = Daemon(workdir, "--cpu-devices", str(args.devices), "--policy", "exclusive",
-                    *(["--no-lease"] if args.no_lease else []))
+    daemon = DaemonProc.in_dir(workdir, "--cpu-devices", str(args.devices), "--policy", "exclusive",
+                               "--log-level", "WARNING", *(["--no-lease"] if args.no_lease else [])).start()
     procs: list[Any] = []
     channel = grpc.insecure_channel(f"unix://{daemon.socket}")
     try:
         admin = pb_grpc.AdminStub(channel)
         wait_answering(admin)
-        watch = Watch(daemon.proc.pid)
+        watch = Watch(daemon.pid)
         threads_idle = watch.sample()
         collected, wall, cpu_s = wave(ctx, args, "load", args.seconds, str(daemon.socket), admin, watch, procs)
         left, threads_closed = settle(admin, watch, args.settle)
@@ -333,7 +329,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 p.kill()
         daemon.stop()
 
-    events = read_events(daemon.events)
+    events = read_events(daemon.event_log)
     requested, daemon_waits = grant_records(events)
     client: dict[Key, float] = {}
     refused: set[Key] = set()
@@ -371,7 +367,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "daemon_thread_leak_suspected": leak_suspected(threads_waves, args.sessions),
         "ranks_registered_after_close": left, "ranks_registered_after_each_wave": left_waves,
         "events": {k: n for k, n in kinds.items() if k in ("suspend", "overdue", "lease_expired", "cancel")
-                   or k.startswith("leave (")},
+                   or str(k).startswith("leave (")},
         "daemon_log": dict(levels), "session_errors": errors[:10],
     }
 

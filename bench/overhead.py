@@ -10,7 +10,7 @@ and the daemon's CPU time
 per rank-iteration (its user+system time from the job's start to its end:
 the cost the node pays, less noisy than wall time on a saturated machine).
 
-    python bench/overhead.py [--np 2] [--rounds 3] [--iters 80] [--target-ms 50] [--metric]
+    python -m bench.overhead [--np 2] [--rounds 3] [--iters 80] [--target-ms 50] [--metric]
                              [--out results/overhead.json]
 """
 from __future__ import annotations
@@ -28,18 +28,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import (  # noqa: E402
-    WORKLOAD,
-    Daemon,
-    finish_job,
-    machine,
-    mean,
-    percentile,
-    script_with_import,
-    start_job,
-    write_json,
-)
+from bench.lib import WORKLOAD, finish_job, machine, mean, percentile, script_with_import, start_job, write_json
+from tools.harness.daemon import DaemonProc
 
 # exclusive: each rank is alone on its device, so it computes under a lease (no round trip per
 # iteration); exclusive-no-lease (crossoverd --no-lease) measures the round trip every contended request pays,
@@ -62,16 +52,16 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
         policy, _, options = variant.partition("-")
         flags = ["--no-lease"] if "no-lease" in options else []
         transport = {"CROSSOVER_TRANSPORT": "grpc"} if options.endswith("grpc") else {}
-        with Daemon(workdir, "--cpu-devices", "2", "--policy", policy, *flags, name=name,
-                    nice=args.daemon_nice) as d:
-            before = psutil.Process(d.proc.pid).cpu_times()  # the daemon's own start-up is not the job's cost
+        with DaemonProc.in_dir(workdir, "--cpu-devices", "2", "--policy", policy, "--log-level", "WARNING", *flags,
+                               name=name, nice=args.daemon_nice) as d:
+            before = psutil.Process(d.pid).cpu_times()  # the daemon's own start-up is not the job's cost
             stats = workdir / f"{name}.stats.{{rank}}.json"
             # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
             proc, out = start_job(name, script_with_import(workdir), workdir, args.np, job_args,
                                   {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats),
                                    "CROSSOVER_PIN": "0", **transport})
             ranks = finish_job(proc, out)
-            cpu = psutil.Process(d.proc.pid).cpu_times()
+            cpu = psutil.Process(d.pid).cpu_times()
             daemon_cpu_s = cpu.user + cpu.system - before.user - before.system
         waits = []
         leased = acquires = 0

@@ -1,19 +1,19 @@
 """The simulator against the emulated cluster: same scenarios, same modes, throughput side by side.
 
-Reads what `bench/crossover.py` wrote. For each scenario the simulator gets the
+Reads what `bench/emulated.py` wrote. For each scenario the simulator gets the
 phase times that run measured with each job alone (C, M). It also gets one
 interference factor x. While a compute phase and an allreduce share a device,
 each runs at 1/(1+x). x comes from the same run's phase times: how much longer
 a compute phase took under `crossover` than alone. Only phase lengths go in;
 throughput is what is compared. Each mode is simulated with both link models
-(`fifo` and `fair`; see `crossover.daemon.simulator`).
+(`fifo` and `fair`; see `tools.simulator`).
 
 Checks, per scenario:
 - each mode's simulated throughput within 15 % of the emulated one;
 - the modes in the same order. Modes within 1 % of each other in the emulation
   count as tied, so a tie is not called a disagreement.
 
-    python bench/sim_vs_emulated.py results/crossover.json [--interference X] [--out results/sim_vs_emulated.json]
+    python -m bench.sim_vs_emulated results/emulated.json [--interference X] [--out results/sim_vs_emulated.json]
 """
 from __future__ import annotations
 
@@ -27,12 +27,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-from crossover.daemon.simulator import simulate_small  # noqa: E402
-
-sys.path.insert(0, str(_BENCH))
-from _harness import machine, write_json  # noqa: E402
+from bench.lib import machine, write_json
+from tools.simulator import simulate_small
 
 MODES = {"sequential": "sequential", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}
 LINKS = ("fifo", "fair")
@@ -81,7 +77,7 @@ def compare(scenario: dict[str, Any], interference: float | None, iters: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("emulated", type=Path, help="JSON written by bench/crossover.py")
+    p.add_argument("emulated", type=Path, help="JSON written by bench/emulated.py")
     p.add_argument("--interference", type=float, default=None,
                    help="use this x for every scenario instead of each one's measured phase stretch (0: none)")
     p.add_argument("--iters", type=int, default=200, help="simulated iterations per job")
@@ -91,7 +87,7 @@ def main() -> None:
         data = json.loads(args.emulated.read_text())
         scenarios = data["scenarios"]
     except (OSError, ValueError, KeyError) as exc:
-        sys.exit(f"sim_vs_emulated: {args.emulated} is not a bench/crossover.py result: {exc}")
+        sys.exit(f"sim_vs_emulated: {args.emulated} is not a bench/emulated.py result: {exc}")
     rows = [compare(s, args.interference, args.iters) for s in scenarios]
 
     t = Table(title=f"simulator vs emulated cluster ({args.emulated}), iterations/s over all jobs")

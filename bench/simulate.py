@@ -1,6 +1,6 @@
 """Cluster simulation: the daemon's policies on 64 nodes x 8 GPUs, and on the emulated cluster's small scenarios.
 
-Large scenarios (`crossover.daemon.simulator`, one policy instance per node):
+Large scenarios (`tools.simulator`, one policy instance per node):
   static-k  k = 2, 3, 4 jobs per GPU. Jobs span 8-64 nodes with one GPU per node,
             placed so that different jobs share GPUs in different combinations.
             Each job has its own compute time C (30-70 ms) and comm:compute ratio
@@ -20,14 +20,13 @@ benchmark's set, 2 nodes x 1 device, 2 and 3 identical jobs, comm:compute 1:1,
 1:2, 2:1 with C = --compute-ms and M scaled from --comm-ms, through
 `simulate_small` (also: `alone` and `sequential`).
 
-    python bench/simulate.py [--small] [--iters 200] [--workers N] [--out results/simulate.json]
+    python -m bench.simulate [--small] [--iters 200] [--workers N] [--out results/simulate.json]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -37,13 +36,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-# bench/crossover.py would shadow the `crossover` package: import it with this folder off sys.path.
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-from crossover.daemon.simulator import LINK_SHARING, POLICIES, JobSpec, SimConfig, simulate, simulate_small  # noqa: E402
-
-sys.path.insert(0, str(_BENCH))
-from _harness import machine, write_json  # noqa: E402
+from bench.lib import machine, write_json
+from tools.simulator import LINK_SHARING, POLICIES, JobSpec, SimConfig, simulate, simulate_small
 
 N_NODES, GPUS = 64, 8
 LARGE = ("static-2", "static-3", "static-4", "uniform-3", "churn-3")

@@ -18,12 +18,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from ..protos import PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, default_socket_path
+from ..protos import crossover_v1_pb2 as pb
+from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from . import formatting
-from .protos import PROTOCOL_VERSION, STEERING_CALLS
-from .protos import crossover_v1_pb2 as pb
-from .protos import crossover_v1_pb2_grpc as pb_grpc
 from .session import channel_for
-from .settings import admin_socket_path, default_socket_path
 
 __all__ = ["main", "ExitCode"]
 

@@ -19,10 +19,10 @@ from typing import Callable
 
 import grpc
 
-from .protos import PROTOCOL_VERSION
-from .protos import crossover_v1_pb2 as pb
-from .protos import crossover_v1_pb2_grpc as pb_grpc
-from .settings import MAX_BATCH_EVENTS, TOKEN_METADATA_KEY, PluginSettings
+from ..protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION, TOKEN_METADATA_KEY
+from ..protos import crossover_v1_pb2 as pb
+from ..protos import crossover_v1_pb2_grpc as pb_grpc
+from .settings import PluginSettings
 from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken
 
 __all__ = ["RankInfo", "Session", "channel_for"]

@@ -7,34 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["admin_socket_path", "AggregationSettings", "default_socket_path", "MAX_BATCH_EVENTS", "PluginSettings",
-           "PLUGIN_SETTINGS", "SettingError", "TOKEN_METADATA_KEY"]
+from ..protos import default_socket_path
 
-TOKEN_METADATA_KEY = "x-crossover-token"
-MAX_BATCH_EVENTS = 256  # events one BATCH may carry; the daemon refuses a larger one (INVALID_ARGUMENT)
-
+__all__ = ["AggregationSettings", "PluginSettings", "PLUGIN_SETTINGS", "SettingError"]
 
 class SettingError(ValueError):
     """A `CROSSOVER_*` variable or flag has a value we cannot use."""
-
-
-def admin_socket_path(socket_path: str) -> str:
-    """The daemon's admin socket beside its rank socket: only its owner (or --admin-group) may connect."""
-    return f"{socket_path}.admin"
-
-
-def default_socket_path() -> str:
-    """`$CROSSOVER_SOCKET`, else /run/crossover/crossoverd.sock for root, else a per-user runtime dir."""
-    env = os.environ.get("CROSSOVER_SOCKET")
-    if env:
-        return env
-    if os.geteuid() == 0:
-        return "/run/crossover/crossoverd.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/crossover-{os.getuid()}"
-    return str(Path(runtime) / "crossover" / "crossoverd.sock")
 
 
 # name -> (default, help); the README table is generated from this.

@@ -15,9 +15,9 @@ from typing import Protocol
 
 import grpc
 
-from .protos import crossover_v1_pb2 as pb
-from .protos import crossover_v1_pb2_grpc as pb_grpc
-from .protos import framing
+from ..protos import crossover_v1_pb2 as pb
+from ..protos import crossover_v1_pb2_grpc as pb_grpc
+from ..protos import framing
 
 __all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken"]
 

@@ -11,7 +11,7 @@ from types import FrameType
 
 import click
 
-from ..settings import default_socket_path
+from ..protos import default_socket_path
 from . import policies
 from .api import CrossoverError
 from .event_log import EventLog

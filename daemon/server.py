@@ -26,10 +26,9 @@ from typing import Any, Callable, Optional
 
 import grpc
 
-from ..protos import STEERING_CALLS, framing
+from ..protos import STEERING_CALLS, TOKEN_METADATA_KEY, admin_socket_path, framing
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from ..settings import TOKEN_METADATA_KEY, admin_socket_path
 from . import policies
 from .api import PROTOCOL_VERSION, CrossoverError, FailedPrecondition, InvalidRequest, Phase, UnsupportedVersion
 from .limits import Connections, StreamLimits

@@ -19,9 +19,8 @@ from typing import Any
 
 import grpc
 
+from ..protos import MAX_BATCH_EVENTS, framing
 from ..protos import crossover_v1_pb2 as pb
-from ..protos import framing
-from ..settings import MAX_BATCH_EVENTS
 from .api import (
     AlreadyExists,
     CrossoverError,

@@ -98,16 +98,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 import torch
-from crossover.plugins.adasum import AdasumAlgorithm, adasum_allreduce_tensors
-from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeController, Measurement
-from crossover.plugins.sampler import WeightedBatchSampler
-from crossover.settings import (
+
+from ..client.settings import (
     ADASUM_ALGORITHMS,
     ADASUM_IMPLS,
     AGGREGATION_RULES,
     LBBSP_METHODS,
     AggregationSettings,
 )
+from .adasum import AdasumAlgorithm, adasum_allreduce_tensors
+from .batch_size import BatchSizeConfig, BatchSizeController, Measurement
+from .sampler import WeightedBatchSampler
 
 __all__ = [
     "AdasumDecision",

@@ -29,8 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..session import RankInfo, Session
-from ..settings import PluginSettings
+from ..client.session import RankInfo, Session
+from ..client.settings import PluginSettings
 from . import horovod_waits
 from .phases import RankPhases
 

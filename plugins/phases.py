@@ -26,7 +26,7 @@ _log = logging.getLogger(__name__)
 
 
 class PhaseSession(Protocol):
-    """What `RankPhases` needs of a session (`crossover.session.Session` is one)."""
+    """What `RankPhases` needs of a session (`crossover.client.session.Session` is one)."""
 
     turn_agreed: bool
 

@@ -26,7 +26,7 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Callable, Protocol, Union, runtime_checkable
 
-from crossover.plugins.batch_size import apportion
+from .batch_size import apportion
 
 __all__ = ["SamplerError", "SizeSource", "SupportsSizes", "WeightedBatchSampler"]
 

@@ -6,10 +6,6 @@ has two ranks (one per device), so on every device the two jobs take turns.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,10 +14,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-WORKLOAD = ROOT / "tests" / "workloads" / "train_mlp.py"
+from tools.harness.daemon import DaemonProc, cli, kill_group, queue_state
+from tools.harness.jobs import Job, horovodrun, with_import
+from tools.harness.oracles import compute_intervals, overlaps
+
 console = Console()
+JOBS = ("resnet-ish", "bert-ish")
 
 
 def main() -> int:
@@ -30,72 +28,61 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=200)
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="crossover-demo-"))
-    sock, events = tmp / "crossoverd.sock", tmp / "events.jsonl"
-    script = tmp / "train.py"
-    script.write_text("import crossover.auto\n" + WORKLOAD.read_text())
     console.rule(f"[bold]Crossover demo[/] (work dir {tmp})")
     console.print(f"1. crossoverd --cpu-devices 2 --policy {args.policy}")
-    daemon = subprocess.Popen([str(BIN / "crossoverd"), "--socket", str(sock), "--cpu-devices", "2",
-                               "--policy", args.policy, "--event-log", str(events), "--log-level", "WARNING"],
-                              start_new_session=True)
-    jobs: list[subprocess.Popen] = []
+    daemon = DaemonProc.in_dir(tmp, "--cpu-devices", "2", "--policy", args.policy, "--log-level", "WARNING",
+                               name="crossoverd")
+    jobs: list[Job] = []
     try:
-        deadline = time.monotonic() + 15
-        while not sock.exists():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                console.print("[red]crossoverd did not start[/]")
-                return 1
-            time.sleep(0.05)
-        env = {**os.environ, "CROSSOVER_SOCKET": str(sock)}
+        try:
+            daemon.start()
+        except RuntimeError as exc:
+            console.print(f"[red]{exc}[/]")
+            return 1
+        script = with_import(tmp, "train_mlp.py")
         console.print("2. two jobs, each `horovodrun -np 2 --gloo python train.py` with `import crossover.auto` "
                       "as its first line")
         t0 = time.monotonic()
-        for name in ("resnet-ish", "bert-ish"):
-            out = tmp / name
-            jobs.append(subprocess.Popen(
-                [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
-                 "--iters", str(args.iters), "--out", str(out)],
-                env={**env, "CROSSOVER_JOB_NAME": name}, stdout=open(tmp / f"{name}.log", "wb"),
-                stderr=subprocess.STDOUT, start_new_session=True))
+        for name in JOBS:
+            jobs.append(horovodrun(name, script, tmp, np=2, args=("--iters", str(args.iters)),
+                                   env={"CROSSOVER_SOCKET": str(daemon.socket)}))
         console.print("3. `crossover queue` while they train:")
         shown = 0
-        while any(j.poll() is None for j in jobs) and shown < 3:
+        while any(j.proc.poll() is None for j in jobs) and shown < 3:
             time.sleep(2.5)
-            state = subprocess.run([str(BIN / "crossover"), "queue", "--json", "--socket", str(sock)],
-                                   capture_output=True, text=True)
-            if state.returncode == 0 and any(d["holders"] or d["waiting"] for d in json.loads(state.stdout)["devices"]):
-                subprocess.run([str(BIN / "crossover"), "queue", "--socket", str(sock)])
+            try:
+                state = queue_state(daemon.socket)
+            except Exception:  # the daemon is busy or gone: the final check below says which
+                continue
+            if any(d["holders"] or d["waiting"] for d in state["devices"]):
+                console.print(cli("queue", socket=daemon.socket, check=False).stdout)
                 shown += 1
         for j in jobs:
-            if j.wait(600) != 0:
-                console.print(f"[red]a job failed; see {tmp}[/]")
+            if j.proc.wait(600) != 0:
+                console.print(f"[red]job {j.name} failed; see {j.log}[/]")
                 return 1
         wall = time.monotonic() - t0
         console.print("4. result")
         table = Table()
         for c in ("job", "ranks", "iterations", "mean iter ms", "ranks agree"):
             table.add_column(c)
-        for name in ("resnet-ish", "bert-ish"):
-            ranks = [json.loads(f.read_text()) for f in sorted((tmp / name).glob("rank*.json"))]
+        for j in jobs:
+            ranks = j.summaries()
             its = [t for r in ranks for t in r["iter_times"][5:]]
-            table.add_row(name, str(len(ranks)), str(len(ranks[0]["iter_times"])),
+            table.add_row(j.name, str(len(ranks)), str(len(ranks[0]["iter_times"])),
                           f"{1000 * sum(its) / len(its):.1f}", str(len({r["digest"] for r in ranks}) == 1))
         console.print(table)
-        ev = [json.loads(line) for line in events.read_text().splitlines()]
+        ev = daemon.events()
         grants = [e for e in ev if e["event"] == "grant"]
-        sys.path.insert(0, str(ROOT / "tests"))
-        from helpers import compute_intervals, overlaps
-
         clashes = sum(len(overlaps(iv)) for iv in compute_intervals(ev).values())
         console.print(f"{len(grants)} grants over {wall:.1f}s; overlapping compute phases on a device: {clashes}; "
-                      f"event log: {events}")
+                      f"event log: {daemon.event_log}")
         return 0 if clashes == 0 or args.policy == "passthrough" else 1
     finally:
         for j in jobs:
-            if j.poll() is None:
-                os.killpg(j.pid, signal.SIGKILL)
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(10)
+            if j.proc.poll() is None:
+                kill_group(j.proc)
+        daemon.stop()
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ import pytest
 
 # Before anything imports gRPC: the tests fork+exec daemons and ranks while this process holds
 # gRPC channels, and gRPC's fork handlers can deadlock inside fork() (grpc/grpc#37259).
-# crossover.cluster sets the same default, but only if it is imported first.
+# tools.cluster sets the same default, but only if it is imported first.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from helpers import DaemonProc, Job, kill_group  # noqa: E402
+from tools.harness.daemon import DaemonProc, kill_group  # noqa: E402
+from tools.harness.jobs import Job  # noqa: E402
 
 
 @pytest.fixture
@@ -23,8 +22,9 @@ def daemon_factory(tmp_path):
     started: list[DaemonProc] = []
 
     def make(*args: str, name: str = "d", socket: Path | None = None) -> DaemonProc:
-        d = DaemonProc(socket=socket or tmp_path / f"{name}.sock", event_log=tmp_path / f"{name}.events.jsonl",
-                       log=tmp_path / f"{name}.log", args=list(args))
+        d = DaemonProc.in_dir(tmp_path, *args, name=name)
+        if socket is not None:
+            d.socket = socket
         started.append(d)
         return d.start()
 

@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, PEER, PLACEMENTS, WITH_CROSSOVER, compute_intervals, kill_group, overlaps, record_conformance
+
+from tests.conformance.judge import PEER, PLACEMENTS, WITH_CROSSOVER, record_conformance
+from tools.harness.daemon import BIN, kill_group
+from tools.harness.oracles import compute_intervals, overlaps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(900)]
 

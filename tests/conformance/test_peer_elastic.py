@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, PEER, WITH_CROSSOVER, compute_intervals, kill_group, overlaps, record_conformance
+
+from tests.conformance.judge import PEER, WITH_CROSSOVER, record_conformance
+from tools.harness.daemon import BIN, kill_group
+from tools.harness.oracles import compute_intervals, overlaps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 

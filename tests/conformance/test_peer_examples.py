@@ -46,7 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import PEER, PLACEMENTS, WITH_CROSSOVER, horovodrun, judge_colocated_run, record_conformance
+
+from tests.conformance.judge import PEER, PLACEMENTS, WITH_CROSSOVER, judge_colocated_run, record_conformance
+from tools.harness.jobs import horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 

@@ -34,6 +34,11 @@ from typing import Any, Callable
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from crossover.client.session import RankInfo, Session
+from crossover.client.settings import PluginSettings
 from crossover.daemon import session_stream
 from crossover.daemon.api import CrossoverError
 from crossover.daemon.event_log import EventLog
@@ -43,10 +48,6 @@ from crossover.daemon.server import Daemon
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos import framing
-from crossover.session import RankInfo, Session
-from crossover.settings import PluginSettings
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(60)]
 

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from crossover.cli import ExitCode, main
+
+from crossover.client.cli import ExitCode, main
+from crossover.client.session import RankInfo, Session
+from crossover.client.settings import PluginSettings
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
-from crossover.session import RankInfo, Session
-from crossover.settings import PluginSettings
 
 pytestmark = pytest.mark.timeout(60)
 

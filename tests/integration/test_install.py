@@ -1,4 +1,4 @@
-"""A regular (non-editable) install puts everything under `crossover` and nothing generic at the top.
+"""A regular (non-editable) install holds what the checkout's `crossover/` shows, and nothing else.
 
 The build runs on a copy of the working tree, so it never writes `build/` or
 `*.egg-info` into the checkout; pip runs offline (`--no-index`, no build isolation).
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 _SKIP = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                               ".mypy_cache", ".ruff_cache", "results", "bench", "tests")
+                               ".mypy_cache", ".ruff_cache", "results")
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +39,26 @@ def installed(tmp_path_factory) -> Path:
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_packages_land_inside_crossover(installed):
+def _source_view() -> set[str]:
+    """Every file the checkout's `crossover/` shows, following its links into client/, daemon/, ..."""
+    root = ROOT / "crossover"
+    return {str((Path(d) / f).relative_to(root)) for d, _, files in os.walk(root, followlinks=True)
+            for f in files if "__pycache__" not in d}
+
+
+def test_the_install_holds_exactly_what_the_source_view_shows(installed):
+    """The one rule: what `crossover/` shows in the checkout (links followed) is what a node installs."""
     pkg = installed / "crossover"
-    for sub in ("", "daemon", "daemon/policies", "plugins", "protos"):
-        assert (pkg / sub / "__init__.py").is_file(), f"crossover/{sub} is missing its __init__.py"
-    for name in ("crossover_v1_pb2.py", "crossover_v1_pb2.pyi", "crossover_v1_pb2_grpc.py", "crossover_v1.proto"):
-        assert (pkg / "protos" / name).is_file(), f"crossover/protos/{name} was not installed"
-    for name in ("cli.py", "session.py", "settings.py", "py.typed"):
-        assert (pkg / name).is_file(), f"crossover/{name} was not installed"
-    for name in ("main.py", "server.py", "scheduler.py", "api.py"):
-        assert (pkg / "daemon" / name).is_file()
+    got = {str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert got == _source_view()
+    for name in ("daemon/scheduler.py", "client/cli.py", "protos/crossover_v1.proto", "protos/crossover_v1_pb2.pyi",
+                 "plugins/horovod_torch.py", "auto.py", "py.typed"):
+        assert name in got
+    assert not [p for p in installed.rglob("*") if p.is_symlink()], "the install must hold copies, not links"
 
 
 def test_nothing_generic_at_the_top_of_site_packages(installed):
-    generic = {"daemon", "client", "plugins", "protos", "scripts", "tests", "bench"}
+    generic = {"daemon", "client", "plugins", "protos", "scripts", "tests", "bench", "tools"}
     top = {p.name.removesuffix(".py") for p in installed.iterdir()}
     assert not generic & top, f"generic top-level names installed: {sorted(generic & top)}"
     dist_infos = list(installed.glob("horovod_crossover-*.dist-info"))
@@ -68,12 +74,14 @@ def test_console_scripts_are_declared(installed):
     ep.read(dist_info / "entry_points.txt")
     scripts = dict(ep["console_scripts"])
     assert scripts["crossoverd"] == "crossover.daemon.main:main"
-    assert scripts["crossover"] == "crossover.cli:main"
+    assert scripts["crossover"] == "crossover.client.cli:main"
+    assert set(scripts) == {"crossoverd", "crossover"}, "the test bed's CLI is not part of the product"
 
 
 _MODULES = ("crossover", "crossover.daemon", "crossover.daemon.policies", "crossover.daemon.scheduler",
             "crossover.daemon.server", "crossover.daemon.main", "crossover.plugins", "crossover.protos",
-            "crossover.protos.crossover_v1_pb2_grpc", "crossover.session", "crossover.cli")
+            "crossover.protos.crossover_v1_pb2_grpc", "crossover.client.session", "crossover.client.cli",
+            "crossover.auto")
 
 
 def _import_files(site: Path, cwd: Path, *python_flags: str) -> list[Path]:

@@ -19,17 +19,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from crossover.client.session import RankInfo, Session
+from crossover.client.settings import PluginSettings
 from crossover.daemon.api import FailedPrecondition, InvalidRequest
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.limits import StreamLimits
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
+from crossover.protos import TOKEN_METADATA_KEY, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from crossover.protos import framing
-from crossover.session import RankInfo, Session
-from crossover.settings import TOKEN_METADATA_KEY, PluginSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,7 +108,7 @@ def streams():
 
 @pytest.fixture
 def sessions():
-    """Real `crossover.session.Session` clients, closed at teardown."""
+    """Real `crossover.client.session.Session` clients, closed at teardown."""
     made: list[Session] = []
 
     def make(target: str, job: str, rank: int = 0, world: int = 1, **kw) -> Session:
@@ -483,7 +484,7 @@ def test_policy_switch_reaches_connected_sessions(serve, channels, sessions, cap
     s = sessions(target, "switcher")
     assert s.registration.policy_blocks is True
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
-    with caplog.at_level(logging.INFO, logger="crossover.session"):
+    with caplog.at_level(logging.INFO, logger="crossover.client.session"):
         admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5)
         wait_for(lambda: "switched policy to passthrough" in caplog.text)
     assert s.acquire(0) is True
@@ -849,7 +850,7 @@ def test_without_a_usable_session_socket_a_rank_streams_over_grpc(serve, session
 
     gone = serve(socket=off.socket_path.replace("d.sock", "g.sock"))
     os.unlink(gone.session_socket)  # offered but unusable (say, not mounted into the rank's container)
-    with caplog.at_level(logging.INFO, logger="crossover.session"):
+    with caplog.at_level(logging.INFO, logger="crossover.client.session"):
         s2 = sessions(f"unix://{gone.socket_path}", "fallback")
     assert s2.transport == "grpc" and "using the gRPC stream" in caplog.text
     assert s2.acquire(0) is True

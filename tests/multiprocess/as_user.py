@@ -18,11 +18,12 @@ import rich.console  # noqa: F401
 import rich.live  # noqa: F401
 import rich.table  # noqa: F401
 import rich.text  # noqa: F401
-from crossover import cli
+
+from crossover.client import cli
+from crossover.client.session import RankInfo, Session
+from crossover.client.settings import PluginSettings
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from crossover.session import RankInfo, Session
-from crossover.settings import PluginSettings
 
 
 def _rank(socket: str) -> int:

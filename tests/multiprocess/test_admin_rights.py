@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import cli, queue_state
+
+from tools.harness.daemon import cli, queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

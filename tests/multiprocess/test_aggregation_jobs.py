@@ -5,15 +5,17 @@ the batch of an injected straggler."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from helpers import WORKLOADS, horovodrun
+
+from tools.harness.jobs import WORKLOADS, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
-CHECK = WORKLOADS / "aggregation_check.py"
+CHECK = Path(__file__).resolve().parents[1] / "workloads" / "aggregation_check.py"
 TRAIN = WORKLOADS / "train_classifier.py"
 F64_TOL, F32_TOL = 1e-6, 1e-4
 
@@ -63,14 +65,8 @@ def test_plugin_adasum_matches_horovods_native_adasum_under_mpi(jobs, tmp_path):
 
 def _single_process_reference(sizes: list[int], steps: int, lr: float) -> list[list[float]]:
     """One process, one optimizer, the whole global batch of B = Σ b_i samples per step."""
-    import sys
-
-    sys.path.insert(0, str(WORKLOADS))
-    try:
-        from aggregation_check import weighted_dataset, weighted_model
-    finally:
-        sys.path.pop(0)
     from crossover.plugins.sampler import WeightedBatchSampler
+    from tests.workloads.aggregation_check import weighted_dataset, weighted_model
 
     x, y = weighted_dataset()
     model = weighted_model()

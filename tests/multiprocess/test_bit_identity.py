@@ -3,7 +3,8 @@ and every DistributedOptimizer option keeps working under the hook."""
 from __future__ import annotations
 
 import pytest
-from helpers import WORKLOADS, horovodrun, with_import
+
+from tools.harness.jobs import WORKLOADS, horovodrun, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -8,7 +8,10 @@ import signal
 import time
 
 import pytest
-from helpers import cli, compute_intervals, grants_out_of_turn, horovodrun, overlaps, queue_state, with_import
+
+from tools.harness.daemon import cli, queue_state
+from tools.harness.jobs import horovodrun, with_import
+from tools.harness.oracles import compute_intervals, grants_out_of_turn, overlaps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

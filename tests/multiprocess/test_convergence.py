@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from crossover.plugins.aggregation import replay_decisions
 from crossover.plugins.batch_size import BatchSizeConfig
-from helpers import WORKLOADS, horovodrun
+from tools.harness.jobs import WORKLOADS, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -5,7 +5,9 @@ import signal
 import time
 
 import pytest
-from helpers import DaemonProc, horovodrun, with_import
+
+from tools.harness.daemon import DaemonProc
+from tools.harness.jobs import horovodrun, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -80,8 +82,8 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
 def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daemon_factory, tmp_path):
     """SIGSTOP: a rank waiting for a grant stops waiting once its heartbeat goes unanswered
     (CROSSOVER_DAEMON_SILENCE), not after the 30 s grant timeout; after SIGCONT it waits for grants again."""
-    from crossover.session import RankInfo, Session
-    from crossover.settings import PluginSettings
+    from crossover.client.session import RankInfo, Session
+    from crossover.client.settings import PluginSettings
 
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease", "--overdue-after", "600",
                        "--heartbeat-timeout", "5", "--evict-after", "60")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_collectives import run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crossover.plugins.adasum import (
     AdasumError,
     adasum_allreduce,
@@ -12,9 +16,6 @@ from crossover.plugins.adasum import (
     adasum_reference,
     adasum_tree,
 )
-from fake_collectives import run_ranks
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 ALGORITHMS = ["allgather", "recursive_doubling"]
 

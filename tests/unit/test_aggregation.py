@@ -8,6 +8,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from fake_collectives import FakeCollectives, FakeGroup, run_ranks
+
+from crossover.client.settings import AggregationSettings, SettingError
 from crossover.plugins import aggregation
 from crossover.plugins.adasum import adasum_reference
 from crossover.plugins.aggregation import (
@@ -24,8 +27,6 @@ from crossover.plugins.aggregation import (
     weight_scale,
 )
 from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeController, Measurement
-from crossover.settings import AggregationSettings, SettingError
-from fake_collectives import FakeCollectives, FakeGroup, run_ranks
 
 
 @pytest.fixture(autouse=True)

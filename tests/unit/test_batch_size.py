@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from typing import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crossover.plugins.batch_size import (
     BatchSizeConfig,
     BatchSizeConfigError,
@@ -18,8 +21,6 @@ from crossover.plugins.batch_size import (
     aggregation_weights,
     apportion,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 Curve = Callable[[int], float]
 

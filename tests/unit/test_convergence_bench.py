@@ -1,27 +1,17 @@
 """bench/convergence.py's judging logic on hand-made results: what it checks, not how fast anything ran."""
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "convergence.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    saved = list(sys.path)  # the script puts bench/ (with its crossover.py) on the path
-    try:
-        spec = importlib.util.spec_from_file_location("_convergence_under_test", _PATH)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
+    import bench.convergence as module
+
     return module
 
 

@@ -13,10 +13,11 @@ import heapq
 import random
 
 import pytest
-from crossover.daemon.api import RankKey, RankRef
-from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
+from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
 
 S = CrossoverSettings()
 

@@ -1,8 +1,9 @@
 """What `crossover queue` and `crossover jobs` show of names a client chose: plain, escaped text."""
 from __future__ import annotations
 
-from crossover.formatting import jobs_table, queue_tables, shown
 from rich.console import Console
+
+from crossover.client.formatting import jobs_table, queue_tables, shown
 
 HOSTILE = "[/bold]\x1b[2J\x1b]0;pwned\x07[link=http://x]y[/link]"
 

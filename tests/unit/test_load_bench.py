@@ -1,25 +1,13 @@
 """bench/load.py's pure helpers: how sessions are spread and how its numbers are derived, not how fast anything ran."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    saved = list(sys.path)  # the script puts bench/ on the path
-    try:
-        spec = importlib.util.spec_from_file_location("_load_under_test", _PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclass looks its module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
+    import bench.load as module
+
     return module
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+
 from crossover.plugins.phases import RankPhases
 
 
@@ -76,6 +77,7 @@ def test_horovods_waits_route_through_the_rank_phases():
     import horovod.torch as hvd
     import horovod.torch.functions as hvd_functions
     import horovod.torch.mpi_ops as mpi_ops
+
     from crossover.plugins import horovod_waits
 
     original, original_poll = mpi_ops.synchronize, mpi_ops.poll

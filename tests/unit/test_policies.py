@@ -10,11 +10,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError, FailedPrecondition, NotFound, RankKey, RankRef
 from crossover.daemon.policies import ExclusivePolicy, PassthroughPolicy
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def ref(job: str, rank: int, device: int = 0, world: int = 4, joined: float = 0.0) -> RankRef:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 import pytest
+
 from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeController
 from crossover.plugins.sampler import SamplerError, WeightedBatchSampler
 

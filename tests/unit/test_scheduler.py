@@ -10,13 +10,14 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import AliveMsg, CloseMsg, GrantMsg, Identity, LeaseMsg, PolicyMsg, Scheduler, ShareMsg
-from helpers import compute_intervals, grants_out_of_turn, overlaps
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from tools.harness.oracles import compute_intervals, grants_out_of_turn, overlaps
 
 # pids above Linux's largest pid_max (2**22): psutil never finds such a process.
 _PID = 10_000_000

@@ -1,17 +1,12 @@
 """bench/sim_vs_emulated.py's checks: the interference it reads from a run, and what counts as the same order."""
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "sim_vs_emulated.py"
 
 
 @pytest.fixture(scope="module")
 def sve():
-    spec = importlib.util.spec_from_file_location("_sim_vs_emulated_under_test", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    import bench.sim_vs_emulated as module
+
     return module
 
 
@@ -37,7 +32,7 @@ def test_order_ignores_ties_the_emulation_cannot_resolve(sve):
 
 
 def test_a_run_the_simulator_itself_produced_passes_and_a_distorted_one_fails(sve):
-    from crossover.daemon.simulator import simulate_small
+    from tools.simulator import simulate_small
 
     x = 230 / 200 - 1
     sim = {mode: simulate_small(0.2, 0.2, 2, policy, iterations=200, link_sharing="fifo",

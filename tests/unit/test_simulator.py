@@ -8,9 +8,10 @@ determinism under a seed, jobs arriving, leaving and crashing, ticks, and
 from __future__ import annotations
 
 import pytest
+
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, ExclusivePolicy
-from crossover.daemon.simulator import (
+from tools.simulator import (
     POLICIES,
     SMALL_POLICIES,
     JobSpec,

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from crossover.plugins.straggler import (
+
+from tools.faults import (
     Straggler,
     StragglerSpecError,
     make_matmul_work,

@@ -7,9 +7,10 @@ import threading
 import time
 
 import pytest
+
+from crossover.client.transport import FrameStream, StreamBroken
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import framing
-from crossover.transport import FrameStream, StreamBroken
 
 pytestmark = pytest.mark.timeout(30)
 

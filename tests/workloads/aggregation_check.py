@@ -26,6 +26,7 @@ import time
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
+
 from crossover.plugins import aggregation
 from crossover.plugins.adasum import adasum_allreduce_tensors, adasum_reference
 

@@ -8,9 +8,9 @@ one warning.
 import logging as _logging
 import os as _os
 
+from .client.settings import PluginSettings as _PluginSettings
+from .client.settings import SettingError as _SettingError
 from .plugins import horovod_torch as _hook
-from .settings import PluginSettings as _PluginSettings
-from .settings import SettingError as _SettingError
 
 _logger = _logging.getLogger("crossover")
 if not _logger.handlers:

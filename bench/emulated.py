@@ -1,6 +1,6 @@
 """Crossover on an emulated cluster: co-located Horovod jobs, with and without scheduling.
 
-Two nodes (network namespaces on one machine, `crossover.cluster`), each with
+Two nodes (network namespaces on one machine, `tools.cluster`), each with
 one device (a CPU core its ranks are pinned to) and a tc-shaped link. Every
 job is a real PyTorch MLP classifier trained data-parallel under Horovod
 (tests/workloads/train_bench.py with `import crossover.auto` prepended), one
@@ -28,9 +28,9 @@ device-busy fraction (union of compute intervals / wall, from the daemons'
 event logs), the pipeline bound (identical jobs: Σbatch / max(ΣC, ΣM, T_alone),
 C and M measured alone), and how often the two nodes granted in the same order.
 
-    python bench/crossover.py                    # 4 scenarios (~15 min on 2 cores)
-    python bench/crossover.py --quick            # 1:1 with two jobs (~3 min)
-    python bench/crossover.py --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
+    python -m bench.emulated                    # 4 scenarios (~15 min on 2 cores)
+    python -m bench.emulated --quick            # 1:1 with two jobs (~3 min)
+    python -m bench.emulated --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
 """
 from __future__ import annotations
 
@@ -50,16 +50,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-# This file is named crossover.py: drop its folder from sys.path so `crossover` is the package.
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-from crossover.cluster import Cluster, ClusterSpec, Link, preflight  # noqa: E402
-from crossover.daemon.event_log import read_jsonl  # noqa: E402
+from bench.lib import ROOT, machine, write_json
+from crossover.daemon.event_log import read_jsonl
+from tools.cluster import Cluster, ClusterSpec, Link, preflight
 
-sys.path.insert(0, str(_BENCH))
-from _harness import ROOT, machine, write_json  # noqa: E402
-
-WORKLOAD = ROOT / "tests" / "workloads" / "train_bench.py"
+WORKLOAD = Path(__file__).resolve().parent / "workloads" / "train_bench.py"
 MODES = ("sequential", "unscheduled", "exclusive", "crossover")
 COLOCATED = MODES[1:]
 POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive",
@@ -88,6 +83,7 @@ _POLL_SHIM = """
 import time as _xo_time
 import horovod.torch.mpi_ops as _xo_ops
 import horovod.torch.optimizer as _xo_opt
+
 def _xo_sleep_sync(handle, _poll=_xo_ops.poll, _sync=_xo_opt.synchronize):
     while not _poll(handle):
         _xo_time.sleep(0.001)
@@ -138,11 +134,12 @@ class _Admin:
 
     def __init__(self, cluster: Cluster) -> None:
         import grpc
+
         from crossover.protos import crossover_v1_pb2 as pb
         from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
         self._pb = pb
-        from crossover.settings import admin_socket_path
+        from crossover.protos import admin_socket_path
 
         self._channels = [grpc.insecure_channel(f"unix://{admin_socket_path(n.socket)}") for n in cluster.nodes]
         self._stubs = [pb_grpc.AdminStub(ch) for ch in self._channels]
@@ -517,7 +514,7 @@ def main() -> int:
                         "with other work on the machine (slows that work down)")
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--timeline-seconds", type=float, default=3.0)
-    p.add_argument("--out", type=Path, default=Path("results/crossover.json"))
+    p.add_argument("--out", type=Path, default=Path("results/emulated.json"))
     p.add_argument("--timeline", type=Path, default=Path("results/crossover_timeline.png"))
     p.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir, removed)")
     args = p.parse_args()

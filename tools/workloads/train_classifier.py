@@ -11,7 +11,7 @@ the start-up cost of a 4-rank job is paid once. Per run: model and width
 (default: --model, --width), aggregation rule
 (`rule`: average, sum, adasum, weighted, or null for plain Horovod), global
 batch, learning rate, epochs, an optional straggler (`"3:3.0"`, see
-`crossover.plugins.straggler`; `straggler_work` `busy` or `sleep`), LB-BSP
+`tools.faults`; `straggler_work` `busy` or `sleep`), LB-BSP
 settings. Test accuracy is measured on every rank several times per epoch on
 a clock that excludes evaluation. Each rank writes `rank{r}.json` to --out.
 
@@ -34,8 +34,9 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 import torch.nn as nn
+
 from crossover.plugins import aggregation
-from crossover.plugins.straggler import Straggler
+from tools.faults import Straggler
 
 DEFAULT_RUN = {
     "name": "run", "rule": None, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "epochs": 5, "seed": 0,

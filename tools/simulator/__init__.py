@@ -50,8 +50,8 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from .api import CrossoverError, Policy, RankKey, RankRef
-from .policies import CrossoverPolicy, CrossoverSettings, ExclusivePolicy, PassthroughPolicy
+from crossover.daemon.api import CrossoverError, Policy, RankKey, RankRef
+from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings, ExclusivePolicy, PassthroughPolicy
 
 __all__ = [
     "JobSpec",

@@ -27,11 +27,11 @@ leaving the `with` block (exception or not), on SIGTERM/SIGHUP (turned into
 `SystemExit`), on Ctrl-C (`KeyboardInterrupt`) and at interpreter exit.
 `down --stale` removes what a SIGKILLed owner left behind.
 
-    python -m crossover.cluster up --nodes 2 --rate 200mbit --policy crossover --name demo
-    python -m crossover.cluster run --cluster demo -- python train.py      # another terminal
-    python -m crossover.cluster run --nodes 2 --rate 100mbit -- python train.py  # ephemeral
-    python -m crossover.cluster shape --cluster demo --node 1 --rate 50mbit
-    python -m crossover.cluster down demo | down --stale
+    python -m tools.cluster up --nodes 2 --rate 200mbit --policy crossover --name demo
+    python -m tools.cluster run --cluster demo -- python train.py      # another terminal
+    python -m tools.cluster run --nodes 2 --rate 100mbit -- python train.py  # ephemeral
+    python -m tools.cluster shape --cluster demo --node 1 --rate 50mbit
+    python -m tools.cluster down demo | down --stale
 """
 from __future__ import annotations
 
@@ -86,6 +86,7 @@ SUBNET = "10.77.0"
 HUB_HOST = 254
 IFACE = "eth0"  # every node's interface has this name, so one HOROVOD_GLOO_IFACE fits all ranks
 STATE_ROOT = Path("/run/crossover/clusters")
+CHECKOUT = Path(__file__).resolve().parents[2]  # `tools` runs from a checkout; the hub's launcher imports it
 _ETC_NETNS = Path("/etc/netns")  # per-namespace /etc overrides, see ip-netns(8)
 _NS_RE = re.compile(r"^xo(\d+)c(\d+)(h|n\d+)$")
 _PER_NODE_ENV = ("CROSSOVER_SOCKET", "CROSSOVER_ADDRESS", "CROSSOVER_NODE")
@@ -238,7 +239,7 @@ class ClusterState:
             return cls.from_json(json.loads((path / "cluster.json").read_text()))
         except FileNotFoundError:
             raise ClusterError(f"no cluster {name_or_dir!r}: neither a work dir nor a name under {STATE_ROOT} "
-                               "(start one with `python -m crossover.cluster up --name NAME`)") from None
+                               "(start one with `python -m tools.cluster up --name NAME`)") from None
 
 
 # ---- preflight ---------------------------------------------------------------------------------------
@@ -315,14 +316,8 @@ def _ns_pids(ns: str) -> list[int]:
 
 
 def _python_m(module: str, *args: str) -> list[str]:
-    """`python -m module args` without the current directory on sys.path.
-
-    `-m` would put the working directory first, so a `crossover.py` there (such as
-    bench/crossover.py when run from bench/) would shadow the package.
-    """
-    code = (f"import sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
-            f"from {module} import main; main(sys.argv[1:])")
-    return [sys.executable, "-c", code, *args]
+    """`python -m module args` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
 
 
 def _die_with_parent() -> None:
@@ -479,7 +474,8 @@ def launch_job(state: ClusterState, command: Sequence[str], *, name: str, ranks_
     job_env.update(env or {})
     job_env.setdefault("CROSSOVER_JOB_NAME", name)
     job_env["PYTHONUNBUFFERED"] = "1"
-    argv = ["ip", "netns", "exec", state.hub_netns, *_python_m("crossover.cluster", "launch", str(spec_path))]
+    job_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), job_env.get("PYTHONPATH")]))
+    argv = ["ip", "netns", "exec", state.hub_netns, *_python_m("tools.cluster", "launch", str(spec_path))]
     proc = _popen(argv, log, job_env)
     return ClusterJob(name, proc, log, np)
 
@@ -522,7 +518,7 @@ def _launch_in_hub(spec_path: str) -> int:
     try:
         launch_gloo(spec["command"], exec_command, settings, [spec["iface"]], env, spec["server_ip"])
     except RuntimeError as exc:
-        print(f"crossover.cluster: {exc}", file=sys.stderr, flush=True)
+        print(f"tools.cluster: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
 
@@ -823,7 +819,7 @@ class Cluster:
 
     def events(self, node: int) -> list[dict[str, Any]]:
         """That node's daemon event log (JSON lines) as it stands now; still readable after teardown."""
-        from .daemon.event_log import read_jsonl
+        from crossover.daemon.event_log import read_jsonl
 
         if self.state is None:
             raise ClusterError("the cluster was never built")
@@ -835,8 +831,8 @@ def _daemon_answers(socket_path: str, timeout: float = 2.0) -> bool:
     try:
         import grpc
 
-        from .protos import crossover_v1_pb2 as pb
-        from .protos import crossover_v1_pb2_grpc as pb_grpc
+        from crossover.protos import crossover_v1_pb2 as pb
+        from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
         with grpc.insecure_channel(f"unix://{socket_path}") as ch:
             pb_grpc.AdminStub(ch).GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=timeout)
@@ -982,7 +978,7 @@ def _cli() -> Any:
 
     class _Fail(click.ClickException):
         def show(self, file: Any = None) -> None:
-            click.echo(f"crossover.cluster: {self.format_message()}", err=True)
+            click.echo(f"tools.cluster: {self.format_message()}", err=True)
 
     @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
     @click.option("--log-level", default="WARNING", show_default=True)
@@ -1007,7 +1003,7 @@ def _cli() -> Any:
             for n, link in zip(state.nodes, state.links):
                 click.echo(f"  {n.name}: netns {n.netns}  {n.address}  core {n.core}  {link.describe()}  "
                            f"CROSSOVER_SOCKET={n.socket}")
-            click.echo(f"jobs: python -m crossover.cluster run --cluster {name or state.workdir} -- CMD ...   "
+            click.echo(f"jobs: python -m tools.cluster run --cluster {name or state.workdir} -- CMD ...   "
                        "(Ctrl-C here tears down)", err=True)
             sys.stdout.flush()
             while True:
@@ -1125,7 +1121,7 @@ def _follow(job: ClusterJob) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    _cli()(args=list(argv) if argv is not None else None, prog_name="python -m crossover.cluster")
+    _cli()(args=list(argv) if argv is not None else None, prog_name="python -m tools.cluster")
 
 
 if __name__ == "__main__":

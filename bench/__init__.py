@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and writes `results/*.json`; run them as `python -m bench.<name>`."""

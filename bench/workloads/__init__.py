@@ -1,0 +1,1 @@
+"""Training scripts only the benchmarks run, by path under `horovodrun`."""

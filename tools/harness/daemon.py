@@ -1,0 +1,125 @@
+"""One way to start a real `crossoverd` and know it serves: its socket answers `crossover queue`."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BIN", "DaemonProc", "cli", "kill_group", "queue_state"]
+
+BIN = Path(sys.executable).parent  # the virtualenv's console scripts: crossoverd, crossover, horovodrun
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal `proc`'s whole process group (every process here starts its own session)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class DaemonProc:
+    """A `crossoverd` on `socket`, writing its events to `event_log` and its output to `log`."""
+
+    socket: Path
+    event_log: Path
+    log: Path
+    args: list[str]
+    nice: int = 0
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def in_dir(cls, workdir: Path, *args: str, name: str = "d", nice: int = 0) -> DaemonProc:
+        """A daemon whose socket, event log and log are `workdir/NAME.*`."""
+        return cls(socket=workdir / f"{name}.sock", event_log=workdir / f"{name}.events.jsonl",
+                   log=workdir / f"{name}.log", args=list(args), nice=nice)
+
+    def start(self, timeout: float = 15.0) -> DaemonProc:
+        """Start it and return once it answers a queue request; raise with its log's tail if it does not."""
+        prefix = ["nice", "-n", str(self.nice)] if self.nice else []
+        cmd = [*prefix, str(BIN / "crossoverd"), "--socket", str(self.socket), "--event-log", str(self.event_log),
+               *self.args]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"crossoverd exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            if self.ready():
+                return self
+            time.sleep(0.1)
+        kill_group(self.proc)
+        self.proc.wait()
+        raise RuntimeError(f"crossoverd did not come up in {timeout:.0f}s: {self.log.read_text()[-2000:]}")
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("crossoverd was not started")
+        return self.proc.pid
+
+    def ready(self) -> bool:
+        """The readiness probe: the socket exists and `crossover queue --json` succeeds on it."""
+        return self.socket.exists() and cli("queue", "--json", socket=self.socket, check=False).returncode == 0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        """Signal it and wait; a daemon that outlives `timeout` has its group killed and the wait raises."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        """Kill its group without asking (teardown after a failure)."""
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc)
+            self.proc.wait()
+
+    def events(self) -> list[dict[str, Any]]:
+        from crossover.daemon.event_log import read_jsonl
+
+        return read_jsonl(self.event_log) if self.event_log.exists() else []
+
+    def __enter__(self) -> DaemonProc:
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def cli(*args: str, socket: Path, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess:
+    """Run the `crossover` CLI against `socket`; with `check`, a non-zero exit raises."""
+    res = subprocess.run([str(BIN / "crossover"), *args, "--socket", str(socket)], capture_output=True, text=True,
+                         timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"crossover {' '.join(args)} exited {res.returncode}: {res.stderr}")
+    return res
+
+
+def queue_state(socket: Path, timeout: float = 5.0) -> dict[str, Any]:
+    """The daemon's queue as `crossover queue --json` prints it, fetched in-process (cheap enough to poll)."""
+    import grpc
+
+    from crossover.client.formatting import to_json
+    from crossover.protos import PROTOCOL_VERSION
+    from crossover.protos import crossover_v1_pb2 as pb
+    from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix://{socket}") as ch:
+        reply = pb_grpc.AdminStub(ch).GetQueue(pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=-1),
+                                               timeout=timeout)
+    return to_json("queue", reply)

@@ -1,0 +1,78 @@
+"""Real `horovodrun` jobs on this machine, each in its own process group, with their logs and results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .daemon import BIN, kill_group
+
+__all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "with_import"]
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+WORKLOADS = CHECKOUT / "tools" / "workloads"
+
+
+@dataclass
+class Job:
+    name: str
+    proc: subprocess.Popen
+    out: Path
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code; a job still running after `timeout` has its group killed and the wait fails."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            self.proc.wait()
+            raise AssertionError(
+                f"job {self.name} did not finish in {timeout}s; log tail:\n{self.output()[-3000:]}") from None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """What each rank wrote to `OUT/rank*.json` (our workloads write one per rank)."""
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("rank*.json"))]
+
+
+def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str, ...] | list[str] = (),
+               env: dict[str, str] | None = None, mpi: bool = False, out_flag: bool = True,
+               cwd: Path | None = None) -> Job:
+    """Start `horovodrun -np N` on localhost with Gloo (or MPI) running `script`.
+
+    `--out OUT` comes before `args` for our workloads; `out_flag=False` leaves it off for scripts
+    that do not take it (someone else's, run through a launcher given as `script`). The checkout
+    is on the ranks' PYTHONPATH because the shared workloads import `tools`, which is never installed.
+    """
+    out = tmp / f"out_{name}"
+    log = tmp / f"{name}.log"
+    full_env = {**os.environ, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), full_env.get("PYTHONPATH")]))
+    if mpi:
+        full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi" if mpi else "--gloo"]
+    if mpi:
+        cmd += ["--mpi-args=--oversubscribe"]
+    cmd += [sys.executable, str(script), *(["--out", str(out)] if out_flag else []), *args]
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                                cwd=cwd)
+    return Job(name, proc, out, log)
+
+
+def with_import(tmp: Path, script: str | Path = "train_mlp.py", prelude: str = "") -> Path:
+    """A copy of a workload (a name in tools/workloads, or a path) with `import crossover.auto` as its
+    first line and `prelude` after it, nothing else changed."""
+    src = Path(script) if Path(script).is_absolute() else WORKLOADS / script
+    out = tmp / f"xo_{src.name}"
+    out.write_text("import crossover.auto\n" + prelude + src.read_text())
+    return out

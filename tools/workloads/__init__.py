@@ -1,0 +1,1 @@
+"""Training scripts that tests, benchmarks and the demo run under `horovodrun`, by path."""
