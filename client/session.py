@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import grpc
@@ -22,6 +22,7 @@ import grpc
 from ..protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION, TOKEN_METADATA_KEY
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
+from ..protos.identity import RankIdentity
 from .settings import PluginSettings
 from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken
 
@@ -30,17 +31,7 @@ __all__ = ["RankInfo", "Session", "channel_for"]
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    job_id: str
-    job_name: str
-    rank: int
-    local_rank: int
-    world_size: int
-    local_size: int
-    device: int = -1
-    pid: int = 0
-    node: str = ""
+RankInfo = RankIdentity  # the rank's identity as the plugin and the tools name it
 
 
 def channel_for(target: str, token: str = "", tls_ca: str = "") -> tuple[grpc.Channel, list[tuple[str, str]]]:
@@ -311,10 +302,7 @@ class Session:
         if self._channel is None:
             self._channel, self._metadata = channel_for(s.target, s.token, s.tls_ca)
         stub = pb_grpc.SchedulerStub(self._channel)
-        i = self.info
-        identity = pb.RankIdentity(job_id=i.job_id, job_name=i.job_name, rank=i.rank, local_rank=i.local_rank,
-                                   world_size=i.world_size, local_size=i.local_size, node=i.node,
-                                   device=i.device, pid=i.pid)
+        identity = self.info.to_pb()
         missing = _missing_socket(s.target)
         if missing:
             self._lost(f"no daemon socket at {missing}")

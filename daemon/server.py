@@ -1,20 +1,13 @@
-"""gRPC edge of `crossoverd`: translates the wire contract to the scheduler core.
+"""`crossoverd` serving: its sockets, one gRPC server per way in, the session socket and the liveness loop.
 
-Domain errors become gRPC status codes with the message intact; everything
-else about a rank is the scheduler's business.
-
-Who may call what is decided by where the call arrives, before any handler
-runs (`_Gate`, a server interceptor), one server per way in:
-- the rank socket (0660): ranks and readers; the admin calls that change state
-  (`ADMIN_CALLS`) are refused with PERMISSION_DENIED;
-- the admin socket beside it (0600, or 0660 for --admin-group): every call;
-- TCP: every call needs the shared token, the admin calls the admin token
-  (none without --admin-token-file). Tokens are compared in constant time.
+Each way in has its own server and `rights.Gate`: the rank socket, the admin
+socket beside it, and TCP (see `rights`). The services themselves are in
+`servicers`; session streams also arrive as frames on the session socket
+(`session_socket`).
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import stat
@@ -22,238 +15,21 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Optional
 
 import grpc
 
-from ..protos import STEERING_CALLS, TOKEN_METADATA_KEY, admin_socket_path, framing
-from ..protos import crossover_v1_pb2 as pb
+from ..protos import admin_socket_path, framing
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from . import policies
-from .api import PROTOCOL_VERSION, CrossoverError, FailedPrecondition, InvalidRequest, Phase, UnsupportedVersion
+from .api import FailedPrecondition, InvalidRequest
 from .limits import Connections, StreamLimits
-from .scheduler import Identity, RankSnapshot, Scheduler
-from .session_stream import GrpcSessionStream, SessionSocketServer, error_text, serve_session, status_code
+from .rights import Gate, rank_socket_rule, tcp_rule
+from .scheduler import Scheduler
+from .servicers import AdminService, SchedulerService
+from .session_socket import SessionSocketServer
 
-__all__ = ["ADMIN_CALLS", "Daemon", "status_code"]
-
-ADMIN_CALLS = frozenset(f"/crossover.v1.Admin/{name}" for name in STEERING_CALLS)
+__all__ = ["Daemon"]
 
 _log = logging.getLogger(__name__)
-
-_PHASES = {
-    Phase.IDLE: pb.IDLE,
-    Phase.WAITING: pb.WAITING,
-    Phase.COMPUTE: pb.COMPUTE,
-    Phase.COMM: pb.COMM,
-    Phase.OTHER: pb.OTHER,
-    Phase.SUSPENDED: pb.SUSPENDED,
-    Phase.OVERDUE: pb.OVERDUE,
-}
-
-
-def _check_version(version: int) -> None:
-    if version != PROTOCOL_VERSION:
-        raise UnsupportedVersion(
-            f"protocol_version={version} is not supported by this daemon (it speaks {PROTOCOL_VERSION}); "
-            "upgrade the client or the daemon so they match"
-        )
-
-
-_Refusal = tuple[grpc.StatusCode, str]  # how a call is refused
-_Rule = Callable[[str, dict], Optional[_Refusal]]  # (method, metadata) -> a refusal, or None: the call goes on
-
-
-class _Gate(grpc.aio.ServerInterceptor):
-    """Refuses the calls its rule refuses before any handler runs (a server's only way in).
-
-    The refusal is a handler of the call's own shape that aborts, so a refused
-    call reaches no service code at all.
-    """
-
-    def __init__(self, rule: _Rule) -> None:
-        self._rule = rule
-
-    async def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        refusal = None if handler is None else self._rule(details.method, dict(details.invocation_metadata or ()))
-        if refusal is None:
-            return handler
-        code, message = refusal
-
-        async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(code, message)
-
-        shape = {(False, False): grpc.unary_unary_rpc_method_handler,
-                 (False, True): grpc.unary_stream_rpc_method_handler,
-                 (True, False): grpc.stream_unary_rpc_method_handler,
-                 (True, True): grpc.stream_stream_rpc_method_handler}
-        make = shape[(handler.request_streaming, handler.response_streaming)]
-        return make(refuse, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
-
-
-def _rank_socket_rule(admin_socket: str | None) -> _Rule:
-    where = f"the admin socket {admin_socket}" if admin_socket else "no admin socket here"
-
-    def rule(method: str, _metadata: dict) -> _Refusal | None:
-        if method in ADMIN_CALLS:
-            return (grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method.rsplit('/', 1)[-1]} is an admin call; this daemon takes it on {where} "
-                    "(`crossover` uses it by itself)")
-        return None
-
-    return rule
-
-
-def _tcp_rule(token: str, admin_token: str | None) -> _Rule:
-    rank_key, admin_key = token.encode(), admin_token.encode() if admin_token else None
-
-    def rule(method: str, metadata: dict) -> _Refusal | None:
-        given = str(metadata.get(TOKEN_METADATA_KEY, "")).encode()
-        is_admin = admin_key is not None and hmac.compare_digest(given, admin_key)
-        if not is_admin and not hmac.compare_digest(given, rank_key):
-            return grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_METADATA_KEY} metadata"
-        if method in ADMIN_CALLS and not is_admin:
-            why = "the admin token" if admin_key else "an admin token, and this daemon has none (--admin-token-file)"
-            return grpc.StatusCode.PERMISSION_DENIED, f"{method.rsplit('/', 1)[-1]} over TCP needs {why}"
-        return None
-
-    return rule
-
-
-class _Service:
-    """Shared by both services: the scheduler core and the session streams' limits and count.
-    Who may call is each server's `_Gate`."""
-
-    def __init__(self, core: Scheduler, limits: StreamLimits, connections: Connections) -> None:
-        self._core = core
-        self._limits = limits
-        self._connections = connections
-
-
-def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(self, request, context)
-        except CrossoverError as exc:
-            context.abort(status_code(exc), error_text(exc))
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
-
-
-class _SchedulerService(_Service, pb_grpc.SchedulerServicer):
-
-    def __init__(self, core: Scheduler, limits: StreamLimits, connections: Connections,
-                 session_socket: str = "") -> None:
-        super().__init__(core, limits, connections)
-        self._session_socket = session_socket
-
-    @_unary
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
-        _check_version(request.protocol_version)
-        if not request.HasField("identity"):
-            raise InvalidRequest("identity is missing")
-        i = request.identity
-        reg = self._core.register(
-            Identity(i.job_id, i.job_name, i.rank, i.local_rank, i.world_size, i.local_size, i.node, i.device, i.pid),
-            accepts_leases=request.accepts_leases,
-        )
-        return pb.RegisterResponse(
-            session_id=reg.session_id,
-            node=reg.node,
-            device=reg.device,
-            cpu_affinity=list(reg.cpu_affinity),
-            heartbeat_interval_s=reg.heartbeat_interval_s,
-            policy=reg.policy,
-            policy_blocks=reg.policy_blocks,
-            # Offered to local peers only: a path means nothing on another node.
-            session_socket=self._session_socket if context.peer().startswith("unix:") else "",
-        )
-
-    @_unary
-    def TurnFloor(self, request: pb.TurnFloorRequest, context: grpc.ServicerContext) -> pb.TurnFloorResponse:
-        if not request.session_id:
-            raise InvalidRequest("session_id is missing")
-        return pb.TurnFloorResponse(floor=self._core.turn_floor(request.session_id))
-
-    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        # Runs on the event loop: reading an event, deciding and writing the grant
-        # happen on one thread, which keeps the grant round trip short.
-        await serve_session(self._core, GrpcSessionStream(context), self._limits, self._connections)
-
-
-def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
-    i = r.ident
-    return pb.RankState(
-        job_id=i.job_id, job_name=i.job_name, rank=i.rank, local_rank=i.local_rank, pid=i.pid,
-        phase=_PHASES[r.phase], iteration=r.iteration, mean_compute_s=r.mean_compute_s,
-        mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
-        rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s,
-    )
-
-
-class _AdminService(_Service, pb_grpc.AdminServicer):
-
-    @_unary
-    def GetQueue(self, request: pb.QueueRequest, context: grpc.ServicerContext) -> pb.QueueState:
-        _check_version(request.protocol_version)
-        if request.device >= 0:
-            self._core.inventory.by_index(request.device)
-        per_device, _ = self._core.snapshot()
-        out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime(),
-                             overdue_total=self._core.overdue_total, connections=self._connections.count,
-                             max_connections=self._connections.cap)
-        for dev in self._core.inventory.devices:
-            if request.device >= 0 and dev.index != request.device:
-                continue
-            holders, waiting, others, order = per_device[dev.index]
-            st = self._core.inventory.stats(dev.index)
-            mem = st.process_memory
-            out.devices.append(pb.DeviceState(
-                index=dev.index, kind=dev.kind, name=dev.name, draining=self._core.is_draining(dev.index),
-                holders=[_rank_state(r, mem) for r in holders], waiting=[_rank_state(r, mem) for r in waiting],
-                others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
-                memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total, order=list(order),
-            ))
-        return out
-
-    @_unary
-    def ListJobs(self, request: pb.JobsRequest, context: grpc.ServicerContext) -> pb.JobList:
-        _check_version(request.protocol_version)
-        _, ranks = self._core.snapshot()
-        jobs: dict[str, pb.JobState] = {}
-        for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
-            i = r.ident
-            job = jobs.setdefault(i.job_id, pb.JobState(job_id=i.job_id, job_name=i.job_name, world_size=i.world_size))
-            job.ranks.append(_rank_state(r, {}))
-            job.registered_s = max(job.registered_s, r.registered_s)
-        return pb.JobList(jobs=list(jobs.values()))
-
-    @_unary
-    def GetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
-        _check_version(request.protocol_version)
-        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available())
-
-    @_unary
-    def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
-        _check_version(request.protocol_version)
-        if not request.name:
-            raise InvalidRequest("name is empty; give the policy to switch to")
-        self._core.set_policy(request.name)
-        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available())
-
-    @_unary
-    def Drain(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
-        _check_version(request.protocol_version)
-        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, True))
-
-    @_unary
-    def Resume(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
-        _check_version(request.protocol_version)
-        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
 
 
 def _socket_folder(folder: Path) -> None:
@@ -374,7 +150,7 @@ class Daemon:
         # One server per way in, so that each server's gate sees every call that arrives its way.
         pool = futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix="admin")
         if self.socket_path:
-            server = self._grpc_server(pool, interceptors=(_Gate(_rank_socket_rule(self.admin_socket)),))
+            server = self._grpc_server(pool, interceptors=(Gate(rank_socket_rule(self.admin_socket)),))
             server.add_insecure_port(f"unix://{self.socket_path}")
             await server.start()
             self._servers.append(server)
@@ -385,7 +161,7 @@ class Daemon:
             self._servers.append(server)
         if self.listen:
             assert self._token  # __init__ refuses --listen without one
-            server = self._grpc_server(pool, interceptors=(_Gate(_tcp_rule(self._token, self._admin_token)),))
+            server = self._grpc_server(pool, interceptors=(Gate(tcp_rule(self._token, self._admin_token)),))
             if self._tls:
                 creds = grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])
                 self.port = server.add_secure_port(self.listen, creds)
@@ -405,8 +181,8 @@ class Daemon:
                      ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
                      ("grpc.max_connection_idle_ms", int(self.limits.idle_timeout_s * 1000) * 5)])
         pb_grpc.add_SchedulerServicer_to_server(
-            _SchedulerService(self.core, self.limits, self.connections, self.session_socket or ""), server)
-        pb_grpc.add_AdminServicer_to_server(_AdminService(self.core, self.limits, self.connections), server)
+            SchedulerService(self.core, self.limits, self.connections, self.session_socket or ""), server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(self.core, self.limits, self.connections), server)
         return server
 
     def stop(self, grace: float = 1.0) -> None:

@@ -1,4 +1,4 @@
-"""Who may do what, tried as a second local user against a real daemon (issue 13 item 5).
+"""Who may do what, tried as a second local user against a real daemon.
 
 The daemon runs as root with --socket-group nogroup; `nobody` (in nogroup) is the
 second user: it may look and train through the rank socket, and may not steer

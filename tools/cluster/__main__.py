@@ -1,4 +1,4 @@
 """`python -m tools.cluster`: build, shape, run on and tear down an emulated cluster."""
-from . import main
+from .cli import main
 
 main()

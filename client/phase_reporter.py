@@ -1,14 +1,21 @@
-"""One rank's phases: whether it holds its device, and the one counter of its iterations.
+"""One rank's phases as the daemon sees them: whether it holds its device, and its iteration.
 
-Every optimizer a script builds reports to the same `RankPhases`, and so does
-the hook on Horovod's waits (`horovod_waits`): a GAN's two optimizers, a
-metric allreduce and the optimizer's own allreduce all move one state.
+Every optimizer a script builds reports to the same `PhaseReporter`, and so
+does the hook on Horovod's waits (`crossover.plugins.horovod_waits`): a GAN's
+two optimizers, a metric allreduce and the optimizer's own allreduce all move
+one state, and the reporter tells the session (`crossover.client.session`)
+each transition.
 
 The rule that keeps co-located jobs from waiting on each other in a cycle: a
 rank never holds its device while it waits for other ranks. Before any
 Horovod wait that may block, a holder hands the device back (a *yield*); when
 the wait ends it asks again with the same iteration, so its place in the
 rotation does not change, and goes on with its compute phase.
+
+Pure: time comes from an injected clock, and the wait for a device's queued
+work before a release is an injected ``settle`` callback (the plugin passes a
+CUDA event wait for GPU parameters), so the state machine runs in tests
+without a daemon, Horovod or torch.
 """
 from __future__ import annotations
 
@@ -20,13 +27,13 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, Protocol
 
-__all__ = ["RankPhases", "PhaseSession"]
+__all__ = ["PhaseReporter", "PhaseSession", "guarded"]
 
 _log = logging.getLogger(__name__)
 
 
 class PhaseSession(Protocol):
-    """What `RankPhases` needs of a session (`crossover.client.session.Session` is one)."""
+    """What `PhaseReporter` needs of a session (`crossover.client.session.Session` is one)."""
 
     turn_agreed: bool
 
@@ -54,14 +61,21 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class RankPhases:
-    """The rank's phase state. Transitions take a lock: a GPU's backward runs hooks on autograd's thread."""
+class PhaseReporter:
+    """The rank's phase state. Transitions take a lock: a GPU's backward runs hooks on autograd's thread.
+
+    ``iteration`` is the rank's iteration number as the daemon sees it: it
+    advances when an allreduce ends (:meth:`comm_end`), whichever optimizer
+    made it. ``settle``, when set, runs before every release and returns once
+    the device has finished the work queued on it (so the released time is
+    the device's, not the launch queue's).
+    """
 
     def __init__(self, session: PhaseSession, agree: Callable[[PhaseSession], None] | None = None,
-                 cuda: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
+                 settle: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.session = session
         self.agree = agree
-        self.cuda = cuda
+        self.settle = settle
         self._clock = clock
         self._lock = threading.RLock()
         self.iteration = 0
@@ -157,12 +171,8 @@ class RankPhases:
         self._since = self._clock()
 
     def _release(self, comm_begins: bool, yields: bool = False) -> None:
-        if self.cuda:
-            import torch
-
-            done = torch.cuda.Event(blocking=True)  # sleep, not spin, while the GPU finishes
-            done.record()
-            done.synchronize()
+        if self.settle is not None:
+            self.settle()
         self.holding = False
         self.in_comm = comm_begins  # the gradients' allreduces are submitted: one message says both
         self.session.release(self.iteration, self._clock() - self._since, comm_begins=comm_begins, yields=yields)

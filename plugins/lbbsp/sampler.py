@@ -1,6 +1,6 @@
 """A batch sampler whose per-rank batch sizes can change between global batches.
 
-With LB-BSP (:mod:`crossover.plugins.batch_size`) every rank processes a
+With LB-BSP (:mod:`crossover.plugins.lbbsp.controller`) every rank processes a
 different share ``b_i`` of each global batch of ``B = Σ b_i`` samples. This
 sampler makes that work with an ordinary ``torch.utils.data.DataLoader``
 (``batch_sampler=...``): all ranks draw the same per-epoch permutation (same
@@ -12,7 +12,7 @@ visited exactly once across ranks, however the sizes change.
 The sizes are read from ``sizes`` once per global batch, just before its
 indices are produced ("semi-dynamic"). For the ranks to agree, the source must
 return the same list on every rank at the same global batch: feed it from a
-:class:`~crossover.plugins.batch_size.BatchSizeController` that every rank
+:class:`~crossover.plugins.lbbsp.controller.BatchSizeController` that every rank
 updates at the same iteration, and give every rank the same DataLoader
 settings (``num_workers``, ``prefetch_factor``), because a DataLoader draws
 indices ahead of the training loop by a fixed number of batches.
@@ -26,9 +26,11 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Callable, Protocol, Union, runtime_checkable
 
-from .batch_size import apportion
+from .apportion import apportion
+from .controller import BatchSizeController
+from .state import LBBSPState
 
-__all__ = ["SamplerError", "SizeSource", "SupportsSizes", "WeightedBatchSampler"]
+__all__ = ["LBBSPSampler", "SamplerError", "SizeSource", "SupportsSizes", "WeightedBatchSampler"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,3 +172,54 @@ class WeightedBatchSampler:
         total = sum(self._read_sizes())
         full, rest = divmod(self._length, total)
         return full if self._drop_last or rest == 0 else full + 1
+
+
+class LBBSPSampler:
+    """``DataLoader(batch_sampler=...)`` for LB-BSP: this rank's slice of every global batch.
+
+    A thin wrapper around :class:`WeightedBatchSampler`
+    fed by the adopted LB-BSP sizes; it also records each batch's
+    ``(b_i, B)`` so the weighted optimizer scales the gradient of exactly
+    the batch that produced it, even when a DataLoader with workers draws
+    indices ahead. Under any rule other than ``weighted`` the sizes never
+    change, so the sampler is then a plain even split of each global batch.
+    """
+
+    def __init__(self, state: LBBSPState, *, shuffle: bool, seed: int, drop_last: bool) -> None:
+        self._state = state
+        self._inner = WeightedBatchSampler(
+            state.dataset_length, state.rank, state.world_size, lambda: state.sizes,
+            shuffle=shuffle, seed=seed, drop_last=drop_last,
+        )
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The current per-rank batch sizes."""
+        return self._state.sizes
+
+    @property
+    def controller(self) -> BatchSizeController:
+        return self._state.controller
+
+    @property
+    def epoch(self) -> int:
+        return self._inner.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch``; call it on every rank before each epoch."""
+        self._inner.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        state = self._state
+        state.pending.clear()  # batches of an abandoned iteration will never be trained on
+        position = 0
+        for indices in self._inner:
+            # The inner sampler read state.sizes just before yielding and
+            # nothing ran in between, so this is the split of this very batch.
+            batch_total = min(sum(state.sizes), state.dataset_length - position)
+            position += batch_total
+            state.pending.append((len(indices), batch_total))
+            yield indices

@@ -1,0 +1,162 @@
+"""Judging the emulated-cluster benchmark (`bench/emulated.py`) from its raw run: per measured segment the
+throughput, each job's iteration time, device-busy fraction, grant gaps and turn agreement between the
+nodes (from the daemons' event logs); per scenario the ratios within each cycle, their medians over
+cycles, the pipeline bound and the issue's targets."""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench.emulated_scenarios import MODES, Scenario
+from bench.lib.judge import percentile
+
+
+def phase_intervals(events: list[dict[str, Any]], start: str, end: str) -> dict[str, list[tuple[float, float]]]:
+    """Per job name, [start, end) intervals of one phase on one node's event log."""
+    open_: dict[tuple[str, int], float] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        key = (e.get("job_name", ""), e.get("rank", -1))
+        if e["event"] == start:
+            open_[key] = e["t"]
+        elif e["event"] in (end, "leave") and key in open_:
+            out.setdefault(key[0], []).append((open_.pop(key), e["t"]))
+    return out
+
+
+def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """How long [lo, hi] is covered by at least one of ``intervals``."""
+    total, cur_a, cur_b = 0.0, 0.0, None
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def turn_agreement(ev0: list[dict[str, Any]], ev1: list[dict[str, Any]], lo: float, hi: float) -> float | None:
+    """How often two nodes granted in the same order: over consecutive grants (job, iteration) of different
+    jobs on node 0 within [lo, hi], the fraction that node 1 granted in the same relative order."""
+    seq0 = [(e["job"], e["iteration"]) for e in ev0 if e["event"] == "grant" and lo <= e["t"] <= hi]
+    pos1 = {(e["job"], e["iteration"]): i for i, e in enumerate(x for x in ev1 if x["event"] == "grant")}
+    seq0 = [k for k in seq0 if k in pos1]
+    pairs = [(a, b) for a, b in zip(seq0, seq0[1:]) if a[0] != b[0]]
+    if not pairs:
+        return None
+    return sum(pos1[a] < pos1[b] for a, b in pairs) / len(pairs)
+
+
+
+def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
+    """One measured window [a, b] of a run: throughput and iteration time per job, busy fraction per node,
+    grant gaps, turn agreement and the median compute and comm phases."""
+    lo, hi = seg["a"], seg["b"]
+    per_job: dict[str, dict[str, Any]] = {}
+    aggregate = 0.0
+    for name in seg["running"]:
+        ranks = raw["jobs"][name]
+        r0 = min(ranks, key=lambda r: r["rank"])
+        ends = [t for t in r0["iter_end"] if lo <= t <= hi]
+        # Mean time between iteration ends; a job that (nearly) stalled gets the window over what it did.
+        stalled = len(ends) < 3
+        iter_s = (ends[-1] - ends[0]) / (len(ends) - 1) if not stalled else (hi - lo) / max(len(ends), 0.5)
+        gb = sum(r["batch"] for r in ranks)
+        per_job[name] = {"iter_s": iter_s, "samples_per_s": gb / iter_s, "iters": len(ends), "stalled": stalled}
+        aggregate += gb / iter_s
+    busy, gaps, c_held, m_comm = {}, [], [], []
+    for node, events in raw["events"].items():
+        comp = phase_intervals(events, "grant", "release")  # a paused job may hold a passthrough grant: skip it
+        busy[node] = _union_length([iv for job in seg["running"] for iv in comp.get(job, [])], lo, hi) / (hi - lo)
+        last_release = None
+        for e in events:
+            if not lo <= e["t"] <= hi:
+                continue
+            if e["event"] == "release" and "held_s" in e:
+                last_release = e["t"]
+                c_held.append(e["held_s"])
+            elif e["event"] == "grant" and last_release is not None:
+                gaps.append(e["t"] - last_release)
+                last_release = None
+            elif e["event"] == "comm_end":
+                m_comm.append(e["duration_s"])
+    ev0, ev1 = raw["events"].values()
+    return {"cycle": seg["cycle"], "mode": seg["mode"], "window_s": hi - lo, "load1": seg["load1"],
+            "aggregate_samples_per_s": aggregate, "jobs": per_job,
+            "busy_fraction_mean": statistics.fmean(busy.values()), "busy_fraction": busy,
+            "turn_agreement": turn_agreement(ev0, ev1, lo, hi) if seg["mode"] != "sequential" else None,
+            "gap_ms_p50": 1000 * percentile(gaps, 50), "gap_ms_p90": 1000 * percentile(gaps, 90),
+            "C_ms": 1000 * statistics.median(c_held) if c_held else None,
+            "M_ms": 1000 * statistics.median(m_comm) if m_comm else None}
+
+
+def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
+    """Per segment metrics; ratios within each cycle; medians over cycles; the pipeline bound."""
+    segs = [analyse_segment(raw, s) for s in raw["segments"]]
+    alone = [analyse_segment({**solo, "scenario": raw["scenario"]}, solo["segment"]) for solo in raw["solos"]]
+    t_alone = statistics.median(j["iter_s"] for s in alone for j in s["jobs"].values())
+    c_alone = statistics.median(s["C_ms"] for s in alone) / 1000
+    m_alone = statistics.median(s["M_ms"] for s in alone) / 1000
+    gb = sum(r["batch"] for r in next(iter(raw["jobs"].values())))
+    n = scn.jobs
+    bound = n * gb / max(n * c_alone, n * m_alone, t_alone)
+    seq_aggregate = gb / t_alone  # identical jobs one after another: one job's throughput at a time
+    cycles: dict[int, dict[str, dict[str, Any]]] = {}
+    for s in segs:
+        cycles.setdefault(s["cycle"], {})[s["mode"]] = s
+    for cyc in cycles.values():
+        seq = {**alone[0], "cycle": next(iter(cyc.values()))["cycle"], "aggregate_samples_per_s": seq_aggregate,
+               "jobs": {j: v for a_ in alone for j, v in a_["jobs"].items()}}
+        cyc["sequential"] = seq
+        for s in cyc.values():
+            for j in s["jobs"].values():
+                j["slowdown"] = j["iter_s"] / t_alone
+            slow = [j["slowdown"] for j in s["jobs"].values()]
+            s["fairness"] = max(slow) / min(slow)
+            s["vs_unscheduled"] = s["aggregate_samples_per_s"] / cyc["unscheduled"]["aggregate_samples_per_s"]
+            s["vs_sequential"] = s["aggregate_samples_per_s"] / seq_aggregate
+            s["of_bound"] = s["aggregate_samples_per_s"] / bound
+    modes = {}
+    for mode in MODES:
+        rows = [c[mode] for c in cycles.values() if mode in c]
+        med: dict[str, Any] = {k: _median([r[k] for r in rows]) for k in ("aggregate_samples_per_s", "vs_unscheduled",
+                                                              "vs_sequential", "of_bound", "busy_fraction_mean",
+                                                              "fairness", "turn_agreement", "gap_ms_p50",
+                                                              "gap_ms_p90", "load1", "C_ms", "M_ms")}
+        jobs = sorted({j for r in rows for j in r["jobs"]})
+        med["jobs"] = {j: {"iter_s": _median([r["jobs"][j]["iter_s"] for r in rows if j in r["jobs"]]),
+                           "slowdown": _median([r["jobs"][j]["slowdown"] for r in rows if j in r["jobs"]])}
+                       for j in jobs}
+        med["cycles"] = len(rows)
+        modes[mode] = med
+    for mode in MODES:
+        modes[mode]["stalled_segments"] = sum(1 for s in (alone if mode == "sequential" else segs)
+                                              if s["mode"] == mode and any(j["stalled"] for j in s["jobs"].values()))
+    out = {"scenario": scn.name, "target_ratio": scn.ratio, "jobs": scn.jobs, "rate_mbit": raw["rate_mbit"],
+           "batch": raw["batch"], "global_batch": gb, "alone_iter_ms": 1000 * t_alone, "alone_C_ms": 1000 * c_alone,
+           "alone_M_ms": 1000 * m_alone, "measured_ratio": m_alone / c_alone, "bound_samples_per_s": bound,
+           "policy_source_sha256": raw["policy_source_sha256"],
+           "modes": modes, "segments": segs, "solo_segments": alone}
+    out["targets"] = targets(out)
+    return out
+
+
+def _median(xs: list[Any]) -> float | None:
+    vals = [x for x in xs if isinstance(x, (int, float)) and x == x]
+    return statistics.median(vals) if vals else None
+
+
+def targets(summary: dict[str, Any]) -> dict[str, bool] | None:
+    """The issue's targets (1:1, two jobs), checked on the medians."""
+    if summary["target_ratio"] != 1.0 or summary["jobs"] != 2:
+        return None
+    xo = summary["modes"]["crossover"]
+    return {"crossover_vs_unscheduled_ge_1.35": xo["vs_unscheduled"] >= 1.35,
+            "crossover_vs_sequential_ge_1.5": xo["vs_sequential"] >= 1.5,
+            "crossover_of_bound_ge_0.85": xo["of_bound"] >= 0.85,
+            "crossover_fairness_le_1.2": xo["fairness"] <= 1.2}
+

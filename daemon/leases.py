@@ -1,0 +1,119 @@
+"""Leases: a rank alone on its device computes without waiting for each grant.
+
+A rank alone on its device under a blocking policy would be granted every
+request at once, so it is given a lease: it keeps reporting its phases but
+stops waiting for each grant (a round trip per iteration saved). The lease is
+revoked when another rank joins the device, on a drain or a policy switch.
+Until the holder confirms (LEASE_RELEASED, which follows every request it made
+under the lease on its stream), other ranks' requests on that device are held
+back from the policy, so the policy never grants the device while the holder
+might be computing unseen.
+
+`Leases` keeps these rules' state; the scheduler calls it under its lock and
+hands the requests it releases to the policy.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .api import RankKey
+from .events import Decision
+from .messages import LeaseMsg
+from .registry import Registry, Session
+
+__all__ = ["Leases"]
+
+
+class Leases:
+    """Which device is leased to whom, whose release is awaited, and the requests held back meanwhile."""
+
+    def __init__(self, enabled: bool, registry: Registry, clock: Callable[[], float]) -> None:
+        self.enabled = enabled
+        self._registry = registry
+        self._clock = clock
+        self._held: dict[int, str] = {}  # device -> session holding its lease
+        self._revoking: dict[int, dict[str, float]] = {}  # device -> {session whose LEASE_RELEASED is awaited: since}
+        self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
+
+    def offer(self, sess: Session, blocks: bool, draining: bool, d: Decision) -> None:
+        """Just granted: lease the device to the session if nobody else can want it."""
+        device = sess.ref.device
+        if (not self.enabled or not sess.accepts_leases or device in self._held
+                or device in self._revoking or draining or not blocks):
+            return
+        if any(s is not sess for s in self._registry.on_device(device)):
+            return
+        self._held[device] = sess.id
+        d.post(sess, LeaseMsg(True))
+        d.log("lease", sess)
+
+    def leased_devices(self) -> list[int]:
+        return list(self._held)
+
+    def revoke(self, device: int, reason: str, d: Decision) -> None:
+        """Take the device's lease back, if it has one, and await its holder's release."""
+        sid = self._held.pop(device, None)
+        if sid is None:
+            return
+        holder = self._registry.get(sid)
+        d.post(holder, LeaseMsg(False))
+        self.await_release(holder, reason, d)
+
+    def await_release(self, sess: Session, reason: str, d: Decision) -> None:
+        """Hold back others' requests on the session's device until it says what it is doing."""
+        self._revoking.setdefault(sess.ref.device, {})[sess.id] = self._clock()
+        d.log("lease_revoke", sess, reason=reason)
+
+    def awaits_release(self, sess: Session) -> bool:
+        return sess.id in self._revoking.get(sess.ref.device, {})
+
+    def computes_unseen(self, sess: Session) -> bool:
+        """The daemon let the session compute without a grant: it holds the lease, or is giving it up."""
+        return self._held.get(sess.ref.device) == sess.id or self.awaits_release(sess)
+
+    def defer(self, sess: Session) -> bool:
+        """Hold a request back while another rank on its device may be computing unseen."""
+        holders = self._revoking.get(sess.ref.device)
+        if not holders or sess.id in holders:
+            return False
+        self._deferred.setdefault(sess.ref.device, {})[sess.id] = None
+        return True
+
+    def is_held_back(self, sess: Session) -> bool:
+        return sess.id in self._deferred.get(sess.ref.device, {})
+
+    def withdraw(self, sess: Session) -> None:
+        """Drop the session's held-back request (it stopped waiting)."""
+        del self._deferred[sess.ref.device][sess.id]
+
+    def released(self, device: int, holder: str) -> list[str]:
+        """The holder's requests are all known. Once every holder's are: the held-back sessions,
+        in arrival order, for the policy; until then, none."""
+        holders = self._revoking[device]
+        del holders[holder]
+        if holders:
+            return []
+        del self._revoking[device]
+        return list(self._deferred.pop(device, {}))
+
+    def forget(self, sess: Session, d: Decision) -> list[str]:
+        """The session left the policy (closed or suspended): its lease, or the wait for its release,
+        ends. Returns the held-back sessions that may go to the policy now (see `released`)."""
+        device = sess.ref.device
+        if self._held.get(device) == sess.id:
+            del self._held[device]
+            d.post(sess, LeaseMsg(False))  # a suspended rank reads it when it wakes, and waits for grants again
+        freed = self.released(device, sess.id) if self.awaits_release(sess) else []
+        deferred = self._deferred.get(device)
+        if deferred is not None:
+            deferred.pop(sess.id, None)
+        return freed
+
+    def unanswered(self, now: float, timeout_s: float) -> list[tuple[int, str]]:
+        """(device, session) of every holder whose release is awaited for longer than `timeout_s`."""
+        return [(device, sid) for device, holders in list(self._revoking.items())
+                for sid, since in list(holders.items()) if now - since > timeout_s]
+
+    def held_back(self) -> dict[int, list[RankKey]]:
+        """Per device, the ranks whose requests are held back, in arrival order."""
+        return {dev: [self._registry.get(sid).ref.key for sid in sids] for dev, sids in self._deferred.items()}

@@ -1,0 +1,117 @@
+"""Liveness: ranks that fall silent, die, or hold their device far too long.
+
+A rank silent past the heartbeat timeout is suspended: its device is freed
+at once but its session is kept, so a rank that was only starved of CPU for a
+moment (a loaded node) carries on where it was when it speaks again, instead of
+training unscheduled until it re-registers. A rank silent past the eviction
+time, whose process is gone, or that never opened its stream is evicted.
+A holder far past its own compute time, with a rank waiting, is treated as
+stalled (`OVERDUE`) and the device goes to the next rank.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from .api import InvalidRequest, Phase
+from .events import Decision
+from .leases import Leases
+from .phases import PhaseMachine
+from .registry import Registry, Session
+
+__all__ = ["Liveness"]
+
+_log = logging.getLogger(__name__)
+
+
+class Liveness:
+    """Suspends, resumes, evicts and declares overdue, under the scheduler's lock."""
+
+    def __init__(self, registry: Registry, leases: Leases, phases: PhaseMachine, pid_alive: Callable[[int], bool],
+                 heartbeat_timeout_s: float, evict_after_s: float, overdue_factor: float,
+                 overdue_after_s: float) -> None:
+        if evict_after_s < heartbeat_timeout_s:
+            raise InvalidRequest(
+                f"evict_after_s={evict_after_s} is shorter than heartbeat_timeout_s={heartbeat_timeout_s}")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.evict_after_s = evict_after_s
+        self.overdue_factor = overdue_factor
+        self.overdue_after_s = overdue_after_s
+        self.overdue_total = 0  # holders treated as stalled since start
+        self._registry = registry
+        self._leases = leases
+        self._phases = phases
+        self._pid_alive = pid_alive
+
+    def sweep(self, now: float, d: Decision) -> list[tuple[str, str]]:
+        """Suspend the silent, declare the overdue, stop awaiting unanswered lease releases;
+        returns (session id, reason) of each session to evict."""
+        doomed = []
+        for sess in self._registry:
+            silent = now - sess.last_seen
+            if sess.attached and silent > self.evict_after_s:
+                doomed.append((sess.id, f"no heartbeat for {silent:.2f}s"))
+            elif not sess.attached and now - sess.registered_at > max(5.0, 4 * self.heartbeat_timeout_s):
+                doomed.append((sess.id, "registered but never opened its stream"))
+            elif not self._pid_alive(sess.ident.pid):
+                doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
+            elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
+                self._suspend(sess, silent, now, d)
+            elif sess.phase is Phase.COMPUTE:
+                self._check_overdue(sess, now, d)
+        for device, sid in self._leases.unanswered(now, self.heartbeat_timeout_s):
+            # A client that never answers must not block others.
+            holder = self._registry.get(sid)
+            _log.warning("%s rank %d did not give up computing without grants on device %d within "
+                         "%.2fs; serving the device's other ranks anyway", holder.ident.job_name,
+                         holder.ident.rank, device, self.heartbeat_timeout_s)
+            d.log("lease_expired", holder)
+            self._phases.end_revoke(device, sid, now, d)
+        return doomed
+
+    def _check_overdue(self, sess: Session, now: float, d: Decision) -> None:
+        """A holder far past its own compute time, with a rank waiting for the device, is treated as stalled.
+
+        Defence in depth: the plugin frees the device around every Horovod wait, but a
+        script can still block while holding (another library's collective, a lock).
+        Then the next waiter is served instead of every waiter paying its grant timeout.
+        """
+        policy = self._phases.policy
+        key = sess.ref.key
+        if not policy.blocks or not policy.holds(key):
+            return
+        held = now - sess.phase_since
+        ema = sess.stats.compute_ema
+        limit = max(self.overdue_after_s, self.overdue_factor * ema if ema is not None else 0.0)
+        if held <= limit or not policy.view(sess.ref.device).waiting:
+            return
+        self.overdue_total += 1
+        d.log("overdue", sess, held_s=held, limit_s=limit, iteration=sess.iteration)
+        _log.warning("%s rank %d has held device %d for %.2fs (limit %.2fs); treating it as stalled and "
+                     "serving the next rank", sess.ident.job_name, sess.ident.rank, sess.ref.device, held, limit)
+        sess.stats.compute_total += held
+        sess.set_phase(Phase.OVERDUE, now)
+        self._phases.deliver(policy.release(key, now), now, d)
+
+    def _suspend(self, sess: Session, silent: float, now: float, d: Decision) -> None:
+        was = sess.phase
+        d.log("suspend", sess, reason=f"no heartbeat for {silent:.2f}s", phase=was.value)
+        if was is Phase.COMPUTE:
+            d.log("release", sess, reason="suspended")
+            sess.forgive_done = True
+        sess.set_phase(Phase.SUSPENDED, now)
+        sess.suspended_from = was
+        self._phases.deliver(self._phases.policy.leave(sess.ref.key, now), now, d)
+        self._phases.forget_lease(sess, now, d)
+        _log.warning("suspended %s rank %d: silent for %.2fs (its device is free; it resumes when it speaks again)",
+                     sess.ident.job_name, sess.ident.rank, silent)
+
+    def resume(self, sess: Session, silent: float, now: float, d: Decision) -> None:
+        """A suspended rank spoke again: back in the rotation, its awaited grant requested again."""
+        was, sess.suspended_from = sess.suspended_from, None
+        sess.set_phase(Phase.OTHER, now)
+        d.log("resume", sess, silent_s=silent)
+        self._phases.deliver(self._phases.policy.join(sess.ref, now), now, d)
+        if was is Phase.WAITING:  # it still waits for that grant: queue the request again, same turn
+            self._phases.queue_request(sess, sess.iteration, now, d)
+        _log.info("resumed %s rank %d after %.2fs of silence", sess.ident.job_name, sess.ident.rank, silent)

@@ -1,0 +1,54 @@
+"""What the scheduler posts to a rank's session; the stream's edge turns each into a Directive."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = ["AliveMsg", "CloseMsg", "GrantMsg", "LeaseMsg", "Message", "PolicyMsg", "ShareMsg"]
+
+
+@dataclass(frozen=True)
+class GrantMsg:
+    """The rank may compute: the answer to its request `seq` for `iteration`, after `waited_s`."""
+
+    seq: int
+    iteration: int
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class PolicyMsg:
+    """The node's policy changed; `blocks` says whether ranks must wait for grants."""
+
+    policy: str
+    blocks: bool
+
+
+@dataclass(frozen=True)
+class LeaseMsg:
+    """The session may compute without waiting for grants (held) or must wait again (revoked)."""
+
+    held: bool
+
+
+@dataclass(frozen=True)
+class ShareMsg:
+    """How many other ranks are registered on the session's device now."""
+
+    other_ranks: int
+
+
+@dataclass(frozen=True)
+class AliveMsg:
+    """The answer to a heartbeat: the daemon still reads and decides."""
+
+
+@dataclass(frozen=True)
+class CloseMsg:
+    """Ends a session's stream; `error` set means the rank sent something invalid."""
+
+    reason: str
+    error: Exception | None = None
+
+
+Message = Union[GrantMsg, PolicyMsg, LeaseMsg, ShareMsg, AliveMsg, CloseMsg]

@@ -1,0 +1,192 @@
+"""A rank's phase changes and the policy calls each one makes (see `api.Phase` for the transitions).
+
+`PhaseMachine` applies one `RankEvent` to a session: it moves the session's
+phase, asks the policy, logs each step in the decision and posts the grants
+the policy hands out. It runs under the scheduler's lock and reads no clock:
+every step is dated by the `now` it is given.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from .api import FailedPrecondition, Phase, Policy, RankKey
+from .events import Decision, EventKind, RankEvent
+from .leases import Leases
+from .messages import AliveMsg, GrantMsg, ShareMsg
+from .registry import Registry, Session
+
+__all__ = ["PhaseMachine"]
+
+
+class PhaseMachine:
+    """The rank state machine of one node, over its registry, its leases and its policy.
+
+    Who holds a device is read from the policy (`Policy.holds`, `Policy.view`), the
+    one record of grants; a session's `phase` says what the rank does, which can be
+    computing without a grant (see `Session`).
+    """
+
+    def __init__(self, policy: Policy, registry: Registry, leases: Leases) -> None:
+        self.policy = policy
+        self.draining: set[int] = set()
+        self.deadline_changed = threading.Event()
+        self._registry = registry
+        self._leases = leases
+
+    def apply(self, sess: Session, ev: RankEvent, now: float, previous: float, d: Decision) -> None:
+        """One event of the session, dated `now`; `previous` is the date of its latest logged entry."""
+        kind = ev.kind
+        if kind is EventKind.HEARTBEAT:
+            d.post(sess, AliveMsg())
+        elif kind is EventKind.COMPUTE_REQUEST:
+            self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.duration_s, ev.no_wait, now, d)
+        elif kind is EventKind.COMPUTE_DONE:
+            if ev.requested:  # its request rode along: apply it first, dated when the phase began
+                began = max(now - ev.duration_s, previous)
+                mark = d.mark()
+                self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.comm_s, True, now, d)
+                d.date_since(mark, began)
+                sess.requested_at = began
+                if sess.phase is Phase.COMPUTE:
+                    sess.phase_since = began
+            self.finish_compute(sess, now, d, ev.duration_s, strict=not sess.forgive_done, yields=ev.yields)
+            sess.forgive_done = False
+            if ev.comm_begins:
+                self._begin_comm(sess, ev.iteration, now, d)
+        elif kind is EventKind.COMM_BEGIN:
+            if sess.phase in (Phase.COMPUTE, Phase.WAITING, Phase.OVERDUE):
+                self.finish_compute(sess, now, d, 0.0, strict=False)
+            self._begin_comm(sess, ev.iteration, now, d)
+        elif kind is EventKind.COMM_END:
+            self._end_comm(sess, ev.iteration, ev.duration_s, now, d)
+        elif kind is EventKind.LEASE_RELEASED and self._leases.awaits_release(sess):
+            d.log("lease_released", sess)
+            self.end_revoke(sess.ref.device, sess.id, now, d)
+
+    def _request(self, sess: Session, iteration: int, seq: int, turn_base: int, comm_s: float, no_wait: bool,
+                 now: float, d: Decision) -> None:
+        if sess.phase in (Phase.WAITING, Phase.COMPUTE):
+            raise FailedPrecondition(f"rank {sess.ref.key} requested the device while in phase {sess.phase.value}")
+        if sess.phase is Phase.COMM:  # the request carries the end of the allreduce before it
+            self._end_comm(sess, iteration - 1, comm_s, now, d)
+        sess.iteration = max(sess.iteration, iteration)
+        sess.pending_seq = seq
+        sess.requested_at = now
+        sess.turn = turn_base + iteration
+        sess.forgive_done = False
+        sess.no_wait = no_wait
+        self.queue_request(sess, iteration, now, d)
+
+    def queue_request(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
+        sess.set_phase(Phase.WAITING, now)
+        d.log("request", sess, iteration=iteration, seq=sess.pending_seq, turn=sess.turn)
+        if not self._leases.defer(sess):
+            self._hand_to_policy(sess, now, d)
+
+    def _hand_to_policy(self, sess: Session, now: float, d: Decision) -> None:
+        """Queue the session's request; a rank that computes already (it did not wait: a lease,
+        or a policy that did not block) holds its device at once, so nobody is granted beside it.
+
+        Only a rank the daemon let compute unseen (its lease, or a lease being revoked) is
+        taken at its word: any other request is queued, whatever it claims, so a client
+        cannot make itself a second holder under a blocking policy.
+        """
+        if sess.no_wait and self.policy.blocks and self._leases.computes_unseen(sess):
+            self.deliver(self.policy.occupy(sess.ref.key, sess.turn, now), now, d)
+        else:
+            self.deliver(self.policy.request(sess.ref.key, sess.turn, now), now, d)
+
+    def _begin_comm(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
+        sess.set_phase(Phase.COMM, now)
+        d.log("comm_begin", sess, iteration=iteration)
+
+    def _end_comm(self, sess: Session, iteration: int, duration_s: float, now: float, d: Decision) -> None:
+        measured = duration_s or (now - sess.phase_since if sess.phase is Phase.COMM else 0.0)
+        sess.stats.comm_total += measured
+        sess.stats.comm_n += 1
+        self.policy.observe(sess.ref.key, "comm", measured, now)
+        sess.set_phase(Phase.OTHER, now)
+        d.log("comm_end", sess, iteration=iteration, duration_s=measured)
+
+    def finish_compute(self, sess: Session, now: float, d: Decision, duration_s: float, strict: bool,
+                       yields: bool = False) -> None:
+        """The rank's compute phase ended (or it stopped waiting for one); `strict`: a rank that
+        neither computes nor waits is an error."""
+        key = sess.ref.key
+        if sess.phase is Phase.COMPUTE and self.policy.holds(key):
+            held = now - sess.phase_since
+            sess.stats.compute_total += held
+            if yields:
+                sess.yielded_s += duration_s or held
+                d.log("release", sess, held_s=held, yields=True)
+            else:
+                sess.stats.compute_n += 1
+                phase_s = sess.yielded_s + (duration_s or held)
+                ema = sess.stats.compute_ema
+                sess.stats.compute_ema = phase_s if ema is None else 0.7 * ema + 0.3 * phase_s
+                self.policy.observe(key, "compute", phase_s, now)
+                sess.yielded_s = 0.0
+                d.log("release", sess, held_s=held)
+            sess.set_phase(Phase.OTHER, now)
+            self.deliver(self.policy.release(key, now), now, d)
+        elif sess.phase is Phase.WAITING and (self.policy.is_waiting(key) or self._leases.is_held_back(sess)):
+            # The rank stopped waiting (grant timeout, or it never waits under a
+            # non-blocking policy it still believed in): withdraw the request,
+            # from the policy or from the requests held back for a lease.
+            sess.set_phase(Phase.OTHER, now)
+            d.log("cancel", sess)
+            if self._leases.is_held_back(sess):
+                self._leases.withdraw(sess)
+            else:
+                self.deliver(self.policy.cancel(key, now), now, d)
+        elif sess.phase is Phase.OVERDUE:
+            # Its device went to the next waiter while it overran (see `Liveness`): it is done now.
+            sess.set_phase(Phase.OTHER, now)
+            sess.yielded_s = 0.0
+            d.log("overdue_done", sess, late_s=now - sess.phase_since)
+        elif sess.phase is Phase.COMPUTE:
+            # Computing since before a policy switch that held it back (a lease was
+            # being revoked), so the new policy never had it: nothing to release there.
+            held = now - sess.phase_since
+            sess.set_phase(Phase.OTHER, now)
+            d.log("release", sess, held_s=held)
+        elif strict:
+            raise FailedPrecondition(f"rank {key} reported compute done but holds no grant (phase {sess.phase.value})")
+
+    def deliver(self, keys: Iterable[RankKey], now: float, d: Decision) -> None:
+        """Every policy call's grants end here: each granted rank computes from `now`."""
+        if self.policy.next_deadline() is not None:  # a deadline may have appeared: wake the timer
+            self.deadline_changed.set()
+        for key in keys:
+            sess = self._registry.by_key(key)
+            if sess is None or sess.phase is Phase.COMPUTE:
+                continue
+            waited = now - sess.requested_at
+            sess.stats.waited_total += waited
+            sess.set_phase(Phase.COMPUTE, now)
+            d.log("grant", sess, iteration=sess.iteration, waited_s=waited)
+            # Nobody waits for the message under a policy that never blocks, or with a lease.
+            if self.policy.blocks and not sess.no_wait:
+                d.post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited))
+                self._leases.offer(sess, self.policy.blocks, sess.ref.device in self.draining, d)
+
+    def end_revoke(self, device: int, holder: str, now: float, d: Decision) -> None:
+        """The holder's requests are all known: hand the held-back ones to the policy (see `Leases.released`)."""
+        self._hand_released(self._leases.released(device, holder), now, d)
+
+    def forget_lease(self, sess: Session, now: float, d: Decision) -> None:
+        """The session left the policy: its lease ends, and requests held back for it go on."""
+        self._hand_released(self._leases.forget(sess, d), now, d)
+
+    def _hand_released(self, session_ids: list[str], now: float, d: Decision) -> None:
+        for sid in session_ids:
+            sess = self._registry.find(sid)
+            if sess is not None and sess.phase is Phase.WAITING and not self.policy.is_waiting(sess.ref.key):
+                self._hand_to_policy(sess, now, d)
+
+    def tell_share(self, device: int, d: Decision) -> None:
+        """Tell each rank on the device how many others share it (they joined or left)."""
+        on_device = self._registry.on_device(device)
+        for sess in on_device:
+            d.post(sess, ShareMsg(len(on_device) - 1))

@@ -1,0 +1,174 @@
+"""The gRPC services: each call translated to the scheduler core and back.
+
+Domain errors become gRPC status codes with the message intact; everything
+else about a rank is the scheduler's business. Who may call is each server's
+`rights.Gate`, decided before any handler here runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+
+from ..protos import crossover_v1_pb2 as pb
+from ..protos import crossover_v1_pb2_grpc as pb_grpc
+from ..protos.identity import RankIdentity
+from . import policies
+from .api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, UnsupportedVersion
+from .limits import Connections, StreamLimits
+from .scheduler import Scheduler
+from .session_grpc import GrpcSessionStream, serve_session
+from .session_stream import error_text, status_code
+from .snapshots import RankSnapshot
+
+__all__ = ["AdminService", "SchedulerService"]
+
+_PHASES = {
+    Phase.IDLE: pb.IDLE,
+    Phase.WAITING: pb.WAITING,
+    Phase.COMPUTE: pb.COMPUTE,
+    Phase.COMM: pb.COMM,
+    Phase.OTHER: pb.OTHER,
+    Phase.SUSPENDED: pb.SUSPENDED,
+    Phase.OVERDUE: pb.OVERDUE,
+}
+
+
+def _check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"protocol_version={version} is not supported by this daemon (it speaks {PROTOCOL_VERSION}); "
+            "upgrade the client or the daemon so they match"
+        )
+
+
+class _Service:
+    """Shared by both services: the scheduler core and the session streams' limits and count.
+    Who may call is each server's `rights.Gate`."""
+
+    def __init__(self, core: Scheduler, limits: StreamLimits, connections: Connections) -> None:
+        self._core = core
+        self._limits = limits
+        self._connections = connections
+
+
+def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except CrossoverError as exc:
+            context.abort(status_code(exc), error_text(exc))
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class SchedulerService(_Service, pb_grpc.SchedulerServicer):
+
+    def __init__(self, core: Scheduler, limits: StreamLimits, connections: Connections,
+                 session_socket: str = "") -> None:
+        super().__init__(core, limits, connections)
+        self._session_socket = session_socket
+
+    @_unary
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
+        _check_version(request.protocol_version)
+        if not request.HasField("identity"):
+            raise InvalidRequest("identity is missing")
+        reg = self._core.register(RankIdentity.from_pb(request.identity), accepts_leases=request.accepts_leases)
+        return pb.RegisterResponse(
+            session_id=reg.session_id,
+            node=reg.node,
+            device=reg.device,
+            cpu_affinity=list(reg.cpu_affinity),
+            heartbeat_interval_s=reg.heartbeat_interval_s,
+            policy=reg.policy,
+            policy_blocks=reg.policy_blocks,
+            # Offered to local peers only: a path means nothing on another node.
+            session_socket=self._session_socket if context.peer().startswith("unix:") else "",
+        )
+
+    @_unary
+    def TurnFloor(self, request: pb.TurnFloorRequest, context: grpc.ServicerContext) -> pb.TurnFloorResponse:
+        if not request.session_id:
+            raise InvalidRequest("session_id is missing")
+        return pb.TurnFloorResponse(floor=self._core.turn_floor(request.session_id))
+
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Runs on the event loop: reading an event, deciding and writing the grant
+        # happen on one thread, which keeps the grant round trip short.
+        await serve_session(self._core, GrpcSessionStream(context), self._limits, self._connections)
+
+
+def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
+    i = r.ident
+    return pb.RankState(
+        job_id=i.job_id, job_name=i.job_name, rank=i.rank, local_rank=i.local_rank, pid=i.pid,
+        phase=_PHASES[r.phase], iteration=r.iteration, mean_compute_s=r.mean_compute_s,
+        mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
+        rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s,
+    )
+
+
+class AdminService(_Service, pb_grpc.AdminServicer):
+
+    @_unary
+    def GetQueue(self, request: pb.QueueRequest, context: grpc.ServicerContext) -> pb.QueueState:
+        _check_version(request.protocol_version)
+        if request.device >= 0:
+            self._core.inventory.by_index(request.device)
+        per_device, _ = self._core.snapshot()
+        out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime(),
+                             overdue_total=self._core.overdue_total, connections=self._connections.count,
+                             max_connections=self._connections.cap)
+        for dev in self._core.inventory.devices:
+            if request.device >= 0 and dev.index != request.device:
+                continue
+            holders, waiting, others, order = per_device[dev.index]
+            st = self._core.inventory.stats(dev.index)
+            mem = st.process_memory
+            out.devices.append(pb.DeviceState(
+                index=dev.index, kind=dev.kind, name=dev.name, draining=self._core.is_draining(dev.index),
+                holders=[_rank_state(r, mem) for r in holders], waiting=[_rank_state(r, mem) for r in waiting],
+                others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
+                memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total, order=list(order),
+            ))
+        return out
+
+    @_unary
+    def ListJobs(self, request: pb.JobsRequest, context: grpc.ServicerContext) -> pb.JobList:
+        _check_version(request.protocol_version)
+        _, ranks = self._core.snapshot()
+        jobs: dict[str, pb.JobState] = {}
+        for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
+            i = r.ident
+            job = jobs.setdefault(i.job_id, pb.JobState(job_id=i.job_id, job_name=i.job_name, world_size=i.world_size))
+            job.ranks.append(_rank_state(r, {}))
+            job.registered_s = max(job.registered_s, r.registered_s)
+        return pb.JobList(jobs=list(jobs.values()))
+
+    @_unary
+    def GetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
+        _check_version(request.protocol_version)
+        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available())
+
+    @_unary
+    def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
+        _check_version(request.protocol_version)
+        if not request.name:
+            raise InvalidRequest("name is empty; give the policy to switch to")
+        self._core.set_policy(request.name)
+        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available())
+
+    @_unary
+    def Drain(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
+        _check_version(request.protocol_version)
+        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, True))
+
+    @_unary
+    def Resume(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
+        _check_version(request.protocol_version)
+        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
+
+

@@ -1,0 +1,114 @@
+"""The Session RPC: a rank's session stream over gRPC, served as coroutines on the daemon's event loop.
+
+Reading an event, deciding and writing the grant happen on the loop's one
+thread, which keeps the grant round trip short. The lifecycle is
+`session_stream.SessionLifecycle`, shared with the session socket.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+
+from ..protos import crossover_v1_pb2 as pb
+from .api import CrossoverError, InvalidRequest
+from .limits import Connections, StreamLimits
+from .messages import CloseMsg, Message
+from .scheduler import Scheduler
+from .session_stream import SessionLifecycle, directive, error_text, status_code, too_many
+
+__all__ = ["GrpcSessionStream", "serve_session"]
+
+_log = logging.getLogger(__name__)
+
+
+class GrpcSessionStream:
+    """The Session RPC's stream: None at its end, a gRPC status to fail it."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    async def read(self) -> pb.RankEvent | None:
+        ev = await self._context.read()
+        return None if ev is grpc.aio.EOF else ev
+
+    async def write(self, directive: pb.Directive) -> None:
+        await self._context.write(directive)
+
+    async def fail(self, exc: Exception) -> None:
+        await self._context.abort(status_code(exc), error_text(exc))
+
+
+async def serve_session(core: Scheduler, stream: GrpcSessionStream, limits: StreamLimits,
+                        connections: Connections) -> None:
+    """Attach the stream's session to the scheduler and relay until either side ends it."""
+    if not connections.enter():
+        await stream.fail(too_many(connections))
+        return
+    try:
+        await _serve_session(core, stream, limits)
+    finally:
+        connections.leave()
+
+
+async def _serve_session(core: Scheduler, stream: GrpcSessionStream, limits: StreamLimits) -> None:
+    try:
+        first = await asyncio.wait_for(stream.read(), limits.open_timeout_s)
+    except asyncio.TimeoutError:
+        await stream.fail(InvalidRequest(f"no OPEN within {limits.open_timeout_s:g}s"))
+        return
+    if first is None:
+        return
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    loop_thread = threading.get_ident()
+
+    def deliver(msg: Message) -> None:  # called from any thread by the scheduler
+        if threading.get_ident() == loop_thread:  # a grant decided while reading an event: no wake-up needed
+            inbox.put_nowait(msg)
+        else:
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+
+    life = SessionLifecycle(core, limits)
+    try:
+        life.open(first, deliver)
+    except CrossoverError as exc:
+        await stream.fail(exc)
+        return
+    reader = asyncio.create_task(_read(life, stream, inbox))
+    try:
+        while True:
+            msg = await inbox.get()
+            if isinstance(msg, CloseMsg):
+                if msg.error is not None:
+                    await stream.fail(msg.error)
+                return
+            out = directive(msg)
+            if out is not None:
+                await stream.write(out)
+    finally:
+        reader.cancel()
+        core.close(life.sid, "stream closed")
+
+
+async def _read(life: SessionLifecycle, stream: GrpcSessionStream, inbox: asyncio.Queue) -> None:
+    try:
+        while True:
+            try:
+                ev = await stream.read()
+                if ev is None:
+                    return
+                life.receive(ev)
+            except CrossoverError as exc:
+                life.refused(exc)
+                inbox.put_nowait(CloseMsg(error_text(exc), exc))
+                return
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the peer vanished mid-read (process killed, connection reset)
+        _log.info("session %s: stream broken (%s: %s)", life.sid[:8], type(exc).__name__, error_text(exc))
+        life.reason = "stream broken"
+    finally:
+        life.close()

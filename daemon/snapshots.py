@@ -1,0 +1,64 @@
+"""What the admin calls show of the scheduler: ranks and devices at one instant."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import psutil
+
+from ..protos.identity import RankIdentity
+from .api import Phase
+from .registry import Session
+
+__all__ = ["DeviceSnapshot", "RankSnapshot", "rank_snapshot", "with_process_usage"]
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    ident: RankIdentity
+    phase: Phase
+    iteration: int
+    mean_compute_s: float
+    mean_comm_s: float
+    wait_fraction: float
+    since_s: float
+    registered_s: float
+    cpu_percent: float
+    rss_bytes: int
+
+
+class DeviceSnapshot(NamedTuple):
+    holders: list[RankSnapshot]
+    waiting: list[RankSnapshot]
+    others: list[RankSnapshot]
+    order: tuple[str, ...]
+
+
+def rank_snapshot(s: Session, now: float) -> RankSnapshot:
+    """The session's figures at `now`, without its process's usage (`with_process_usage` adds it)."""
+    st = s.stats
+    alive = max(now - s.registered_at, 1e-9)
+    waiting_now = now - s.requested_at if s.phase is Phase.WAITING else 0.0
+    return RankSnapshot(
+        ident=s.ident,
+        phase=s.phase,
+        iteration=s.iteration,
+        mean_compute_s=st.compute_total / st.compute_n if st.compute_n else 0.0,
+        mean_comm_s=st.comm_total / st.comm_n if st.comm_n else 0.0,
+        wait_fraction=min(1.0, (st.waited_total + waiting_now) / alive),
+        since_s=now - s.phase_since,
+        registered_s=alive,
+        cpu_percent=-1.0,
+        rss_bytes=0,
+    )
+
+
+def with_process_usage(snap: RankSnapshot, process: psutil.Process) -> RankSnapshot:
+    """The snapshot with its process's CPU and memory use; unchanged if the process cannot be read.
+    Reads /proc: call it outside the scheduler's lock."""
+    try:
+        with process.oneshot():
+            cpu, rss = process.cpu_percent(None), process.memory_info().rss
+    except psutil.Error:
+        return snap
+    return replace(snap, cpu_percent=cpu, rss_bytes=rss)

@@ -1,0 +1,151 @@
+"""One ordered chain of hooks on an optimizer: phase tracking, LB-BSP and the quiet wait plug into it.
+
+:func:`hooks_of` gives an optimizer its :class:`HookChain` (made on first use):
+the chain replaces the optimizer's ``step``, ``synchronize`` and ``zero_grad``
+once, by bound methods (``types.MethodType``, so ``torch.optim.lr_scheduler``
+can still wrap ``step``: it needs ``step.__func__``), and registers one
+gradient hook per parameter for the hooks that want gradients.
+
+Order: a hook added later wraps the ones added before it, as a wrapper put
+on the method later would. Before a call, every hook's ``before_*`` runs from
+the outermost in; after it, every ``after_*`` runs from the innermost out,
+told whether the call raised, as a ``finally`` would be. A hook whose ``before_*`` raised has not entered: only
+the hooks before it get their ``after_*``. An exception in an ``after_*``
+reaches the hooks outside it as ``raised=True`` and then the caller.
+
+The chain is the one place that counts the optimizer's steps (:attr:`HookChain.steps`):
+hooks read it, none keeps its own.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["HookChain", "OptimizerHook", "hooks_of"]
+
+
+class OptimizerHook:
+    """One plug-in of a :class:`HookChain`; every point does nothing unless a subclass overrides it."""
+
+    def before_step(self) -> None:
+        """``step()`` is called."""
+
+    def after_step(self, raised: bool) -> None:
+        """``step()`` returned (``raised`` False) or raised; ``chain.steps`` still counts the steps before it."""
+
+    def before_synchronize(self) -> None:
+        """``synchronize()`` is called (by the script, or by the optimizer's own ``step()``)."""
+
+    def after_synchronize(self, raised: bool) -> None:
+        """``synchronize()`` returned or raised."""
+
+    def before_zero_grad(self) -> None:
+        """``zero_grad()`` is called."""
+
+    def on_gradient(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """A parameter's gradient is ready, before it is accumulated (autograd's thread).
+
+        ``index`` counts the optimizer's parameters that require a gradient. Return
+        a tensor to replace the gradient, or ``None`` to keep it.
+        """
+        return None
+
+    def on_gradient_accumulated(self, param: torch.Tensor) -> None:
+        """A parameter's gradient has been accumulated into ``param.grad`` (autograd's thread)."""
+
+
+def _overrides(hook: OptimizerHook, name: str) -> bool:
+    return getattr(type(hook), name) is not getattr(OptimizerHook, name)
+
+
+class HookChain:
+    """The hooks of one optimizer, in order, and the count of its steps."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.hooks: list[OptimizerHook] = []  # outermost first
+        self.steps = 0  # completed step() calls: the optimizer's iteration index
+        self.params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+        self._gradient_hooks = False
+        self._accumulated_hooks = False
+        self._wrap()
+
+    def add(self, hook: OptimizerHook) -> None:
+        """Put ``hook`` around the hooks added so far and register the gradient hooks it needs."""
+        self.hooks.insert(0, hook)
+        if _overrides(hook, "on_gradient") and not self._gradient_hooks:
+            self._gradient_hooks = True
+            for index, param in enumerate(self.params):
+                param.register_hook(functools.partial(self._on_gradient, index))
+        if _overrides(hook, "on_gradient_accumulated") and not self._accumulated_hooks:
+            self._accumulated_hooks = True
+            for param in self.params:
+                param.register_post_accumulate_grad_hook(self._on_accumulated)
+
+    def _wrap(self) -> None:
+        opt, chain = self.opt, self
+        original_step, original_sync, original_zero_grad = opt.step, opt.synchronize, opt.zero_grad
+
+        def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
+            out = chain._around("step", original_step, args, kwargs)
+            chain.steps += 1
+            return out
+
+        def synchronize(_opt: Any) -> Any:
+            return chain._around("synchronize", original_sync, (), {})
+
+        def zero_grad(_opt: Any, *args: Any, **kwargs: Any) -> Any:
+            for hook in list(chain.hooks):
+                hook.before_zero_grad()
+            return original_zero_grad(*args, **kwargs)
+
+        opt.step = types.MethodType(step, opt)
+        opt.synchronize = types.MethodType(synchronize, opt)
+        opt.zero_grad = types.MethodType(zero_grad, opt)
+
+    def _around(self, point: str, original: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        entered: list[OptimizerHook] = []
+        try:
+            for hook in list(self.hooks):
+                getattr(hook, f"before_{point}")()
+                entered.append(hook)
+            out = original(*args, **kwargs)
+        except BaseException:
+            self._exit(point, entered, raised=True)
+            raise
+        self._exit(point, entered, raised=False)
+        return out
+
+    @staticmethod
+    def _exit(point: str, entered: list[OptimizerHook], raised: bool) -> None:
+        for position in range(len(entered) - 1, -1, -1):
+            try:
+                getattr(entered[position], f"after_{point}")(raised)
+            except BaseException:
+                HookChain._exit(point, entered[:position], raised=True)
+                raise
+
+    def _on_gradient(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        replaced: Optional[torch.Tensor] = None
+        for hook in reversed(self.hooks):  # in the order they were added, as torch runs hooks
+            out = hook.on_gradient(index, grad if replaced is None else replaced)
+            if out is not None:
+                replaced = out
+        return replaced
+
+    def _on_accumulated(self, param: torch.Tensor) -> None:
+        for hook in reversed(self.hooks):
+            hook.on_gradient_accumulated(param)
+
+
+def hooks_of(opt: Any) -> HookChain:
+    """The optimizer's hook chain, made (and its methods wrapped) on first use."""
+    chain = getattr(opt, "_crossover_hooks", None)
+    if chain is None:
+        chain = HookChain(opt)
+        opt._crossover_hooks = chain
+    return chain

@@ -1,0 +1,57 @@
+"""Which aggregation rule new optimizers get: ``CROSSOVER_AGGREGATION`` or :func:`set_aggregation` (which wins).
+
+Without either, nothing changes: Horovod does what the script asked for.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from ..client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
+
+__all__ = ["AggregationError", "Rule", "current_rule", "set_aggregation", "settings"]
+
+Rule = Literal["average", "sum", "adasum", "weighted"]
+
+
+class AggregationError(ValueError):
+    """The requested aggregation cannot be applied as asked (the message says why and what to do)."""
+
+
+_selected: dict[str, Optional[str]] = {"rule": None, "adasum_impl": None, "adasum_algorithm": None}
+
+
+def set_aggregation(
+    rule: Optional[str], *, adasum_impl: Optional[str] = None, adasum_algorithm: Optional[str] = None
+) -> None:
+    """Select the aggregation rule in code; it wins over ``CROSSOVER_AGGREGATION``.
+
+    Affects optimizers built afterwards. ``rule=None`` goes back to the
+    environment (and so, by default, to Horovod's own behaviour).
+    ``adasum_impl`` (``auto|native|plugin``) and ``adasum_algorithm``
+    (``auto|allgather|recursive_doubling``) override their variables likewise.
+    """
+    if rule is not None and rule not in AGGREGATION_RULES:
+        raise AggregationError(f"unknown aggregation rule {rule!r}; use one of {', '.join(AGGREGATION_RULES)}")
+    if adasum_impl is not None and adasum_impl not in ADASUM_IMPLS:
+        raise AggregationError(f"unknown adasum_impl {adasum_impl!r}; use one of {', '.join(ADASUM_IMPLS)}")
+    if adasum_algorithm is not None and adasum_algorithm not in ADASUM_ALGORITHMS:
+        raise AggregationError(
+            f"unknown adasum_algorithm {adasum_algorithm!r}; use one of {', '.join(ADASUM_ALGORITHMS)}"
+        )
+    _selected.update(rule=rule, adasum_impl=adasum_impl, adasum_algorithm=adasum_algorithm)
+
+
+def settings() -> AggregationSettings:
+    """Environment settings with the in-code selection applied on top."""
+    env = AggregationSettings.from_env()
+    changes = {key: value for key, value in _selected.items() if value is not None}
+    if not changes:
+        return env
+    fields = {**env.__dict__, **changes}
+    return AggregationSettings(**fields)
+
+
+def current_rule() -> Optional[str]:
+    """The rule new optimizers get, or ``None`` for Horovod's own behaviour."""
+    return settings().rule or None
+

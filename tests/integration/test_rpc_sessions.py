@@ -1,0 +1,344 @@
+"""The gRPC edge against a real in-process daemon: session streams, liveness, leases and batches."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import pytest
+
+from crossover.client.session import Session
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from tests.integration import _rpc_fixtures as _fixtures
+from tests.integration._rpc_fixtures import (
+    _END,
+    first_directive,
+    holding_stream,
+    identity,
+    register,
+    rpc_error,
+    wait_for,
+)
+
+# the shared fixtures, where pytest looks for them: in the test module
+serve, channels, streams, sessions = _fixtures.serve, _fixtures.channels, _fixtures.streams, _fixtures.sessions
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_silent_rank_is_suspended_its_grant_goes_to_the_waiter_and_it_is_evicted_later(serve, channels, streams,
+                                                                                       sessions):
+    d = serve(heartbeat_timeout_s=0.5, evict_after_s=2.5)
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = register(stub, job="silent", world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=41))
+    grant = first_directive(call)
+    assert grant.WhichOneof("kind") == "grant" and grant.grant.seq == 41
+    # from here the silent rank sends nothing: no heartbeat, no release
+
+    waiter = sessions(target, "patient")
+    t0 = time.monotonic()
+    assert waiter.acquire(0) is True  # blocks until the silent rank is suspended
+    waited = time.monotonic() - t0
+    assert waited < 1.0, f"grant took {waited:.2f}s to move to the waiting rank"
+    # the daemon logs after it sends: the grant may arrive before the log has the suspension
+    suspend = wait_for(lambda: [e for e in d.core.events.snapshot()
+                                if e["event"] == "suspend" and e.get("job_name") == "silent"])
+    assert "heartbeat" in suspend[0]["reason"] and suspend[0]["phase"] == "compute"
+    silent_rank = [r for r in d.core.snapshot()[1] if r.ident.job_name == "silent"]
+    assert [r.phase.value for r in silent_rank] == ["suspended"]
+    waiter.release(0)
+
+    first_directive(call, timeout=5.0)  # the stream ends once the silence passes --evict-after
+    leave = wait_for(lambda: [e for e in d.core.events.snapshot()
+                              if e["event"] == "leave" and e.get("job_name") == "silent"])
+    assert "heartbeat" in leave[0]["reason"]
+    assert time.monotonic() - t0 >= 2.0
+    assert not any(r.ident.job_name == "silent" for r in d.core.snapshot()[1])
+    # the waiter kept heartbeating through it all and is still registered
+    assert any(r.ident.job_name == "patient" for r in d.core.snapshot()[1])
+
+
+def test_a_starved_rank_that_speaks_again_carries_on_in_its_session(serve, channels, streams, sessions):
+    d = serve(heartbeat_timeout_s=0.4, evict_after_s=30.0)
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    holder = sessions(target, "holder")
+    assert holder.acquire(0) is True
+    reg = register(stub, job="starved", world=1)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=5))
+    wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] == "suspend"], timeout=3.0)
+    holder.release(0)
+    time.sleep(0.2)
+    assert [e for e in d.core.events.snapshot() if e["event"] == "grant" and e["job_name"] == "starved"] == []
+    q.put(pb.RankEvent(kind=pb.HEARTBEAT))  # back: its old request is queued again and granted
+    grant = first_directive(call)
+    assert grant.WhichOneof("kind") == "grant" and grant.grant.seq == 5
+    q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0))
+    q.put(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=1, seq=6))
+    assert first_directive(call).grant.seq == 6
+    assert [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "starved"][:5] == [
+        "register", "request", "suspend", "resume", "request"]
+
+
+def test_stream_end_frees_the_grant(serve, channels, streams, sessions):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    q, call = holding_stream(stub, streams, "quitter")
+    waiter = sessions(target, "next-in-line", grant_timeout_s=5.0)
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(waiter.acquire(0)), daemon=True)
+    t.start()
+    wait_for(lambda: d.core.snapshot()[0][0][1])  # device 0 has a waiting rank
+    q.put(_END)  # the client half-closes its stream: the daemon must free the grant at once
+    t.join(timeout=3)
+    assert result == [True]
+    waiter.release(0)
+
+
+def test_policy_switch_reaches_connected_sessions(serve, channels, sessions, caplog):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    s = sessions(target, "switcher")
+    assert s.registration.policy_blocks is True
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
+    with caplog.at_level(logging.INFO, logger="crossover.client.session"):
+        admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5)
+        wait_for(lambda: "switched policy to passthrough" in caplog.text)
+    assert s.acquire(0) is True
+    s.release(0)
+
+
+def test_stopping_the_daemon_releases_waiters(serve, channels, streams, sessions):
+    d = serve()
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    q, call = holding_stream(stub, streams, "hog")
+    for _ in range(3):  # keep the hog alive while the waiter blocks
+        q.put(pb.RankEvent(kind=pb.HEARTBEAT))
+    waiter = sessions(target, "blocked", grant_timeout_s=10.0)
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(waiter.acquire(0)), daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert not result
+    t0 = time.monotonic()
+    d.stop(grace=0.5)
+    t.join(timeout=5)
+    assert result == [True]  # granted by the shutdown, not timed out
+    assert time.monotonic() - t0 < 3
+
+
+def test_close_delivers_every_event_still_queued(serve, sessions, tmp_path):
+    """A short job's last events must reach the daemon when the session closes at exit."""
+    d = serve(policy="passthrough")
+    s = sessions(f"unix://{tmp_path / 'd.sock'}", "burst")
+    assert s.attached
+    for i in range(300):  # passthrough: acquire does not wait, so events pile up in the stream
+        s.acquire(i)
+        s.release(i, 0.001)
+    s.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        releases = [e for e in d.core.events.snapshot() if e["event"] == "release" and e["job_name"] == "burst"]
+        if len(releases) == 300:
+            break
+        time.sleep(0.05)
+    assert len(releases) == 300, f"the daemon saw {len(releases)} of 300 compute phases"
+
+
+def test_turn_floor_places_a_new_job_where_the_others_are(serve, channels, streams, sessions):
+    d = serve(policy="crossover")
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = register(stub, job="veteran", world=1)
+    _q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                       pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=40, seq=1, turn_base=2))
+    assert first_directive(call).grant.seq == 1
+    newcomer = sessions(target, "newcomer")
+    assert newcomer.turn_floor() == 43  # the veteran holds turn 42; its next request is 43
+    request = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] == "request"])
+    assert request[0]["iteration"] == 40 and request[0]["turn"] == 42
+    assert rpc_error(stub.TurnFloor, pb.TurnFloorRequest(session_id="nope"), timeout=5).code() \
+        == grpc.StatusCode.NOT_FOUND
+    assert rpc_error(stub.TurnFloor, pb.TurnFloorRequest(), timeout=5).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_negative_turn_base_is_refused(serve, channels):
+    d = serve(policy="crossover")
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    reg = register(stub, job="bad", world=1)
+    events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+              pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1, turn_base=-5)]
+    err = rpc_error(lambda: list(stub.Session(iter(events), timeout=5)))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "turn_base" in err.details()
+
+
+def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sessions):
+    d = serve(policy="exclusive")
+    s = sessions(f"unix://{d.socket_path}", "folded")
+    assert s.acquire(0) is True
+    s.release(0, 0.01, comm_begins=True)  # one message: COMPUTE_DONE that begins the allreduce
+    assert s.acquire(1, comm_s=0.25) is True  # COMPUTE_REQUEST with the comm length (under the lease it
+    s.release(1, 0.01)                        # rides on this COMPUTE_DONE: one message for both)
+    kinds = ("comm_begin", "comm_end", "request")
+    def folded() -> list[dict] | None:  # iteration 1 may arrive up to CROSSOVER_REPORT_INTERVAL late
+        events = [e for e in d.core.events.snapshot() if e["event"] in kinds and e.get("job_name") == "folded"]
+        return events[-3:] if events and events[-1]["iteration"] == 1 else None
+
+    comm_begin, comm_end, request = wait_for(folded)
+    assert comm_begin["event"] == "comm_begin" and comm_begin["iteration"] == 0
+    assert comm_end["event"] == "comm_end" and comm_end["iteration"] == 0 and comm_end["duration_s"] == 0.25
+    assert request["event"] == "request" and request["iteration"] == 1
+    rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "folded")
+    assert rank.mean_comm_s == pytest.approx(0.25)
+
+
+def test_no_socket_means_no_daemon_at_once_and_a_silent_one_gets_the_connect_timeout(sessions, tmp_path, caplog):
+    t0 = time.monotonic()
+    s = sessions(f"unix://{tmp_path / 'absent.sock'}", "lonely", connect_timeout_s=30.0)
+    assert not s.attached and time.monotonic() - t0 < 1.0
+    assert "no daemon socket at" in caplog.text
+
+    import socket as _socket
+    silent = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)  # bound and listening, never answering
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen(1)
+    try:
+        t0 = time.monotonic()
+        s = sessions(f"unix://{tmp_path / 'silent.sock'}", "patient", connect_timeout_s=0.5)
+        assert not s.attached and time.monotonic() - t0 >= 0.5
+    finally:
+        silent.close()
+
+
+def test_a_lease_is_revoked_when_a_second_rank_arrives_and_compute_never_overlaps(serve, sessions):
+    """A rank computes alone under a lease while other ranks come and go on its device.
+
+    Overlap is observed where it would happen, in the clients: each marks the
+    device busy while it "computes", so a grant the daemon gave too early
+    shows up as two at once, whatever the event log says. Every arrival
+    revokes the lease, every departure lets the lone rank have it again.
+    """
+    d = serve(policy="exclusive")
+    target = f"unix://{d.socket_path}"
+    busy, most = [0], [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+    counts: dict[str, int] = {}
+
+    def work(s: Session, name: str, iters: int) -> None:
+        counts[name] = 0
+        for i in range(iters):
+            if stop.is_set():
+                return
+            assert s.acquire(i, comm_s=0.001 if i else None) is True
+            with lock:
+                busy[0] += 1
+                most[0] = max(most[0], busy[0])
+            time.sleep(0.002)
+            with lock:
+                busy[0] -= 1
+            s.release(i, 0.002, comm_begins=True)
+            counts[name] += 1
+            time.sleep(0.001)  # "allreduce"
+
+    alpha = sessions(target, "alpha")
+    ta = threading.Thread(target=work, args=(alpha, "alpha", 100_000), daemon=True)
+    ta.start()
+    visitors = 12
+    for n in range(visitors):
+        before = alpha.leased_acquires
+        wait_for(lambda b=before: alpha.leased_acquires >= b + 5)  # alone again, and leased
+        visitor = sessions(target, f"visitor{n}")
+        work(visitor, visitor.info.job_name, 5)
+        visitor.close()
+    stop.set()
+    ta.join(timeout=30)
+    assert all(counts[f"visitor{n}"] == 5 for n in range(visitors))
+    assert most[0] == 1
+    kinds = [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "alpha"]
+    assert kinds.count("lease") == visitors + 1
+    assert kinds.count("lease_revoke") == kinds.count("lease_released") == visitors
+    assert "lease_expired" not in kinds
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_rank_knows_whether_it_shares_its_device(serve, sessions, transport):
+    d = serve(policy="passthrough")
+    target = f"unix://{d.socket_path}"
+    alone = sessions(target, "alone", transport=transport)
+    wait_for(lambda: alone.attached and not alone.shares_device)
+    other_device = sessions(target, "elsewhere", device=1, transport=transport)
+    wait_for(lambda: other_device.attached and not other_device.shares_device)
+    assert not alone.shares_device
+    company = sessions(target, "company", transport=transport)
+    wait_for(lambda: company.attached and alone.shares_device and company.shares_device)
+    company.close()
+    wait_for(lambda: not alone.shares_device)
+
+
+def test_a_newcomer_is_not_granted_before_the_holder_gives_up_its_lease(serve, channels, streams, sessions):
+    """The holder here is driven by hand: it computes under its lease, its request still unsent, and
+    answers the revocation late. The newcomer (a real client) must wait for that answer and then
+    for the holder's COMPUTE_DONE, not be granted the device that looks idle to the daemon."""
+    d = serve(policy="exclusive")
+    target = f"unix://{d.socket_path}"
+    stub = pb_grpc.SchedulerStub(channels(target))
+    reg = stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(job="holder", world=1),
+                                           accepts_leases=True), timeout=5)
+    q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
+                      pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1))
+    assert first_directive(call).grant.seq == 1
+    assert first_directive(call).lease.held is True
+    q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0, comm_begins=True))
+    # iteration 1 starts under the lease; nothing is sent yet
+    newcomer = sessions(target, "newcomer")
+    granted = threading.Event()
+    threading.Thread(target=lambda: newcomer.acquire(0) and granted.set(), daemon=True).start()
+    assert first_directive(call).lease.held is False
+    assert not granted.wait(0.3)  # the daemon sees an idle device, but the holder has not answered
+    q.put(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=1, seq=2, no_wait=True))
+    q.put(pb.RankEvent(kind=pb.LEASE_RELEASED))
+    assert not granted.wait(0.3)  # now queued behind the holder's compute phase
+    q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=1, comm_begins=True))
+    assert granted.wait(5)
+    newcomer.release(0)
+
+
+def test_a_rank_that_does_not_wait_reports_in_dated_batches(serve, sessions):
+    d = serve(policy="passthrough")
+    s = sessions(f"unix://{d.socket_path}", "batched")
+    sent: list[int] = []
+    put = s._put
+    s._put = lambda event: (sent.append(event.kind), put(event))  # type: ignore[method-assign]
+    for i in range(12):
+        assert s.acquire(i, comm_s=0.004 if i else None) is True
+        time.sleep(0.02)
+        s.release(i, 0.02, comm_begins=True)
+        time.sleep(0.004)
+    grants = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] == "grant"
+                               and e.get("job_name") == "batched"][11:] and
+                      [e for e in d.core.events.snapshot() if e["event"] == "grant" and e.get("job_name") == "batched"])
+    assert sent.count(pb.BATCH) <= 6 and pb.COMPUTE_REQUEST not in sent  # 12 iterations, a few messages
+    gaps = [b["t"] - a["t"] for a, b in zip(grants, grants[1:])]
+    assert all(0.018 < g < 0.06 for g in gaps), gaps  # dated when they happened, not when they arrived
+    rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "batched")
+    assert rank.iteration == 11 and rank.mean_compute_s == pytest.approx(0.02)
+
+
+def test_a_batch_may_not_nest_or_open_or_date_into_the_future(serve, channels):
+    d = serve()
+    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
+    for inner, words in ((pb.RankEvent(kind=pb.OPEN), "inside a BATCH"),
+                         (pb.RankEvent(kind=pb.BATCH), "inside a BATCH"),
+                         (pb.RankEvent(kind=pb.HEARTBEAT, ago_s=-1.0), "ago_s")):
+        reg = register(stub, job=f"nest{inner.kind}{inner.ago_s}")
+        events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), pb.RankEvent(kind=pb.BATCH, batch=[inner])]
+        err = rpc_error(lambda ev=events: list(stub.Session(iter(ev), timeout=5)))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and words in err.details()

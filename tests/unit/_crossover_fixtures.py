@@ -1,0 +1,21 @@
+"""Helpers shared by the `crossover` policy tests: default settings, rank references, a policy with ranks joined."""
+from __future__ import annotations
+
+from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
+
+S = CrossoverSettings()
+
+
+def ref(job: str, rank: int = 0, device: int = 0, world: int = 2) -> RankRef:
+    return RankRef(RankKey(job, rank), job_name=f"name-{job}", device=device, world_size=world, joined_at=0.0)
+
+
+A, B, C = ref("a"), ref("b"), ref("c")
+
+
+def joined(*ranks: RankRef, policy: CrossoverPolicy | None = None) -> CrossoverPolicy:
+    p = policy or CrossoverPolicy()
+    for r in ranks:
+        p.join(r, now=0.0)
+    return p

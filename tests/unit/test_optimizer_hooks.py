@@ -1,0 +1,113 @@
+"""The optimizer's one hook chain: nesting order, exceptions, the step count and gradient hooks."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from crossover.plugins.optimizer_hooks import OptimizerHook, hooks_of  # noqa: E402
+
+
+class SyncSGD(torch.optim.SGD):
+    """Stands for Horovod's optimizer: a synchronize() that step() calls."""
+
+    fail = False
+
+    def synchronize(self) -> None:
+        if self.fail:
+            raise RuntimeError("allreduce failed")
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.synchronize()
+        return super().step(closure)
+
+
+class Recorder(OptimizerHook):
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def before_step(self) -> None:
+        self.log.append(f"{self.name}>step")
+
+    def after_step(self, raised: bool) -> None:
+        self.log.append(f"{self.name}<step{'!' if raised else ''}")
+
+    def before_synchronize(self) -> None:
+        self.log.append(f"{self.name}>sync")
+
+    def after_synchronize(self, raised: bool) -> None:
+        self.log.append(f"{self.name}<sync{'!' if raised else ''}")
+
+    def before_zero_grad(self) -> None:
+        self.log.append(f"{self.name}>zero")
+
+
+def _opt() -> SyncSGD:
+    return SyncSGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+
+
+def test_a_hook_added_later_wraps_the_earlier_ones():
+    opt, log = _opt(), []
+    chain = hooks_of(opt)
+    chain.add(Recorder("inner", log))
+    chain.add(Recorder("outer", log))
+    assert hooks_of(opt) is chain
+    opt.zero_grad()
+    opt.step()
+    assert log == ["outer>zero", "inner>zero", "outer>step", "inner>step", "outer>sync", "inner>sync",
+                   "inner<sync", "outer<sync", "inner<step", "outer<step"]
+    assert chain.steps == 1
+    assert opt.step.__func__ is not None  # a bound method: LR schedulers can still wrap it
+
+
+def test_a_failed_call_reaches_every_entered_hook_and_is_not_counted():
+    opt, log = _opt(), []
+    chain = hooks_of(opt)
+    chain.add(Recorder("a", log))
+    opt.fail = True
+    with pytest.raises(RuntimeError, match="allreduce failed"):
+        opt.step()
+    assert log == ["a>step", "a>sync", "a<sync!", "a<step!"]
+    assert chain.steps == 0
+
+
+def test_a_hook_whose_before_raised_has_not_entered():
+    class Refuses(OptimizerHook):
+        def before_synchronize(self) -> None:
+            raise ValueError("no")
+
+    opt, log = _opt(), []
+    chain = hooks_of(opt)
+    chain.add(Refuses())
+    chain.add(Recorder("outer", log))
+    with pytest.raises(ValueError):
+        opt.synchronize()
+    assert log == ["outer>sync", "outer<sync!"]
+
+
+def test_gradient_hooks_run_in_the_order_added_and_may_replace_the_gradient():
+    class Scale(OptimizerHook):
+        def __init__(self, factor: float) -> None:
+            self.factor = factor
+
+        def on_gradient(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
+            return grad * self.factor
+
+    class Seen(OptimizerHook):
+        def __init__(self) -> None:
+            self.grads: list[torch.Tensor] = []
+
+        def on_gradient_accumulated(self, param: torch.Tensor) -> None:
+            self.grads.append(param.grad.clone())
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = SyncSGD([param], lr=0.1)
+    seen = Seen()
+    chain = hooks_of(opt)
+    chain.add(Scale(2.0))
+    chain.add(Scale(3.0))
+    chain.add(seen)
+    (param * 1.0).sum().backward()
+    torch.testing.assert_close(param.grad, torch.full((2,), 6.0))
+    torch.testing.assert_close(seen.grads[0], torch.full((2,), 6.0))

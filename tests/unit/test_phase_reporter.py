@@ -1,0 +1,90 @@
+"""The phase reporter on its own: an injected clock, a recording session, no daemon, Horovod or torch."""
+from __future__ import annotations
+
+import logging
+
+from crossover.client.phase_reporter import PhaseReporter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Session:
+    def __init__(self, turn_agreed: bool = True) -> None:
+        self.turn_agreed = turn_agreed
+        self.shares_device = True
+        self.calls: list[tuple] = []
+
+    def acquire(self, iteration: int, comm_s: float | None = None) -> bool:
+        self.calls.append(("acquire", iteration, comm_s))
+        return True
+
+    def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
+                yields: bool = False) -> None:
+        self.calls.append(("release", iteration, duration_s, comm_begins, yields))
+
+    def comm_begin(self, iteration: int) -> None:
+        self.calls.append(("comm_begin", iteration))
+
+
+def test_a_release_reports_the_time_since_the_grant_on_the_injected_clock():
+    clock, session = Clock(), Session()
+    reporter = PhaseReporter(session, clock=clock)
+    reporter.ensure_holding()
+    clock.now += 0.25
+    reporter.compute_done()
+    assert session.calls == [("acquire", 0, None), ("release", 0, 0.25, True, False)]
+
+
+def test_the_allreduce_end_advances_the_iteration_and_rides_on_the_next_request():
+    clock, session = Clock(), Session()
+    reporter = PhaseReporter(session, clock=clock)
+    reporter.comm_begin()  # not holding: the daemon is told the allreduce began, once
+    reporter.comm_begin()
+    reporter.comm_end(0.5)
+    assert reporter.iteration == 1 and reporter.holding and not reporter.in_comm
+    assert session.calls == [("comm_begin", 0), ("acquire", 1, 0.5)]
+
+
+def test_settle_runs_before_every_release_and_only_then():
+    clock, session = Clock(), Session()
+    settled: list[int] = []
+    reporter = PhaseReporter(session, settle=lambda: settled.append(len(session.calls)), clock=clock)
+    reporter.ensure_holding()
+    assert settled == []
+    reporter.pause()
+    reporter.resume()
+    reporter.comm_begin()
+    assert settled == [1, 3]  # each time before the release was sent
+    assert [call[0] for call in session.calls] == ["acquire", "release", "acquire", "release"]
+
+
+def test_the_turn_is_agreed_once_before_the_first_request_and_phase_starts_are_announced():
+    session = Session(turn_agreed=False)
+    agreed: list[object] = []
+    starts: list[int] = []
+    reporter = PhaseReporter(session, agree=agreed.append)
+    reporter.on_phase_start.append(lambda: starts.append(reporter.iteration))
+    reporter.ensure_holding()
+    reporter.compute_done()
+    reporter.comm_begin()
+    reporter.comm_end(0.1)
+    assert agreed == [session] and session.turn_agreed
+    assert starts == [0, 1]
+
+
+def test_a_failing_session_never_reaches_training(caplog):
+    class Broken(Session):
+        def acquire(self, iteration: int, comm_s: float | None = None) -> bool:
+            raise RuntimeError("daemon gone")
+
+    reporter = PhaseReporter(Broken())
+    with caplog.at_level(logging.ERROR, logger="crossover.client.phase_reporter"):
+        assert reporter.ensure_holding() is None
+    assert "continuing unscheduled" in caplog.text
+    assert not reporter.holding

@@ -1,0 +1,135 @@
+"""The scheduler core: yields, overdue holders, random event sequences and heartbeats."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossover.daemon.api import FailedPrecondition, InvalidRequest, Phase
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.messages import AliveMsg, GrantMsg
+from crossover.daemon.scheduler import Scheduler
+from tests.unit import _scheduler_fixtures as _fixtures
+from tests.unit._scheduler_fixtures import (
+    _KINDS,
+    FakeClock,
+    drain_outbox,
+    ident,
+    join,
+)
+from tools.harness.oracles import compute_intervals, overlaps
+
+# the shared fixtures, where pytest looks for them: in the test module
+clock, pids, make = _fixtures.clock, _fixtures.pids, _fixtures.make
+
+
+# ---- yields and overdue holders ----------------------------------------
+
+
+def test_a_yield_frees_the_device_and_the_pieces_count_as_one_compute_phase(make, clock):
+    s = make("exclusive")
+    a, box_a = join(s, job="job-a", device=0)
+    b, box_b = join(s, job="job-b", device=0)
+    s.event(a, "compute_request", iteration=3, seq=1)
+    clock.advance(0.010)
+    s.event(a, "compute_done", iteration=3, duration_s=0.010, yields=True)  # a metric allreduce begins
+    s.event(b, "compute_request", iteration=0, seq=1)
+    assert [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "the yielded device went to nobody"
+    s.event(a, "compute_request", iteration=3, seq=2)  # back from the collective: same iteration
+    s.event(b, "compute_done", iteration=0, duration_s=0.002, comm_begins=True)
+    assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)] == [1, 2]
+    clock.advance(0.030)
+    s.event(a, "compute_done", iteration=3, duration_s=0.030, comm_begins=True)
+    rank = next(r for r in s.snapshot()[1] if r.ident.job_id == "job-a")
+    assert rank.iteration == 3
+    assert rank.mean_compute_s == pytest.approx(0.040)  # both pieces, one phase
+    assert s._sessions[a].stats.compute_n == 1 and s._sessions[a].stats.compute_ema == pytest.approx(0.040)
+    yields = [e for e in s.events.snapshot() if e["event"] == "release" and e.get("yields")]
+    assert len(yields) == 1
+
+
+def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_served(make, clock):
+    s = make("exclusive", evict_after=100.0, timeout=100.0)
+    s.overdue_factor, s.overdue_after_s = 10.0, 1.0
+    a, box_a = join(s, job="job-a", device=0)
+    b, box_b = join(s, job="job-b", device=0)
+    for it in range(3):  # a measured compute time of 50 ms
+        s.event(a, "compute_request", iteration=it, seq=it + 1)
+        clock.advance(0.05)
+        s.event(a, "compute_done", iteration=it, duration_s=0.05, comm_begins=True)
+    s.event(a, "compute_request", iteration=3, seq=4)  # then it blocks somewhere while holding
+    s.event(b, "compute_request", iteration=0, seq=1)
+    clock.advance(0.9)
+    s.reap()
+    assert not [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "served before the floor"
+    clock.advance(0.2)
+    s.reap()
+    assert [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "the overdue holder kept the device"
+    assert s.overdue_total == 1
+    per_dev, _ = s.snapshot()
+    assert [r.phase for r in per_dev[0].others] == [Phase.OVERDUE]
+    assert [e["event"] for e in s.events.snapshot()].count("overdue") == 1
+    s.event(a, "compute_done", iteration=3, duration_s=1.2, comm_begins=True)  # its late end is no error
+    s.event(b, "compute_done", iteration=0, duration_s=0.01, comm_begins=True)
+    s.event(a, "compute_request", iteration=4, seq=5)
+    assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)][-1] == 5
+    assert overlaps(compute_intervals(s.events.snapshot())[0]) == []
+
+
+def test_a_long_holder_nobody_waits_for_is_left_alone(make, clock):
+    s = make("exclusive", evict_after=100.0, timeout=100.0)
+    s.overdue_after_s = 1.0
+    a, _ = join(s, job="job-a", device=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    clock.advance(30.0)
+    s.reap()
+    assert s.overdue_total == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=st.sampled_from(["exclusive", "crossover"]), lease=st.booleans(),
+       ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(_KINDS), st.integers(0, 3), st.booleans()),
+                    max_size=60))
+def test_whatever_ranks_send_a_blocking_policy_never_has_two_holders(policy, lease, ops):
+    """The daemon enforces its own invariant: a rank that claims to compute without a grant
+    (`no_wait`) and holds no lease is queued like any other request, never made a second holder."""
+    clock = FakeClock()
+    inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
+    s = Scheduler(inv, policy, node="n", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
+                  heartbeat_timeout_s=5.0, clock=clock, pid_alive=lambda pid: True, evict_after_s=10.0, lease=lease)
+    try:
+        sids = [s.register(ident(job=f"j{i}", rank=0, world=1, device=0), accepts_leases=True).session_id
+                for i in range(3)]
+        for sid in sids:
+            s.attach(sid)
+        for who, kind, iteration, yields in ops:
+            clock.advance(0.01)
+            try:
+                if kind == "compute_request_no_wait":
+                    s.event(sids[who], "compute_request", iteration=iteration, seq=iteration + 1, no_wait=True)
+                elif kind == "compute_done_requested":
+                    s.event(sids[who], "compute_done", iteration=iteration, seq=iteration + 1, requested=True,
+                            duration_s=0.005, yields=yields)
+                elif kind == "compute_done":
+                    s.event(sids[who], "compute_done", iteration=iteration, yields=yields)
+                else:
+                    s.event(sids[who], kind, iteration=iteration, seq=iteration + 1)
+            except (FailedPrecondition, InvalidRequest):
+                pass
+            holders = s.snapshot()[0][0].holders
+            assert len(holders) <= 1, f"two holders after {kind} from session {who}: {holders}"
+    finally:
+        s.shutdown()
+
+
+def test_every_heartbeat_is_answered_so_a_rank_can_tell_a_frozen_daemon(make):
+    s = make()
+    a, box = join(s)
+    drain_outbox(box)
+    s.event(a, "heartbeat")
+    s.event(a, "heartbeat")
+    answers = []
+    while not box.empty():
+        answers.append(box.get_nowait())
+    assert [type(m) for m in answers] == [AliveMsg, AliveMsg]
