@@ -41,10 +41,18 @@ Luo et al. 2021). Generalized to N jobs with unequal phase times:
   smallest key after finitely many grants.
 * No deadlock. The policy never withholds a free device without a deadline,
   so no chain of ranks waiting on one another across nodes is permanent.
+
+`CrossoverSettings(tiebreak="join_order")` drops the synchronization: jobs at
+the same turn are served in the order they joined *this node*, so nodes whose
+ranks joined in different orders serve them in different sequences, and a
+job's allreduce waits for its rank queued behind another job elsewhere. The
+simulator runs it as `crossover-nosync`, to measure what the shared order buys.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..api import RankKey, RankRef
 from ._queues import QueuePolicy, _Device
@@ -62,11 +70,19 @@ class CrossoverSettings:
     max_wait_s: float = 0.5
     initial_wait_s: float = 0.25  # an owner whose comm time is not measured yet (its first allreduce)
     ema_alpha: float = 0.3
+    # Between jobs at the same turn: "job_id" (the same on every node) or "join_order"
+    # (the order the jobs joined this node, which nodes need not share).
+    tiebreak: Literal["job_id", "join_order"] = "job_id"
+
+    def __post_init__(self) -> None:
+        if self.tiebreak not in ("job_id", "join_order"):
+            raise ValueError(f"tiebreak {self.tiebreak!r}: choose job_id or join_order")
 
 
 @dataclass
 class _Job:
     name: str
+    joined: int  # its place in this node's join order (the "join_order" tie-break)
     iteration: int = -1  # latest turn one of its ranks asked the device for (-1: none yet)
     active: bool = True  # False after it missed a bounded wait, until it asks again
     comm_ema: float | None = None
@@ -90,7 +106,10 @@ class CrossoverPolicy(QueuePolicy):
     def __init__(self, settings: CrossoverSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or CrossoverSettings()
+        if self.settings.tiebreak == "join_order":
+            self.name = "crossover-nosync"
         self._jobs: dict[str, _Job] = {}
+        self._joins = itertools.count()
         self._turns: dict[RankKey, int] = {}  # each rank's latest requested turn
         self._holds: dict[int, _Hold] = {}
         self.backfills = 0
@@ -100,7 +119,8 @@ class CrossoverPolicy(QueuePolicy):
 
     def join(self, rank: RankRef, now: float) -> list[RankKey]:
         self._q.add(rank)
-        self._jobs.setdefault(rank.key.job_id, _Job(rank.job_name))
+        if rank.key.job_id not in self._jobs:
+            self._jobs[rank.key.job_id] = _Job(rank.job_name, next(self._joins))
         return self._dispatch(rank.device, now)
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
@@ -201,8 +221,9 @@ class CrossoverPolicy(QueuePolicy):
         return (min(turns, default=job.iteration + 1), self._tiebreak(job_id))
 
     def _tiebreak(self, job_id: str) -> str | int:
-        """Between jobs at the same turn: the job id, the same on every node."""
-        return job_id
+        """Between jobs at the same turn: the job id (the same on every node) or, with
+        `tiebreak="join_order"`, the job's place in this node's join order."""
+        return job_id if self.settings.tiebreak == "job_id" else self._jobs[job_id].joined
 
     def _expected_back(self, job: _Job, device: int, now: float) -> float:
         began = job.comm_began.get(device)

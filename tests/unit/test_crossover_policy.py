@@ -1,39 +1,20 @@
 """The `crossover` policy, driven directly with explicit `now` values.
 
 Row by row: alternation, bounded waiting then skip, an owner that leaves, the
-cyclic order of three jobs and what `view` shows. Then properties over random
-event sequences: never two holders on a device, every waiting ready rank is
-eventually granted, and several nodes fed job-synchronous events (each job's
-ranks request and release in lockstep, with per-node jitter smaller than the
-bounded wait) grant the jobs in the same sequence on every node.
+cyclic order of three jobs and what `view` shows; then the tie-break setting
+(the job id, the same on every node, or each node's own join order). Random
+event sequences are in `test_crossover_random`, several nodes in
+`test_crossover_nodes`.
 """
 from __future__ import annotations
 
-import heapq
-import random
-
 import pytest
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
+from tests.unit._crossover_fixtures import A, B, C, S, joined, ref
 
-S = CrossoverSettings()
-
-
-def ref(job: str, rank: int = 0, device: int = 0, world: int = 2) -> RankRef:
-    return RankRef(RankKey(job, rank), job_name=f"name-{job}", device=device, world_size=world, joined_at=0.0)
-
-
-A, B, C = ref("a"), ref("b"), ref("c")
-
-
-def joined(*ranks: RankRef, policy: CrossoverPolicy | None = None) -> CrossoverPolicy:
-    p = policy or CrossoverPolicy()
-    for r in ranks:
-        p.join(r, now=0.0)
-    return p
+NOSYNC = CrossoverSettings(tiebreak="join_order")
 
 
 # ---- row by row -----------------------------------------------------------------------------
@@ -175,325 +156,45 @@ def test_observe_ignores_unknown_jobs_and_nonpositive_durations():
     assert p.request(A.key, 0, now=1.1) == [A.key]
 
 
-# ---- properties: random event sequences ---------------------------------------------------------
 
-_RANKS = [ref(job, r, device=r % 2) for job in ("a", "b", "c") for r in range(4)]  # 2 ranks per job per device
-_KINDS = ("join", "request", "release", "leave", "tick", "observe")
+# ---- the tie-break: job id (synchronized) or local join order -----------------------------
 
 
-class _Shadow:
-    """Who may do what next, so the generated calls follow the scheduler's contract."""
-
-    def __init__(self) -> None:
-        self.joined: set[RankKey] = set()
-        self.waiting: set[RankKey] = set()
-        self.holding: set[RankKey] = set()
-
-    def granted(self, keys: list[RankKey]) -> None:
-        for k in keys:
-            assert k in self.waiting, f"granted {k}, which was not waiting"
-            self.waiting.discard(k)
-            self.holding.add(k)
+def _r(job: str, rank: int) -> RankRef:
+    return RankRef(RankKey(job, rank), job, 0, 2, 0.0)
 
 
-def _step(p: CrossoverPolicy, sh: _Shadow, kind: str, r: RankRef, now: float, dt: float) -> list[RankKey]:
-    k = r.key
-    if kind == "join" and k not in sh.joined:
-        sh.joined.add(k)
-        return p.join(r, now)
-    if k not in sh.joined:
-        return []
-    if kind == "request" and k not in sh.waiting and k not in sh.holding:
-        sh.waiting.add(k)
-        return p.request(k, 0, now)
-    if kind == "release" and k in sh.holding:
-        sh.holding.discard(k)
-        return p.release(k, now)
-    if kind == "leave":
-        sh.joined.discard(k)
-        sh.waiting.discard(k)
-        sh.holding.discard(k)
-        return p.leave(k, now)
-    if kind == "observe":
-        p.observe(k, "comm" if dt < 0.05 else "compute", dt, now)
-        return []
-    if kind == "tick":
-        return p.tick(now)
-    return []
+def test_nosync_orders_jobs_by_local_join_order():
+    node0, node1 = CrossoverPolicy(NOSYNC), CrossoverPolicy(NOSYNC)
+    for j in "abc":
+        node0.join(_r(j, 0), 0.0)
+    for j in "cab":
+        node1.join(_r(j, 1), 0.0)
+    assert node0.view(0).order == ("a", "b", "c")
+    assert node1.view(0).order == ("c", "a", "b")
+    node1.request(RankKey("c", 1), 0, 1.0)
+    node1.release(RankKey("c", 1), 1.1)
+    assert node1.view(0).order == ("a", "b", "c")  # cyclic after c: a
+    node1.leave(RankKey("a", 1), 1.2)
+    assert node1.view(0).order == ("b", "c")
+    node1.join(_r("a", 1), 1.3)  # a re-joins: now the last to have joined this node
+    assert node1.view(0).order == ("b", "a", "c")  # its cycle is now c -> b -> a; b's turn
+    assert CrossoverPolicy().name == "crossover" and CrossoverPolicy(NOSYNC).name == "crossover-nosync"
 
 
-def _check(p: CrossoverPolicy, sh: _Shadow) -> None:
-    for dev in (0, 1):
-        view = p.view(dev)
-        assert len(view.holders) <= 1, f"two holders on device {dev}: {view.holders}"
-        assert set(view.holders) == {k for k in sh.holding if _RANKS_BY_KEY[k].device == dev}
-        assert set(view.waiting) == {k for k in sh.waiting if _RANKS_BY_KEY[k].device == dev}
-        assert len(view.order) == len({k.job_id for k in sh.joined if _RANKS_BY_KEY[k].device == dev})
+def test_the_default_tie_break_is_the_job_id_whatever_order_the_jobs_joined():
+    assert S.tiebreak == "job_id"
+    node0, node1 = CrossoverPolicy(), CrossoverPolicy()
+    for j in "bca":
+        node0.join(_r(j, 0), 0.0)
+    for j in "cab":
+        node1.join(_r(j, 1), 0.0)
+    assert node0.view(0).order == node1.view(0).order == ("a", "b", "c")
+    node1.leave(RankKey("a", 1), 1.0)
+    node1.join(_r("a", 1), 1.1)  # a re-joins: still first among jobs at the same turn
+    assert node1.view(0).order == ("a", "b", "c")
 
 
-_RANKS_BY_KEY = {r.key: r for r in _RANKS}
-_ops = st.lists(st.tuples(st.sampled_from(_KINDS), st.integers(0, len(_RANKS) - 1),
-                          st.floats(0.0, 0.2, allow_nan=False)), max_size=80)
-
-
-@settings(max_examples=250, deadline=None)
-@given(_ops)
-def test_never_two_holders_on_a_device(ops):
-    p, sh = CrossoverPolicy(), _Shadow()
-    now = 0.0
-    for kind, i, dt in ops:
-        now += dt
-        sh.granted(_step(p, sh, kind, _RANKS[i], now, dt))
-        _check(p, sh)
-
-
-@settings(max_examples=250, deadline=None)
-@given(_ops)
-def test_every_waiting_ready_rank_is_eventually_granted(ops):
-    """After any history: holders finish, time passes and ticks come; every waiter is served, each once."""
-    p, sh = CrossoverPolicy(), _Shadow()
-    now = 0.0
-    for kind, i, dt in ops:
-        now += dt
-        sh.granted(_step(p, sh, kind, _RANKS[i], now, dt))
-    expected = set(sh.waiting)
-    served: list[RankKey] = []
-    for _ in range(4 * len(_RANKS)):
-        if not sh.waiting and not sh.holding:
-            break
-        now += 0.01
-        for k in sorted(sh.holding):
-            sh.holding.discard(k)
-            got = p.release(k, now)
-            sh.granted(got)
-            served += got
-        now += S.max_wait_s  # longer than any bounded wait
-        got = p.tick(now)
-        sh.granted(got)
-        served += got
-        _check(p, sh)
-    assert not sh.waiting, f"still waiting after the drain: {sh.waiting}"
-    assert sorted(served) == sorted(expected)
-
-
-# ---- properties: consistent order across nodes ------------------------------------------------------
-
-
-def _lockstep(n_nodes: int, jobs: list[tuple[str, float, float]], join_at: dict[tuple[str, int], float],
-              jitter: float, rounds: int, seed: int, start_at: float = 0.0, tick_s: float = 0.001,
-              policy_settings: CrossoverSettings = S) -> list[list[tuple[str, int]]]:
-    """Run one CrossoverPolicy per node; each job has one rank per node (global rank = node) on device 0.
-
-    A job's ranks first request together once all have joined (not before
-    `start_at`), then when its previous allreduce ended, each node
-    seeing the event up to `jitter` later; the allreduce starts when the job's
-    last rank released and takes the job's comm time. Returns, per node, the
-    sequence of (job, iteration) granted.
-    """
-    rng = random.Random(seed)
-    pols = [CrossoverPolicy(policy_settings) for _ in range(n_nodes)]
-    spec = {j: (c, m) for j, c, m in jobs}
-    heap: list[tuple[float, int, str, str, int]] = []
-    seq = 0
-
-    def push(t: float, kind: str, job: str, node: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, job, node))
-
-    for (j, n), t in join_at.items():
-        push(t, "join", j, n)
-    for n in range(n_nodes):
-        push(0.0, "tick", "", n)
-    joined = {j: 0 for j, _, _ in jobs}
-    released = {j: 0 for j, _, _ in jobs}
-    done = {j: 0 for j, _, _ in jobs}
-    began: dict[tuple[str, int], float] = {}
-    order: list[list[str]] = [[] for _ in range(n_nodes)]
-    busy = [False] * n_nodes
-
-    def granted(node: int, keys: list[RankKey], now: float) -> None:
-        for k in keys:
-            assert not busy[node], f"node {node}: second grant while busy"
-            busy[node] = True
-            order[node].append((k.job_id, done[k.job_id]))
-            push(now + spec[k.job_id][0] + rng.uniform(0, jitter), "release", k.job_id, node)
-
-    base: dict[str, int] = {}
-
-    def request_all(job: str, now: float) -> None:
-        if job not in base:  # the plugin's agreement before the first request: the largest floor
-            base[job] = max(pols[n].turn_floor(0, job) for n in range(n_nodes))
-        for n in range(n_nodes):
-            push(now + rng.uniform(0, jitter), "request", job, n)
-
-    while heap:
-        now, _, kind, job, node = heapq.heappop(heap)
-        p = pols[node]
-        if kind == "tick":
-            granted(node, p.tick(now), now)
-            if any(done[j] < rounds for j in done):
-                push(now + tick_s, "tick", "", node)
-        elif kind == "join":
-            granted(node, p.join(RankRef(RankKey(job, node), job, 0, n_nodes, now), now), now)
-            joined[job] += 1
-            if joined[job] == n_nodes:
-                request_all(job, max(now, start_at))
-        elif kind == "request":
-            granted(node, p.request(RankKey(job, node), base[job] + done[job], now), now)
-        elif kind == "release":
-            busy[node] = False
-            p.observe(RankKey(job, node), "compute", spec[job][0], now)
-            began[job, node] = now
-            granted(node, p.release(RankKey(job, node), now), now)
-            released[job] += 1
-            if released[job] == n_nodes:
-                released[job] = 0
-                push(now + spec[job][1], "comm_end", job, -1)
-        elif kind == "comm_end":
-            done[job] += 1
-            for n in range(n_nodes):
-                pols[n].observe(RankKey(job, n), "comm", now - began[job, n], now)
-            if done[job] < rounds:
-                request_all(job, now)
-            else:  # a finished job's ranks exit: each daemon sees its stream end
-                for n in range(n_nodes):
-                    push(now + rng.uniform(0, jitter), "leave", job, n)
-        elif kind == "leave":
-            granted(node, p.leave(RankKey(job, node), now), now)
-    return order
-
-
-_phase = st.floats(0.005, 0.05, allow_nan=False)
-_JITTER = 0.001  # per-node skew of every event (1 ms)
-
-
-NO_BACKFILL = CrossoverSettings(backfill=False)
-
-# The two tests below bound how often clock-based decisions (backfill, bounded wait)
-# taken inside the per-node skew go different ways. That bound is statistical:
-# thousands of random cases find rare pile-ups of borderline decisions (each one
-# undone at the next decision, never drift). So CI draws a fixed sample
-# (derandomize) instead of a fresh one that may fail by chance.
-
-@settings(max_examples=100, deadline=None, derandomize=True)
-@given(n_nodes=st.integers(2, 4), phases=st.lists(st.tuples(_phase, _phase), min_size=2, max_size=3),
-       seed=st.integers(0, 2**16), backfill=st.booleans())
-def test_nodes_fed_job_synchronous_events_grant_jobs_in_the_same_sequence(n_nodes, phases, seed, backfill):
-    """Jobs join every node in the same order, start together and run in lockstep with per-node jitter.
-
-    The order (keys) never depends on the clock: without backfilling, every node
-    serves exactly the same sequence. Backfilling compares expected times with
-    the clock, so a borderline case may go either way on skewed nodes; the
-    sequences then differ by a few adjacent swaps, never by drift.
-    """
-    rng = random.Random(seed)
-    jobs = [(f"job{i}", c, m) for i, (c, m) in enumerate(phases)]
-    rng.shuffle(jobs)  # join order unrelated to job id
-    join_at = {(j, n): 0.01 * i + rng.uniform(0, _JITTER) for i, (j, _, _) in enumerate(jobs) for n in range(n_nodes)}
-    order = _lockstep(n_nodes, jobs, join_at, _JITTER, rounds=6, seed=seed, start_at=0.1,
-                      policy_settings=S if backfill else NO_BACKFILL)
-    assert len(order[0]) == 6 * len(jobs)
-    for n in range(1, n_nodes):
-        if backfill:
-            assert _inversions(order[0], order[n]) <= len(order[0]) // 6, f"node {n}: {order[n]} vs {order[0]}"
-        else:
-            assert order[n] == order[0], f"node {n} granted {order[n]}, node 0 granted {order[0]}"
-
-
-def _inversions(a: list, b: list) -> int:
-    """Pairs of (job, iteration) grants that two nodes served in opposite order."""
-    pos = {x: i for i, x in enumerate(b)}
-    common = [x for x in a if x in pos]
-    return sum(pos[common[i]] > pos[common[j]] for i in range(len(common)) for j in range(i + 1, len(common)))
-
-
-@example(n_nodes=2, phases=[(0.0084, 0.03125), (0.03125, 0.03125)], join_gap=0.01, seed=0)
-@settings(max_examples=100, deadline=None, derandomize=True)
-@given(n_nodes=st.integers(2, 4), phases=st.lists(st.tuples(_phase, _phase), min_size=2, max_size=3),
-       join_gap=st.floats(0.01, 0.2), seed=st.integers(0, 2**16))
-def test_nodes_agree_when_jobs_arrive_mid_run(n_nodes, phases, join_gap, seed):
-    """Jobs start one after another (each job's ranks join every node within the jitter) and run in lockstep."""
-    rng = random.Random(seed)
-    jobs = [(f"job{i}", c, m) for i, (c, m) in enumerate(phases)]
-    join_at = {(j, n): i * join_gap + rng.uniform(0, _JITTER) for i, (j, _, _) in enumerate(jobs)
-               for n in range(n_nodes)}
-    order = _lockstep(n_nodes, jobs, join_at, _JITTER, rounds=6, seed=seed, policy_settings=NO_BACKFILL)
-    # A job's ranks reach each node's daemon up to the jitter apart: a decision taken
-    # inside that window may differ between nodes (no daemon-to-daemon messages), so
-    # each late join may cost one inversion; everything else is served in one order.
-    for n in range(1, n_nodes):
-        assert _inversions(order[0], order[n]) <= len(jobs) - 1, f"node {n}: {order[n]} vs node 0: {order[0]}"
-
-
-def test_nodes_agree_even_when_jobs_joined_them_in_different_orders():
-    c = m = 0.02
-    jobs = [("a", c, m), ("b", c, m)]
-    # Both jobs start at about the same time; node 1 happens to see b's rank first.
-    join_at = {("a", 0): 0.000, ("b", 0): 0.001, ("a", 1): 0.001, ("b", 1): 0.000}
-    order = _lockstep(2, jobs, join_at, jitter=0.0005, rounds=6, seed=1, policy_settings=NO_BACKFILL)
-    assert order[1] == order[0]
-
-
-def _longest_run(sequence: list[str], job: str) -> int:
-    longest = run = 0
-    for item in sequence:
-        run = run + 1 if item == job else 0
-        longest = max(longest, run)
-    return longest
-
-
-def test_a_job_that_starts_late_joins_the_rotation_instead_of_running_ahead():
-    # Compute longer than the other job's allreduce: no backfilling, so only the order
-    # decides who goes next. Starting at turn 0, b would be "furthest behind" for ~20
-    # turns and take the device every time; from the agreed floor it alternates with a.
-    jobs = [("a", 0.03, 0.02), ("b", 0.03, 0.02)]
-    join_at = {("a", 0): 0.0, ("a", 1): 0.0005, ("b", 0): 1.0, ("b", 1): 1.0008}
-    order = _lockstep(2, jobs, join_at, _JITTER, rounds=40, seed=3)
-    assert order[0] == order[1]
-    first_b = next(i for i, (job, _) in enumerate(order[0]) if job == "b")
-    last_a = max(i for i, (job, _) in enumerate(order[0]) if job == "a")
-    both = [job for job, _ in order[0][first_b:last_a + 1]]
-    assert len(both) > 20 and _longest_run(both, "b") == 1 and _longest_run(both, "a") <= 2, both
-
-
-def test_turn_floor_is_the_smallest_turn_of_the_other_active_jobs():
-    p = CrossoverPolicy(S)
-    for job in ("a", "b"):
-        p.join(RankRef(RankKey(job, 0), job, 0, 1, 0.0), 0.0)
-    assert p.turn_floor(0, "c") == 0  # nobody has asked yet
-    p.request(RankKey("a", 0), 7, 0.0)  # waits: b just joined and is waited for once
-    p.request(RankKey("b", 0), 5, 0.0)  # the smallest turn: granted, its next request will be turn 6
-    assert p.holds(RankKey("b", 0)) and p.is_waiting(RankKey("a", 0))
-    assert p.turn_floor(0, "c") == 6
-    assert p.turn_floor(0, "b") == 7
-    assert p.turn_floor(1, "c") == 0  # another device
-
-
-def test_a_job_with_ranks_on_two_devices_of_one_node_is_ordered_by_each_devices_own_rank():
-    """Each device judges a job by its own rank's turn, not by the job's furthest rank on the node.
-
-    Job a's rank on device 0 asks for turn 1 while its rank on device 1 is still in
-    the allreduce of turn 0 and will ask for turn 1 next. Job b then asks for turn 1
-    on both devices. Both devices must prefer a (same turn, smaller id): device 1
-    waits for a's rank there instead of granting b. Judged by the job's furthest rank,
-    a looked one turn later on device 1, b was served there while a computed on
-    device 0, and each job's next allreduce waited for a rank queued behind the other
-    job: the opposite orders seen with two jobs of two ranks on a two-device node.
-    """
-    p = CrossoverPolicy(CrossoverSettings(backfill=False))
-    a0, a1, b0, b1 = ref("a", 0, 0), ref("a", 1, 1), ref("b", 0, 0), ref("b", 1, 1)
-    joined(a0, a1, b0, b1, policy=p)
-    for a, b in ((a0, b0), (a1, b1)):  # turn 0: a, then b, on each device
-        assert p.request(a.key, 0, now=1.0) == [a.key]
-        assert p.request(b.key, 0, now=1.01) == []
-        assert p.release(a.key, now=1.1) == [b.key]
-        p.release(b.key, now=1.2)
-    assert p.request(a0.key, 1, now=1.3) == [a0.key]  # a's rank on device 0 is back first
-    assert p.request(b0.key, 1, now=1.31) == []
-    assert p.request(b1.key, 1, now=1.31) == []  # device 1 waits for a's rank there
-    assert p.order(1) == ["a", "b"]
-    assert p.request(a1.key, 1, now=1.32) == [a1.key]
-    assert p.order(0) == p.order(1) == ["b", "a"]  # a holds both devices; b is next on both
-    assert p.release(a0.key, now=1.4) == [b0.key]
-    assert p.release(a1.key, now=1.4) == [b1.key]
+def test_an_unknown_tie_break_is_refused():
+    with pytest.raises(ValueError, match="tiebreak"):
+        CrossoverSettings(tiebreak="arrival")  # type: ignore[arg-type]

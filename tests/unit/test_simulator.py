@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon import policies
+from crossover.daemon.api import RankKey
 from crossover.daemon.policies import CrossoverPolicy, ExclusivePolicy
 from tools.simulator import (
     POLICIES,
     SMALL_POLICIES,
     JobSpec,
-    LocalOrderCrossoverPolicy,
     SimConfig,
     SimulationError,
     alone_iteration_s,
@@ -256,29 +256,15 @@ def test_policy_without_deadlines_gets_periodic_ticks():
     assert opaque.jobs[0].iter_per_s == pytest.approx(exact.jobs[0].iter_per_s, rel=0.02)
 
 
-# ---- the variant without crossover synchronization --------------------------------------------------
+# ---- the policies by name ----------------------------------------------------------------------------
 
 
-def _r(job: str, rank: int) -> RankRef:
-    return RankRef(RankKey(job, rank), job, 0, 2, 0.0)
-
-
-def test_nosync_orders_jobs_by_local_join_order():
-    node0, node1 = LocalOrderCrossoverPolicy(), LocalOrderCrossoverPolicy()
-    for j in "abc":
-        node0.join(_r(j, 0), 0.0)
-    for j in "cab":
-        node1.join(_r(j, 1), 0.0)
-    assert node0.view(0).order == ("a", "b", "c")
-    assert node1.view(0).order == ("c", "a", "b")
-    node1.request(RankKey("c", 1), 0, 1.0)
-    node1.release(RankKey("c", 1), 1.1)
-    assert node1.view(0).order == ("a", "b", "c")  # cyclic after c: a
-    node1.leave(RankKey("a", 1), 1.2)
-    assert node1.view(0).order == ("b", "c")
-    node1.join(_r("a", 1), 1.3)  # a re-joins: now the last to have joined this node
-    assert node1.view(0).order == ("b", "a", "c")  # its cycle is now c -> b -> a; b's turn
-    assert CrossoverPolicy().name == "crossover" and LocalOrderCrossoverPolicy().name == "crossover-nosync"
+def test_the_simulator_runs_the_daemons_policies_and_crossover_without_synchronization():
+    assert set(POLICIES) == {*policies.available(), "crossover-nosync"}
+    nosync = POLICIES["crossover-nosync"]()
+    assert isinstance(nosync, CrossoverPolicy) and nosync.settings.tiebreak == "join_order"
+    assert nosync.name == "crossover-nosync"
+    assert all(POLICIES[name]().name == name for name in policies.available())
 
 
 # ---- simulate_small ------------------------------------------------------------------------------------
