@@ -1,16 +1,10 @@
 """Hook `horovod.torch.DistributedOptimizer` so each rank's iteration is scheduled.
 
-Phase brackets, per optimizer (DESIGN.md, "Data flow of one iteration"):
-  * comm: around Horovod's `synchronize()` (for the Adasum optimizer, whose
-    `synchronize()` is a no-op, around `step()`);
-  * compute: a grant is requested as soon as comm ends (before the update) or
-    at `zero_grad()` when not yet held (first iteration), and released when the
-    last gradient of the step has been accumulated and the device work is
-    complete (a CUDA event on GPUs), or at the latest on entering comm;
-  * every other wait for peers (a metric allreduce, a broadcast, `join`, ...)
-    frees the device for its length (`horovod_waits`).
-
-Every optimizer of the rank reports to one `RankPhases` (one iteration counter).
+Every optimizer the script builds goes through the aggregation rule
+(`aggregation`) and then reports its phase points (`phase_tracking`) to the
+rank's one `PhaseReporter` (one iteration counter), which the first optimizer
+makes together with the rank's session; every other wait for peers frees the
+device through `horovod_waits`.
 Nothing here changes gradients, parameters or Horovod's calls: with the
 `passthrough` policy a script computes bit-identical results. Every hook
 swallows its own errors (logged) so Crossover can never break training.
@@ -22,17 +16,16 @@ import functools
 import json
 import logging
 import os
-import time
-import types
 import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..client.phase_reporter import PhaseReporter
 from ..client.session import RankInfo, Session
 from ..client.settings import PluginSettings
 from . import horovod_waits
-from .phases import RankPhases
+from .phase_tracking import track_phases
 
 __all__ = ["install", "uninstall", "current_session"]
 
@@ -78,7 +71,7 @@ def install(settings: PluginSettings | None = None) -> bool:
                 _log.info("this rank is outside the optimizer's process set; nothing to schedule")
                 return opt
             phases = _ensure_phases(hvd, pset)
-            _PhaseTracker(opt, phases, quiet_wait=settings.quiet_wait).attach()
+            track_phases(opt, phases, quiet_wait=settings.quiet_wait)
         except Exception:  # never break the user's script
             _log.exception("crossover could not hook this optimizer; it trains unscheduled")
         return opt
@@ -111,14 +104,14 @@ def _script_name() -> str:
     return Path(argv0).stem if argv0 else ""
 
 
-def _ensure_phases(hvd: Any, process_set: Any) -> RankPhases:
+def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:
     """The rank's one phase state, made with its session by the first DistributedOptimizer.
 
     From then on Horovod's waits yield the device (`horovod_waits`), whoever calls them.
     """
     if _state["phases"] is None:
         session = _ensure_session(hvd, process_set)
-        phases = RankPhases(session, agree=functools.partial(_agree_turn_base, hvd, process_set))
+        phases = PhaseReporter(session, agree=functools.partial(_agree_turn_base, hvd, process_set))
         horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))
         _state["phases"] = phases
     return _state["phases"]
@@ -165,7 +158,7 @@ def _follow_reinit(hvd: Any) -> None:
     The phase state and its iteration counter stay.
     """
     old: Session | None = _state["session"]
-    phases: RankPhases | None = _state["phases"]
+    phases: PhaseReporter | None = _state["phases"]
     if old is None or phases is None:
         return
     place = (hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size())
@@ -263,106 +256,3 @@ def _pin(reg: Any) -> None:
     except Exception:
         pass
     _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)
-
-
-_POLL_MIN_S, _POLL_MAX_S = 50e-6, 250e-6
-
-
-def _wait_quietly(opt: Any) -> None:
-    """Sleep until every allreduce the optimizer has submitted is done, then let Horovod collect them.
-
-    Horovod 0.28's ``synchronize()`` keeps the calling thread busy while it
-    waits; on a CPU device that steals the core from the job whose turn it is
-    to compute. Polling with sleeps (50 µs, doubling to 250 µs) hands the core
-    back. Only when every gradient already has its own submitted handle:
-    otherwise Horovod still has to submit some (or a group is incomplete),
-    and its own wait is the only safe one.
-    """
-    from horovod.torch.mpi_ops import poll
-
-    handles = getattr(opt, "_handles", None)
-    needed = getattr(opt, "_requires_update", None)
-    if not handles or needed is None:
-        return
-    covered: set[Any] = set()
-    for key, (handle, _ctx) in handles.items():
-        if not isinstance(handle, int):
-            return
-        covered.update(key if isinstance(key, tuple) else (key,))
-    if not needed <= covered:
-        return
-    pause = _POLL_MIN_S
-    for handle, _ctx in list(handles.values()):
-        while not poll(handle):
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX_S)
-
-
-class _PhaseTracker:
-    """One optimizer's hooks: they report its phase points to the rank's shared `RankPhases`."""
-
-    def __init__(self, opt: Any, phases: RankPhases, quiet_wait: bool = True) -> None:
-        self.opt = opt
-        self.phases = phases
-        self.quiet_wait = quiet_wait
-        self.hooks_fired = 0
-        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        self.params = params
-        self.expected = len(params) * max(1, int(getattr(opt, "backward_passes_per_step", 1)))
-        if any(p.is_cuda for p in params):
-            phases.cuda = True
-
-    def attach(self) -> None:
-        import horovod.torch.optimizer as hvd_opt
-
-        opt, phases = self.opt, self.phases
-        adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
-        orig_step, orig_sync, orig_zero = opt.step, opt.synchronize, opt.zero_grad
-        phases.on_phase_start.append(self._new_phase)
-
-        # Bound methods (not plain functions): torch.optim.lr_scheduler reads `step.__func__`.
-        if adasum:
-            # The Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
-            def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
-                phases.comm_begin()
-                t0 = time.perf_counter()
-                try:
-                    return orig_step(*args, **kwargs)
-                finally:
-                    phases.comm_end(time.perf_counter() - t0)
-        else:
-            quiet = self.quiet_wait
-
-            def synchronize(_opt: Any) -> Any:
-                phases.comm_begin()
-                t0 = time.perf_counter()
-                try:
-                    if quiet and phases.session.shares_device:  # alone, nobody needs the core
-                        _wait_quietly(opt)
-                    return orig_sync()
-                finally:
-                    phases.comm_end(time.perf_counter() - t0)
-
-            def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
-                out = orig_step(*args, **kwargs)
-                phases.ensure_holding()
-                return out
-
-            opt.synchronize = types.MethodType(synchronize, opt)
-
-        def zero_grad(_opt: Any, *args: Any, **kwargs: Any) -> Any:
-            phases.ensure_holding()
-            return orig_zero(*args, **kwargs)
-
-        opt.step = types.MethodType(step, opt)
-        opt.zero_grad = types.MethodType(zero_grad, opt)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
-
-    def _new_phase(self) -> None:
-        self.hooks_fired = 0
-
-    def _on_grad(self, _param: Any) -> None:
-        self.hooks_fired += 1
-        if self.hooks_fired >= self.expected:
-            self.phases.compute_done()

@@ -22,7 +22,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from .phases import RankPhases
+from ..client.phase_reporter import PhaseReporter
 
 __all__ = ["install", "uninstall"]
 
@@ -31,7 +31,7 @@ _log = logging.getLogger(__name__)
 _state: dict[str, Any] = {"phases": None, "originals": {}, "on_init": None}  # originals: Horovod's own, by name
 
 
-def install(phases: RankPhases, on_init: Callable[[], None] | None = None) -> None:
+def install(phases: PhaseReporter, on_init: Callable[[], None] | None = None) -> None:
     """Route Horovod's waits through `phases` (the latest call wins); idempotent.
 
     `on_init` runs after every later `init` (an elastic reset re-initialises Horovod).
@@ -66,7 +66,7 @@ def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
 
 
 def _synchronize(handle: Any) -> Any:
-    phases: RankPhases | None = _state["phases"]
+    phases: PhaseReporter | None = _state["phases"]
     if phases is None:  # a reference kept past `uninstall`
         return _state["originals"]["synchronize"](handle)
     with phases.waiting_for_peers():
@@ -75,7 +75,7 @@ def _synchronize(handle: Any) -> Any:
 
 def _poll(handle: Any) -> bool:
     done = bool(_state["originals"]["poll"](handle))
-    phases: RankPhases | None = _state["phases"]
+    phases: PhaseReporter | None = _state["phases"]
     if phases is not None:
         if done:
             phases.resume()
@@ -85,7 +85,7 @@ def _poll(handle: Any) -> bool:
 
 
 def _shutdown(*args: Any, **kwargs: Any) -> Any:
-    phases: RankPhases | None = _state["phases"]
+    phases: PhaseReporter | None = _state["phases"]
     if phases is not None:
         phases.pause()
     return _state["originals"]["shutdown"](*args, **kwargs)

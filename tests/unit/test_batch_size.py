@@ -11,16 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.plugins.batch_size import (
+from crossover.plugins.lbbsp.apportion import aggregation_weights, apportion
+from crossover.plugins.lbbsp.config import (
     BatchSizeConfig,
     BatchSizeConfigError,
-    BatchSizeController,
     BatchSizeError,
     Measurement,
     MeasurementError,
-    aggregation_weights,
-    apportion,
 )
+from crossover.plugins.lbbsp.controller import BatchSizeController
 
 Curve = Callable[[int], float]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossover.plugins.phases import RankPhases
+from crossover.client.phase_reporter import PhaseReporter as RankPhases
 
 
 class RecordingSession:

@@ -5,8 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("horovod.torch")
-from crossover.plugins import horovod_torch as ht  # noqa: E402
-from crossover.plugins.phases import RankPhases  # noqa: E402
+from crossover.client.phase_reporter import PhaseReporter as RankPhases  # noqa: E402
+from crossover.plugins import phase_tracking as ht  # noqa: E402
 
 
 class FakeSession:

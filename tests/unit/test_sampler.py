@@ -8,8 +8,9 @@ from typing import Optional
 
 import pytest
 
-from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeController
-from crossover.plugins.sampler import SamplerError, WeightedBatchSampler
+from crossover.plugins.lbbsp.config import BatchSizeConfig
+from crossover.plugins.lbbsp.controller import BatchSizeController
+from crossover.plugins.lbbsp.sampler import SamplerError, WeightedBatchSampler
 
 
 class Schedule:

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from crossover.plugins import aggregation
-from crossover.plugins.adasum import adasum_allreduce_tensors, adasum_reference
+from crossover.plugins.adasum.algorithms import adasum_allreduce_tensors, adasum_reference
 
 SHAPES = [(17,), (5, 7), (64,), (3, 4, 5), (1,)]
 
