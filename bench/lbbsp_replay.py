@@ -31,11 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 from crossover.plugins.aggregation import replay_decisions
-from crossover.plugins.batch_size import BatchSizeConfig, BatchSizeConfigError
+from crossover.plugins.lbbsp.config import BatchSizeConfig, BatchSizeConfigError
 
 _OVERRIDES = ("period", "ema_alpha", "method", "warmup", "hysteresis")
-# Settings of runs recorded before lbbsp_stats() kept its config: the plugin's defaults of then.
-_LEGACY_WARMUP, _LEGACY_HYSTERESIS, _LEGACY_MIN_GAIN = 5, 0.05, 0.1
+# The settings a results file without `lbbsp_config` (or `lbbsp_min_gain`) was recorded with.
+_UNRECORDED_WARMUP, _UNRECORDED_HYSTERESIS, _UNRECORDED_MIN_GAIN = 5, 0.05, 0.1
 
 
 def recorded_config(run: dict[str, Any], top: dict[str, Any]) -> tuple[BatchSizeConfig, float]:
@@ -43,12 +43,12 @@ def recorded_config(run: dict[str, Any], top: dict[str, Any]) -> tuple[BatchSize
     trace = run["trace"]
     saved = run.get("lbbsp_config")
     if saved:
-        return BatchSizeConfig.from_dict(saved), float(run.get("lbbsp_min_gain") or _LEGACY_MIN_GAIN)
+        return BatchSizeConfig.from_dict(saved), float(run.get("lbbsp_min_gain") or _UNRECORDED_MIN_GAIN)
     config = BatchSizeConfig(global_batch=sum(b for b, _ in trace[0]), world_size=len(trace[0]),
                              period=top.get("period") or 10, ema_alpha=top.get("ema_alpha") or 0.3,
-                             method=top.get("method") or "ema", warmup=_LEGACY_WARMUP,
-                             hysteresis=_LEGACY_HYSTERESIS)
-    return config, _LEGACY_MIN_GAIN
+                             method=top.get("method") or "ema", warmup=_UNRECORDED_WARMUP,
+                             hysteresis=_UNRECORDED_HYSTERESIS)
+    return config, _UNRECORDED_MIN_GAIN
 
 
 def replay(run: dict[str, Any], top: dict[str, Any], overrides: dict[str, Any],

@@ -40,6 +40,8 @@ adds none; one thread leaked per session adds one per session every wave).
 
     python -m bench.load [--sessions 64] [--seconds 30] [--procs 8] [--compute-ms 5] [--comm-ms 20]
                          [--out results/load.json]
+
+The figures are derived in `bench.load_analysis`.
 """
 from __future__ import annotations
 
@@ -61,18 +63,17 @@ from typing import Any
 import grpc
 import psutil
 
-from bench.lib import machine, mean, percentile, write_json
+from bench.lib.judge import mean, percentile
+from bench.lib.results import machine, write_json
+from bench.load_analysis import Key, grant_records, leak_suspected, lost_requests, net_of_queueing, read_events, split
 from crossover.client.session import RankInfo, Session
 from crossover.client.settings import PluginSettings
-from crossover.daemon.event_log import read_jsonl
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from tools.harness.daemon import DaemonProc
 
 _log = logging.getLogger("bench.load")
-
-Key = tuple[str, int]  # (job id, iteration): one compute request
 
 
 @dataclass
@@ -85,45 +86,6 @@ class SessionResult:
     lost: list[int] = field(default_factory=list)  # iterations whose acquire returned False while attached
     detached: int = 0  # acquires returning False because the session was detached
     error: str = ""
-
-
-# ---- pure helpers (unit-tested) ------------------------------------------
-
-
-def split(n: int, parts: int) -> list[list[int]]:
-    """Indices 0..n-1 dealt round-robin into ``parts`` non-empty lists (fewer when n < parts)."""
-    parts = max(1, min(parts, n))
-    return [list(range(p, n, parts)) for p in range(parts)]
-
-
-def net_of_queueing(client: dict[Key, float], daemon: dict[Key, float]) -> tuple[list[float], int]:
-    """Client-measured waits minus the daemon's queue time of the same request; and how many had no grant record."""
-    net = [wait - daemon[k] for k, wait in client.items() if k in daemon]
-    return net, sum(1 for k in client if k not in daemon)
-
-
-def lost_requests(requested: set[Key], granted: set[Key], refused_attached: set[Key]) -> set[Key]:
-    """Requests the daemon logged but never granted, and acquires that returned False while attached."""
-    return (requested - granted) | refused_attached
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The event log, oldest first, with the files crossoverd rotated it into (FILE.N .. FILE.1, then FILE)."""
-    rotated = [q for n in range(100, 0, -1) if (q := path.with_name(f"{path.name}.{n}")).exists()]
-    return [e for f in [*rotated, path] if f.exists() for e in read_jsonl(f)]
-
-
-def leak_suspected(threads_after_close: list[int], sessions: int) -> bool:
-    """Threads left after successive register+close waves of ``sessions`` sessions look like a leak: the last
-    wave still added a thread for every fourth session or more (a pool that grows to its cap adds ever fewer)."""
-    return len(threads_after_close) > 1 and threads_after_close[-1] - threads_after_close[-2] >= max(1, sessions / 4)
-
-
-def grant_records(events: list[dict[str, Any]]) -> tuple[set[Key], dict[Key, float]]:
-    """From an event log: the requests (job, iteration) and each grant's daemon-side queue time."""
-    requested = {(e["job"], int(e["iteration"])) for e in events if e.get("event") == "request"}
-    granted = {(e["job"], int(e["iteration"])): float(e["waited_s"]) for e in events if e.get("event") == "grant"}
-    return requested, granted
 
 
 # ---- worker processes ----------------------------------------------------

@@ -28,7 +28,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.lib import WORKLOAD, finish_job, machine, mean, percentile, script_with_import, start_job, write_json
+from bench.lib.jobs import WORKLOAD, finish_job, script_with_import, start_job
+from bench.lib.judge import mean, percentile
+from bench.lib.results import machine, write_json
 from tools.harness.daemon import DaemonProc
 
 # exclusive: each rank is alone on its device, so it computes under a lease (no round trip per

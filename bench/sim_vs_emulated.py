@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.lib import machine, write_json
+from bench.lib.results import machine, write_json
 from tools.simulator import simulate_small
 
 MODES = {"sequential": "sequential", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}

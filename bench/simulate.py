@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.lib import machine, write_json
+from bench.lib.results import machine, write_json
 from tools.simulator import LINK_SHARING, POLICIES, JobSpec, SimConfig, simulate, simulate_small
 
 N_NODES, GPUS = 64, 8

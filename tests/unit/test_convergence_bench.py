@@ -1,8 +1,10 @@
-"""bench/convergence.py's judging logic on hand-made results: what it checks, not how fast anything ran."""
+"""The convergence benchmark's planning and judging logic (bench/convergence_plan.py, convergence_judge.py,
+convergence.py's --rejudge) on hand-made results: what it checks, not how fast anything ran."""
 from __future__ import annotations
 
 import io
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -10,9 +12,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench():
-    import bench.convergence as module
+    from bench import convergence, convergence_judge, convergence_plan
 
-    return module
+    return SimpleNamespace(FULL=convergence_plan.FULL, plan=convergence_plan.plan,
+                           summarise=convergence_judge.summarise, last_epoch_acc=convergence_judge.last_epoch_acc,
+                           steady_train_s=convergence_judge.steady_train_s, compare=convergence_judge.compare,
+                           rejudge=convergence.rejudge)
 
 
 def _run(bench, scenario: str, method: str, repeat: int, accs: list[float], seconds: float) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""bench/load.py's pure helpers: how sessions are spread and how its numbers are derived, not how fast anything ran."""
+"""bench/load.py's pure helpers (bench/load_analysis.py): how sessions are spread and how its numbers are
+derived, not how fast anything ran."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench():
-    import bench.load as module
+    import bench.load_analysis as module
 
     return module
 
