@@ -1,29 +1,24 @@
-"""The fuzz tier's harness: a daemon watched for escaped exceptions (`Fuzzd`), its fixtures and counts."""
+"""The fuzz tier's harness: a daemon watched for escaped exceptions (`Fuzzd`) and its counts (`Stats`).
+
+The fixtures built on them (`stats`, `fuzzd`) are in this folder's `conftest.py`."""
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import socket
 import struct
-import tempfile
 import threading
-import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import grpc
-import pytest
 from hypothesis import strategies as st
 
-from crossover.client.session import RankInfo, Session
+from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
-from crossover.daemon import session_stream
-from crossover.daemon.api import CrossoverError
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
@@ -31,9 +26,8 @@ from crossover.daemon.server import Daemon
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos import framing
-from tests.fuzz._fuzz_strategies import ALLOWED, BATCH, EVENTS, EXAMPLES, HUGE, LONG, OPENINGS, POLICIES
-
-_log = logging.getLogger(__name__)
+from crossover.protos.identity import RankIdentity
+from tests.fuzz._fuzz_strategies import ALLOWED, BATCH, EVENTS, HUGE, LONG, OPENINGS, POLICIES
 
 
 @dataclass
@@ -248,8 +242,8 @@ class Fuzzd:
         s = PluginSettings(target=f"unix://{self.daemon.socket_path}", job_name=job, device=0, grant_timeout_s=5.0,
                            connect_timeout_s=2.0, reconnect_interval_s=30.0, pin=False, lease=False,
                            transport=transport)
-        session = Session(RankInfo(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1,
-                                   local_size=1, device=0), s).start()
+        session = Session(RankIdentity(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1,
+                                       local_size=1, device=0), s).start()
         try:
             assert session.attached, f"a well-behaved client ({transport}) could not attach"
             assert session.transport == ("session socket" if transport == "auto" else "grpc")
@@ -260,46 +254,6 @@ class Fuzzd:
             session.close()
         grants = [e for e in self.daemon.core.events.snapshot() if e["event"] == "grant" and e.get("job_name") == job]
         assert len(grants) == 3, grants
-
-
-@pytest.fixture(scope="module")
-def stats() -> Iterator[Stats]:
-    """The module's counts: logged at INFO at the end, and written as JSON to $CROSSOVER_FUZZ_REPORT."""
-    s = Stats()
-    t0 = time.monotonic()
-    yield s
-    summary = {**s.as_dict(), "seconds": round(time.monotonic() - t0, 2), "examples_per_test": EXAMPLES}
-    _log.info("fuzz summary: %s", json.dumps(summary, sort_keys=True))
-    if path := os.environ.get("CROSSOVER_FUZZ_REPORT"):
-        Path(path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-
-
-@pytest.fixture
-def fuzzd(stats: Stats, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fuzzd]:
-    """A started daemon, watched for escaped exceptions; stopped at teardown."""
-    problems = Problems()
-    root = logging.getLogger()
-    root.addHandler(problems)
-    monkeypatch.setattr(threading, "excepthook", problems.thread_died)
-    real_apply = session_stream.apply_event
-
-    def apply_event(*args: Any, **kwargs: Any) -> Any:  # same call, watched: the gRPC stream swallows the rest
-        try:
-            return real_apply(*args, **kwargs)
-        except CrossoverError:
-            raise
-        except Exception as exc:
-            problems.found.append(f"apply_event raised {exc!r} on {str(args[2])[:300]}")
-            raise
-
-    monkeypatch.setattr(session_stream, "apply_event", apply_event)
-    with tempfile.TemporaryDirectory(prefix="xofz-") as tmp:
-        h = Fuzzd(Path(tmp) / "d.sock", stats, problems)
-        try:
-            yield h
-        finally:
-            h.close()
-            root.removeHandler(problems)
 
 
 def _huge_calls(fuzzd: Fuzzd, big: str) -> dict[str, Callable[[], Any]]:

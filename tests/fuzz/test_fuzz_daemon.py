@@ -27,12 +27,9 @@ from hypothesis import strategies as st
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos import framing
-from tests.fuzz import _fuzz_harness as _fixtures
 from tests.fuzz._fuzz_harness import Fuzzd, _huge_string_sweep
 from tests.fuzz._fuzz_strategies import ADMIN_CALLS, FRAME_KINDS, FUZZ, MAX_ERROR_CHARS, REGISTERS
 
-# the shared fixtures, where pytest looks for them: in the test module
-stats, fuzzd = _fixtures.stats, _fixtures.fuzzd
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(60)]
 
 

@@ -5,6 +5,8 @@ granted, each once, after any history.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,26 +75,31 @@ _ops = st.lists(st.tuples(st.sampled_from(_KINDS), st.integers(0, len(_RANKS) - 
                           st.floats(0.0, 0.2, allow_nan=False)), max_size=80)
 
 
-@settings(max_examples=250, deadline=None)
-@given(_ops)
-def test_never_two_holders_on_a_device(ops):
+def _replay(ops: list, check: Callable[[CrossoverPolicy, _Shadow], None] | None = None
+            ) -> tuple[CrossoverPolicy, _Shadow, float]:
+    """A fresh policy driven through `ops`, its grants checked against the shadow's waiters and `check` run
+    after every step; returns the policy, the shadow and the time reached."""
     p, sh = CrossoverPolicy(), _Shadow()
     now = 0.0
     for kind, i, dt in ops:
         now += dt
         sh.granted(_step(p, sh, kind, _RANKS[i], now, dt))
-        _check(p, sh)
+        if check is not None:
+            check(p, sh)
+    return p, sh, now
+
+
+@settings(max_examples=250, deadline=None)
+@given(_ops)
+def test_never_two_holders_on_a_device(ops):
+    _replay(ops, check=_check)
 
 
 @settings(max_examples=250, deadline=None)
 @given(_ops)
 def test_every_waiting_ready_rank_is_eventually_granted(ops):
     """After any history: holders finish, time passes and ticks come; every waiter is served, each once."""
-    p, sh = CrossoverPolicy(), _Shadow()
-    now = 0.0
-    for kind, i, dt in ops:
-        now += dt
-        sh.granted(_step(p, sh, kind, _RANKS[i], now, dt))
+    p, sh, now = _replay(ops)
     expected = set(sh.waiting)
     served: list[RankKey] = []
     for _ in range(4 * len(_RANKS)):

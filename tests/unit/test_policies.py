@@ -326,6 +326,19 @@ def _check_views(p: ExclusivePolicy, m: _Model) -> None:
 _ops = st.lists(st.tuples(st.sampled_from(_KINDS), st.integers(0, len(_RANKS) - 1)), max_size=60)
 
 
+def _replay_valid(p: ExclusivePolicy, m: _Model, ops: list) -> float:
+    """Drive the policy and the model through the valid calls of `ops` (the rest are skipped), one every
+    10 ms from 0; returns the time reached."""
+    now = 0.0
+    for kind, i in ops:
+        r = _RANKS[i]
+        now += 0.01
+        if m.valid(kind, r.key):
+            m.apply(kind, r.key)
+            _call(p, kind, r, now)
+    return now
+
+
 @settings(max_examples=300, deadline=None)
 @given(_ops)
 def test_exclusive_matches_fifo_model(ops):
@@ -350,13 +363,7 @@ def test_exclusive_matches_fifo_model(ops):
 def test_exclusive_every_waiter_is_eventually_granted(ops):
     """After any history, releasing holders one by one grants every waiting rank once, in FIFO order."""
     p, m = ExclusivePolicy(), _Model()
-    now = 0.0
-    for kind, i in ops:
-        r = _RANKS[i]
-        now += 0.01
-        if m.valid(kind, r.key):
-            m.apply(kind, r.key)
-            _call(p, kind, r, now)
+    now = _replay_valid(p, m, ops)
     for dev in (0, 1):
         expected = list(p.view(dev).waiting)
         granted: list[RankKey] = []

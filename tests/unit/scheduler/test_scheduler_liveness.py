@@ -5,19 +5,7 @@ import pytest
 
 from crossover.daemon.api import FailedPrecondition, InvalidRequest, NotFound, Phase
 from crossover.daemon.messages import CloseMsg, GrantMsg
-from tests.unit import _scheduler_fixtures as _fixtures
-from tests.unit._scheduler_fixtures import (
-    _PID,
-    _events_of,
-    _phase,
-    drain_outbox,
-    ident,
-    join,
-)
-
-# the shared fixtures, where pytest looks for them: in the test module
-clock, pids, make = _fixtures.clock, _fixtures.pids, _fixtures.make
-
+from tests.unit.scheduler._world import _PID, _events_of, _phase, drain_outbox, ident, join
 
 # ---- liveness ----------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import stat
 import struct
 import threading
@@ -19,22 +20,43 @@ from crossover.daemon.server import Daemon
 from crossover.protos import TOKEN_METADATA_KEY, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from tests.integration import _rpc_fixtures as _fixtures
-from tests.integration._rpc_fixtures import (
-    _session_threads,
-    frame_client,
-    holding_stream,
-    identity,
-    make_core,
-    read_directive,
-    register,
-    rpc_error,
-    wait_for,
-)
+from tests.integration.rpc._world import holding_stream, identity, make_core, register, rpc_error, wait_for
 
-# the shared fixtures, where pytest looks for them: in the test module
-serve, channels, streams, sessions = _fixtures.serve, _fixtures.channels, _fixtures.streams, _fixtures.sessions
 pytestmark = pytest.mark.timeout(60)
+
+
+def frame_client(path: str, *events: pb.RankEvent) -> socket.socket:
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(5)
+    c.connect(path)
+    for ev in events:
+        c.sendall(framing.encode(ev))
+    return c
+
+
+def read_directive(c: socket.socket) -> pb.Directive | None:
+    """The next directive but for device-share news, or None when the daemon closed the connection."""
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = c.recv(n - len(buf))
+            if not chunk:
+                return b""
+            buf += chunk
+        return buf
+
+    while True:
+        header = exact(4)
+        if not header:
+            return None
+        d = pb.Directive()
+        d.ParseFromString(exact(struct.unpack(">I", header)[0]))
+        if not d.HasField("share"):
+            return d
+
+
+def _session_threads() -> int:
+    return sum(t.name == "session-conn" for t in threading.enumerate())
 
 
 # ---- the session socket: the Session stream as frames -------------------------------------------

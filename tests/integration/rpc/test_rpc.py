@@ -1,6 +1,6 @@
 """The gRPC edge against a real in-process daemon: status codes, versions, socket modes, tokens and rights.
 
-Every daemon is stopped and every channel closed in fixture finalizers (`tests.integration._rpc_fixtures`),
+Every daemon is stopped and every channel closed in fixture finalizers (this folder's `conftest.py`),
 so a failing assertion leaves no server thread or socket behind.
 """
 from __future__ import annotations
@@ -16,17 +16,8 @@ from crossover.daemon.server import Daemon
 from crossover.protos import TOKEN_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from tests.integration import _rpc_fixtures as _fixtures
-from tests.integration._rpc_fixtures import (
-    identity,
-    make_core,
-    register,
-    rpc_error,
-    wait_for,
-)
+from tests.integration.rpc._world import identity, make_core, register, rpc_error, wait_for
 
-# the shared fixtures, where pytest looks for them: in the test module
-serve, channels, streams, sessions = _fixtures.serve, _fixtures.channels, _fixtures.streams, _fixtures.sessions
 pytestmark = pytest.mark.timeout(60)
 
 

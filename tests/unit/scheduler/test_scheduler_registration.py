@@ -1,6 +1,6 @@
 """The scheduler core without gRPC: registration and rank events.
 
-A fake clock, a fake `pid_alive`, CPU devices (`tests.unit._scheduler_fixtures`). Grants are read
+A fake clock, a fake `pid_alive`, CPU devices (this folder's `conftest.py`). Grants are read
 from each session's outbox, exactly what the gRPC stream drains.
 """
 from __future__ import annotations
@@ -9,17 +9,7 @@ import pytest
 
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound
 from crossover.daemon.messages import GrantMsg, LeaseMsg, ShareMsg
-from tests.unit import _scheduler_fixtures as _fixtures
-from tests.unit._scheduler_fixtures import (
-    _PID,
-    drain_outbox,
-    ident,
-    join,
-)
-
-# the shared fixtures, where pytest looks for them: in the test module
-clock, pids, make = _fixtures.clock, _fixtures.pids, _fixtures.make
-
+from tests.unit.scheduler._world import _PID, drain_outbox, ident, join
 
 # ---- registration ------------------------------------------------------
 

@@ -4,18 +4,8 @@ from __future__ import annotations
 import pytest
 
 from crossover.daemon.messages import GrantMsg, LeaseMsg, PolicyMsg
-from tests.unit import _scheduler_fixtures as _fixtures
-from tests.unit._scheduler_fixtures import (
-    drain_outbox,
-    holders_over_time,
-    join,
-    leased,
-)
+from tests.unit.scheduler._world import drain_outbox, holders_over_time, join, leased
 from tools.harness.oracles import grants_out_of_turn
-
-# the shared fixtures, where pytest looks for them: in the test module
-clock, pids, make = _fixtures.clock, _fixtures.pids, _fixtures.make
-
 
 # ---- leases --------------------------------------------------------------
 

@@ -11,19 +11,8 @@ import pytest
 from crossover.client.session import Session
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from tests.integration import _rpc_fixtures as _fixtures
-from tests.integration._rpc_fixtures import (
-    _END,
-    first_directive,
-    holding_stream,
-    identity,
-    register,
-    rpc_error,
-    wait_for,
-)
+from tests.integration.rpc._world import _END, first_directive, holding_stream, identity, register, rpc_error, wait_for
 
-# the shared fixtures, where pytest looks for them: in the test module
-serve, channels, streams, sessions = _fixtures.serve, _fixtures.channels, _fixtures.streams, _fixtures.sessions
 pytestmark = pytest.mark.timeout(60)
 
 

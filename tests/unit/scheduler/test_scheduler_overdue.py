@@ -10,19 +10,8 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import AliveMsg, GrantMsg
 from crossover.daemon.scheduler import Scheduler
-from tests.unit import _scheduler_fixtures as _fixtures
-from tests.unit._scheduler_fixtures import (
-    _KINDS,
-    FakeClock,
-    drain_outbox,
-    ident,
-    join,
-)
+from tests.unit.scheduler._world import _KINDS, FakeClock, drain_outbox, ident, join
 from tools.harness.oracles import compute_intervals, overlaps
-
-# the shared fixtures, where pytest looks for them: in the test module
-clock, pids, make = _fixtures.clock, _fixtures.pids, _fixtures.make
-
 
 # ---- yields and overdue holders ----------------------------------------
 

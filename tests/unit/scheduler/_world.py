@@ -1,14 +1,12 @@
-"""Shared fixtures and helpers of the tests split out of `tests/unit/test_scheduler.py`."""
+"""The scheduler tests' world: fakes for the clock and `pid_alive`, rank identities, sessions and outboxes.
+
+The fixtures built on them (`clock`, `pids`, `make`) are in this folder's `conftest.py`."""
 from __future__ import annotations
 
 import itertools
 import queue
 
-import pytest
-
 from crossover.daemon.api import Phase
-from crossover.daemon.event_log import EventLog
-from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import AliveMsg, GrantMsg, LeaseMsg, ShareMsg
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos.identity import RankIdentity
@@ -39,35 +37,6 @@ class FakePids:
 
     def __call__(self, pid: int) -> bool:
         return pid not in self.dead
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def pids() -> FakePids:
-    return FakePids()
-
-
-@pytest.fixture
-def make(clock, pids):
-    """Build a scheduler on N CPU devices with the fakes injected."""
-    made: list[Scheduler] = []
-
-    def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5,
-              evict_after: float = 5.0, lease: bool = False) -> Scheduler:
-        inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
-        s = Scheduler(inv, policy, node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids, evict_after_s=evict_after,
-                      lease=lease)
-        made.append(s)
-        return s
-
-    yield build
-    for s in made:
-        s.shutdown()
 
 
 def ident(job: str = "job-a", rank: int = 0, world: int = 2, device: int = 0, local_rank: int | None = None,

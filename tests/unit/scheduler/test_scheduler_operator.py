@@ -12,19 +12,8 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import GrantMsg, PolicyMsg
 from crossover.daemon.scheduler import Scheduler
-from tests.unit import _scheduler_fixtures as _fixtures
-from tests.unit._scheduler_fixtures import (
-    _phase,
-    drain_outbox,
-    holders_over_time,
-    ident,
-    join,
-)
+from tests.unit.scheduler._world import _phase, drain_outbox, holders_over_time, ident, join
 from tools.harness.oracles import compute_intervals, overlaps
-
-# the shared fixtures, where pytest looks for them: in the test module
-clock, pids, make = _fixtures.clock, _fixtures.pids, _fixtures.make
-
 
 # ---- operator side -----------------------------------------------------
 

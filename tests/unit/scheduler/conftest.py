@@ -1,0 +1,38 @@
+"""The scheduler tests' fixtures: a fake clock, a fake `pid_alive` and schedulers on CPU devices built on them."""
+from __future__ import annotations
+
+import pytest
+
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.scheduler import Scheduler
+from tests.unit.scheduler._world import FakeClock, FakePids
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def pids() -> FakePids:
+    return FakePids()
+
+
+@pytest.fixture
+def make(clock, pids):
+    """Build a scheduler on N CPU devices with the fakes injected."""
+    made: list[Scheduler] = []
+
+    def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5,
+              evict_after: float = 5.0, lease: bool = False) -> Scheduler:
+        inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
+        s = Scheduler(inv, policy, node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
+                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids, evict_after_s=evict_after,
+                      lease=lease)
+        made.append(s)
+        return s
+
+    yield build
+    for s in made:
+        s.shutdown()
