@@ -66,11 +66,12 @@ import psutil
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
 from bench.load_analysis import Key, grant_records, leak_suspected, lost_requests, net_of_queueing, read_events, split
-from crossover.client.session import RankInfo, Session
+from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
 from tools.harness.daemon import DaemonProc
 
 _log = logging.getLogger("bench.load")
@@ -95,7 +96,7 @@ def _drive(tag: str, idx: int, args: argparse.Namespace, seconds: float, socket:
            go: mp.synchronize.Event, grants: Any, out: list[SessionResult]) -> None:
     """One session: register, wait for the start, loop like a training rank until the deadline, close."""
     job = f"{tag}-{idx:04d}"
-    info = RankInfo(job_id=job, job_name=f"load{idx}", rank=0, local_rank=0, world_size=1, local_size=1,
+    info = RankIdentity(job_id=job, job_name=f"load{idx}", rank=0, local_rank=0, world_size=1, local_size=1,
                     device=idx % args.devices)
     settings = PluginSettings(target=f"unix://{socket}", job_name=info.job_name, device=info.device,
                               grant_timeout_s=args.grant_timeout, connect_timeout_s=30.0, reconnect_interval_s=1.0,

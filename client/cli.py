@@ -22,7 +22,7 @@ from ..protos import PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, defaul
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from . import formatting
-from .session import channel_for
+from .transport import channel_for
 
 __all__ = ["main", "ExitCode"]
 

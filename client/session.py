@@ -19,35 +19,23 @@ from typing import Callable
 
 import grpc
 
-from ..protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION, TOKEN_METADATA_KEY
+from ..protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from ..protos.identity import RankIdentity
 from .settings import PluginSettings
-from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken
+from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken, channel_for, missing_socket
 
-__all__ = ["RankInfo", "Session", "channel_for"]
+__all__ = ["Session"]
 
 _log = logging.getLogger(__name__)
-
-
-RankInfo = RankIdentity  # the rank's identity as the plugin and the tools name it
-
-
-def channel_for(target: str, token: str = "", tls_ca: str = "") -> tuple[grpc.Channel, list[tuple[str, str]]]:
-    """A channel to a daemon (`unix:///path` or `host:port`) and the metadata every call must carry."""
-    metadata = [(TOKEN_METADATA_KEY, token)] if token else []
-    if tls_ca and not target.startswith("unix:"):
-        with open(tls_ca, "rb") as f:
-            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-        return grpc.secure_channel(target, creds), metadata
-    return grpc.insecure_channel(target), metadata
 
 
 class Session:
     """Brackets a rank's phases for the daemon; never raises into training code."""
 
-    def __init__(self, info: RankInfo, settings: PluginSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, info: RankIdentity, settings: PluginSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.info = replace(info, pid=info.pid or os.getpid(), node=info.node or os.uname().nodename)
         self.settings = settings
         self._clock = clock
@@ -303,7 +291,7 @@ class Session:
             self._channel, self._metadata = channel_for(s.target, s.token, s.tls_ca)
         stub = pb_grpc.SchedulerStub(self._channel)
         identity = self.info.to_pb()
-        missing = _missing_socket(s.target)
+        missing = missing_socket(s.target)
         if missing:
             self._lost(f"no daemon socket at {missing}")
             return
@@ -407,15 +395,3 @@ class Session:
             _log.warning("%s; training continues unscheduled and re-attaches when the daemon is back", why)
         else:
             _log.info("%s", why)
-
-
-def _missing_socket(target: str) -> str:
-    """The path of a Unix-socket target that does not exist ("" otherwise).
-
-    No socket file means no daemon on this node: say so at once instead of
-    spending the connect timeout, which is meant for a daemon that is there but busy.
-    """
-    if not target.startswith("unix:"):
-        return ""
-    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
-    return "" if os.path.exists(path) else path

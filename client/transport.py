@@ -8,6 +8,7 @@ Neither ever blocks the training thread on a daemon that stopped reading.
 """
 from __future__ import annotations
 
+import os
 import queue
 import socket
 from collections.abc import Iterator
@@ -15,11 +16,11 @@ from typing import Protocol
 
 import grpc
 
+from ..protos import TOKEN_METADATA_KEY, framing
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from ..protos import framing
 
-__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken"]
+__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "channel_for", "missing_socket"]
 
 _CLOSE = object()
 
@@ -130,3 +131,25 @@ def _drain(outbox: queue.SimpleQueue) -> Iterator[pb.RankEvent]:
         if item is _CLOSE:
             return
         yield item
+
+
+def channel_for(target: str, token: str = "", tls_ca: str = "") -> tuple[grpc.Channel, list[tuple[str, str]]]:
+    """A channel to a daemon (`unix:///path` or `host:port`) and the metadata every call must carry."""
+    metadata = [(TOKEN_METADATA_KEY, token)] if token else []
+    if tls_ca and not target.startswith("unix:"):
+        with open(tls_ca, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        return grpc.secure_channel(target, creds), metadata
+    return grpc.insecure_channel(target), metadata
+
+
+def missing_socket(target: str) -> str:
+    """The path of a Unix-socket target that does not exist ("" otherwise).
+
+    No socket file means no daemon on this node: say so at once instead of
+    spending the connect timeout, which is meant for a daemon that is there but busy.
+    """
+    if not target.startswith("unix:"):
+        return ""
+    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
+    return "" if os.path.exists(path) else path

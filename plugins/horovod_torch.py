@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from ..client.phase_reporter import PhaseReporter
-from ..client.session import RankInfo, Session
+from ..client.session import Session
 from ..client.settings import PluginSettings
+from ..protos.identity import RankIdentity
 from . import horovod_waits
 from .phase_tracking import track_phases
 
@@ -130,7 +131,7 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
             device = torch.cuda.current_device()
     except Exception:  # torch without CUDA runtime: let the daemon choose
         pass
-    info = RankInfo(job_id=job_id, job_name=settings.job_name, rank=hvd.rank(), local_rank=hvd.local_rank(),
+    info = RankIdentity(job_id=job_id, job_name=settings.job_name, rank=hvd.rank(), local_rank=hvd.local_rank(),
                     world_size=hvd.size(), local_size=hvd.local_size(), device=device)
     session = Session(info, settings)
     if settings.pin:

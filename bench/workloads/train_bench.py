@@ -11,13 +11,14 @@ time.monotonic() (the clock the daemons' event logs use, shared by every
 network namespace on the machine), losses, and the model's parameter count.
 """
 import argparse
-import json
 import os
 import time
 
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
+
+from tools.workloads.summary import write_rank_summary
 
 
 def build(in_dim: int, width: int, depth: int, classes: int) -> nn.Module:
@@ -86,10 +87,7 @@ def main():
         "iter_start": starts, "iter_end": ends, "losses": losses,
         "job_name": os.environ.get("CROSSOVER_JOB_NAME", ""),
     }
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"rank{hvd.rank()}.json"), "w") as f:
-            json.dump(summary, f)
+    write_rank_summary(args.out, hvd.rank(), summary)
     hvd.shutdown()
 
 

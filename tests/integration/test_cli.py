@@ -13,12 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 from crossover.client.cli import ExitCode, main
-from crossover.client.session import RankInfo, Session
+from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
+from crossover.protos.identity import RankIdentity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +53,7 @@ def session(daemon):
     def make(job: str) -> Session:
         settings = PluginSettings(target=f"unix://{daemon.socket_path}", job_name=job, device=0, grant_timeout_s=5.0,
                                   connect_timeout_s=2.0, reconnect_interval_s=30.0, pin=False)
-        s = Session(RankInfo(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
+        s = Session(RankIdentity(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
                              device=0), settings)
         made.append(s)
         return s.start()
@@ -246,7 +247,7 @@ def test_the_cli_talks_to_a_tls_daemon_with_tls_ca(tmp_path):
         res = runner.invoke(main, [*base, "--tls-ca", str(tmp_path / "missing.pem")])
         assert res.exit_code == ExitCode.USAGE and "cannot read --tls-ca" in res.stderr
         settings = PluginSettings.from_env("tls-job")
-        rank = Session(RankInfo("tls-job", "tls-job", 0, 0, 1, 1, device=0),
+        rank = Session(RankIdentity("tls-job", "tls-job", 0, 0, 1, 1, device=0),
                        replace(settings, target=f"localhost:{d.port}", token="s3cret", tls_ca=str(cert)))
         try:
             assert rank.start().attached and rank.acquire(0) is True

@@ -20,16 +20,17 @@ import rich.table  # noqa: F401
 import rich.text  # noqa: F401
 
 from crossover.client import cli
-from crossover.client.session import RankInfo, Session
+from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
 
 
 def _rank(socket: str) -> int:
     settings = PluginSettings(target=f"unix://{socket}", job_name="", device=0, grant_timeout_s=10.0,
                               reconnect_interval_s=60.0, pin=False)
-    s = Session(RankInfo("second-user-job", "second-user", 0, 0, 1, 1, device=0), settings).start()
+    s = Session(RankIdentity("second-user-job", "second-user", 0, 0, 1, 1, device=0), settings).start()
     try:
         granted = []
         for i in range(3):

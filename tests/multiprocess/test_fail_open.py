@@ -82,14 +82,15 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
 def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daemon_factory, tmp_path):
     """SIGSTOP: a rank waiting for a grant stops waiting once its heartbeat goes unanswered
     (CROSSOVER_DAEMON_SILENCE), not after the 30 s grant timeout; after SIGCONT it waits for grants again."""
-    from crossover.client.session import RankInfo, Session
+    from crossover.client.session import Session
     from crossover.client.settings import PluginSettings
+    from crossover.protos.identity import RankIdentity
 
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease", "--overdue-after", "600",
                        "--heartbeat-timeout", "5", "--evict-after", "60")
     settings = PluginSettings(target=f"unix://{d.socket}", job_name="", device=0, reconnect_interval_s=60.0,
                               pin=False, daemon_silence_s=1.0)
-    holder, waiter = (Session(RankInfo(f"job-{n}", n, 0, 0, 1, 1, device=0), settings).start()
+    holder, waiter = (Session(RankIdentity(f"job-{n}", n, 0, 0, 1, 1, device=0), settings).start()
                       for n in ("holder", "waiter"))
     try:
         assert holder.attached and waiter.attached

@@ -19,8 +19,6 @@ Modes (each rank writes `rank{r}.json` to --out):
   whole global batch.
 """
 import argparse
-import json
-import os
 import time
 
 import horovod.torch as hvd
@@ -29,6 +27,7 @@ import torch.nn as nn
 
 from crossover.plugins import aggregation
 from crossover.plugins.adasum.algorithms import adasum_allreduce_tensors, adasum_reference
+from tools.workloads.summary import write_rank_summary
 
 SHAPES = [(17,), (5, 7), (64,), (3, 4, 5), (1,)]
 
@@ -208,9 +207,7 @@ def main() -> None:
         summary["sizes"] = sizes
         summary["weighted"] = train_weighted("weighted", sizes, args.steps, 0.1)
         summary["average"] = train_weighted("average", sizes, args.steps, 0.1)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump(summary, f)
+    write_rank_summary(args.out, hvd.rank(), summary)
     hvd.shutdown()
 
 

@@ -6,13 +6,12 @@ the loop; the conformance tier runs pairs of these as co-located jobs.
 Each rank writes a JSON summary (digest, accuracy, steps) to --out.
 """
 import argparse
-import hashlib
-import json
-import os
 
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
+
+from tools.workloads.summary import model_digest, write_rank_summary
 
 
 def main() -> None:
@@ -110,14 +109,8 @@ def main() -> None:
 
     with torch.no_grad():
         acc = float((model(x_val).argmax(1) == y_val).float().mean())
-    digest = hashlib.sha256()
-    for _, t in sorted(model.state_dict().items()):
-        digest.update(t.detach().contiguous().numpy().tobytes())
-    summary = {"rank": hvd.rank(), "digest": digest.hexdigest(), "accuracy": acc, "steps": steps}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"rank{hvd.rank()}.json"), "w") as f:
-            json.dump(summary, f)
+    summary = {"rank": hvd.rank(), "digest": model_digest(model), "accuracy": acc, "steps": steps}
+    write_rank_summary(args.out, hvd.rank(), summary)
     hvd.shutdown()
 
 

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from crossover.plugins import aggregation
 from tools.faults import Straggler
+from tools.workloads.summary import write_rank_summary
 
 DEFAULT_RUN = {
     "name": "run", "rule": None, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "epochs": 5, "seed": 0,
@@ -208,9 +209,7 @@ def main() -> None:
                   f"({last['steps']} steps, {last['aggregation']})", flush=True)
     summary = {"rank": hvd.rank(), "size": hvd.size(), "dataset": args.dataset, "model": args.model,
                "width": args.width, "train_size": len(x), "test_size": len(xt), "runs": results}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump(summary, f)
+    write_rank_summary(args.out, hvd.rank(), summary)
     hvd.shutdown()
 
 

@@ -5,14 +5,14 @@ its first line, under a real `horovodrun`. Each rank writes a JSON summary
 (parameter digest, per-iteration times) to --out.
 """
 import argparse
-import hashlib
-import json
 import os
 import time
 
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
+
+from tools.workloads.summary import model_digest, write_rank_summary
 
 
 def main():
@@ -88,15 +88,9 @@ def main():
         times.append(time.perf_counter() - t0)
 
     hvd.join()  # ranks outside a process set finish early; wait for the others before shutdown
-    digest = hashlib.sha256()
-    for _, t in sorted(model.state_dict().items()):
-        digest.update(t.detach().contiguous().numpy().tobytes())
-    summary = {"rank": hvd.rank(), "size": hvd.size(), "digest": digest.hexdigest(), "loss": float(loss.detach()),
+    summary = {"rank": hvd.rank(), "size": hvd.size(), "digest": model_digest(model), "loss": float(loss.detach()),
                "iter_times": times, "pid": os.getpid()}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"rank{hvd.rank()}.json"), "w") as f:
-            json.dump(summary, f)
+    write_rank_summary(args.out, hvd.rank(), summary)
     hvd.shutdown()
 
 

@@ -1,0 +1,28 @@
+"""What every workload leaves behind: one JSON summary per rank, with a digest of its parameters."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["model_digest", "write_rank_summary"]
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the parameters and buffers, in name order: equal digests mean bit-identical models."""
+    digest = hashlib.sha256()
+    for _, t in sorted(model.state_dict().items()):
+        digest.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_rank_summary(out: str | None, rank: int, summary: dict[str, Any]) -> None:
+    """Write `OUT/rank{rank}.json`; without an `out` directory nothing is written."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(summary, f)
