@@ -37,12 +37,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from bench.lib.results import machine, write_json
-from tools.simulator import LINK_SHARING, POLICIES, JobSpec, SimConfig, simulate, simulate_small
+from tools.simulator import LINK_SHARING, POLICIES, SMALL_POLICIES, JobSpec, SimConfig, simulate, simulate_small
 
 N_NODES, GPUS = 64, 8
 LARGE = ("static-2", "static-3", "static-4", "uniform-3", "churn-3")
 SMALL_RATIOS = {"1:1": 1.0, "1:2": 0.5, "2:1": 2.0}  # comm:compute
-SMALL_POLICIES = ("alone", "sequential", "passthrough", "exclusive", "crossover-nosync", "crossover")
 
 
 def place_jobs(rng: random.Random, per_gpu: int,
