@@ -11,10 +11,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from .events import RankEntry
+from typing import IO, Any, Callable
 
 __all__ = ["EventLog", "read_jsonl"]
 
@@ -75,11 +72,6 @@ class EventLog:
             if self._file is not None:
                 self._unwritten.append(entry)
         return entry
-
-    def write(self, entry: RankEntry) -> dict[str, Any]:
-        """Append one entry about a rank (see `RankEntry` for its layout)."""
-        return self.record(entry.event, t=entry.t, job=entry.job, job_name=entry.job_name, rank=entry.rank,
-                           device=entry.device, node=entry.node, **entry.fields)
 
     def snapshot(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -2,14 +2,14 @@
 
 A `RankEvent` is built once at the edge (from the wire, or by a caller of
 `Scheduler.event`) and validated there; the scheduler consumes it. What the
-scheduler decides is a `Decision`: the log entries it made (each becomes a
-`RankEntry` in the event log) and the messages that wait for those entries to
-be logged before they reach their sessions.
+scheduler decides is a `Decision`: the log entries it made (each written by
+`record_rank`, the one layout of an entry about a rank) and the messages that
+wait for those entries to be logged before they reach their sessions.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..protos import crossover_v1_pb2 as pb
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .event_log import EventLog
     from .registry import Session
 
-__all__ = ["Decision", "EventKind", "RankEntry", "RankEvent"]
+__all__ = ["Decision", "EventKind", "RankEvent", "record_rank"]
 
 _MAX_TURN = 1 << 53  # turns are counters; anything larger is a corrupt field
 _MAX_PHASE_S = 86_400
@@ -47,7 +47,7 @@ _WIRE_KINDS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class RankEvent:
     """One rank event, its fields checked for plausibility (`InvalidRequest` otherwise).
 
@@ -97,23 +97,13 @@ class RankEvent:
                    ago_s=ev.ago_s if in_batch else 0.0, yields=ev.yields)
 
 
-@dataclass(frozen=True)
-class RankEntry:
-    """One event-log line about a rank: `event`, dated `t` (None: when written), the rank's identity,
-    then `fields`.
-
-    `EventLog.write` writes it as `{"t", "wall", "event", "job", "job_name", "rank",
-    "device", "node", **fields}`, in that order.
-    """
-
-    event: str
-    t: float | None
-    job: str
-    job_name: str
-    rank: int
-    device: int
-    node: str
-    fields: dict[str, Any] = field(default_factory=dict)
+def record_rank(log: EventLog, event: str, sess: Session, node: str, t: float | None,
+                fields: dict[str, Any]) -> None:
+    """Append one event-log line about a rank, dated `t` (None: when written):
+    `{"t", "wall", "event", "job", "job_name", "rank", "device", "node", **fields}`, in that order."""
+    ident = sess.ident
+    log.record(event, t=t, job=ident.job_id, job_name=ident.job_name, rank=ident.rank, device=sess.ref.device,
+               node=node, **fields)
 
 
 @dataclass
@@ -159,8 +149,7 @@ class Decision:
         for e in entries:
             sess = e.session
             sess.last_t = t = max(now if e.t is None else e.t, sess.last_t)
-            log.write(RankEntry(e.event, t, sess.ident.job_id, sess.ident.job_name, sess.ident.rank,
-                                sess.ref.device, node, e.fields))
+            record_rank(log, e.event, sess, node, t, e.fields)
         messages, self._messages = self._messages, []
         for sess, msg in messages:
             sess.send(msg)

@@ -34,12 +34,13 @@ class Leases:
         self._held: dict[int, str] = {}  # device -> session holding its lease
         self._revoking: dict[int, dict[str, float]] = {}  # device -> {session whose LEASE_RELEASED is awaited: since}
         self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
+        self.draining: set[int] = set()  # devices that take no new ranks and give no leases
 
-    def offer(self, sess: Session, blocks: bool, draining: bool, d: Decision) -> None:
-        """Just granted: lease the device to the session if nobody else can want it."""
+    def offer(self, sess: Session, d: Decision) -> None:
+        """Just granted under a blocking policy: lease the device to the session if nobody else can want it."""
         device = sess.ref.device
         if (not self.enabled or not sess.accepts_leases or device in self._held
-                or device in self._revoking or draining or not blocks):
+                or device in self._revoking or device in self.draining):
             return
         if any(s is not sess for s in self._registry.on_device(device)):
             return
@@ -111,8 +112,8 @@ class Leases:
 
     def unanswered(self, now: float, timeout_s: float) -> list[tuple[int, str]]:
         """(device, session) of every holder whose release is awaited for longer than `timeout_s`."""
-        return [(device, sid) for device, holders in list(self._revoking.items())
-                for sid, since in list(holders.items()) if now - since > timeout_s]
+        return [(device, sid) for device, holders in self._revoking.items()
+                for sid, since in holders.items() if now - since > timeout_s]
 
     def held_back(self) -> dict[int, list[RankKey]]:
         """Per device, the ranks whose requests are held back, in arrival order."""

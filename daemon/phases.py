@@ -29,13 +29,12 @@ class PhaseMachine:
 
     def __init__(self, policy: Policy, registry: Registry, leases: Leases) -> None:
         self.policy = policy
-        self.draining: set[int] = set()
         self.deadline_changed = threading.Event()
         self._registry = registry
         self._leases = leases
 
-    def apply(self, sess: Session, ev: RankEvent, now: float, previous: float, d: Decision) -> None:
-        """One event of the session, dated `now`; `previous` is the date of its latest logged entry."""
+    def apply(self, sess: Session, ev: RankEvent, now: float, d: Decision) -> None:
+        """One event of the session, dated `now` (never before `sess.last_t`, its latest logged entry)."""
         kind = ev.kind
         if kind is EventKind.HEARTBEAT:
             d.post(sess, AliveMsg())
@@ -43,7 +42,7 @@ class PhaseMachine:
             self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.duration_s, ev.no_wait, now, d)
         elif kind is EventKind.COMPUTE_DONE:
             if ev.requested:  # its request rode along: apply it first, dated when the phase began
-                began = max(now - ev.duration_s, previous)
+                began = max(now - ev.duration_s, sess.last_t)
                 mark = d.mark()
                 self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.comm_s, True, now, d)
                 d.date_since(mark, began)
@@ -130,13 +129,14 @@ class PhaseMachine:
                 d.log("release", sess, held_s=held)
             sess.set_phase(Phase.OTHER, now)
             self.deliver(self.policy.release(key, now), now, d)
-        elif sess.phase is Phase.WAITING and (self.policy.is_waiting(key) or self._leases.is_held_back(sess)):
+        elif sess.phase is Phase.WAITING and ((held_back := self._leases.is_held_back(sess))
+                                              or self.policy.is_waiting(key)):
             # The rank stopped waiting (grant timeout, or it never waits under a
             # non-blocking policy it still believed in): withdraw the request,
             # from the policy or from the requests held back for a lease.
             sess.set_phase(Phase.OTHER, now)
             d.log("cancel", sess)
-            if self._leases.is_held_back(sess):
+            if held_back:
                 self._leases.withdraw(sess)
             else:
                 self.deliver(self.policy.cancel(key, now), now, d)
@@ -169,7 +169,7 @@ class PhaseMachine:
             # Nobody waits for the message under a policy that never blocks, or with a lease.
             if self.policy.blocks and not sess.no_wait:
                 d.post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited))
-                self._leases.offer(sess, self.policy.blocks, sess.ref.device in self.draining, d)
+                self._leases.offer(sess, d)
 
     def end_revoke(self, device: int, holder: str, now: float, d: Decision) -> None:
         """The holder's requests are all known: hand the held-back ones to the policy (see `Leases.released`)."""

@@ -134,9 +134,6 @@ class Registry:
     def on_device(self, device: int) -> list[Session]:
         return [s for s in self._by_id.values() if s.ref.device == device]
 
-    def __contains__(self, key: RankKey) -> bool:
-        return key in self._by_key
-
     def __iter__(self) -> Iterator[Session]:
         return iter(self._by_id.values())
 

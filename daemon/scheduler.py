@@ -24,7 +24,7 @@ from ..protos.identity import RankIdentity
 from . import policies
 from .api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef
 from .event_log import EventLog
-from .events import Decision, RankEntry, RankEvent
+from .events import Decision, RankEvent, record_rank
 from .inventory import Inventory
 from .leases import Leases
 from .liveness import Liveness
@@ -82,14 +82,6 @@ class Scheduler:
     # ---- liveness settings ---------------------------------------------
 
     @property
-    def heartbeat_timeout_s(self) -> float:
-        return self._liveness.heartbeat_timeout_s
-
-    @property
-    def evict_after_s(self) -> float:
-        return self._liveness.evict_after_s
-
-    @property
     def overdue_factor(self) -> float:
         return self._liveness.overdue_factor
 
@@ -131,7 +123,7 @@ class Scheduler:
                     f"rank {ident.rank} of job {ident.job_name!r} ({ident.job_id}) is already registered "
                     f"(pid {known.ident.pid})"
                 )
-            if device.index in self._phases.draining:
+            if device.index in self._leases.draining:
                 raise FailedPrecondition(
                     f"device {device.index} is draining and takes no new ranks; `crossover resume {device.index}`"
                 )
@@ -207,11 +199,10 @@ class Scheduler:
                 # A dated event is its batch's arrival less its age; batches travel with different
                 # delays, so a date can fall before the rank's previous event. A rank's events are
                 # sequential: clamp, or its own consecutive phases would overlap in the log.
-                previous = sess.last_t
-                now = max(now, previous)
+                now = max(now, sess.last_t)
                 if sess.phase is Phase.SUSPENDED:
                     self._liveness.resume(sess, silent, now, d)
-                self._phases.apply(sess, ev, now, previous, d)
+                self._phases.apply(sess, ev, now, d)
             finally:  # what was decided before an error stands: log it and send its messages
                 self._commit(d, now)
 
@@ -278,8 +269,7 @@ class Scheduler:
                     sess.send(GrantMsg(sess.pending_seq, sess.iteration, now - sess.requested_at))
                 sess.send(CloseMsg("daemon shutting down"))
         for sess in sessions:
-            self.events.write(RankEntry("leave", None, sess.ident.job_id, sess.ident.job_name, sess.ident.rank,
-                                        sess.ref.device, self.node, {"reason": "daemon shutdown"}))
+            record_rank(self.events, "leave", sess, self.node, None, {"reason": "daemon shutdown"})
         self.events.close()
 
     # ---- operator side -------------------------------------------------
@@ -325,7 +315,7 @@ class Scheduler:
         d = Decision()
         with self._lock:
             now = self._clock()
-            (self._phases.draining.add if draining else self._phases.draining.discard)(device)
+            (self._leases.draining.add if draining else self._leases.draining.discard)(device)
             if draining:
                 self._leases.revoke(device, "device draining", d)
             self._commit(d, now)
@@ -334,7 +324,7 @@ class Scheduler:
 
     def is_draining(self, device: int) -> bool:
         with self._lock:
-            return device in self._phases.draining
+            return device in self._leases.draining
 
     def uptime(self) -> float:
         return self._clock() - self._started

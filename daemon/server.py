@@ -84,7 +84,7 @@ class Daemon:
             raise InvalidRequest("nothing to listen on: give a socket path or --listen")
         self.core = core
         self.socket_path = socket_path
-        # Beside the gRPC socket, a socket for Session streams as frames (see session_stream).
+        # Beside the gRPC socket, a socket for Session streams as frames (see session_socket).
         self.session_socket = f"{socket_path}.session" if socket_path and session_socket else None
         self.admin_socket = admin_socket_path(socket_path) if socket_path else None
         self._admin_token = admin_token
