@@ -1,2 +1,3 @@
 """The rank's and the operator's side of the wire: the session a rank keeps with its
-node's crossoverd, the transports under it, the plugin's settings and the `crossover` CLI."""
+node's crossoverd, the transports under it, the rank's phase reporter, the plugin's
+settings and the `crossover` CLI."""

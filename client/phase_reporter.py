@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, Protocol
 
-__all__ = ["PhaseReporter", "PhaseSession", "guarded"]
+__all__ = ["PhaseReporter", "PhaseSession"]
 
 _log = logging.getLogger(__name__)
 

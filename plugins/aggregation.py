@@ -25,7 +25,6 @@ Rules
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import threading
@@ -73,7 +72,6 @@ logger = logging.getLogger(__name__)
 
 # The newest LB-BSP sampler's state, handed to every weighted optimizer this process builds.
 _lbbsp = SamplerLink()
-_WeightedAggregator = functools.partial(WeightingHook, link=_lbbsp)
 
 
 _reentry = threading.local()
@@ -169,7 +167,7 @@ def _build(hvd: Any, factory: Callable[..., Any], optimizer: Any, args: Sequence
             logger.warning("CROSSOVER_AGGREGATION=weighted replaces the script's op with a weighted average")
         named["op"] = hvd.Average
         opt = factory(optimizer, **named)
-        _WeightedAggregator(hvd, opt, pset).attach()
+        WeightingHook(hvd, opt, pset, link=_lbbsp).attach()
         return _mark(opt, "weighted")
     # adasum
     size = int(pset.size()) if pset is not None else int(hvd.size())

@@ -69,21 +69,23 @@ class HookChain:
         self.hooks: list[OptimizerHook] = []  # outermost first
         self.steps = 0  # completed step() calls: the optimizer's iteration index
         self.params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
-        self._gradient_hooks = False
-        self._accumulated_hooks = False
+        self._gradient_hooks: list[OptimizerHook] = []  # the hooks that override on_gradient, in the order added
+        self._accumulated_hooks: list[OptimizerHook] = []
         self._wrap()
 
     def add(self, hook: OptimizerHook) -> None:
         """Put ``hook`` around the hooks added so far and register the gradient hooks it needs."""
         self.hooks.insert(0, hook)
-        if _overrides(hook, "on_gradient") and not self._gradient_hooks:
-            self._gradient_hooks = True
-            for index, param in enumerate(self.params):
-                param.register_hook(functools.partial(self._on_gradient, index))
-        if _overrides(hook, "on_gradient_accumulated") and not self._accumulated_hooks:
-            self._accumulated_hooks = True
-            for param in self.params:
-                param.register_post_accumulate_grad_hook(self._on_accumulated)
+        if _overrides(hook, "on_gradient"):
+            if not self._gradient_hooks:
+                for index, param in enumerate(self.params):
+                    param.register_hook(functools.partial(self._on_gradient, index))
+            self._gradient_hooks.append(hook)
+        if _overrides(hook, "on_gradient_accumulated"):
+            if not self._accumulated_hooks:
+                for param in self.params:
+                    param.register_post_accumulate_grad_hook(self._on_accumulated)
+            self._accumulated_hooks.append(hook)
 
     def _wrap(self) -> None:
         opt, chain = self.opt, self
@@ -131,14 +133,14 @@ class HookChain:
 
     def _on_gradient(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
         replaced: Optional[torch.Tensor] = None
-        for hook in reversed(self.hooks):  # in the order they were added, as torch runs hooks
+        for hook in self._gradient_hooks:  # in the order they were added, as torch runs hooks
             out = hook.on_gradient(index, grad if replaced is None else replaced)
             if out is not None:
                 replaced = out
         return replaced
 
     def _on_accumulated(self, param: torch.Tensor) -> None:
-        for hook in reversed(self.hooks):
+        for hook in self._accumulated_hooks:
             hook.on_gradient_accumulated(param)
 
 

@@ -1,6 +1,6 @@
 """An optimizer's phase points, reported to the rank's `PhaseReporter` through the optimizer's hook chain.
 
-Phase brackets, per optimizer (DESIGN.md, "Data flow of one iteration"):
+Phase brackets, per optimizer (docs/plugin.md, "Phases"):
   * comm: around Horovod's `synchronize()` (for Horovod's Adasum optimizer,
     whose `synchronize()` is a no-op, around `step()`);
   * compute: a grant is requested as soon as comm ends (before the update) or
@@ -17,6 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import horovod.torch.optimizer as hvd_opt
+import torch
+
 from ..client.phase_reporter import PhaseReporter
 from .optimizer_hooks import OptimizerHook, hooks_of
 
@@ -31,8 +34,6 @@ def track_phases(opt: Any, phases: PhaseReporter, quiet_wait: bool = True) -> No
 
 
 def _wait_for_device() -> None:
-    import torch
-
     done = torch.cuda.Event(blocking=True)  # sleep, not spin, while the GPU finishes
     done.record()
     done.synchronize()
@@ -89,20 +90,16 @@ class _PhaseTracker(OptimizerHook):
         self.quiet_wait = quiet_wait
         self.hooks_fired = 0
         self._comm_start = 0.0
-        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        self.params = params
-        self.expected = len(params) * max(1, int(getattr(opt, "backward_passes_per_step", 1)))
-        if any(p.is_cuda for p in params):
+        self._chain = hooks_of(opt)
+        self.expected = len(self._chain.params) * max(1, int(getattr(opt, "backward_passes_per_step", 1)))
+        if any(p.is_cuda for p in self._chain.params):
             phases.settle = _wait_for_device
-        self._adasum = False
+        # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
+        self._adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
 
     def attach(self) -> None:
-        import horovod.torch.optimizer as hvd_opt
-
-        # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
-        self._adasum = isinstance(self.opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
         self.phases.on_phase_start.append(self._new_phase)
-        chain = hooks_of(self.opt)
+        chain = self._chain
         if self.quiet_wait and not self._adasum:
             chain.add(_QuietWait(self.opt, self.phases))  # inside the comm bracket
         chain.add(self)

@@ -4,7 +4,8 @@ Without either, nothing changes: Horovod does what the script asked for.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+import dataclasses
+from typing import Any, Literal, Optional
 
 from ..client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
 
@@ -44,11 +45,8 @@ def set_aggregation(
 def settings() -> AggregationSettings:
     """Environment settings with the in-code selection applied on top."""
     env = AggregationSettings.from_env()
-    changes = {key: value for key, value in _selected.items() if value is not None}
-    if not changes:
-        return env
-    fields = {**env.__dict__, **changes}
-    return AggregationSettings(**fields)
+    changes: dict[str, Any] = {key: value for key, value in _selected.items() if value is not None}
+    return dataclasses.replace(env, **changes) if changes else env
 
 
 def current_rule() -> Optional[str]:

@@ -11,7 +11,7 @@ __all__ = ["HorovodCollectives"]
 
 
 class HorovodCollectives:
-    """:class:`~crossover.plugins.adasum.PairwiseCollectives` over Horovod, in one process set.
+    """:class:`~crossover.plugins.adasum.algorithms.PairwiseCollectives` over Horovod, in one process set.
 
     ``allgather`` is one ``hvd.allgather`` of the tensor with a leading dim
     of 1; ``exchange`` is one ``hvd.alltoall`` whose splits are non-zero only

@@ -8,6 +8,7 @@ from crossover.plugins import aggregation
 from crossover.plugins.lbbsp.config import BatchSizeConfig
 from crossover.plugins.lbbsp.controller import BatchSizeController
 from crossover.plugins.lbbsp.state import LBBSPState
+from crossover.plugins.lbbsp.weighting import WeightingHook
 from tests.unit._aggregation_fixtures import FakeHvd, _clean  # noqa: F401
 
 # --- weighted: sampler bookkeeping and hooks on one rank -----------------------
@@ -55,7 +56,7 @@ def test_weighted_hooks_scale_gradients_and_decide_at_boundaries():
     model = nn.Linear(4, 1, bias=False)
     opt = RecordingSGD(model.parameters(), lr=0.0)
     state = _state([6], length=24, period=2)
-    aggregation._WeightedAggregator(hvd, opt, None).attach()
+    WeightingHook(hvd, opt, None, link=aggregation._lbbsp).attach()
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # needs step.__func__: bound-method patch
     state.pending.extend([(3, 12), (6, 6), (6, 6), (6, 6)])
     x = torch.ones(2, 4)
