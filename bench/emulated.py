@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -62,6 +61,7 @@ from crossover.protos import PROTOCOL_VERSION, admin_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
+from tools.harness.jobs import rank_summaries, with_import
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "train_bench.py"
 console = Console(stderr=True)
@@ -88,10 +88,7 @@ _xo_opt.synchronize = _xo_sleep_sync
 
 def _script(workdir: Path, host_wait: str) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "xo_train_bench.py"
-    shim = _POLL_SHIM if host_wait == "poll" else ""
-    out.write_text("import crossover.auto\n" + shim + WORKLOAD.read_text())
-    return out
+    return with_import(workdir, WORKLOAD, prelude=_POLL_SHIM if host_wait == "poll" else "")
 
 
 def _job_cmd(script: Path, args: argparse.Namespace, batch: int, out: Path, seed: int,
@@ -99,10 +96,6 @@ def _job_cmd(script: Path, args: argparse.Namespace, batch: int, out: Path, seed
     cmd = [sys.executable, str(script), "--iters", str(iters), "--batch", str(batch), "--width", str(args.width),
            "--depth", str(args.depth), "--in-dim", str(args.in_dim), "--seed", str(seed), "--out", str(out)]
     return cmd + (["--stop-file", str(stop)] if stop else [])
-
-
-def _ranks(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
 def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -117,7 +110,7 @@ def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) 
     c = [e["held_s"] for e in events if e["event"] == "release" and "held_s" in e][8:]
     m = [e["duration_s"] for e in events if e["event"] == "comm_end"][8:]
     return {"rate_mbit": rate, "batch": batch, "C": statistics.median(c), "M": statistics.median(m),
-            "params": _ranks(workdir / "out")[0]["params"]}
+            "params": rank_summaries(workdir / "out")[0]["params"]}
 
 
 class _Admin:
@@ -148,7 +141,7 @@ def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Names
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"solo {name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
-    ranks = _ranks(workdir / f"out_{name}")
+    ranks = rank_summaries(workdir / f"out_{name}")
     r0 = min(ranks, key=lambda r: r["rank"])
     its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
     lo, hi = its[0][0], its[-1][1]
@@ -206,7 +199,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batch, args, workdir / "solo_last"))
     return {"scenario": scn.name, "rate_mbit": rate, "batch": batch, "segments": segments, "events": events,
             "policy_source_sha256": policy_sha, "solos": solos,
-            "jobs": {n: _ranks(workdir / f"out_{n}") for n in names}}
+            "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names}}
 
 
 def _wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, timeout: float = 120) -> None:

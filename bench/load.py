@@ -187,19 +187,6 @@ def registered_ranks(admin: pb_grpc.AdminStub, prefix: str = "") -> int:
     return sum(len(j.ranks) for j in jobs.jobs if j.job_id.startswith(prefix))
 
 
-def wait_answering(admin: pb_grpc.AdminStub, timeout: float = 15.0) -> None:
-    """Until the daemon answers an Admin call (its socket existing is not enough)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            admin.GetQueue(pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=-1), timeout=2)
-            return
-        except grpc.RpcError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 # ---- the run -------------------------------------------------------------
 
 
@@ -268,8 +255,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     procs: list[Any] = []
     channel = grpc.insecure_channel(f"unix://{daemon.socket}")
     try:
-        admin = pb_grpc.AdminStub(channel)
-        wait_answering(admin)
+        admin = pb_grpc.AdminStub(channel)  # start() returned once it answered
         watch = Watch(daemon.pid)
         threads_idle = watch.sample()
         collected, wall, cpu_s = wave(ctx, args, "load", args.seconds, str(daemon.socket), admin, watch, procs)

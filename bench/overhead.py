@@ -28,10 +28,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.lib.jobs import WORKLOAD, finish_job, script_with_import, start_job
+from bench.lib.jobs import WORKLOAD, finish_job, start_job
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
 from tools.harness.daemon import DaemonProc
+from tools.harness.jobs import with_import
 
 # exclusive: each rank is alone on its device, so it computes under a lease (no round trip per
 # iteration); exclusive-no-lease (crossoverd --no-lease) measures the round trip every contended request pays,
@@ -59,7 +60,7 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
             before = psutil.Process(d.pid).cpu_times()  # the daemon's own start-up is not the job's cost
             stats = workdir / f"{name}.stats.{{rank}}.json"
             # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
-            proc, out = start_job(name, script_with_import(workdir), workdir, args.np, job_args,
+            proc, out = start_job(name, with_import(workdir, WORKLOAD), workdir, args.np, job_args,
                                   {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats),
                                    "CROSSOVER_PIN": "0", **transport})
             ranks = finish_job(proc, out)

@@ -6,6 +6,7 @@ has two ranks (one per device), so on every device the two jobs take turns.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tools.harness.daemon import DaemonProc, cli, kill_group, queue_state
+from tools.harness.daemon import BIN, DaemonProc, queue_state
 from tools.harness.jobs import Job, horovodrun, with_import
 from tools.harness.oracles import compute_intervals, overlaps
 
@@ -55,7 +56,7 @@ def main() -> int:
             except Exception:  # the daemon is busy or gone: the final check below says which
                 continue
             if any(d["holders"] or d["waiting"] for d in state["devices"]):
-                console.print(cli("queue", socket=daemon.socket, check=False).stdout)
+                subprocess.run([str(BIN / "crossover"), "queue", "--socket", str(daemon.socket)], timeout=20)
                 shown += 1
         for j in jobs:
             if j.proc.wait(600) != 0:
@@ -80,8 +81,7 @@ def main() -> int:
         return 0 if clashes == 0 or args.policy == "passthrough" else 1
     finally:
         for j in jobs:
-            if j.proc.poll() is None:
-                kill_group(j.proc)
+            j.kill()
         daemon.stop()
 
 

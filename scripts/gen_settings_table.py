@@ -1,6 +1,6 @@
 """Rewrite the README's settings table from crossover.client.settings.PLUGIN_SETTINGS.
 
-Usage: python scripts/gen_settings_table.py   (tests/unit/test_readme.py fails while they differ)
+Usage: python -m scripts.gen_settings_table   (tests/unit/test_readme.py fails while they differ)
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 # tools.cluster sets the same default, but only if it is imported first.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from tools.harness.daemon import DaemonProc, kill_group  # noqa: E402
+from tools.harness.daemon import DaemonProc  # noqa: E402
 from tools.harness.jobs import Job  # noqa: E402
 
 
@@ -30,9 +30,7 @@ def daemon_factory(tmp_path):
 
     yield make
     for d in started:
-        if d.proc is not None and d.proc.poll() is None:
-            kill_group(d.proc)
-            d.proc.wait()
+        d.kill()
 
 
 @pytest.fixture
@@ -41,9 +39,7 @@ def jobs():
     running: list[Job] = []
     yield running
     for j in running:
-        if j.proc.poll() is None:
-            kill_group(j.proc)
-            j.proc.wait()
+        j.kill()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -47,7 +47,6 @@ import os
 # Every child execs at once, so the handlers buy nothing: turn them off before gRPC starts.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from .cli import main  # noqa: E402
 from .cluster import Cluster  # noqa: E402
 from .launch import ClusterJob, launch_job  # noqa: E402
 from .netns import cleanup_stale, netem_available, preflight  # noqa: E402
@@ -69,5 +68,4 @@ __all__ = [
     "launch_job",
     "measure_throughput",
     "cleanup_stale",
-    "main",
 ]

@@ -17,6 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tools.harness.daemon import kill_group
+
 from .launch import ClusterJob, launch_job, start_daemon, wait_daemon
 from .netns import (
     ETC_NETNS,
@@ -212,8 +214,7 @@ class Cluster:
                 try:
                     proc.wait(grace_s)
                 except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+                    kill_group(proc)
             problems = []
             for ns in reversed(self._created):
                 left = kill_ns_processes(ns, grace_s=2.0)

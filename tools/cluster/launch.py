@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools import checkout_on_path
+from tools.harness.daemon import kill_group, queue_state
+
 from .spec import IFACE, ClusterError, ClusterSpec, ClusterState, Node
 
-CHECKOUT = Path(__file__).resolve().parents[2]  # `tools` runs from a checkout; the hub's launcher imports it
 _PER_NODE_ENV = ("CROSSOVER_SOCKET", "CROSSOVER_ADDRESS", "CROSSOVER_NODE")
 
 
@@ -77,13 +79,7 @@ def wait_daemon(node: Node, proc: subprocess.Popen, timeout: float) -> None:
 
 def _daemon_answers(socket_path: str, timeout: float = 2.0) -> bool:
     try:
-        import grpc
-
-        from crossover.protos import crossover_v1_pb2 as pb
-        from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(f"unix://{socket_path}") as ch:
-            pb_grpc.AdminStub(ch).GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=timeout)
+        queue_state(Path(socket_path), timeout=timeout)
         return True
     except Exception:  # noqa: BLE001 - not up yet
         return False
@@ -123,8 +119,7 @@ class ClusterJob:
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_group(self.proc)
             self.proc.wait()
 
     def output(self) -> str:
@@ -168,7 +163,7 @@ def launch_job(state: ClusterState, command: Sequence[str], *, name: str, ranks_
     job_env.update(env or {})
     job_env.setdefault("CROSSOVER_JOB_NAME", name)
     job_env["PYTHONUNBUFFERED"] = "1"
-    job_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), job_env.get("PYTHONPATH")]))
+    job_env["PYTHONPATH"] = checkout_on_path(job_env)  # the hub's launcher imports `tools`
     argv = ["ip", "netns", "exec", state.hub_netns, *_python_m("tools.cluster", "launch", str(spec_path))]
     proc = _popen(argv, log, job_env)
     return ClusterJob(name, proc, log, np)

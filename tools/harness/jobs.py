@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools import CHECKOUT, checkout_on_path
+
 from .daemon import BIN, kill_group
 
-__all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "with_import"]
+__all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "rank_summaries", "with_import"]
 
-CHECKOUT = Path(__file__).resolve().parents[2]
 WORKLOADS = CHECKOUT / "tools" / "workloads"
 
 
@@ -31,17 +32,26 @@ class Job:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            kill_group(self.proc)
-            self.proc.wait()
+            self.kill()
             raise AssertionError(
                 f"job {self.name} did not finish in {timeout}s; log tail:\n{self.output()[-3000:]}") from None
+
+    def kill(self) -> None:
+        """Kill its group if it still runs, and reap it (teardown after a failure)."""
+        if self.proc.poll() is None:
+            kill_group(self.proc)
+            self.proc.wait()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def summaries(self) -> list[dict[str, Any]]:
-        """What each rank wrote to `OUT/rank*.json` (our workloads write one per rank)."""
-        return [json.loads(p.read_text()) for p in sorted(self.out.glob("rank*.json"))]
+        return rank_summaries(self.out)
+
+
+def rank_summaries(out: Path) -> list[dict[str, Any]]:
+    """What each rank wrote to `OUT/rank*.json` (our workloads write one per rank), in rank order."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
 def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str, ...] | list[str] = (),
@@ -56,7 +66,7 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
     out = tmp / f"out_{name}"
     log = tmp / f"{name}.log"
     full_env = {**os.environ, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), full_env.get("PYTHONPATH")]))
+    full_env["PYTHONPATH"] = checkout_on_path(full_env)
     if mpi:
         full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi" if mpi else "--gloo"]
