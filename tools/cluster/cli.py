@@ -14,8 +14,8 @@ from typing import Any, Callable
 from .cluster import Cluster
 from .launch import ClusterJob, launch_in_hub, launch_job
 from .netns import NS_RE, cleanup_stale, down_state, netns_list, pid_alive
-from .shaping import apply_link
-from .spec import IFACE, STATE_ROOT, ClusterError, ClusterSpec, ClusterState, Link, parse_rate
+from .shaping import shape_node
+from .spec import STATE_ROOT, ClusterError, ClusterSpec, ClusterState, Link, parse_rate
 
 
 def _cli() -> Any:
@@ -132,8 +132,7 @@ def _cli() -> Any:
             if not 0 <= node < len(state.nodes):
                 raise ClusterError(f"node {node} does not exist (0..{len(state.nodes) - 1})")
             link = Link(parse_rate(rate), delay, jitter)
-            apply_link(state.nodes[node].netns, IFACE, link)
-            apply_link(state.hub_netns, f"n{node}", link)
+            shape_node(state.hub_netns, state.nodes[node].netns, node, link)
         except ClusterError as exc:
             raise _Fail(str(exc)) from None
         click.echo(f"node{node}: {link.describe()}")

@@ -33,8 +33,8 @@ from .netns import (
     preflight,
     write_hosts,
 )
-from .shaping import apply_link
-from .spec import HUB_HOST, IFACE, STATE_ROOT, SUBNET, ClusterError, ClusterSpec, ClusterState, Link, Node, Unsupported
+from .shaping import shape_node
+from .spec import HUB_HOST, STATE_ROOT, SUBNET, ClusterError, ClusterSpec, ClusterState, Link, Node, Unsupported
 
 _log = logging.getLogger("tools.cluster")  # the test bed logs under its package name
 
@@ -189,9 +189,7 @@ class Cluster:
         disable_ipv6(ns)
 
     def _apply(self, i: int, hub: str, ns: str) -> None:
-        link = self._links[i]
-        apply_link(ns, IFACE, link)  # uploads from node i
-        apply_link(hub, f"n{i}", link)  # downloads to node i
+        shape_node(hub, ns, i, self._links[i])
 
     def down(self, grace_s: float = 5.0) -> None:
         """Stop every job, daemon and process in our namespaces, then delete the namespaces. Idempotent.

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from .netns import in_ns
-from .spec import ClusterError, ClusterState, Link, Unsupported
+from .spec import IFACE, ClusterError, ClusterState, Link, Unsupported
 
 
 def _tc_commands(dev: str, link: Link) -> list[list[str]]:
@@ -42,6 +42,12 @@ def apply_link(ns: str, dev: str, link: Link) -> None:
                 raise Unsupported("this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so link delay and jitter "
                                   "cannot be emulated here; rate shaping (tbf) works: drop --delay/--jitter")
             raise ClusterError(f"tc on {ns}/{dev} failed: `{shlex.join(cmd)}`: {msg}")
+
+
+def shape_node(hub_ns: str, node_ns: str, index: int, link: Link) -> None:
+    """Shape node `index`'s link both ways: its uploads on its own side, its downloads on the hub's."""
+    apply_link(node_ns, IFACE, link)
+    apply_link(hub_ns, f"n{index}", link)
 
 
 # ---- measurement -----------------------------------------------------------------------------------------
