@@ -29,7 +29,7 @@ class Liveness:
 
     def __init__(self, registry: Registry, leases: Leases, phases: PhaseMachine, pid_alive: Callable[[int], bool],
                  heartbeat_timeout_s: float, evict_after_s: float, overdue_factor: float,
-                 overdue_after_s: float) -> None:
+                 overdue_after_s: float, overdue_warmup_s: float) -> None:
         if evict_after_s < heartbeat_timeout_s:
             raise InvalidRequest(
                 f"evict_after_s={evict_after_s} is shorter than heartbeat_timeout_s={heartbeat_timeout_s}")
@@ -37,6 +37,7 @@ class Liveness:
         self.evict_after_s = evict_after_s
         self.overdue_factor = overdue_factor
         self.overdue_after_s = overdue_after_s
+        self.overdue_warmup_s = overdue_warmup_s
         self.overdue_total = 0  # holders treated as stalled since start
         self._registry = registry
         self._leases = leases
@@ -75,6 +76,9 @@ class Liveness:
         Defence in depth: the plugin frees the device around every Horovod wait, but a
         script can still block while holding (another library's collective, a lock).
         Then the next waiter is served instead of every waiter paying its grant timeout.
+        Before the rank's first measured phase the limit is the warm-up limit: a first step
+        pays for lazy initialisation (allocators, kernels chosen by autotuning, a model's
+        first pass), which is neither a stall nor a guide to the steps that follow.
         """
         policy = self._phases.policy
         key = sess.ref.key
@@ -82,7 +86,8 @@ class Liveness:
             return
         held = now - sess.phase_since
         ema = sess.stats.compute_ema
-        limit = max(self.overdue_after_s, self.overdue_factor * ema if ema is not None else 0.0)
+        limit = (max(self.overdue_warmup_s, self.overdue_after_s) if ema is None
+                 else max(self.overdue_after_s, self.overdue_factor * ema))
         if held <= limit or not policy.view(sess.ref.device).waiting:
             return
         self.overdue_total += 1

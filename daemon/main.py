@@ -98,7 +98,10 @@ def _group(name: str | None, flag: str) -> int | None:
               "treated as stalled: the next waiting rank gets the device and the event log records `overdue`.")
 @click.option("--overdue-after", type=click.FloatRange(0.01, 86_400), default=3.0, show_default=True,
               help="Seconds a rank may hold its device before it can be treated as stalled, whatever its "
-              "compute time (the floor under --overdue-factor; also the limit before its first measured phase).")
+              "compute time (the floor under --overdue-factor).")
+@click.option("--overdue-warmup", type=click.FloatRange(0.01, 86_400), default=30.0, show_default=True,
+              help="The limit for a rank's first compute phase, before it has a measured compute time: a first "
+              "step pays for lazy initialisation (allocators, autotuned kernels) and must not read as a stall.")
 @click.option("--lease/--no-lease", default=True, show_default=True,
               help="Let a rank alone on its device compute without waiting for each grant (it still reports "
               "its phases); revoked the moment another rank joins the device. --no-lease makes every "
@@ -113,7 +116,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
          event_log: str | None, event_log_size: int, event_log_max_mb: float, event_log_backups: int,
          max_events_per_s: float, max_connections: int, idle_timeout: float, heartbeat_timeout: float,
-         evict_after: float, overdue_factor: float, overdue_after: float, lease: bool, session_socket: bool,
+         evict_after: float, overdue_factor: float, overdue_after: float,
+         overdue_warmup: float, lease: bool, session_socket: bool,
          log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -149,7 +153,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         core = Scheduler(inventory, policy, node=node_name, event_log=log,
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
-                         overdue_after_s=overdue_after)
+                         overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
         daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls,
                         session_socket=session_socket, admin_token=admin_token,

@@ -61,13 +61,14 @@ class Scheduler:
         lease: bool = True,
         overdue_factor: float = 10.0,
         overdue_after_s: float = 3.0,
+        overdue_warmup_s: float = 30.0,
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
         self._phases = PhaseMachine(policies.create(policy) if isinstance(policy, str) else policy,
                                     self._sessions, self._leases)
         self._liveness = Liveness(self._sessions, self._leases, self._phases, pid_alive, heartbeat_timeout_s,
-                                  evict_after_s, overdue_factor, overdue_after_s)
+                                  evict_after_s, overdue_factor, overdue_after_s, overdue_warmup_s)
         self.inventory = inventory
         self.node = node or os.uname().nodename
         self.events = event_log or EventLog()
@@ -96,6 +97,14 @@ class Scheduler:
     @overdue_after_s.setter
     def overdue_after_s(self, value: float) -> None:
         self._liveness.overdue_after_s = value
+
+    @property
+    def overdue_warmup_s(self) -> float:
+        return self._liveness.overdue_warmup_s
+
+    @overdue_warmup_s.setter
+    def overdue_warmup_s(self, value: float) -> None:
+        self._liveness.overdue_warmup_s = value
 
     @property
     def overdue_total(self) -> int:

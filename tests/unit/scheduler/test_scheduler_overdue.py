@@ -66,6 +66,23 @@ def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_serv
     assert overlaps(compute_intervals(s.events.snapshot())[0]) == []
 
 
+def test_a_first_phase_gets_the_warmup_limit_not_the_floor(make, clock):
+    """A first step (no measured compute time yet) pays for lazy initialisation: held past
+    `overdue_after_s` it is not yet stalled; past `overdue_warmup_s` it is."""
+    s = make("exclusive", evict_after=100.0, timeout=100.0)
+    s.overdue_after_s, s.overdue_warmup_s = 1.0, 5.0
+    a, _ = join(s, job="job-a", device=0)
+    b, box_b = join(s, job="job-b", device=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    s.event(b, "compute_request", iteration=0, seq=1)
+    clock.advance(4.0)
+    s.reap()
+    assert s.overdue_total == 0 and not [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+    clock.advance(1.5)
+    s.reap()
+    assert s.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+
+
 def test_a_long_holder_nobody_waits_for_is_left_alone(make, clock):
     s = make("exclusive", evict_after=100.0, timeout=100.0)
     s.overdue_after_s = 1.0
