@@ -48,8 +48,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
     "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats (grant waits) as JSON here; "
                              "`{rank}` is replaced by the Horovod rank."),
-    "CROSSOVER_AGGREGATION": ("", "How gradients are combined: average, sum, adasum or weighted (LB-BSP); "
-                              "empty keeps the script's own `op`."),
+    "CROSSOVER_AGGREGATION": ("", "How gradients are combined: average, sum, adasum, weighted (LB-BSP) or "
+                              "group_async (synchronous inside groups, asynchronous between them); empty keeps "
+                              "the script's own `op`."),
     "CROSSOVER_ADASUM_IMPL": ("auto", "adasum: auto (Horovod's native Adasum where it applies, else the "
                               "plugin's), native (fail where it does not apply) or plugin."),
     "CROSSOVER_ADASUM_ALGORITHM": ("auto", "Plugin Adasum data movement: allgather, recursive_doubling, or auto "
@@ -68,9 +69,30 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                "steady steps."),
     "CROSSOVER_LBBSP_MAX_BATCH": ("", "weighted: per-rank batch cap (memory), one int or one per rank "
                                   "(`64,64,32`); empty: no cap."),
+    "CROSSOVER_GROUPS": ("2", "group_async: a number of groups of consecutive ranks, or one rank list per group "
+                         "(`0,1;2,3`)."),
+    "CROSSOVER_STALENESS": ("4", "group_async: the SSP bound: a group waits rather than run more than this many "
+                            "exchanges ahead of the slowest active group."),
+    "CROSSOVER_EXCHANGE_PERIOD": ("0.5", "group_async: seconds between a group's exchanges with the parameter "
+                                  "service (wall time, so groups of every pace advance their clocks alike)."),
+    "CROSSOVER_GROUPING": ("static", "group_async: static (as CROSSOVER_GROUPS says) or speed (ranks of similar "
+                           "measured pace together, revised at epoch boundaries with hysteresis)."),
+    "CROSSOVER_GROUP_SCHEDULE": ("fixed", "group_async: fixed, or staged (synchronous profiling steps, a coarse "
+                                 "stage with 4x the period and 2x the bound, then the configured ones once the "
+                                 "global model's change per epoch halves)."),
+    "CROSSOVER_EXCHANGE_CODEC": ("fp32", "group_async: how updates travel to the service: fp32, fp16 or topk "
+                                 "(largest entries only, the rest kept for later: error feedback)."),
+    "CROSSOVER_TOPK_FRACTION": ("0.01", "group_async with topk: the fraction of entries sent per exchange."),
+    "CROSSOVER_PROFILE_STEPS": ("5", "group_async: steps every rank takes at the start of epoch 0 before paces "
+                                "are measured and groups get their shares of the epoch."),
+    "CROSSOVER_PARAM_STATE": ("", "group_async: directory where the parameter service keeps the global model "
+                              "(resumed from when it restarts); empty: a temporary one."),
 }
 
-AGGREGATION_RULES = ("average", "sum", "adasum", "weighted")
+AGGREGATION_RULES = ("average", "sum", "adasum", "weighted", "group_async")
+GROUPINGS = ("static", "speed")
+GROUP_SCHEDULES = ("fixed", "staged")
+EXCHANGE_CODECS = ("fp32", "fp16", "topk")
 ADASUM_IMPLS = ("auto", "native", "plugin")
 ADASUM_ALGORITHMS = ("auto", "allgather", "recursive_doubling")
 LBBSP_METHODS = ("ema", "numerical")
@@ -150,6 +172,15 @@ class AggregationSettings:
     lbbsp_ema_alpha: float = 0.3
     lbbsp_warmup: int = 5
     lbbsp_max_batch: tuple[int, ...] = ()
+    groups: str = "2"
+    staleness: int = 4
+    exchange_period_s: float = 0.5
+    grouping: str = "static"
+    group_schedule: str = "fixed"
+    exchange_codec: str = "fp32"
+    topk_fraction: float = 0.01
+    profile_steps: int = 5
+    param_state: str = ""
 
     @classmethod
     def from_env(cls) -> AggregationSettings:
@@ -164,6 +195,15 @@ class AggregationSettings:
             lbbsp_ema_alpha=_float("CROSSOVER_LBBSP_EMA_ALPHA", cls.lbbsp_ema_alpha, 1e-6, 1.0),
             lbbsp_warmup=_int("CROSSOVER_LBBSP_WARMUP", cls.lbbsp_warmup, 0, 1_000_000),
             lbbsp_max_batch=_int_list("CROSSOVER_LBBSP_MAX_BATCH"),
+            groups=os.environ.get("CROSSOVER_GROUPS", "").strip() or cls.groups,
+            staleness=_int("CROSSOVER_STALENESS", cls.staleness, 0, 1_000_000),
+            exchange_period_s=_float("CROSSOVER_EXCHANGE_PERIOD", cls.exchange_period_s, 0.0, 86_400.0),
+            grouping=_choice("CROSSOVER_GROUPING", cls.grouping, GROUPINGS),
+            group_schedule=_choice("CROSSOVER_GROUP_SCHEDULE", cls.group_schedule, GROUP_SCHEDULES),
+            exchange_codec=_choice("CROSSOVER_EXCHANGE_CODEC", cls.exchange_codec, EXCHANGE_CODECS),
+            topk_fraction=_float("CROSSOVER_TOPK_FRACTION", cls.topk_fraction, 1e-6, 1.0),
+            profile_steps=_int("CROSSOVER_PROFILE_STEPS", cls.profile_steps, 0, 1_000_000),
+            param_state=os.environ.get("CROSSOVER_PARAM_STATE", cls.param_state),
         )
 
 

@@ -22,6 +22,12 @@ Rules
     LB-BSP: per-rank batch sizes from :func:`batch_sampler` that follow each
     rank's speed, gradients weighted by the sizes on Horovod's averaging
     optimizer (:mod:`crossover.plugins.lbbsp`).
+
+``group_async``
+    Synchronous data-parallel SGD inside groups of ranks (a Horovod process
+    set each), asynchronous exchanges between groups through a parameter
+    service with an SSP staleness bound; :func:`batch_sampler` shares each
+    epoch among groups by pace (:mod:`crossover.plugins.group_async`).
 """
 from __future__ import annotations
 
@@ -35,6 +41,9 @@ from ..client.settings import LBBSP_METHODS, AggregationSettings
 from .adasum.collectives import HorovodCollectives
 from .adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
 from .adasum.optimizer import AdasumOptimizer
+from .group_async.optimizer import GroupAsyncOptimizer
+from .group_async.runtime import GroupAsyncConfig, GroupRuntime
+from .group_async.sampler import GroupSampler
 from .lbbsp.adoption import decide
 from .lbbsp.config import BatchSizeConfig
 from .lbbsp.controller import BatchSizeController
@@ -43,7 +52,7 @@ from .lbbsp.replay import replay_decisions
 from .lbbsp.sampler import LBBSPSampler
 from .lbbsp.state import LBBSPState, SamplerLink
 from .lbbsp.weighting import WeightingHook, weight_scale
-from .selection import AggregationError, Rule, current_rule, set_aggregation, settings
+from .selection import AggregationError, Rule, current_rule, prepare_horovod, set_aggregation, settings
 
 __all__ = [
     "AdasumDecision",
@@ -61,6 +70,8 @@ __all__ = [
     "decide",
     "current_rule",
     "distributed_optimizer",
+    "end_group_async",
+    "group_async_stats",
     "lbbsp_stats",
     "replay_decisions",
     "resolve_algorithm",
@@ -72,6 +83,37 @@ logger = logging.getLogger(__name__)
 
 # The newest LB-BSP sampler's state, handed to every weighted optimizer this process builds.
 _lbbsp = SamplerLink()
+# This process's group_async runtime, shared by its sampler and its optimizer (one per process).
+_groups: dict[str, GroupRuntime] = {}
+
+prepare_horovod()
+
+
+def _group_runtime(hvd: Any, chosen: AggregationSettings) -> GroupRuntime:
+    if "runtime" not in _groups:
+        config = GroupAsyncConfig(
+            groups=chosen.groups, staleness=chosen.staleness, period_s=chosen.exchange_period_s,
+            grouping=chosen.grouping, schedule=chosen.group_schedule, codec=chosen.exchange_codec,
+            topk_fraction=chosen.topk_fraction, profile_steps=chosen.profile_steps, state_dir=chosen.param_state)
+        _groups["runtime"] = GroupRuntime(hvd, config)
+    return _groups["runtime"]
+
+
+def group_async_stats() -> Optional[dict[str, Any]]:
+    """Groups, stage, exchanges, the staleness (clock gap) histogram and the boundary history of this
+    rank's group_async runtime (``None`` if there is none); on rank 0 also the service's own figures."""
+    runtime = _groups.get("runtime")
+    return None if runtime is None else runtime.stats()
+
+
+def end_group_async() -> None:
+    """End group_async training on every rank together (call it on all of them): wait for all, mix the
+    groups' models into the one final model every rank then holds, stop the service, and forget the
+    runtime, so that a script training several models one after another starts each afresh. Horovod's
+    shutdown does this by itself."""
+    runtime = _groups.pop("runtime", None)
+    if runtime is not None:
+        runtime.finish()
 
 
 _reentry = threading.local()
@@ -159,6 +201,11 @@ def _build(hvd: Any, factory: Callable[..., Any], optimizer: Any, args: Sequence
     asked = named.get("op", hvd.Average)
     if pset is not None and callable(getattr(pset, "included", None)) and not pset.included():
         return factory(optimizer, **named)  # this rank combines nothing with this optimizer
+    if rule == "group_async":
+        if not _is_global(hvd, pset):
+            raise AggregationError("group_async forms its own process sets; build the optimizer on the global one")
+        grouped = GroupAsyncOptimizer(optimizer, hvd, _group_runtime(hvd, chosen))
+        return _mark(grouped, f"group_async:{chosen.grouping}/{chosen.group_schedule}")
     if rule in ("average", "sum"):
         named["op"] = hvd.Average if rule == "average" else hvd.Sum
         return _mark(factory(optimizer, **named), rule)
@@ -217,7 +264,7 @@ def batch_sampler(
     min_gain: Optional[float] = None,
     warmup: Optional[int] = None,
     process_set: Any = None,
-) -> LBBSPSampler:
+) -> LBBSPSampler | GroupSampler:
     """The one change an LB-BSP script makes: ``DataLoader(ds, batch_sampler=batch_sampler(len(ds), B))``.
 
     Call it after ``hvd.init()`` on every rank of the optimizer's process set,
@@ -230,6 +277,9 @@ def batch_sampler(
 
     pset = process_set if process_set is not None else hvd.global_process_set
     chosen = settings()
+    if chosen.rule == "group_async":
+        return GroupSampler(_group_runtime(hvd, chosen), dataset_length, global_batch, shuffle=shuffle,
+                            seed=seed)
     caps: Optional[Sequence[int] | int] = max_batch
     if caps is None and chosen.lbbsp_max_batch:
         env_caps = chosen.lbbsp_max_batch

@@ -52,6 +52,9 @@ def install(settings: PluginSettings | None = None) -> bool:
     except ImportError as exc:
         _log.warning("horovod.torch is not importable (%s); crossover does nothing", exc)
         return False
+    from .selection import prepare_horovod
+
+    prepare_horovod()
     if _state["original"] is not None:
         return True
     original = hvd.DistributedOptimizer

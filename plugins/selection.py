@@ -5,13 +5,14 @@ Without either, nothing changes: Horovod does what the script asked for.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal, Optional
 
 from ..client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
 
-__all__ = ["AggregationError", "Rule", "current_rule", "set_aggregation", "settings"]
+__all__ = ["AggregationError", "Rule", "current_rule", "prepare_horovod", "set_aggregation", "settings"]
 
-Rule = Literal["average", "sum", "adasum", "weighted"]
+Rule = Literal["average", "sum", "adasum", "weighted", "group_async"]
 
 
 class AggregationError(ValueError):
@@ -53,3 +54,11 @@ def current_rule() -> Optional[str]:
     """The rule new optimizers get, or ``None`` for Horovod's own behaviour."""
     return settings().rule or None
 
+
+
+def prepare_horovod() -> None:
+    """Before ``hvd.init()``: ``group_async`` re-forms Horovod process sets at epoch boundaries, which
+    Horovod allows only with dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``); set it unless
+    the environment says otherwise."""
+    if os.environ.get("CROSSOVER_AGGREGATION", "").strip().lower() == "group_async":
+        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")

@@ -134,6 +134,7 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
     curve = [[0.0, 0, 0.0, acc, loss]]
     train_s, step, compute_s, extra_s = 0.0, 0, 0.0, 0.0
     stop = False
+    grouped = spec["rule"] == "group_async"  # groups hold different models: no shared stop decision
     pace = args.pace if spec["pace"] is None else spec["pace"]
     for epoch in range(spec["epochs"]):
         sampler.set_epoch(epoch)
@@ -145,6 +146,8 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
                 xb, yb = next(batches)
             except StopIteration:
                 break
+            if grouped:  # the sampler's boundaries (waits for other groups) are no compute
+                t0, c0 = time.perf_counter(), time.thread_time()
             opt.zero_grad()
             nn.functional.cross_entropy(model(xb), yb).backward()
             real = time.perf_counter() - t0
@@ -157,7 +160,7 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
             extra_s += straggler.slow_down(real)
             opt.step()
             step += 1
-            if step % eval_every == 0 or step % steps_per_epoch == 0:
+            if step % eval_every == 0:
                 train_s += time.perf_counter() - started
                 acc, loss = accuracy(model, xt, yt)
                 curve.append([step / steps_per_epoch, step, train_s, acc, loss])
@@ -169,16 +172,26 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
                 if spec["max_train_s"] is not None and train_s >= spec["max_train_s"]:
                     stop = True
                 # every rank has the same parameters, hence the same accuracy and the same decision
-                if stop:
+                if stop and not grouped:
                     break
                 started = time.perf_counter()
-        if stop:
+        if stop and not grouped:
             break
         train_s += time.perf_counter() - started
+        if not curve or curve[-1][1] != step:  # the model as the epoch ends
+            acc, loss = accuracy(model, xt, yt)
+            curve.append([epoch + 1.0, step, train_s, acc, loss])
+            started = time.perf_counter()
+    group_stats = aggregation.group_async_stats()
+    if grouped:  # every rank now holds the one final model the groups' models mix into
+        aggregation.end_group_async()
+        acc, loss = accuracy(model, xt, yt)
+        curve.append([curve[-1][0], step, train_s, acc, loss])
     return {
         "name": spec["name"], "spec": spec, "aggregation": aggregation.aggregation_of(opt), "curve": curve,
         "final_acc": curve[-1][3], "train_s": train_s, "steps": step, "steps_per_epoch": steps_per_epoch,
         "compute_s": compute_s, "straggler_extra_s": extra_s, "lbbsp": aggregation.lbbsp_stats(),
+        "group_async": group_stats,
     }
 
 
@@ -194,10 +207,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    hvd.init()
-    torch.set_num_threads(args.threads)
     raw = open(args.runs[1:]).read() if args.runs.startswith("@") else args.runs
     specs = [{**DEFAULT_RUN, **item} for item in json.loads(raw)]
+    if any(spec["rule"] == "group_async" for spec in specs):
+        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")  # before hvd.init: groups are process sets
+    hvd.init()
+    torch.set_num_threads(args.threads)
     x, y, xt, yt = load_data(args.dataset, args.data)
     data = (torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt), torch.from_numpy(yt))
     results = []

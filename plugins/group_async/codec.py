@@ -1,0 +1,71 @@
+"""How a group's update travels to the parameter service: ``fp32``, ``fp16`` or ``topk`` with error feedback.
+
+Whole tensors, never per-element Python: an update is one flat float32
+tensor turned into bytes. ``topk`` sends the largest ``fraction`` of entries
+by magnitude (int32 indices, float32 values) and keeps what it did not send
+in a residual that is added to the next update, so nothing is dropped, only
+delayed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:  # the service decodes with numpy alone and never pays for importing torch
+    import torch
+
+__all__ = ["CODECS", "Codec", "decode"]
+
+CODECS = ("fp32", "fp16", "topk")
+
+
+@dataclass
+class Codec:
+    """Encoder of one group leader's updates (``topk`` keeps its residual here)."""
+
+    kind: str = "fp32"
+    fraction: float = 0.01
+    residual: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CODECS:
+            raise ValueError(f"unknown exchange codec {self.kind!r}; use one of {', '.join(CODECS)}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"top-k fraction must be in (0, 1], not {self.fraction}")
+
+    def encode(self, update: torch.Tensor) -> bytes:
+        """Bytes for ``update`` (flat float32); ``decode(kind, bytes, update.numel())`` reads them."""
+        import torch
+
+        flat = update.detach().to(torch.float32).reshape(-1)
+        if self.kind == "fp32":
+            return flat.cpu().numpy().tobytes()
+        if self.kind == "fp16":
+            return flat.cpu().to(torch.float16).numpy().tobytes()
+        if self.residual is None or self.residual.numel() != flat.numel():
+            self.residual = torch.zeros_like(flat)
+        full = flat + self.residual
+        k = max(1, int(self.fraction * full.numel()))
+        index = torch.topk(full.abs(), k, sorted=False).indices
+        values = full[index]
+        self.residual = full.clone()
+        self.residual[index] = 0.0
+        return index.to(torch.int32).cpu().numpy().tobytes() + values.cpu().numpy().tobytes()
+
+
+def decode(kind: str, payload: bytes, numel: int) -> np.ndarray:
+    """The flat float32 update ``payload`` holds (dense, length ``numel``)."""
+    if kind == "fp32":
+        return np.frombuffer(payload, dtype=np.float32, count=numel)
+    if kind == "fp16":
+        return np.frombuffer(payload, dtype=np.float16, count=numel).astype(np.float32)
+    if kind == "topk":
+        k = len(payload) // 8
+        index = np.frombuffer(payload, dtype=np.int32, count=k)
+        values = np.frombuffer(payload, dtype=np.float32, count=k, offset=4 * k)
+        dense = np.zeros(numel, dtype=np.float32)
+        dense[index] = values
+        return dense
+    raise ValueError(f"unknown exchange codec {kind!r}")

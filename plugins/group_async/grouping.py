@@ -1,0 +1,125 @@
+"""Which ranks train together: static groups, or groups of similar pace from measured step times.
+
+Pure logic, used by the sampler at epoch boundaries (points every rank
+reaches) and unit-tested directly. Speeds come from the same per-rank
+measurements the LB-BSP controller uses: the seconds one rank's compute
+phase took per sample.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["GroupingError", "parse_groups", "speed_groups", "static_groups", "steps_per_group"]
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+class GroupingError(ValueError):
+    """A group spec that does not partition the ranks."""
+
+
+def parse_groups(spec: str, world: int) -> Groups:
+    """``"2"`` (two groups of consecutive ranks) or ``"0,1;2,3"`` (one rank list per group)."""
+    text = spec.strip()
+    if not text:
+        raise GroupingError("empty group spec: give a count (2) or rank lists (0,1;2,3)")
+    if ";" not in text and "," not in text:
+        try:
+            count = int(text)
+        except ValueError:
+            raise GroupingError(f"group spec {spec!r} is neither a count nor rank lists") from None
+        return static_groups(world, count)
+    try:
+        groups = tuple(tuple(int(r) for r in part.split(",") if r.strip()) for part in text.split(";"))
+    except ValueError:
+        raise GroupingError(f"group spec {spec!r}: ranks must be integers") from None
+    return _checked(groups, world, spec)
+
+
+def _checked(groups: Groups, world: int, spec: object) -> Groups:
+    flat = [r for g in groups for r in g]
+    if any(not g for g in groups):
+        raise GroupingError(f"group spec {spec!r} has an empty group")
+    if sorted(flat) != list(range(world)):
+        raise GroupingError(f"group spec {spec!r} must name every rank 0..{world - 1} exactly once")
+    return tuple(tuple(sorted(g)) for g in sorted(groups, key=min))
+
+
+def static_groups(world: int, count: int) -> Groups:
+    """``count`` groups of consecutive ranks, sizes differing by at most one."""
+    if not 1 <= count <= world:
+        raise GroupingError(f"{count} groups for {world} ranks: use 1..{world}")
+    base, extra = divmod(world, count)
+    groups, start = [], 0
+    for g in range(count):
+        size = base + (1 if g < extra else 0)
+        groups.append(tuple(range(start, start + size)))
+        start += size
+    return tuple(groups)
+
+
+def _cost(groups: Groups, per_sample_s: Sequence[float]) -> float:
+    """Seconds of waiting inside groups per sample: each rank waits for its group's slowest."""
+    return sum(max(per_sample_s[r] for r in g) - per_sample_s[r] for g in groups for r in g)
+
+
+def speed_groups(per_sample_s: Sequence[float], count: int, current: Groups | None = None,
+                 hysteresis: float = 0.1) -> Groups:
+    """``count`` groups of ranks of similar pace (contiguous in sorted pace), keeping ``current``
+    unless the new grouping cuts the waiting inside groups by more than ``hysteresis`` times the
+    ranks' summed pace (a share of the job's work, so tiny differences never regroup).
+
+    Among contiguous splits of the ranks sorted by seconds per sample, the one
+    with the least total waiting for each group's slowest member wins (exact,
+    by dynamic programming over split points; ties go to more even sizes).
+    """
+    world = len(per_sample_s)
+    if not 1 <= count <= world:
+        raise GroupingError(f"{count} groups for {world} ranks: use 1..{world}")
+    order = sorted(range(world), key=lambda r: (per_sample_s[r], r))
+    pace = [per_sample_s[r] for r in order]
+    inf = float("inf")
+    # best[k][i]: least waiting for the first i sorted ranks in k groups; cut[k][i]: where the last group starts
+    best = [[inf] * (world + 1) for _ in range(count + 1)]
+    cut = [[0] * (world + 1) for _ in range(count + 1)]
+    best[0][0] = 0.0
+    for k in range(1, count + 1):
+        for i in range(k, world + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                wait = sum(pace[i - 1] - pace[m] for m in range(j, i))
+                spread = abs((i - j) - world / count) * 1e-12  # ties: more even sizes
+                value = best[k - 1][j] + wait + spread
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    groups: list[tuple[int, ...]] = []
+    i = world
+    for k in range(count, 0, -1):
+        j = cut[k][i]
+        groups.append(tuple(order[j:i]))
+        i = j
+    proposed = _checked(tuple(groups), world, "speed grouping")
+    if current is None or proposed == current:
+        return proposed
+    old, new = _cost(current, per_sample_s), _cost(proposed, per_sample_s)
+    return proposed if old - new > hysteresis * sum(per_sample_s) else current
+
+
+def steps_per_group(groups: Groups, per_sample_s: Sequence[float], samples: int, batch: int) -> list[int]:
+    """Steps each group takes in an epoch of ``samples``, in proportion to its pace, so groups finish together.
+
+    A group of ``n`` ranks, each taking ``batch`` samples a step, moves at its
+    slowest member's pace: ``n`` samples per ``max(per_sample_s)`` seconds.
+    Every group takes at least one step; whole steps only (the rest of the
+    epoch is dropped, as ``drop_last`` does).
+    """
+    rates = [len(g) / max(max(per_sample_s[r] for r in g), 1e-12) for g in groups]
+    total = sum(rates)
+    if samples < sum(len(g) for g in groups) * batch:
+        raise GroupingError(f"{samples} samples cannot give each of {len(groups)} groups one step of {batch}")
+    steps = [max(1, int(samples * rate / total) // (len(g) * batch)) for g, rate in zip(groups, rates)]
+    while sum(s * len(g) * batch for s, g in zip(steps, groups)) > samples:  # a floor of 1 overdrew
+        largest = max(range(len(groups)), key=lambda k: steps[k] * len(groups[k]))
+        steps[largest] -= 1
+    return steps

@@ -1,0 +1,104 @@
+"""The group_async optimizer: synchronous data-parallel SGD inside the group, exchanges between groups.
+
+``step()`` = :meth:`synchronize` (average the gradients over the group's
+Horovod process set; the leader's "exchange now" flag rides along in the
+same grouped allreduce, so the group agrees without another round trip; then,
+if flagged, the exchange with the parameter service) followed by the wrapped
+optimizer's update. The exchange happens inside ``synchronize()``, which the
+phase tracker brackets as communication: a rank never holds its device while
+its group waits on the service. The gradients, computed on the model before
+the exchange, are applied to the model after it, as asynchronous SGD does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..selection import AggregationError
+from .runtime import GroupRuntime
+
+__all__ = ["GroupAsyncOptimizer"]
+
+
+class GroupAsyncOptimizer(torch.optim.Optimizer):
+    """Wraps the user's optimizer by composition (shared ``param_groups`` and ``state``, as
+    :class:`~crossover.plugins.adasum.optimizer.AdasumOptimizer` does)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, hvd: Any, runtime: GroupRuntime) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise AggregationError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._inner = optimizer
+        self._hvd = hvd
+        self.runtime = runtime
+        runtime.params = [p for g in self.param_groups for p in g["params"]]
+        self.backward_passes_per_step = 1
+        self._synchronized = False
+        self._compute_from: Optional[float] = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._inner
+
+    def __repr__(self) -> str:
+        return f"GroupAsyncOptimizer({self._inner!r})"
+
+    def synchronize(self) -> None:
+        """Average gradients inside the group, then exchange with the service if the leader asked."""
+        if self._synchronized:
+            return
+        if self._compute_from is not None:
+            self.runtime.observe(time.perf_counter() - self._compute_from)
+        rt = self.runtime
+        if not rt.started:  # no group_async sampler: the first step is the one boundary
+            rt.boundary("start", 0, 0, 1)
+        params = [p for p in rt.params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flag = torch.tensor([1.0 if rt.is_leader and rt.exchange_due() else 0.0])
+        if len(rt.group) > 1:
+            reduced = self._hvd.grouped_allreduce([p.grad for p in params] + [flag], op=self._hvd.Average,
+                                                  process_set=rt.process_set(), name="crossover.group_async.grads")
+            with torch.no_grad():
+                for p, r in zip(params, reduced):
+                    assert p.grad is not None
+                    p.grad.copy_(r)
+            flag = reduced[-1]
+        if float(flag[0]) > 0:
+            rt.exchange()
+        self._synchronized = True
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        self._synchronized = False
+        result = self._inner.step()
+        self._compute_from = time.perf_counter()
+        return loss if closure is not None else result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none=set_to_none)
+        if self._compute_from is None:
+            self._compute_from = time.perf_counter()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_inner", None) is None:  # called from Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        raise AggregationError("group_async: add parameter groups before wrapping the optimizer")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._inner.load_state_dict(state_dict)
+        self.param_groups = self._inner.param_groups
+        self.state = self._inner.state

@@ -1,0 +1,334 @@
+"""One job's group-level async state on one rank: its groups, their process sets, the service, the stage.
+
+Every decision that ranks must agree on (groups, stage, steps per group) is
+taken on rank 0 from gathered measurements and broadcast, at boundaries that
+every rank reaches: the start of each epoch and the end of epoch 0's profiling
+steps (:class:`.sampler.GroupSampler` calls :meth:`GroupRuntime.boundary`).
+Between boundaries, groups talk only inside their Horovod process set and,
+through their leaders, to the parameter service.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import socket
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .codec import Codec
+from .grouping import Groups, parse_groups, speed_groups, steps_per_group
+from .link import ServiceLink, ServiceProcess
+from .schedule import Schedule, Stage
+
+__all__ = ["GroupAsyncConfig", "GroupRuntime"]
+
+_log = logging.getLogger(__name__)
+
+# Horovod process sets by their ranks, for the life of the process: Horovod refuses to add one twice.
+_PROCESS_SETS: dict[tuple[int, ...], Any] = {}
+
+
+@dataclass(frozen=True)
+class GroupAsyncConfig:
+    """The ``group_async`` settings (``CROSSOVER_GROUPS`` and friends; docs/aggregation.md)."""
+
+    groups: str = "2"
+    staleness: int = 4
+    period_s: float = 0.5
+    grouping: str = "static"
+    schedule: str = "fixed"
+    codec: str = "fp32"
+    topk_fraction: float = 0.01
+    profile_steps: int = 5
+    state_dir: str = ""
+    hysteresis: float = 0.1
+
+
+class GroupRuntime:
+    """This rank's view of the job's groups; the optimizer and the sampler both act through it."""
+
+    def __init__(self, hvd: Any, config: GroupAsyncConfig) -> None:
+        self.hvd = hvd
+        self.config = config
+        self.world = int(hvd.size())
+        self.rank = int(hvd.rank())
+        self.configured: Groups = parse_groups(config.groups, self.world)
+        self.schedule = Schedule(config.schedule, config.period_s, config.staleness)
+        self.stage: Stage = self.schedule.stage
+        self.groups: Groups = ((tuple(range(self.world)),) if self.stage.synchronous else self.configured)
+        self.params: list[torch.Tensor] = []
+        self.service: Optional[ServiceProcess] = None
+        self.link: Optional[ServiceLink] = None
+        self.started = False
+        self.finished = False
+        self.boundaries = 0
+        self.history: list[dict[str, Any]] = []
+        self.exchanges = 0
+        self._compute: list[float] = []
+        self._batch = 1
+        self._last_exchange = time.monotonic()
+        self._global_before: Optional[torch.Tensor] = None
+
+    # ---- who I am ------------------------------------------------------
+
+    @property
+    def group_index(self) -> int:
+        return next(i for i, g in enumerate(self.groups) if self.rank in g)
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        return self.groups[self.group_index]
+
+    @property
+    def leader(self) -> int:
+        return self.group[0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def process_set(self) -> Any:
+        ranks = self.group
+        if len(ranks) == self.world:
+            return self.hvd.global_process_set
+        return _PROCESS_SETS[ranks]
+
+    def _ensure_sets(self) -> None:
+        """Process sets are added by every rank together (Horovod's rule), so only at boundaries."""
+        for ranks in self.groups:
+            if len(ranks) < self.world and ranks not in _PROCESS_SETS:
+                _PROCESS_SETS[ranks] = self.hvd.add_process_set(list(ranks))
+
+    # ---- measurements (from the optimizer) -----------------------------
+
+    def observe(self, compute_s: float) -> None:
+        self._compute.append(compute_s)
+
+    def exchange_due(self) -> bool:
+        return (not self.stage.synchronous and self.link is not None
+                and time.monotonic() - self._last_exchange >= self.stage.period_s)
+
+    # ---- flat parameters -----------------------------------------------
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).to(torch.float32).cpu() for p in self.params])
+
+    def _load(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p).to(p.dtype))
+                offset += n
+
+    # ---- between boundaries: one exchange ------------------------------
+
+    def exchange(self) -> None:
+        """The group's exchange: the leader pushes and pulls, then hands the model to its group."""
+        self._last_exchange = time.monotonic()
+        model: Optional[torch.Tensor] = None
+        if self.is_leader and self.link is not None:
+            if self.service is not None:
+                self.service.ensure_running()
+            model = self.link.exchange(self._flat(), wait=True)
+            if model is not None:
+                self.exchanges += 1
+        if len(self.group) > 1:
+            numel = sum(p.numel() for p in self.params)
+            packet = torch.zeros(numel + 1)
+            if model is not None:
+                packet[0], packet[1:] = 1.0, model
+            packet = self.hvd.broadcast(packet, root_rank=self.leader, process_set=self.process_set(),
+                                        name="crossover.group_async.model")
+            model = packet[1:] if packet[0] > 0 else None
+        if model is not None:
+            self._load(model)
+
+    def park(self) -> None:
+        """This rank's share of the epoch is done: push what it learned, and let the others run on."""
+        if self.is_leader and self.link is not None and not self.stage.synchronous:
+            self.link.park()
+
+    # ---- boundaries ----------------------------------------------------
+
+    def _start(self) -> None:
+        """Rank 0 starts the service; every leader attaches from the same starting model."""
+        hvd = self.hvd
+        address: Any = None
+        if self.rank == 0:
+            single_host = int(hvd.local_size()) == self.world
+            host = "127.0.0.1" if single_host else "0.0.0.0"
+            self.service = ServiceProcess(host, self.config.staleness, self.config.state_dir)
+            try:
+                _, port = self.service.start()
+                reach = "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname())
+                address = (reach, port, self.service.token)
+            except OSError as exc:
+                _log.warning("group_async: could not start the parameter service (%s); groups train "
+                             "synchronously inside and never exchange", exc)
+        address = hvd.broadcast_object(address, root_rank=0, name="crossover.group_async.address")
+        self._hold_shutdown()
+        self._address = address
+        self.started = True
+
+    def _hold_shutdown(self) -> None:
+        """Groups end training at different moments, and Horovod's shutdown (an explicit
+        ``hvd.shutdown()`` or its own at exit) stops every rank: both wait for :meth:`finish` first."""
+        hvd, original = self.hvd, self.hvd.shutdown
+        if getattr(original, "_crossover_runtime", None) is not None:
+            original = original._crossover_original
+
+        def shutdown() -> None:
+            try:
+                self.finish()
+            finally:
+                original()
+
+        shutdown._crossover_runtime = self  # type: ignore[attr-defined]
+        shutdown._crossover_original = original  # type: ignore[attr-defined]
+        hvd.shutdown = shutdown
+        atexit.register(self.finish)
+
+    def _attach_leader(self) -> None:
+        if self.is_leader and self._address is not None:
+            if self.link is None:
+                host, port, token = self._address
+                self.link = ServiceLink((host, port), token, group=self.rank,
+                                        codec=Codec(self.config.codec, self.config.topk_fraction))
+                self.link.start(self._flat())
+
+    def _mix(self) -> Optional[float]:
+        """Every leader pushes; then every rank takes the same global model. The change of the global
+        model since the last mix, or ``None`` when the service is away (then nothing is mixed)."""
+        hvd = self.hvd
+        if self.is_leader and self.link is not None:
+            if self.service is not None:
+                self.service.ensure_running()
+            self.link.exchange(self._flat(), wait=False)
+        hvd.allreduce(torch.zeros(1), name="crossover.group_async.pushed")  # every push is in
+        packet = torch.zeros(sum(p.numel() for p in self.params) + 1)
+        if self.rank == 0 and self.link is not None:
+            model = self.link.pull(level=True)
+            if model is not None:
+                packet[0], packet[1:] = 1.0, model
+        packet = hvd.broadcast(packet, root_rank=0, name="crossover.group_async.mix")
+        if packet[0] <= 0:
+            return None
+        model = packet[1:]
+        self._load(model)
+        if self.link is not None:
+            self.link.base = model.clone()
+        change = None if self._global_before is None else float(torch.linalg.vector_norm(model -
+                                                                                          self._global_before))
+        self._global_before = model.clone()
+        return change
+
+    def boundary(self, kind: str, epoch: int, samples: int, batch: int) -> list[int]:
+        """A point every rank reaches (``start`` of an epoch, or ``profile`` end): mix, measure, regroup,
+        and return the steps each group takes over the next ``samples`` samples."""
+        hvd = self.hvd
+        self._batch = batch
+        if not self.started:
+            self._start()
+            change: Optional[float] = None
+            self._global_before = self._flat()
+        else:
+            change = self._mix()
+        pace = statistics.median(self._compute) / batch if self._compute else math.nan
+        self._compute.clear()
+        paces = hvd.allgather_object(pace, name="crossover.group_async.pace")
+        decision = None
+        if self.rank == 0:
+            decision = self._decide(kind, paces, change, samples, batch)
+            if self.link is not None:  # before anyone leaves the boundary: only these groups' clocks count
+                self.link.regroup([g[0] for g in decision["groups"]])
+        decision = hvd.broadcast_object(decision, root_rank=0, name="crossover.group_async.decision")
+        self.groups = tuple(tuple(g) for g in decision["groups"])
+        self.stage = Stage(**decision["stage"])
+        self._ensure_sets()
+        if not self.is_leader and self.link is not None:
+            self.link.close()
+            self.link = None
+        self._attach_leader()
+        self._last_exchange = time.monotonic()
+        self.boundaries += 1
+        self.history.append({"epoch": epoch, "at": kind, **decision})
+        _log.info("group_async %s of epoch %d: groups %s, stage %s, steps %s", kind, epoch, self.groups,
+                  self.stage.name, decision["steps"])
+        return list(decision["steps"])
+
+    def _decide(self, kind: str, paces: list[float], change: Optional[float], samples: int,
+                batch: int) -> dict[str, Any]:
+        measured = all(math.isfinite(p) and p > 0 for p in paces)
+        if kind == "profile":
+            stage = self.schedule.after_profile()
+        elif kind == "start" and self.boundaries > 0:
+            stage = self.schedule.at_epoch(change)
+        else:
+            stage = self.schedule.stage
+        count = len(self.configured)
+        if change is None and self.boundaries > 0 and not self.stage.synchronous:
+            groups_now = self.groups  # nothing was mixed: a new group would hold different models
+            steps = steps_per_group(groups_now, paces, samples, batch) if measured else \
+                [samples // (self.world * batch)] * len(groups_now)
+            return {"groups": [list(g) for g in groups_now], "steps": steps, "paces": paces, "change": None,
+                    "stage": {"name": stage.name, "period_s": stage.period_s, "bound": stage.bound,
+                              "synchronous": stage.synchronous}}
+        if stage.synchronous:
+            groups: Groups = (tuple(range(self.world)),)
+        elif self.config.grouping == "speed" and measured:
+            current = self.groups if len(self.groups) == count else None
+            groups = speed_groups(paces, count, current, self.config.hysteresis)
+        else:
+            groups = self.configured if self.config.grouping == "static" or len(self.groups) != count \
+                else self.groups
+        if samples <= 0:
+            steps = [0] * len(groups)
+        elif measured and not stage.synchronous:
+            steps = steps_per_group(groups, paces, samples, batch)
+        else:
+            steps = [samples // (self.world * batch)] * len(groups)
+        return {"groups": [list(g) for g in groups], "steps": steps, "paces": paces, "change": change,
+                "stage": {"name": stage.name, "period_s": stage.period_s, "bound": stage.bound,
+                          "synchronous": stage.synchronous}}
+
+    # ---- what happened -------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        link = self.link
+        gaps = Counter(link.gaps) if link is not None else Counter()
+        service = link.stats() if (link is not None and self.rank == 0) else None
+        return {
+            "rank": self.rank, "groups": [list(g) for g in self.groups], "stage": self.stage.name,
+            "bound": self.stage.bound, "exchanges": self.exchanges,
+            "gaps": {str(k): v for k, v in sorted(gaps.items())},
+            "exchange_s_p50": statistics.median(link.exchange_s) if link is not None and link.exchange_s else None,
+            "outages": link.outages if link is not None else 0,
+            "service_restarts": self.service.restarts if self.service is not None else 0,
+            "service": service, "history": self.history,
+        }
+
+    def finish(self) -> None:
+        """Training is over on this rank: wait for every rank (one that left early would shut Horovod
+        down under the others), mix one last time so every rank holds the same final model, and stop."""
+        if self.started and not self.finished:
+            self.finished = True
+            try:
+                self.park()
+                self._mix()
+            except (RuntimeError, ValueError) as exc:  # Horovod already shut down: nothing left to mix
+                _log.warning("group_async: no final mix (%s)", exc)
+        self.stop()
+
+    def stop(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        if self.service is not None:
+            self.service.stop()

@@ -1,0 +1,276 @@
+"""The parameter service: the global model that group leaders push their updates to and pull from.
+
+One process per job, started by the job's rank 0 (and restarted by it if it
+dies), listening on TCP. Why a process the job starts rather than a
+``crossoverd`` role: the model belongs to the job, lives and dies with it,
+needs no trust between jobs, and costs the node daemon no memory; and as a
+separate process it holds its own GIL, so rank 0's training and the service's
+tensor adds do not take turns.
+
+Every exchange adds the group's update to the global model, ticks the
+group's SSP clock (:mod:`.clock`), and answers with the global model once the
+group is within the staleness bound of the slowest active group. With
+``--state-dir``, the model, its version, the clocks and the last applied
+exchange of every group are written (atomically) before the answer, so a
+restarted service resumes from the newest model and loses no acknowledged
+update; an exchange a leader retries after losing the answer is recognised
+by its sequence number and not applied twice.
+
+Run by hand: ``python -m crossover.plugins.group_async.service --port 7070
+--bound 4 --state-dir /var/tmp/job --token-file token``.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import socket
+import socketserver
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .clock import SSPClock
+from .codec import decode
+from .wire import WireError, recv_frame, send_frame
+
+__all__ = ["GlobalModel", "ParameterService", "main"]
+
+_log = logging.getLogger(__name__)
+
+
+class GlobalModel:
+    """The global model, its version, the SSP clocks and what the service has measured; thread-safe."""
+
+    def __init__(self, bound: int, state_dir: Path | None = None, silent_after_s: float = 30.0,
+                 wait_limit_s: float = 120.0) -> None:
+        self.clock = SSPClock(bound)
+        self.state_dir = state_dir
+        self.silent_after_s = silent_after_s
+        self.wait_limit_s = wait_limit_s
+        self.model: np.ndarray | None = None
+        self.version = 0
+        self.last_seq: dict[int, int] = {}
+        self.last_seen: dict[int, float] = {}
+        self.gaps: Counter[int] = Counter()
+        self.waits_s: list[float] = []
+        self.resumed_from: int | None = None
+        self._cond = threading.Condition()
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._load()
+
+    # ---- persistence ---------------------------------------------------
+
+    def _load(self) -> None:
+        assert self.state_dir is not None
+        meta_path = self.state_dir / "global.json"
+        if not meta_path.exists():
+            return
+        meta = json.loads(meta_path.read_text())
+        self.model = np.load(self.state_dir / meta["model"])
+        self.version = int(meta["version"])
+        self.last_seq = {int(g): int(s) for g, s in meta["last_seq"].items()}
+        self.clock.clocks = {int(g): int(c) for g, c in meta["clocks"].items()}
+        self.clock.parked = set(self.clock.clocks)  # nobody is waited for until it speaks again
+        self.resumed_from = self.version
+        _log.warning("parameter service resumed from version %d (%d parameters) in %s", self.version,
+                     self.model.size, self.state_dir)
+
+    def _save(self) -> None:
+        if self.state_dir is None or self.model is None:
+            return
+        name = f"model-{self.version}.npy"
+        np.save(self.state_dir / name, self.model)
+        meta = {"model": name, "version": self.version, "last_seq": self.last_seq, "clocks": self.clock.clocks}
+        tmp = self.state_dir / "global.json.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, self.state_dir / "global.json")
+        for old in self.state_dir.glob("model-*.npy"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
+
+    # ---- operations ----------------------------------------------------
+
+    def hello(self, group: int, init: bytes, numel: int) -> dict[str, Any]:
+        with self._cond:
+            if self.model is None:
+                if not init:
+                    raise ValueError("the service holds no model yet: the first leader must send it")
+                self.model = np.frombuffer(init, dtype=np.float32, count=numel).copy()
+                self._save()
+            elif self.model.size != numel:
+                raise ValueError(f"the service's model has {self.model.size} parameters, the group's {numel}")
+            self.last_seen[group] = time.monotonic()
+            self.clock.activate(group)
+            return {"version": self.version, "last_seq": self.last_seq.get(group, -1)}
+
+    def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray, numel: int,
+                 wait: bool) -> dict[str, Any]:
+        """Apply a group's update (once per ``seq``), then wait until the group is within the bound."""
+        with self._cond:
+            if self.model is None:
+                raise ValueError("exchange before hello")
+            duplicate = seq <= self.last_seq.get(group, -1)
+            if not duplicate:
+                self.model += decode(kind, bytes(payload), numel)
+                self.version += 1
+                self.last_seq[group] = seq
+                self.clock.tick(group)
+                self._save()
+            self.last_seen[group] = time.monotonic()
+            self._cond.notify_all()
+            waited = 0.0
+            if wait:
+                started = time.monotonic()
+                while not self.clock.may_proceed(group):
+                    if time.monotonic() - started > self.wait_limit_s:
+                        break
+                    self._cond.wait(0.05)
+                    self._park_silent(group)
+                waited = time.monotonic() - started
+                self.waits_s.append(waited)
+            else:
+                self.clock.park(group)
+                self._cond.notify_all()
+            gap = self.clock.gap(group)
+            self.gaps[gap] += 1
+            return {"version": self.version, "gap": gap, "duplicate": duplicate, "waited_s": waited}
+
+    def _park_silent(self, asking: int) -> None:
+        now = time.monotonic()
+        for group, seen in self.last_seen.items():
+            if group != asking and group not in self.clock.parked and now - seen > self.silent_after_s:
+                _log.warning("group %d silent for %.1fs: no longer waited for", group, now - seen)
+                self.clock.park(group)
+
+    def park(self, group: int) -> None:
+        with self._cond:
+            self.clock.park(group)
+            self.last_seen[group] = time.monotonic()
+            self._cond.notify_all()
+
+    def level(self) -> None:
+        with self._cond:
+            self.clock.level()
+            self._cond.notify_all()
+
+    def regroup(self, leaders: list[int]) -> None:
+        """Groups were re-formed after a full mix: the new groups' clocks start level, the old ones go."""
+        with self._cond:
+            top = max(self.clock.clocks.values(), default=0)
+            self.clock.clocks = {g: top for g in leaders}
+            self.clock.parked = set()
+            now = time.monotonic()
+            for g in leaders:
+                self.last_seen[g] = now
+            self._cond.notify_all()
+
+    def snapshot(self) -> bytes:
+        with self._cond:
+            if self.model is None:
+                raise ValueError("the service holds no model yet")
+            return self.model.tobytes()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            waits = sorted(self.waits_s)
+            return {"version": self.version, "bound": self.clock.bound, "clocks": dict(self.clock.clocks),
+                    "gaps": {str(k): v for k, v in sorted(self.gaps.items())}, "exchanges": sum(self.gaps.values()),
+                    "wait_p50_s": waits[len(waits) // 2] if waits else 0.0, "wait_max_s": waits[-1] if waits else 0.0,
+                    "resumed_from": self.resumed_from}
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: ParameterService
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        state = self.server.state
+        try:
+            header, _ = recv_frame(sock)
+            if header.get("op") != "auth" or not hmac.compare_digest(str(header.get("token", "")),
+                                                                      self.server.token):
+                send_frame(sock, {"error": "unauthenticated: a wrong or missing token"})
+                return
+            send_frame(sock, {"ok": True})
+            while True:
+                header, payload = recv_frame(sock)
+                try:
+                    reply, body = self._one(state, header, payload)
+                except (ValueError, KeyError, TypeError) as exc:
+                    reply, body = {"error": str(exc)}, b""
+                send_frame(sock, reply, body)
+        except (WireError, OSError):
+            return
+
+    @staticmethod
+    def _one(state: GlobalModel, header: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+        op = header["op"]
+        if op == "hello":
+            return state.hello(int(header["group"]), bytes(payload), int(header["numel"])), b""
+        if op == "exchange":
+            reply = state.exchange(int(header["group"]), int(header["seq"]), str(header["codec"]), payload,
+                                   int(header["numel"]), bool(header.get("wait", True)))
+            return reply, state.snapshot()
+        if op == "park":
+            state.park(int(header["group"]))
+            return {"ok": True}, b""
+        if op == "pull":
+            if header.get("level"):
+                state.level()
+            return {"version": state.version}, state.snapshot()
+        if op == "regroup":
+            state.regroup([int(g) for g in header["leaders"]])
+            return {"ok": True}, b""
+        if op == "stats":
+            return state.stats(), b""
+        raise ValueError(f"unknown operation {op!r}")
+
+
+class ParameterService(socketserver.ThreadingTCPServer):
+    """The TCP server around one :class:`GlobalModel`; every connection must first send the job's token."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], state: GlobalModel, token: str) -> None:
+        super().__init__(address, _Handler)
+        self.state = state
+        self.token = token
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m crossover.plugins.group_async.service",
+                                description="The parameter service of one group_async job (rank 0 starts it).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for other nodes' leaders)")
+    p.add_argument("--port", type=int, default=0, help="0: any free port (written to --port-file)")
+    p.add_argument("--bound", type=int, default=4, help="SSP staleness bound, in exchanges")
+    p.add_argument("--state-dir", default="", help="write the global model here after every exchange and "
+                   "resume from it at start")
+    p.add_argument("--token-file", required=True, help="file holding the job's token")
+    p.add_argument("--port-file", default="", help="write the port listened on here once listening")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s param-service %(levelname)s %(message)s")
+    token = Path(args.token_file).read_text().strip()
+    state = GlobalModel(args.bound, Path(args.state_dir) if args.state_dir else None)
+    with ParameterService((args.host, args.port), state, token) as server:
+        port = server.server_address[1]
+        if args.port_file:
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(str(port))
+            os.replace(tmp, args.port_file)
+        _log.info("listening on %s:%d (bound %d, pid %d)", args.host, port, args.bound, os.getpid())
+        server.serve_forever(poll_interval=0.2)
+
+
+if __name__ == "__main__":
+    main()

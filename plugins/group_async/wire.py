@@ -1,0 +1,53 @@
+"""The parameter service's wire format: one frame is a JSON header and an optional payload of raw bytes.
+
+A frame on the TCP stream: 4 bytes (big-endian) of header length, the
+header (UTF-8 JSON, holding ``"bytes"``: the payload length), then the
+payload. Tensors travel as the payload in one piece (see :mod:`.codec`), so
+nothing is converted element by element.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+__all__ = ["MAX_HEADER", "WireError", "recv_frame", "send_frame"]
+
+MAX_HEADER = 1 << 20
+_LEN = struct.Struct(">I")
+
+
+class WireError(ConnectionError):
+    """The peer closed the connection or sent something that is not a frame."""
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    head = json.dumps({**header, "bytes": len(payload)}).encode()
+    sock.sendall(_LEN.pack(len(head)) + head)
+    if payload:
+        sock.sendall(payload)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        chunk = sock.recv_into(view[got:], n - got)
+        if chunk == 0:
+            raise WireError("the peer closed the connection")
+        got += chunk
+    return buf
+
+
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+    (length,) = _LEN.unpack(_exactly(sock, _LEN.size))
+    if length > MAX_HEADER:
+        raise WireError(f"a frame header of {length} bytes is not ours")
+    try:
+        header = json.loads(bytes(_exactly(sock, length)))
+    except ValueError as exc:
+        raise WireError(f"a frame header that is not JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("bytes"), int) or header["bytes"] < 0:
+        raise WireError("a frame header without its payload length")
+    return header, _exactly(sock, header["bytes"]) if header["bytes"] else bytearray()

@@ -1,0 +1,188 @@
+"""group_async's pure logic: the SSP clock, grouping, epoch shares, the staged schedule and the codecs."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossover.plugins.group_async.clock import SSPClock
+from crossover.plugins.group_async.codec import Codec, decode
+from crossover.plugins.group_async.grouping import (
+    GroupingError,
+    parse_groups,
+    speed_groups,
+    static_groups,
+    steps_per_group,
+)
+from crossover.plugins.group_async.schedule import Schedule
+
+# ---- SSP clock -------------------------------------------------------------
+
+
+def test_a_group_more_than_the_bound_ahead_may_not_proceed_until_the_slowest_ticks():
+    clock = SSPClock(bound=2)
+    clock.activate(0)
+    clock.activate(1)
+    for _ in range(2):
+        clock.tick(0)
+    assert clock.may_proceed(0) and clock.gap(0) == 2
+    clock.tick(0)
+    assert not clock.may_proceed(0) and clock.gap(0) == 3
+    clock.tick(1)
+    assert clock.may_proceed(0)
+
+
+def test_a_parked_group_is_not_waited_for_and_comes_back_at_the_slowest_clock():
+    clock = SSPClock(bound=1)
+    for g in (0, 1, 2):
+        clock.activate(g)
+    clock.park(2)
+    for _ in range(5):
+        clock.tick(0)
+        clock.tick(1)
+    assert clock.may_proceed(0) and clock.gap(0) == 0
+    clock.activate(2)
+    assert clock.clocks[2] == 5 and clock.gap(0) == 0
+
+
+def test_a_full_mix_levels_every_clock():
+    clock = SSPClock(bound=0)
+    clock.activate(0)
+    clock.activate(1)
+    clock.tick(0)
+    clock.tick(0)
+    clock.tick(1)
+    clock.level()
+    assert set(clock.clocks.values()) == {2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(bound=st.integers(0, 4), order=st.lists(st.integers(0, 2), min_size=1, max_size=80))
+def test_a_service_that_lets_only_groups_within_the_bound_proceed_never_exceeds_it(bound, order):
+    """Whatever order groups ask in, a group that ticks only when the clock lets it never sees a gap
+    above the bound (how the service's wait keeps staleness bounded by construction)."""
+    clock = SSPClock(bound)
+    for g in range(3):
+        clock.activate(g)
+    for g in order:
+        clock.tick(g)
+        if not clock.may_proceed(g):  # it waits: roll its tick back until the slowest catches up
+            clock.clocks[g] -= 1
+        assert all(clock.gap(h) <= bound for h in range(3))
+
+
+def test_a_negative_bound_is_refused():
+    with pytest.raises(ValueError):
+        SSPClock(-1)
+
+
+# ---- groups ----------------------------------------------------------------
+
+
+def test_group_specs_parse_counts_and_rank_lists():
+    assert parse_groups("2", 4) == ((0, 1), (2, 3))
+    assert parse_groups("3", 4) == ((0, 1), (2,), (3,))
+    assert parse_groups("2,3;0,1", 4) == ((0, 1), (2, 3))
+    assert parse_groups("0;1,2,3", 4) == ((0,), (1, 2, 3))
+    for bad in ("", "x", "0,1;1,2,3", "0,1", "5", "0;;1,2,3"):
+        with pytest.raises(GroupingError):
+            parse_groups(bad, 4)
+
+
+def test_static_groups_cover_every_rank_in_near_equal_sizes():
+    groups = static_groups(7, 3)
+    assert sorted(r for g in groups for r in g) == list(range(7))
+    assert sorted(len(g) for g in groups) == [2, 2, 3]
+
+
+def test_speed_grouping_puts_the_straggler_alone():
+    assert speed_groups([1.0, 1.1, 0.9, 4.0], 2) == ((0, 1, 2), (3,))
+
+
+def test_speed_grouping_keeps_the_current_groups_unless_the_gain_clears_the_hysteresis():
+    current = ((0, 1), (2, 3))
+    assert speed_groups([1.0, 1.0, 1.0, 1.05], 2, current, hysteresis=0.1) == current
+    assert speed_groups([1.0, 1.0, 1.0, 4.0], 2, current, hysteresis=0.1) == ((0, 1, 2), (3,))
+
+
+def _brute_force_cost(paces: list[float], count: int) -> float:
+    best = float("inf")
+    n = len(paces)
+    for labels in itertools.product(range(count), repeat=n):
+        if len(set(labels)) != count:
+            continue
+        groups = [[r for r in range(n) if labels[r] == g] for g in range(count)]
+        best = min(best, sum(max(paces[r] for r in g) - paces[r] for g in groups for r in g))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(paces=st.lists(st.floats(0.1, 10.0), min_size=2, max_size=6), data=st.data())
+def test_speed_grouping_is_the_least_waiting_partition(paces, data):
+    count = data.draw(st.integers(1, len(paces)))
+    groups = speed_groups(paces, count)
+    cost = sum(max(paces[r] for r in g) - paces[r] for g in groups for r in g)
+    assert cost == pytest.approx(_brute_force_cost(paces, count), abs=1e-9)
+
+
+def test_steps_follow_each_groups_pace_and_never_overdraw_the_epoch():
+    groups = ((0, 1), (2, 3))
+    steps = steps_per_group(groups, [1.0, 1.0, 1.0, 4.0], samples=1000, batch=10)
+    assert steps == [40, 10]  # 2 ranks at 1 s/sample against 2 at 4 s/sample: 4:1
+    for paces in ([1.0, 1.0, 1.0, 1000.0], [1.0, 2.0, 3.0, 4.0]):
+        steps = steps_per_group(groups, paces, samples=200, batch=16)
+        assert min(steps) >= 1 and sum(s * 2 * 16 for s in steps) <= 200
+
+
+# ---- schedule --------------------------------------------------------------
+
+
+def test_staged_profiles_synchronously_then_goes_coarse_then_fine_once_progress_halves():
+    schedule = Schedule("staged", period_s=0.5, bound=2)
+    assert schedule.stage.synchronous
+    coarse = schedule.after_profile()
+    assert (coarse.name, coarse.period_s, coarse.bound) == ("coarse", 2.0, 4)
+    assert schedule.at_epoch(10.0).name == "coarse"
+    assert schedule.at_epoch(6.0).name == "coarse"
+    assert schedule.at_epoch(None).name == "coarse"  # unknown (service away): no switch
+    fine = schedule.at_epoch(4.9)
+    assert (fine.name, fine.period_s, fine.bound) == ("fine", 0.5, 2)
+    assert schedule.at_epoch(100.0).name == "fine"  # never back
+
+
+def test_fixed_keeps_its_period_and_bound():
+    schedule = Schedule("fixed", period_s=1.0, bound=3)
+    assert not schedule.stage.synchronous
+    assert schedule.after_profile() == schedule.at_epoch(0.1) == schedule.stage
+    with pytest.raises(ValueError):
+        Schedule("sometimes", 1.0, 1)
+
+
+# ---- codecs ----------------------------------------------------------------
+
+
+def test_fp32_is_exact_and_fp16_is_close():
+    update = torch.randn(1000)
+    assert np.array_equal(decode("fp32", Codec("fp32").encode(update), 1000), update.numpy())
+    half = decode("fp16", Codec("fp16").encode(update), 1000)
+    assert np.allclose(half, update.numpy(), rtol=1e-3, atol=1e-3)
+    assert len(Codec("fp16").encode(update)) == 2000
+
+
+def test_topk_sends_a_fraction_and_error_feedback_loses_nothing():
+    torch.manual_seed(0)
+    codec = Codec("topk", fraction=0.1)
+    total_sent = np.zeros(500, dtype=np.float32)
+    total = torch.zeros(500)
+    for _ in range(20):
+        update = torch.randn(500)
+        total += update
+        payload = codec.encode(update)
+        assert len(payload) == 50 * 8
+        total_sent += decode("topk", payload, 500)
+    assert codec.residual is not None
+    assert np.allclose(total_sent + codec.residual.numpy(), total.numpy(), atol=1e-4)
