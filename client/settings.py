@@ -82,6 +82,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                  "global model's change per epoch halves)."),
     "CROSSOVER_EXCHANGE_CODEC": ("fp32", "group_async: how updates travel to the service: fp32, fp16 or topk "
                                  "(largest entries only, the rest kept for later: error feedback)."),
+    "CROSSOVER_GROUP_WEIGHT": ("size", "group_async: how much of a group's update the global model takes: size "
+                               "(its share of the ranks; groups in lockstep make synchronous SGD's step) or sum "
+                               "(all of it, as Basu et al.; faster, noisier)."),
     "CROSSOVER_TOPK_FRACTION": ("0.01", "group_async with topk: the fraction of entries sent per exchange."),
     "CROSSOVER_PROFILE_STEPS": ("5", "group_async: steps every rank takes at the start of epoch 0 before paces "
                                 "are measured and groups get their shares of the epoch."),
@@ -93,6 +96,7 @@ AGGREGATION_RULES = ("average", "sum", "adasum", "weighted", "group_async")
 GROUPINGS = ("static", "speed")
 GROUP_SCHEDULES = ("fixed", "staged")
 EXCHANGE_CODECS = ("fp32", "fp16", "topk")
+GROUP_WEIGHTS = ("size", "sum")
 ADASUM_IMPLS = ("auto", "native", "plugin")
 ADASUM_ALGORITHMS = ("auto", "allgather", "recursive_doubling")
 LBBSP_METHODS = ("ema", "numerical")
@@ -179,6 +183,7 @@ class AggregationSettings:
     group_schedule: str = "fixed"
     exchange_codec: str = "fp32"
     topk_fraction: float = 0.01
+    group_weight: str = "size"
     profile_steps: int = 5
     param_state: str = ""
 
@@ -202,6 +207,7 @@ class AggregationSettings:
             group_schedule=_choice("CROSSOVER_GROUP_SCHEDULE", cls.group_schedule, GROUP_SCHEDULES),
             exchange_codec=_choice("CROSSOVER_EXCHANGE_CODEC", cls.exchange_codec, EXCHANGE_CODECS),
             topk_fraction=_float("CROSSOVER_TOPK_FRACTION", cls.topk_fraction, 1e-6, 1.0),
+            group_weight=_choice("CROSSOVER_GROUP_WEIGHT", cls.group_weight, GROUP_WEIGHTS),
             profile_steps=_int("CROSSOVER_PROFILE_STEPS", cls.profile_steps, 0, 1_000_000),
             param_state=os.environ.get("CROSSOVER_PARAM_STATE", cls.param_state),
         )

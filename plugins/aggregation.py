@@ -94,7 +94,8 @@ def _group_runtime(hvd: Any, chosen: AggregationSettings) -> GroupRuntime:
         config = GroupAsyncConfig(
             groups=chosen.groups, staleness=chosen.staleness, period_s=chosen.exchange_period_s,
             grouping=chosen.grouping, schedule=chosen.group_schedule, codec=chosen.exchange_codec,
-            topk_fraction=chosen.topk_fraction, profile_steps=chosen.profile_steps, state_dir=chosen.param_state)
+            topk_fraction=chosen.topk_fraction, profile_steps=chosen.profile_steps, state_dir=chosen.param_state,
+            weight=chosen.group_weight)
         _groups["runtime"] = GroupRuntime(hvd, config)
     return _groups["runtime"]
 

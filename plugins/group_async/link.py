@@ -110,14 +110,15 @@ class ServiceLink:
 
     # ---- operations ----------------------------------------------------
 
-    def exchange(self, flat: torch.Tensor, wait: bool = True) -> Optional[torch.Tensor]:
-        """Push ``flat - base``, return the global model (and make it the base); ``None`` if unreachable."""
+    def exchange(self, flat: torch.Tensor, wait: bool = True, scale: float = 1.0) -> Optional[torch.Tensor]:
+        """Push ``scale * (flat - base)``, return the global model (and make it the base); ``None`` if
+        unreachable."""
         assert self.base is not None, "start() first"
         started = time.perf_counter()
         try:
             if self._sock is None:
                 self._attach(flat)
-            update = flat.detach() - self.base
+            update = (flat.detach() - self.base) * scale
             payload = self.codec.encode(update)
             self.in_flight = (self.seq, torch.from_numpy(decode(self.codec.kind, payload, update.numel()).copy()))
             reply, body = self._call({"op": "exchange", "group": self.group, "seq": self.seq,
@@ -188,6 +189,7 @@ class ServiceProcess:
         self.bound = bound
         self.port = port
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="crossover-params-")
+        Path(self.state_dir).mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)
         self._dir = Path(tempfile.mkdtemp(prefix="crossover-service-"))
         (self._dir / "token").write_text(self.token)
@@ -205,8 +207,9 @@ class ServiceProcess:
         log = open(self._dir / "service.log", "ab")
         cmd = [sys.executable, "-m", "crossover.plugins.group_async.service", "--host", self.host,
                "--port", str(self.port), "--bound", str(self.bound), "--state-dir", self.state_dir,
-               "--token-file", str(self._dir / "token"), "--port-file", str(port_file)]
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+               "--token-file", str(self._dir / "token"), "--port-file", str(port_file),
+               "--parent-pid", str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # in the job's process group
         log.close()
         self.pid_file.write_text(str(self.proc.pid))
         (Path(self.state_dir) / "service.pid").write_text(str(self.proc.pid))

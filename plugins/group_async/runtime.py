@@ -48,6 +48,7 @@ class GroupAsyncConfig:
     profile_steps: int = 5
     state_dir: str = ""
     hysteresis: float = 0.1
+    weight: str = "size"
 
 
 class GroupRuntime:
@@ -136,7 +137,7 @@ class GroupRuntime:
         if self.is_leader and self.link is not None:
             if self.service is not None:
                 self.service.ensure_running()
-            model = self.link.exchange(self._flat(), wait=True)
+            model = self.link.exchange(self._flat(), wait=True, scale=self._weight())
             if model is not None:
                 self.exchanges += 1
         if len(self.group) > 1:
@@ -149,6 +150,12 @@ class GroupRuntime:
             model = packet[1:] if packet[0] > 0 else None
         if model is not None:
             self._load(model)
+
+    def _weight(self) -> float:
+        """How much of its own progress a group adds to the global model: ``size`` weighs a group by its
+        share of the ranks (groups in lockstep then make exactly synchronous SGD's step), ``sum`` adds
+        every group's update whole (Basu et al.: faster, noisier)."""
+        return 1.0 if self.config.weight == "sum" else len(self.group) / self.world
 
     def park(self) -> None:
         """This rank's share of the epoch is done: push what it learned, and let the others run on."""
@@ -210,7 +217,7 @@ class GroupRuntime:
         if self.is_leader and self.link is not None:
             if self.service is not None:
                 self.service.ensure_running()
-            self.link.exchange(self._flat(), wait=False)
+            self.link.exchange(self._flat(), wait=False, scale=self._weight())
         hvd.allreduce(torch.zeros(1), name="crossover.group_async.pushed")  # every push is in
         packet = torch.zeros(sum(p.numel() for p in self.params) + 1)
         if self.rank == 0 and self.link is not None:

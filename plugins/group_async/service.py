@@ -247,6 +247,14 @@ class ParameterService(socketserver.ThreadingTCPServer):
         self.token = token
 
 
+def _exit_with(parent: int, server: ParameterService) -> None:
+    """A service whose rank 0 is gone has nobody to serve: stop (a job killed hard leaves no orphan)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    _log.warning("rank 0 (pid %d) is gone; stopping", parent)
+    server.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m crossover.plugins.group_async.service",
                                 description="The parameter service of one group_async job (rank 0 starts it).")
@@ -257,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                    "resume from it at start")
     p.add_argument("--token-file", required=True, help="file holding the job's token")
     p.add_argument("--port-file", default="", help="write the port listened on here once listening")
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (rank 0) is gone")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s param-service %(levelname)s %(message)s")
@@ -269,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
             tmp.write_text(str(port))
             os.replace(tmp, args.port_file)
         _log.info("listening on %s:%d (bound %d, pid %d)", args.host, port, args.bound, os.getpid())
+        if args.parent_pid:
+            threading.Thread(target=_exit_with, args=(args.parent_pid, server), daemon=True).start()
         server.serve_forever(poll_interval=0.2)
 
 

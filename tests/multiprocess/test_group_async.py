@@ -1,0 +1,90 @@
+"""group_async in real 4-rank `horovodrun` jobs on real data (scikit-learn's digits): it trains as well as
+synchronous SGD with a straggler, keeps staleness within its bound, gives the slow group less of each
+epoch, and survives losing its parameter service mid-run. Thresholds in accuracy and counts, not seconds."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.harness.jobs import WORKLOADS, horovodrun
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+TRAIN = WORKLOADS / "train_classifier.py"
+COMMON = {"global_batch": 128, "lr": 0.05, "evals_per_epoch": 1, "straggler": "3:3.0", "straggler_work": "sleep"}
+
+
+def _run(jobs, tmp_path: Path, name: str, runs: list[dict], env: dict[str, str]) -> list[dict]:
+    job = horovodrun(name, TRAIN, tmp_path, np=4, env=env,
+                     args=("--dataset", "digits", "--model", "mlp", "--width", "256", "--runs", json.dumps(runs),
+                           "--pace", "4"))
+    jobs.append(job)
+    return [job]
+
+
+def _summaries(job) -> list[dict]:
+    assert job.wait(240) == 0, job.output()[-4000:]
+    summaries = job.summaries()
+    assert len(summaries) == 4, job.output()[-4000:]
+    return summaries
+
+
+def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_bound(jobs, tmp_path):
+    runs = [{**COMMON, "name": "sync", "rule": "average", "epochs": 4},
+            {**COMMON, "name": "group_async", "rule": "group_async", "epochs": 4}]
+    (job,) = _run(jobs, tmp_path, "ga", runs, {"CROSSOVER_STALENESS": "2", "CROSSOVER_EXCHANGE_PERIOD": "0.1"})
+    summaries = _summaries(job)
+    by_name = {r["name"]: r for r in summaries[0]["runs"]}
+    sync, grouped = by_name["sync"], by_name["group_async"]
+    assert grouped["aggregation"] == "group_async:static/fixed"
+    assert grouped["final_acc"] >= 0.85 and grouped["final_acc"] >= sync["final_acc"] - 0.03, (
+        sync["final_acc"], grouped["final_acc"])
+    # The final mix gives every rank the one same model.
+    assert len({s["runs"][1]["final_acc"] for s in summaries}) == 1
+    stats = grouped["group_async"]
+    service = stats["service"]
+    assert service["exchanges"] >= 8, service
+    assert max(int(gap) for gap in service["gaps"]) <= 2, service  # never above CROSSOVER_STALENESS
+    later = [h for h in stats["history"] if h["at"] == "start" and h["epoch"] >= 1]
+    assert later and all(h["steps"][1] < h["steps"][0] for h in later), stats["history"]  # rank 3's group slower
+
+
+def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(jobs, tmp_path):
+    state = tmp_path / "state"
+    runs = [{**COMMON, "name": "group_async", "rule": "group_async", "epochs": 8, "straggler": ""}]
+    (job,) = _run(jobs, tmp_path, "kill", runs, {"CROSSOVER_PARAM_STATE": str(state),
+                                                  "CROSSOVER_EXCHANGE_PERIOD": "0.05"})
+    killed: dict[str, int] = {}
+
+    def kill_when_warm() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.proc.poll() is None:
+            try:
+                version = json.loads((state / "global.json").read_text())["version"]
+                pid = int((state / "service.pid").read_text())
+            except (OSError, ValueError, KeyError):
+                version, pid = 0, 0
+            if version >= 10:
+                os.kill(pid, signal.SIGKILL)
+                killed.update(pid=pid, version=version)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_warm)
+    killer.start()
+    summaries = _summaries(job)
+    killer.join(10)
+    assert killed, "the service never reached version 10"
+    run = summaries[0]["runs"][0]
+    stats = run["group_async"]
+    assert stats["service_restarts"] >= 1, stats
+    assert stats["service"]["resumed_from"] >= killed["version"], (stats["service"], killed)
+    assert run["final_acc"] >= 0.85, run["curve"]
+    log = job.output()
+    assert "unreachable" in log and "re-attached" in log, log[-3000:]
