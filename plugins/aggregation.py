@@ -1,4 +1,4 @@
-"""How a job's gradients are combined: ``average``, ``sum``, ``adasum`` or ``weighted`` (LB-BSP).
+"""How a job's gradients are combined: ``average``, ``sum``, ``adasum``, ``weighted`` (LB-BSP) or ``group_async``.
 
 The rule comes from ``CROSSOVER_AGGREGATION`` or from :func:`set_aggregation`
 (which wins; :mod:`.selection`). Without either, nothing changes: Horovod does

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Callable, Optional, Union
 
 __all__ = [
+    "Stall",
     "Straggler",
     "StragglerSpecError",
     "make_matmul_work",
@@ -183,3 +184,41 @@ class Straggler:
         self._carry = target - elapsed
         self._total_extra += elapsed
         return elapsed
+
+
+class Stall:
+    """A rank that now and then stops for seconds (a device stalled by a co-tenant, a paging storm):
+    ``"3:1.5:0.05"`` (``rank:seconds:probability``) makes rank 3 stall 1.5 s after each step with
+    probability 0.05, from a seeded generator so every run stalls at the same steps."""
+
+    def __init__(self, seconds: float = 0.0, probability: float = 0.0, seed: int = 0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        import random
+
+        if seconds < 0 or not 0.0 <= probability <= 1.0:
+            raise StragglerSpecError(f"a stall needs seconds >= 0 and a probability in [0, 1], not "
+                                     f"{seconds}, {probability}")
+        self.seconds, self.probability = seconds, probability
+        self._rng = random.Random(seed)
+        self._sleep = sleep
+        self.stalled_s = 0.0
+
+    @classmethod
+    def for_rank(cls, spec: str, rank: int, seed: int = 0, **kwargs: object) -> Stall:
+        """The stall a spec gives ``rank`` (none when the spec does not name it)."""
+        if not spec.strip():
+            return cls()
+        try:
+            who, seconds, probability = spec.split(":")
+            target, pause, chance = int(who), float(seconds), float(probability)
+        except ValueError:
+            raise StragglerSpecError(f"stall spec {spec!r} is not 'rank:seconds:probability'") from None
+        return cls(pause, chance, seed, **kwargs) if target == rank else cls()  # type: ignore[arg-type]
+
+    def after_step(self) -> float:
+        """Maybe stall now; the seconds stalled."""
+        if self.probability and self._rng.random() < self.probability:
+            self._sleep(self.seconds)
+            self.stalled_s += self.seconds
+            return self.seconds
+        return 0.0

@@ -30,8 +30,8 @@ __all__ = ["ServiceLink", "ServiceProcess", "ServiceError"]
 _log = logging.getLogger(__name__)
 
 
-class ServiceError(ConnectionError):
-    """The service refused a call (its message says why)."""
+class ServiceError(RuntimeError):
+    """The service refused a call (its message says why): a misuse, not an outage, so it is raised."""
 
 
 class ServiceLink:

@@ -36,14 +36,14 @@ import torch
 import torch.nn as nn
 
 from crossover.plugins import aggregation
-from tools.faults import Straggler
+from tools.faults import Stall, Straggler
 from tools.workloads.summary import write_rank_summary
 
 DEFAULT_RUN = {
     "name": "run", "rule": None, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "epochs": 5, "seed": 0,
     "straggler": "", "straggler_work": "busy", "period": None, "hysteresis": None, "method": None,
     "evals_per_epoch": 4, "adasum_impl": None, "target": None, "stop_at_target": False, "max_train_s": None,
-    "pace": None, "model": None, "width": None, "ema_alpha": None,
+    "pace": None, "model": None, "width": None, "ema_alpha": None, "stall": "", "env": {},
 }
 
 
@@ -119,6 +119,8 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     base = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
     aggregation.set_aggregation(spec["rule"], adasum_impl=spec["adasum_impl"])
+    saved = {key: os.environ.get(key) for key in spec["env"]}
+    os.environ.update({key: str(value) for key, value in spec["env"].items()})  # CROSSOVER_* for this run
     try:
         sampler = aggregation.batch_sampler(len(x), spec["global_batch"], seed=spec["seed"], drop_last=True,
                                             period=spec["period"], hysteresis=spec["hysteresis"],
@@ -126,8 +128,14 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
         opt = aggregation.DistributedOptimizer(base, named_parameters=model.named_parameters())
     finally:
         aggregation.set_aggregation(None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
     straggler = straggler_for(spec)
+    stall = Stall.for_rank(spec["stall"], hvd.rank(), seed=spec["seed"])
     steps_per_epoch = len(sampler)
     eval_every = max(1, steps_per_epoch // spec["evals_per_epoch"])
     acc, loss = accuracy(model, xt, yt)
@@ -157,7 +165,7 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
                     time.sleep(paced - real)
                 real = max(real, paced)
             compute_s += real
-            extra_s += straggler.slow_down(real)
+            extra_s += straggler.slow_down(real) + stall.after_step()
             opt.step()
             step += 1
             if step % eval_every == 0:
@@ -222,9 +230,9 @@ def main() -> None:
             last = results[-1]
             print(f"run {last['name']}: acc {last['final_acc']:.4f} in {last['train_s']:.1f}s "
                   f"({last['steps']} steps, {last['aggregation']})", flush=True)
-    summary = {"rank": hvd.rank(), "size": hvd.size(), "dataset": args.dataset, "model": args.model,
-               "width": args.width, "train_size": len(x), "test_size": len(xt), "runs": results}
-    write_rank_summary(args.out, hvd.rank(), summary)
+        summary = {"rank": hvd.rank(), "size": hvd.size(), "dataset": args.dataset, "model": args.model,
+                   "width": args.width, "train_size": len(x), "test_size": len(xt), "runs": results}
+        write_rank_summary(args.out, hvd.rank(), summary)  # after every run: a later failure keeps these
     hvd.shutdown()
 
 
