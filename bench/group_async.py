@@ -51,7 +51,7 @@ WORKLOAD = WORKLOADS / "train_classifier.py"
 STRAGGLER = "3:4.0"  # delayed by 300 %
 STALL = "3:2.0:0.05"
 BOUND = 4
-PAIRS = {
+PAIRS: dict[str, dict[str, Any]] = {
     "digits": {"model": "cnn", "width": 512, "global_batch": 128, "lr": 0.05, "target": 0.95, "epochs": 8},
     "mnist1d": {"model": "cnn", "width": 1024, "global_batch": 256, "lr": 0.1, "target": 0.75, "epochs": 12},
 }

@@ -39,7 +39,7 @@ from crossover.plugins import aggregation
 from tools.faults import Stall, Straggler
 from tools.workloads.summary import write_rank_summary
 
-DEFAULT_RUN = {
+DEFAULT_RUN: dict = {
     "name": "run", "rule": None, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "epochs": 5, "seed": 0,
     "straggler": "", "straggler_work": "busy", "period": None, "hysteresis": None, "method": None,
     "evals_per_epoch": 4, "adasum_impl": None, "target": None, "stop_at_target": False, "max_train_s": None,
