@@ -1,5 +1,5 @@
 """The group_async parameter service on a real TCP socket, driven by real leader links (threads here;
-the multi-process behaviour is in tests/multiprocess/test_group_async.py)."""
+the multi-process behaviour is in tests/multiprocess/test_group_async_training.py)."""
 from __future__ import annotations
 
 import threading
