@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..composed_optimizer import ComposedOptimizer
 from ..selection import AggregationError
 from .algorithms import AdasumAlgorithm, adasum_allreduce_tensors
 from .collectives import HorovodCollectives
@@ -14,7 +15,7 @@ from .collectives import HorovodCollectives
 __all__ = ["AdasumOptimizer"]
 
 
-class AdasumOptimizer(torch.optim.Optimizer):
+class AdasumOptimizer(ComposedOptimizer):
     """Delta-based Adasum over :class:`HorovodCollectives` (the plugin path).
 
     Wraps the user's optimizer by composition: it shares the wrapped
@@ -37,25 +38,14 @@ class AdasumOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         algorithm: AdasumAlgorithm = "allgather",
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise AggregationError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if backward_passes_per_step < 1:
             raise AggregationError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        super().__init__(optimizer.param_groups, optimizer.defaults)
-        # Share the list and the state, not copies (see the class docstring).
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self._inner = optimizer
+        super().__init__(optimizer)
         self._collectives = collectives
         self._compression = compression
         self._algorithm = algorithm
         self.backward_passes_per_step = backward_passes_per_step
         self._pending: Optional[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = None
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped optimizer."""
-        return self._inner
 
     @property
     def algorithm(self) -> AdasumAlgorithm:
@@ -132,17 +122,3 @@ class AdasumOptimizer(torch.optim.Optimizer):
             raise AggregationError("zero_grad() between step()'s local update and synchronize() would lose the "
                                    "update; let step() finish first")
         self._inner.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_inner", None) is None:  # called from Optimizer.__init__
-            super().add_param_group(param_group)
-            return
-        self._inner.add_param_group(param_group)  # appends to the shared list
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._inner.load_state_dict(state_dict)
-        self.param_groups = self._inner.param_groups
-        self.state = self._inner.state

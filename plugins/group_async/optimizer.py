@@ -16,33 +16,25 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..composed_optimizer import ComposedOptimizer
 from ..selection import AggregationError
 from .runtime import GroupRuntime
 
 __all__ = ["GroupAsyncOptimizer"]
 
 
-class GroupAsyncOptimizer(torch.optim.Optimizer):
-    """Wraps the user's optimizer by composition (shared ``param_groups`` and ``state``, as
-    :class:`~crossover.plugins.adasum.optimizer.AdasumOptimizer` does)."""
+class GroupAsyncOptimizer(ComposedOptimizer):
+    """Wraps the user's optimizer by composition (:class:`ComposedOptimizer`); parameter groups must be
+    complete before wrapping, since the runtime flattens the parameters once."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, hvd: Any, runtime: GroupRuntime) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise AggregationError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        super().__init__(optimizer.param_groups, optimizer.defaults)
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self._inner = optimizer
+        super().__init__(optimizer)
         self._hvd = hvd
         self.runtime = runtime
         runtime.params = [p for g in self.param_groups for p in g["params"]]
         self.backward_passes_per_step = 1
         self._synchronized = False
         self._compute_from: Optional[float] = None
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._inner
 
     def __repr__(self) -> str:
         return f"GroupAsyncOptimizer({self._inner!r})"
@@ -94,11 +86,3 @@ class GroupAsyncOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         raise AggregationError("group_async: add parameter groups before wrapping the optimizer")
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._inner.load_state_dict(state_dict)
-        self.param_groups = self._inner.param_groups
-        self.state = self._inner.state
