@@ -42,7 +42,7 @@ from .adasum.collectives import HorovodCollectives
 from .adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
 from .adasum.optimizer import AdasumOptimizer
 from .group_async.optimizer import GroupAsyncOptimizer
-from .group_async.runtime import GroupAsyncConfig, GroupRuntime
+from .group_async.runtime import GroupRuntime
 from .group_async.sampler import GroupSampler
 from .lbbsp.adoption import decide
 from .lbbsp.config import BatchSizeConfig
@@ -91,12 +91,7 @@ prepare_horovod()
 
 def _group_runtime(hvd: Any, chosen: AggregationSettings) -> GroupRuntime:
     if "runtime" not in _groups:
-        config = GroupAsyncConfig(
-            groups=chosen.groups, staleness=chosen.staleness, period_s=chosen.exchange_period_s,
-            grouping=chosen.grouping, schedule=chosen.group_schedule, codec=chosen.exchange_codec,
-            topk_fraction=chosen.topk_fraction, profile_steps=chosen.profile_steps, state_dir=chosen.param_state,
-            weight=chosen.group_weight)
-        _groups["runtime"] = GroupRuntime(hvd, config)
+        _groups["runtime"] = GroupRuntime(hvd, chosen)
     return _groups["runtime"]
 
 

@@ -197,10 +197,6 @@ class ServiceProcess:
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.restarts = 0
 
-    @property
-    def pid_file(self) -> Path:
-        return self._dir / "pid"
-
     def start(self, timeout_s: float = 30.0) -> tuple[str, int]:
         port_file = self._dir / "port"
         port_file.unlink(missing_ok=True)
@@ -211,7 +207,6 @@ class ServiceProcess:
                "--parent-pid", str(os.getpid())]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # in the job's process group
         log.close()
-        self.pid_file.write_text(str(self.proc.pid))
         (Path(self.state_dir) / "service.pid").write_text(str(self.proc.pid))
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():

@@ -10,23 +10,24 @@ through their leaders, to the parameter service.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 import socket
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from ...client.settings import AggregationSettings
 from .codec import Codec
 from .grouping import Groups, parse_groups, speed_groups, steps_per_group
 from .link import ServiceLink, ServiceProcess
 from .schedule import Schedule, Stage
 
-__all__ = ["GroupAsyncConfig", "GroupRuntime"]
+__all__ = ["GroupRuntime"]
 
 _log = logging.getLogger(__name__)
 
@@ -34,33 +35,20 @@ _log = logging.getLogger(__name__)
 _PROCESS_SETS: dict[tuple[int, ...], Any] = {}
 
 
-@dataclass(frozen=True)
-class GroupAsyncConfig:
-    """The ``group_async`` settings (``CROSSOVER_GROUPS`` and friends; docs/aggregation.md)."""
-
-    groups: str = "2"
-    staleness: int = 4
-    period_s: float = 0.5
-    grouping: str = "static"
-    schedule: str = "fixed"
-    codec: str = "fp32"
-    topk_fraction: float = 0.01
-    profile_steps: int = 5
-    state_dir: str = ""
-    hysteresis: float = 0.1
-    weight: str = "size"
+# Regroup only when that cuts the waiting inside groups by this share of the ranks' summed pace.
+_REGROUP_HYSTERESIS = 0.1
 
 
 class GroupRuntime:
     """This rank's view of the job's groups; the optimizer and the sampler both act through it."""
 
-    def __init__(self, hvd: Any, config: GroupAsyncConfig) -> None:
+    def __init__(self, hvd: Any, config: AggregationSettings) -> None:
         self.hvd = hvd
         self.config = config
         self.world = int(hvd.size())
         self.rank = int(hvd.rank())
         self.configured: Groups = parse_groups(config.groups, self.world)
-        self.schedule = Schedule(config.schedule, config.period_s, config.staleness)
+        self.schedule = Schedule(config.group_schedule, config.exchange_period_s, config.staleness)
         self.stage: Stage = self.schedule.stage
         self.groups: Groups = ((tuple(range(self.world)),) if self.stage.synchronous else self.configured)
         self.params: list[torch.Tensor] = []
@@ -155,7 +143,7 @@ class GroupRuntime:
         """How much of its own progress a group adds to the global model: ``size`` weighs a group by its
         share of the ranks (groups in lockstep then make exactly synchronous SGD's step), ``sum`` adds
         every group's update whole (Basu et al.: faster, noisier)."""
-        return 1.0 if self.config.weight == "sum" else len(self.group) / self.world
+        return 1.0 if self.config.group_weight == "sum" else len(self.group) / self.world
 
     def park(self) -> None:
         """This rank's share of the epoch is done: push what it learned, and let the others run on."""
@@ -171,7 +159,7 @@ class GroupRuntime:
         if self.rank == 0:
             single_host = int(hvd.local_size()) == self.world
             host = "127.0.0.1" if single_host else "0.0.0.0"
-            self.service = ServiceProcess(host, self.config.staleness, self.config.state_dir)
+            self.service = ServiceProcess(host, self.config.staleness, self.config.param_state)
             try:
                 _, port = self.service.start()
                 reach = "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname())
@@ -207,7 +195,7 @@ class GroupRuntime:
             if self.link is None:
                 host, port, token = self._address
                 self.link = ServiceLink((host, port), token, group=self.rank,
-                                        codec=Codec(self.config.codec, self.config.topk_fraction))
+                                        codec=Codec(self.config.exchange_codec, self.config.topk_fraction))
                 self.link.start(self._flat())
 
     def _mix(self) -> Optional[float]:
@@ -281,17 +269,12 @@ class GroupRuntime:
             stage = self.schedule.stage
         count = len(self.configured)
         if change is None and self.boundaries > 0 and not self.stage.synchronous:
-            groups_now = self.groups  # nothing was mixed: a new group would hold different models
-            steps = steps_per_group(groups_now, paces, samples, batch) if measured else \
-                [samples // (self.world * batch)] * len(groups_now)
-            return {"groups": [list(g) for g in groups_now], "steps": steps, "paces": paces, "change": None,
-                    "stage": {"name": stage.name, "period_s": stage.period_s, "bound": stage.bound,
-                              "synchronous": stage.synchronous}}
-        if stage.synchronous:
-            groups: Groups = (tuple(range(self.world)),)
+            groups = self.groups  # nothing was mixed: a new group would hold different models
+        elif stage.synchronous:
+            groups = (tuple(range(self.world)),)
         elif self.config.grouping == "speed" and measured:
             current = self.groups if len(self.groups) == count else None
-            groups = speed_groups(paces, count, current, self.config.hysteresis)
+            groups = speed_groups(paces, count, current, _REGROUP_HYSTERESIS)
         else:
             groups = self.configured if self.config.grouping == "static" or len(self.groups) != count \
                 else self.groups
@@ -302,8 +285,7 @@ class GroupRuntime:
         else:
             steps = [samples // (self.world * batch)] * len(groups)
         return {"groups": [list(g) for g in groups], "steps": steps, "paces": paces, "change": change,
-                "stage": {"name": stage.name, "period_s": stage.period_s, "bound": stage.bound,
-                          "synchronous": stage.synchronous}}
+                "stage": dataclasses.asdict(stage)}
 
     # ---- what happened -------------------------------------------------
 
