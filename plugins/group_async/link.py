@@ -47,6 +47,7 @@ class ServiceLink:
         self.seq = 0
         self.base: Optional[torch.Tensor] = None
         self.in_flight: Optional[tuple[int, torch.Tensor]] = None  # (seq, what the service adds for it)
+        self.consumed: Optional[int] = None  # the last answer's count of samples all groups took from the epoch
         self.lost_since: Optional[float] = None
         self.outages = 0
         self.gaps: list[int] = []
@@ -110,11 +111,13 @@ class ServiceLink:
 
     # ---- operations ----------------------------------------------------
 
-    def exchange(self, flat: torch.Tensor, wait: bool = True, scale: float = 1.0) -> Optional[torch.Tensor]:
+    def exchange(self, flat: torch.Tensor, wait: bool = True, scale: float = 1.0, epoch: int = -1,
+                 taken: int = 0) -> Optional[torch.Tensor]:
         """Push ``scale * (flat - base)``, return the global model (and make it the base); ``None`` if
-        unreachable."""
+        unreachable. ``taken``: the samples the group has taken from ``epoch`` so far (see :meth:`progress`)."""
         assert self.base is not None, "start() first"
         started = time.perf_counter()
+        self.consumed = None
         try:
             if self._sock is None:
                 self._attach(flat)
@@ -122,7 +125,8 @@ class ServiceLink:
             payload = self.codec.encode(update)
             self.in_flight = (self.seq, torch.from_numpy(decode(self.codec.kind, payload, update.numel()).copy()))
             reply, body = self._call({"op": "exchange", "group": self.group, "seq": self.seq,
-                                      "codec": self.codec.kind, "numel": update.numel(), "wait": wait}, payload)
+                                      "codec": self.codec.kind, "numel": update.numel(), "wait": wait,
+                                      "epoch": epoch, "taken": taken}, payload)
         except (OSError, WireError) as exc:
             self._drop(exc)
             return None
@@ -133,11 +137,25 @@ class ServiceLink:
             return None
         self.in_flight = None
         self.seq += 1
+        self.consumed = reply.get("consumed")
         self.gaps.append(int(reply["gap"]))
         self.exchange_s.append(time.perf_counter() - started)
         model = torch.from_numpy(np.frombuffer(body, dtype=np.float32).copy())
         self.base = model.clone()
         return model
+
+    def progress(self, epoch: int, taken: int) -> Optional[int]:
+        """Tell the service the group has taken ``taken`` samples of ``epoch`` so far (a running total,
+        so a repeated call counts once); the answer is what all groups have taken (``None`` if unreachable).
+        No model travels and no clock moves: a group may ask at every step."""
+        try:
+            if self._sock is None and self.base is not None:
+                self._attach(self.base)
+            reply, _ = self._call({"op": "progress", "group": self.group, "epoch": epoch, "taken": taken})
+        except (OSError, WireError) as exc:
+            self._drop(exc)
+            return None
+        return int(reply["consumed"])
 
     def park(self) -> None:
         """This group is between epochs or done: the others must not wait for it."""

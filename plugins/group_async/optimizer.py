@@ -1,9 +1,10 @@
 """The group_async optimizer: synchronous data-parallel SGD inside the group, exchanges between groups.
 
 ``step()`` = :meth:`synchronize` (average the gradients over the group's
-Horovod process set; the leader's "exchange now" flag rides along in the
-same grouped allreduce, so the group agrees without another round trip; then,
-if flagged, the exchange with the parameter service) followed by the wrapped
+Horovod process set; the leader's flags, "exchange now" and "the epoch is
+used up", ride along in the same grouped allreduce, so the group agrees
+without another round trip; then, if flagged, the exchange with the
+parameter service) followed by the wrapped
 optimizer's update. The exchange happens inside ``synchronize()``, which the
 phase tracker brackets as communication: a rank never holds its device while
 its group waits on the service. The gradients, computed on the model before
@@ -47,12 +48,17 @@ class GroupAsyncOptimizer(ComposedOptimizer):
             self.runtime.observe(time.perf_counter() - self._compute_from)
         rt = self.runtime
         if not rt.started:  # no group_async sampler: the first step is the one boundary
-            rt.boundary("start", 0, 0, 1)
+            rt.begin_epoch(0, 0, 1)
         params = [p for p in rt.params if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flag = torch.tensor([1.0 if rt.is_leader and rt.exchange_due() else 0.0])
+        exchange = over = False
+        if rt.is_leader:
+            exchange, over = rt.step_flags()
+        else:
+            rt.count_step()
+        flag = torch.tensor([float(exchange) + 2.0 * float(over)])
         if len(rt.group) > 1:
             reduced = self._hvd.grouped_allreduce([p.grad for p in params] + [flag], op=self._hvd.Average,
                                                   process_set=rt.process_set(), name="crossover.group_async.grads")
@@ -60,8 +66,10 @@ class GroupAsyncOptimizer(ComposedOptimizer):
                 for p, r in zip(params, reduced):
                     assert p.grad is not None
                     p.grad.copy_(r)
-            flag = reduced[-1]
-        if float(flag[0]) > 0:
+            code = round(float(reduced[-1][0]) * len(rt.group))  # only the leader's flags are non-zero
+            exchange, over = bool(code & 1), bool(code & 2)
+        rt.epoch_over = rt.epoch_over or over
+        if exchange:
             rt.exchange()
         self._synchronized = True
 

@@ -1,11 +1,19 @@
 """One job's group-level async state on one rank: its groups, their process sets, the service, the stage.
 
-Every decision that ranks must agree on (groups, stage, steps per group) is
-taken on rank 0 from gathered measurements and broadcast, at boundaries that
-every rank reaches: the start of each epoch and the end of epoch 0's profiling
-steps (:class:`.sampler.GroupSampler` calls :meth:`GroupRuntime.boundary`).
-Between boundaries, groups talk only inside their Horovod process set and,
-through their leaders, to the parameter service.
+Decisions that ranks must agree on (groups, stage, steps per group) are taken
+on rank 0 from gathered measurements and broadcast, at global boundaries that
+every rank reaches: the first epoch's start, the end of the staged schedule's
+profiling steps, and later epoch starts only while something may still change
+(``speed`` grouping, or a ``staged`` schedule before its last stage). Every
+other epoch start is local to a group: nobody waits for anybody.
+
+Within an epoch, groups take samples until the epoch is used up, as the
+parameter service counts it: each exchange reports the samples the group took,
+and the answer says how many all groups have taken. A group that stalls
+therefore takes a smaller share, and the others a larger one, without a
+decision made in advance. Without the service, a group takes the steps the
+last decision gave it. Between boundaries, groups talk only inside their
+Horovod process set and, through their leaders, to the parameter service.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import math
 import socket
 import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Optional
 
 import torch
@@ -59,8 +67,19 @@ class GroupRuntime:
         self.boundaries = 0
         self.history: list[dict[str, Any]] = []
         self.exchanges = 0
-        self._compute: list[float] = []
+        self._compute: deque[float] = deque(maxlen=1000)
         self._batch = 1
+        self._address: Any = None
+        self._paces: list[float] = []
+        # the current epoch, as this rank's group walks it
+        self.epoch = 0
+        self.epoch_samples = 0
+        self.nominal: list[int] = []  # steps per group the last decision gave: the plan without the service
+        self.epoch_over = False
+        self.steps_in_epoch = 0
+        self._expected = math.inf  # leader: the steps its group is expected to take (exchange each step after)
+        self._consumed = 0  # leader: samples all groups took this epoch, as the last answer said
+        self._share: Optional[float] = None  # leader: its group's share of the last epoch it finished
         self._last_exchange = time.monotonic()
         self._global_before: Optional[torch.Tensor] = None
 
@@ -99,9 +118,49 @@ class GroupRuntime:
     def observe(self, compute_s: float) -> None:
         self._compute.append(compute_s)
 
-    def exchange_due(self) -> bool:
-        return (not self.stage.synchronous and self.link is not None
-                and time.monotonic() - self._last_exchange >= self.stage.period_s)
+    @property
+    def _taken(self) -> int:
+        """Samples this rank's group has taken from the epoch so far."""
+        return self.steps_in_epoch * len(self.group) * self._batch
+
+    def step_flags(self) -> tuple[bool, bool]:
+        """Leader, once per step (the step counted): whether to exchange now (every ``period_s``
+        seconds) and whether the epoch is used up. Near its expected share the leader asks the service
+        at every step (a call without a model), so a group learns without delay that the epoch is over."""
+        self.steps_in_epoch += 1
+        exchange = (not self.stage.synchronous and self.link is not None
+                    and time.monotonic() - self._last_exchange >= self.stage.period_s)
+        over = False
+        near = self.steps_in_epoch >= min(self._expected, self.nominal[self.group_index]) - 1
+        if self.counted and self.link is not None and near and not exchange:
+            over = self._over(self.link.progress(self.epoch, self._taken))
+        return exchange, over
+
+    def count_step(self) -> None:
+        """A group member (not the leader), once per step."""
+        self.steps_in_epoch += 1
+
+    def _over(self, consumed: Optional[int]) -> bool:
+        """Leader: whether the epoch is used up, from the service's count (``None``: it is away, and
+        the group's planned steps decide)."""
+        if consumed is None:
+            return self.steps_in_epoch >= self.nominal[self.group_index]
+        self._consumed = consumed
+        return self.epoch_samples > 0 and consumed >= self.epoch_samples
+
+    @property
+    def counted(self) -> bool:
+        """Whether the service counts the epoch's samples (every member knows the same)."""
+        return self._address is not None and not self.stage.synchronous and self.epoch_samples > 0
+
+    def epoch_done(self, steps: int) -> bool:
+        """Whether this rank's group has finished the epoch after ``steps`` steps: the service said the
+        epoch is used up, or (not counted) the group took its planned steps; never more steps than the
+        whole epoch holds for the group alone."""
+        cap = self.epoch_samples // (len(self.group) * self._batch) if self.epoch_samples else 0
+        if self.epoch_over or steps >= cap:
+            return True
+        return not self.counted and steps >= self.nominal[self.group_index]
 
     # ---- flat parameters -----------------------------------------------
 
@@ -122,20 +181,28 @@ class GroupRuntime:
         """The group's exchange: the leader pushes and pulls, then hands the model to its group."""
         self._last_exchange = time.monotonic()
         model: Optional[torch.Tensor] = None
+        over = False
         if self.is_leader and self.link is not None:
             if self.service is not None:
                 self.service.ensure_running()
-            model = self.link.exchange(self._flat(), wait=True, scale=self._weight())
+            counted = self.counted
+            model = self.link.exchange(self._flat(), wait=True, scale=self._weight(),
+                                       epoch=self.epoch if counted else -1, taken=self._taken)
             if model is not None:
                 self.exchanges += 1
+            over = counted and self._over(self.link.consumed if model is not None else None)
         if len(self.group) > 1:
             numel = sum(p.numel() for p in self.params)
-            packet = torch.zeros(numel + 1)
-            if model is not None:
-                packet[0], packet[1:] = 1.0, model
+            packet = torch.zeros(numel + 2)
+            if self.is_leader:
+                packet[1] = 1.0 if over else 0.0
+                if model is not None:
+                    packet[0], packet[2:] = 1.0, model
             packet = self.hvd.broadcast(packet, root_rank=self.leader, process_set=self.process_set(),
                                         name="crossover.group_async.model")
-            model = packet[1:] if packet[0] > 0 else None
+            model = packet[2:] if packet[0] > 0 else None
+            over = bool(packet[1] > 0)
+        self.epoch_over = self.epoch_over or over
         if model is not None:
             self._load(model)
 
@@ -224,6 +291,45 @@ class GroupRuntime:
         self._global_before = model.clone()
         return change
 
+    def begin_epoch(self, epoch: int, samples: int, batch: int) -> list[int]:
+        """The start of ``epoch`` (``samples`` samples, ``batch`` per rank and step): a global boundary
+        while a decision may still change, else a local one. Returns the planned steps per group."""
+        if self.started and not self._decisions_left():
+            self._batch = batch
+            self._enter_epoch(epoch, samples)
+            if self.rank == 0:
+                self.history.append({"epoch": epoch, "at": "local", "groups": [list(g) for g in self.groups],
+                                     "steps": self.nominal, "stage": dataclasses.asdict(self.stage)})
+            return list(self.nominal)
+        return self.boundary("start", epoch, samples, batch)
+
+    def _decisions_left(self) -> bool:
+        """Whether a later epoch start may regroup or change the stage (all ranks know the same)."""
+        return self.config.grouping == "speed" or (self.schedule.kind == "staged" and self.stage.name != "fine")
+
+    def _nominal(self, groups: Groups, samples: int, batch: int, synchronous: bool) -> list[int]:
+        measured = bool(self._paces) and all(math.isfinite(p) and p > 0 for p in self._paces)
+        if samples <= 0:
+            return [0] * len(groups)
+        if measured and not synchronous:
+            return steps_per_group(groups, self._paces, samples, batch)
+        return [samples // (self.world * batch)] * len(groups)
+
+    def _enter_epoch(self, epoch: int, samples: int) -> None:
+        """Reset the epoch's counters; a leader expects its group's share of the last epoch again."""
+        if self._consumed > 0 and self._taken > 0:
+            self._share = self._taken / self._consumed
+        self.epoch, self.epoch_samples = epoch, samples
+        self.nominal = self._nominal(self.groups, samples, self._batch, self.stage.synchronous)
+        if samples <= 0:
+            self._expected = math.inf
+        elif self._share is not None:
+            self._expected = self._share * samples / (len(self.group) * self._batch)
+        else:
+            self._expected = self.nominal[self.group_index]
+        self.epoch_over = False
+        self.steps_in_epoch = self._consumed = 0
+
     def boundary(self, kind: str, epoch: int, samples: int, batch: int) -> list[int]:
         """A point every rank reaches (``start`` of an epoch, or ``profile`` end): mix, measure, regroup,
         and return the steps each group takes over the next ``samples`` samples."""
@@ -234,8 +340,10 @@ class GroupRuntime:
             change: Optional[float] = None
             self._global_before = self._flat()
         else:
+            self.park()  # this group now waits for the others: nobody must wait on it
             change = self._mix()
-        pace = statistics.median(self._compute) / batch if self._compute else math.nan
+        # seconds of compute per sample, stalls included: what sets a rank's share of the work
+        pace = statistics.fmean(self._compute) / batch if self._compute else math.nan
         self._compute.clear()
         paces = hvd.allgather_object(pace, name="crossover.group_async.pace")
         decision = None
@@ -244,14 +352,19 @@ class GroupRuntime:
             if self.link is not None:  # before anyone leaves the boundary: only these groups' clocks count
                 self.link.regroup([g[0] for g in decision["groups"]])
         decision = hvd.broadcast_object(decision, root_rank=0, name="crossover.group_async.decision")
+        before = self.groups
         self.groups = tuple(tuple(g) for g in decision["groups"])
         self.stage = Stage(**decision["stage"])
+        self._paces = list(decision["paces"])
         self._ensure_sets()
         if not self.is_leader and self.link is not None:
             self.link.close()
             self.link = None
         self._attach_leader()
         self._last_exchange = time.monotonic()
+        if self.groups != before:
+            self._share, self._consumed = None, 0  # new groups: no share carried over
+        self._enter_epoch(epoch, samples)
         self.boundaries += 1
         self.history.append({"epoch": epoch, "at": kind, **decision})
         _log.info("group_async %s of epoch %d: groups %s, stage %s, steps %s", kind, epoch, self.groups,
@@ -278,12 +391,8 @@ class GroupRuntime:
         else:
             groups = self.configured if self.config.grouping == "static" or len(self.groups) != count \
                 else self.groups
-        if samples <= 0:
-            steps = [0] * len(groups)
-        elif measured and not stage.synchronous:
-            steps = steps_per_group(groups, paces, samples, batch)
-        else:
-            steps = [samples // (self.world * batch)] * len(groups)
+        self._paces = list(paces)
+        steps = self._nominal(groups, samples, batch, stage.synchronous)
         return {"groups": [list(g) for g in groups], "steps": steps, "paces": paces, "change": change,
                 "stage": dataclasses.asdict(stage)}
 

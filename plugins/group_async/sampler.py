@@ -1,14 +1,16 @@
-"""The group_async batch sampler: an epoch's samples shared among groups by pace, boundaries for regrouping.
+"""The group_async batch sampler: an epoch's samples shared among groups as they go, boundaries for regrouping.
 
-Each rank takes batches of ``global_batch // world`` samples. Epoch 0 starts
-with ``profile_steps`` steps on every rank alike (the profiling stage); then,
-and at the start of every later epoch, :meth:`GroupRuntime.boundary` mixes
-the groups' models, measures every rank's pace, regroups if asked, and gives
-each group a number of steps in proportion to its pace, so that all groups
-reach the end of the epoch together and nobody waits long at the next
-boundary. Inside a group, rank ``i`` of ``n`` takes every ``n``-th batch of
-the group's share. When its share is done, a group parks at the service, so
-that nobody waits on it while it waits at the boundary.
+Each rank takes batches of ``global_batch // world`` samples. At the start of
+every epoch, :meth:`GroupRuntime.begin_epoch` plans each group's steps from
+the ranks' measured paces (evenly before any were measured) and, while a
+decision may still change, regroups at a global boundary. The plan lays the
+epoch's permutation out in one region per group; inside a group, rank ``i``
+of ``n`` takes every ``n``-th batch of the region. A group then steps until
+the parameter service says all groups together have used up the epoch, so a
+fast group runs on past its region (into the next one's, wrapping around)
+while a stalled one takes less; without the service, it stops at its plan.
+Under ``staged``, epoch 0 starts with ``profile_steps`` synchronous steps on
+every rank (ASHL's profiling stage).
 """
 from __future__ import annotations
 
@@ -59,22 +61,23 @@ class GroupSampler:
         rt, b = self.runtime, self.batch
         order = self._permutation()
         offset = 0
-        profile = rt.config.profile_steps if not rt.started else 0
+        profile = rt.config.profile_steps if not rt.started and rt.schedule.kind == "staged" else 0
         if profile and (profile + 1) * rt.world * b <= self.length:
-            self._steps = rt.boundary("start", self._epoch, self.length, b)
+            self._steps = rt.begin_epoch(self._epoch, self.length, b)
             for i in range(profile):
                 start = (i * rt.world + rt.rank) * b
                 yield order[start:start + b]
             offset = profile * rt.world * b
             self._steps = rt.boundary("profile", self._epoch, self.length - offset, b)
         else:
-            self._steps = rt.boundary("start", self._epoch, self.length, b)
+            self._steps = rt.begin_epoch(self._epoch, self.length, b)
         rest = order[offset:]
         index = rt.group_index
         members = len(rt.group)
         mine = rt.group.index(rt.rank)
         start = sum(self._steps[g] * len(rt.groups[g]) * b for g in range(index))
-        for step in range(self._steps[index]):
+        step = 0
+        while not rt.epoch_done(step):
             at = start + (step * members + mine) * b
-            yield rest[at:at + b]
-        rt.park()
+            yield [rest[(at + k) % len(rest)] for k in range(b)]
+            step += 1

@@ -60,6 +60,7 @@ class GlobalModel:
         self.last_seen: dict[int, float] = {}
         self.gaps: Counter[int] = Counter()
         self.waits_s: list[float] = []
+        self.taken: dict[int, dict[int, int]] = {}  # samples taken by epoch and group (running totals)
         self.resumed_from: int | None = None
         self._cond = threading.Condition()
         if state_dir is not None:
@@ -79,6 +80,7 @@ class GlobalModel:
         self.last_seq = {int(g): int(s) for g, s in meta["last_seq"].items()}
         self.clock.clocks = {int(g): int(c) for g, c in meta["clocks"].items()}
         self.clock.parked = set(self.clock.clocks)  # nobody is waited for until it speaks again
+        self.taken = {int(e): {int(g): int(n) for g, n in by.items()} for e, by in meta.get("taken", {}).items()}
         self.resumed_from = self.version
         _log.warning("parameter service resumed from version %d (%d parameters) in %s", self.version,
                      self.model.size, self.state_dir)
@@ -88,7 +90,8 @@ class GlobalModel:
             return
         name = f"model-{self.version}.npy"
         np.save(self.state_dir / name, self.model)
-        meta = {"model": name, "version": self.version, "last_seq": self.last_seq, "clocks": self.clock.clocks}
+        meta = {"model": name, "version": self.version, "last_seq": self.last_seq, "clocks": self.clock.clocks,
+                "taken": self.taken}
         tmp = self.state_dir / "global.json.tmp"
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, self.state_dir / "global.json")
@@ -112,11 +115,13 @@ class GlobalModel:
             return {"version": self.version, "last_seq": self.last_seq.get(group, -1)}
 
     def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray, numel: int,
-                 wait: bool) -> dict[str, Any]:
-        """Apply a group's update (once per ``seq``), then wait until the group is within the bound."""
+                 wait: bool, epoch: int = -1, taken: int = 0) -> dict[str, Any]:
+        """Apply a group's update (once per ``seq``), then wait until the group is within the bound.
+        ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does."""
         with self._cond:
             if self.model is None:
                 raise ValueError("exchange before hello")
+            consumed = self._count(group, epoch, taken)
             duplicate = seq <= self.last_seq.get(group, -1)
             if not duplicate:
                 self.model += decode(kind, bytes(payload), numel)
@@ -141,7 +146,25 @@ class GlobalModel:
                 self._cond.notify_all()
             gap = self.clock.gap(group)
             self.gaps[gap] += 1
-            return {"version": self.version, "gap": gap, "duplicate": duplicate, "waited_s": waited}
+            return {"version": self.version, "gap": gap, "duplicate": duplicate, "waited_s": waited,
+                    "consumed": consumed}
+
+    def _count(self, group: int, epoch: int, taken: int) -> int | None:
+        if epoch < 0:
+            return None
+        if taken < 0:
+            raise ValueError(f"taken must be >= 0, not {taken}")
+        by_group = self.taken.setdefault(epoch, {})
+        by_group[group] = max(by_group.get(group, 0), taken)
+        return sum(by_group.values())
+
+    def progress(self, group: int, epoch: int, taken: int) -> dict[str, Any]:
+        """Group ``group`` has taken ``taken`` samples of ``epoch`` so far (a running total: repeats and
+        lost answers count once). The answer's ``consumed``, what all groups have taken from the epoch,
+        tells a group when the epoch is used up; no model moves and no clock ticks."""
+        with self._cond:
+            self.last_seen[group] = time.monotonic()
+            return {"consumed": self._count(group, epoch, taken)}
 
     def _park_silent(self, asking: int) -> None:
         now = time.monotonic()
@@ -184,7 +207,8 @@ class GlobalModel:
             return {"version": self.version, "bound": self.clock.bound, "clocks": dict(self.clock.clocks),
                     "gaps": {str(k): v for k, v in sorted(self.gaps.items())}, "exchanges": sum(self.gaps.values()),
                     "wait_p50_s": waits[len(waits) // 2] if waits else 0.0, "wait_max_s": waits[-1] if waits else 0.0,
-                    "resumed_from": self.resumed_from}
+                    "resumed_from": self.resumed_from, "samples": {str(e): {str(g): n for g, n in sorted(by.items())}
+                                for e, by in sorted(self.taken.items())}}
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -218,8 +242,11 @@ class _Handler(socketserver.BaseRequestHandler):
             return state.hello(int(header["group"]), bytes(payload), int(header["numel"])), b""
         if op == "exchange":
             reply = state.exchange(int(header["group"]), int(header["seq"]), str(header["codec"]), payload,
-                                   int(header["numel"]), bool(header.get("wait", True)))
+                                   int(header["numel"]), bool(header.get("wait", True)),
+                                   int(header.get("epoch", -1)), int(header.get("taken", 0)))
             return reply, state.snapshot()
+        if op == "progress":
+            return state.progress(int(header["group"]), int(header["epoch"]), int(header["taken"])), b""
         if op == "park":
             state.park(int(header["group"]))
             return {"ok": True}, b""

@@ -111,3 +111,19 @@ def test_a_wrong_token_is_refused():
         link = ServiceLink(address, "not-the-token", 0, Codec("fp32"))
         with pytest.raises(ServiceError, match="unauthenticated"):
             link._call({"op": "stats"})
+
+
+def test_groups_report_running_totals_so_an_epoch_is_counted_once(tmp_path: Path):
+    state = GlobalModel(bound=4, state_dir=tmp_path)
+    with serving(state) as address:
+        fast = _link(address, 0, torch.zeros(2))
+        slow = _link(address, 2, torch.zeros(2))
+        assert fast.progress(epoch=0, taken=64) == 64
+        assert fast.progress(epoch=0, taken=64) == 64  # a repeat (or a retry after a lost answer) counts once
+        assert slow.progress(epoch=0, taken=32) == 96
+        fast.exchange(fast.base + 1, epoch=0, taken=128)  # an exchange reports progress too
+        assert fast.consumed == 160
+        assert fast.progress(epoch=1, taken=64) == 64  # a new epoch counts from zero
+        assert state.stats()["samples"] == {"0": {"0": 128, "2": 32}, "1": {"0": 64}}
+    again = GlobalModel(bound=4, state_dir=tmp_path)  # what the last exchange saved survives a restart
+    assert again.taken[0] == {0: 128, 2: 32}

@@ -1,5 +1,5 @@
 """group_async in real 4-rank `horovodrun` jobs on real data (scikit-learn's digits): it trains as well as
-synchronous SGD with a straggler, keeps staleness within its bound, gives the slow group less of each
+synchronous SGD with a straggler, keeps staleness within its bound, lets the slow group take less of each
 epoch, and survives losing its parameter service mid-run. Thresholds in accuracy and counts, not seconds."""
 from __future__ import annotations
 
@@ -51,8 +51,12 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
     service = stats["service"]
     assert service["exchanges"] >= 8, service
     assert max(int(gap) for gap in service["gaps"]) <= 2, service  # never above CROSSOVER_STALENESS
-    later = [h for h in stats["history"] if h["at"] == "start" and h["epoch"] >= 1]
-    assert later and all(h["steps"][1] < h["steps"][0] for h in later), stats["history"]  # rank 3's group slower
+    # Each epoch is used up by both groups together, the straggler's group (led by rank 2) taking less.
+    samples = service["samples"]
+    assert sorted(samples) == ["0", "1", "2", "3"], samples
+    for epoch, by_group in samples.items():
+        assert by_group.get("2", 0) < by_group["0"], samples
+        assert 1408 <= sum(by_group.values()) <= 1408 + 4 * 128, samples  # 11 global batches, and a few more
 
 
 def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(jobs, tmp_path):
