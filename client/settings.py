@@ -86,8 +86,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                "(its share of the ranks; groups in lockstep make synchronous SGD's step) or sum "
                                "(all of it, as Basu et al.; faster, noisier)."),
     "CROSSOVER_TOPK_FRACTION": ("0.01", "group_async with topk: the fraction of entries sent per exchange."),
-    "CROSSOVER_PROFILE_STEPS": ("5", "group_async: steps every rank takes at the start of epoch 0 before paces "
-                                "are measured and groups get their shares of the epoch."),
+    "CROSSOVER_PROFILE_STEPS": ("5", "group_async with the staged schedule: the synchronous profiling steps "
+                                "every rank takes at the start of epoch 0, after which paces are measured "
+                                "and the asynchronous stages begin."),
     "CROSSOVER_PARAM_STATE": ("", "group_async: directory where the parameter service keeps the global model "
                               "(resumed from when it restarts); empty: a temporary one."),
 }

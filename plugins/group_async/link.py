@@ -138,7 +138,8 @@ class ServiceLink:
         self.in_flight = None
         self.seq += 1
         self.consumed = reply.get("consumed")
-        self.gaps.append(int(reply["gap"]))
+        if wait:
+            self.gaps.append(int(reply["gap"]))
         self.exchange_s.append(time.perf_counter() - started)
         model = torch.from_numpy(np.frombuffer(body, dtype=np.float32).copy())
         self.base = model.clone()

@@ -44,8 +44,8 @@ class GroupAsyncOptimizer(ComposedOptimizer):
         """Average gradients inside the group, then exchange with the service if the leader asked."""
         if self._synchronized:
             return
-        if self._compute_from is not None:
-            self.runtime.observe(time.perf_counter() - self._compute_from)
+        if self._compute_from is not None:  # a boundary's wait is no compute
+            self.runtime.observe(time.perf_counter() - max(self._compute_from, self.runtime.boundary_left))
         rt = self.runtime
         if not rt.started:  # no group_async sampler: the first step is the one boundary
             rt.begin_epoch(0, 0, 1)

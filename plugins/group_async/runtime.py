@@ -39,7 +39,7 @@ __all__ = ["GroupRuntime"]
 
 _log = logging.getLogger(__name__)
 
-# Horovod process sets by their ranks, for the life of the process: Horovod refuses to add one twice.
+# Horovod process sets by their ranks, until group_async training ends: Horovod refuses to add one twice.
 _PROCESS_SETS: dict[tuple[int, ...], Any] = {}
 
 
@@ -70,6 +70,7 @@ class GroupRuntime:
         self._compute: deque[float] = deque(maxlen=1000)
         self._batch = 1
         self._address: Any = None
+        self.boundary_left = 0.0  # time.perf_counter() when this rank last left an epoch start
         self._paces: list[float] = []
         # the current epoch, as this rank's group walks it
         self.epoch = 0
@@ -297,6 +298,7 @@ class GroupRuntime:
         if self.started and not self._decisions_left():
             self._batch = batch
             self._enter_epoch(epoch, samples)
+            self.boundary_left = time.perf_counter()
             if self.rank == 0:
                 self.history.append({"epoch": epoch, "at": "local", "groups": [list(g) for g in self.groups],
                                      "steps": self.nominal, "stage": dataclasses.asdict(self.stage)})
@@ -366,6 +368,7 @@ class GroupRuntime:
             self._share, self._consumed = None, 0  # new groups: no share carried over
         self._enter_epoch(epoch, samples)
         self.boundaries += 1
+        self.boundary_left = time.perf_counter()
         self.history.append({"epoch": epoch, "at": kind, **decision})
         _log.info("group_async %s of epoch %d: groups %s, stage %s, steps %s", kind, epoch, self.groups,
                   self.stage.name, decision["steps"])
@@ -420,9 +423,16 @@ class GroupRuntime:
             try:
                 self.park()
                 self._mix()
+                self._remove_sets()
             except (RuntimeError, ValueError) as exc:  # Horovod already shut down: nothing left to mix
                 _log.warning("group_async: no final mix (%s)", exc)
         self.stop()
+
+    def _remove_sets(self) -> None:
+        """Every rank removes the groups' process sets together: Horovod's background loop serves each
+        set at every cycle, so sets left behind would slow whatever the script trains next."""
+        for ranks in list(_PROCESS_SETS):
+            self.hvd.remove_process_set(_PROCESS_SETS.pop(ranks))
 
     def stop(self) -> None:
         if self.link is not None:

@@ -145,7 +145,8 @@ class GlobalModel:
                 self.clock.park(group)
                 self._cond.notify_all()
             gap = self.clock.gap(group)
-            self.gaps[gap] += 1
+            if wait:  # the staleness of a model a group trains on; a pushing group that does not wait discards it
+                self.gaps[gap] += 1
             return {"version": self.version, "gap": gap, "duplicate": duplicate, "waited_s": waited,
                     "consumed": consumed}
 

@@ -1,0 +1,83 @@
+"""How a group decides that its share of an epoch is done (GroupRuntime's per-step logic), on a fake
+Horovod and a fake link: no processes, no sockets."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from crossover.client.settings import AggregationSettings
+from crossover.plugins.group_async.runtime import GroupRuntime
+
+
+class _Hvd:
+    def __init__(self, rank: int, size: int = 4) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+class _Link:
+    """Answers progress calls with a scripted count of samples all groups have taken (None: away)."""
+
+    def __init__(self, consumed: list[Optional[int]]) -> None:
+        self.consumed = consumed
+        self.calls: list[tuple[int, int]] = []
+
+    def progress(self, epoch: int, taken: int) -> Optional[int]:
+        self.calls.append((epoch, taken))
+        return self.consumed.pop(0)
+
+
+def _runtime(rank: int = 0, service: bool = True, samples: int = 1408, batch: int = 32,
+             expected: float = math.inf) -> GroupRuntime:
+    rt = GroupRuntime(_Hvd(rank), AggregationSettings(rule="group_async", groups="2", exchange_period_s=3600.0))
+    rt._address = ("127.0.0.1", 1, "token") if service else None
+    rt._batch = batch
+    rt._enter_epoch(0, samples)  # an even plan: 11 steps per group of 2 ranks
+    if expected is not math.inf:
+        rt._expected = expected
+    return rt
+
+
+def test_without_the_service_a_group_takes_the_steps_it_was_planned():
+    rt = _runtime(service=False)
+    assert rt.nominal == [11, 11] and not rt.counted
+    assert not rt.epoch_done(10) and rt.epoch_done(11)
+
+
+def test_a_counted_group_runs_past_its_plan_until_the_epoch_is_used_up_or_it_alone_could_have_used_it():
+    rt = _runtime()
+    assert rt.counted and not rt.epoch_done(11) and not rt.epoch_done(21)
+    assert rt.epoch_done(22)  # 1408 samples in steps of 2 x 32: the whole epoch for this group alone
+    rt.epoch_over = True
+    assert rt.epoch_done(3)
+
+
+def test_the_leader_asks_the_service_only_near_its_expected_share_and_stops_when_the_epoch_is_used_up():
+    rt = _runtime(expected=4)
+    link = _Link([1000, 1408])
+    rt.link = link  # type: ignore[assignment]
+    flags = [rt.step_flags() for _ in range(4)]
+    assert flags == [(False, False), (False, False), (False, False), (False, True)]
+    assert link.calls == [(0, 192), (0, 256)]  # running totals of this group's samples, from step 3 on
+
+
+def test_when_the_service_is_away_the_plan_decides():
+    rt = _runtime(expected=2)
+    rt.link = _Link([None] * 11)  # type: ignore[assignment]
+    overs = [rt.step_flags()[1] for _ in range(11)]
+    assert overs == [False] * 10 + [True]
+
+
+def test_the_next_epoch_expects_the_share_the_group_took_of_the_last():
+    rt = _runtime(expected=4)
+    rt.link = _Link([1000, 1408])  # type: ignore[assignment]
+    for _ in range(4):
+        rt.step_flags()
+    rt._enter_epoch(1, 1408)  # this group took 256 of the 1408 samples
+    assert rt.steps_in_epoch == 0 and not rt.epoch_over
+    assert math.isclose(rt._expected, 4.0)
