@@ -180,7 +180,6 @@ class GroupRuntime:
 
     def exchange(self) -> None:
         """The group's exchange: the leader pushes and pulls, then hands the model to its group."""
-        self._last_exchange = time.monotonic()
         model: Optional[torch.Tensor] = None
         over = False
         if self.is_leader and self.link is not None:
@@ -206,6 +205,8 @@ class GroupRuntime:
         self.epoch_over = self.epoch_over or over
         if model is not None:
             self._load(model)
+        # the period counts from the answer: a group held at the bound works a full period before asking again
+        self._last_exchange = time.monotonic()
 
     def _weight(self) -> float:
         """How much of its own progress a group adds to the global model: ``size`` weighs a group by its

@@ -81,3 +81,31 @@ def test_the_next_epoch_expects_the_share_the_group_took_of_the_last():
     rt._enter_epoch(1, 1408)  # this group took 256 of the 1408 samples
     assert rt.steps_in_epoch == 0 and not rt.epoch_over
     assert math.isclose(rt._expected, 4.0)
+
+
+class _SlowLink:
+    """An exchange the SSP bound holds for a while before it answers."""
+
+    consumed = None
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+
+    def exchange(self, flat, wait=True, scale=1.0, epoch=-1, taken=0):  # type: ignore[no-untyped-def]
+        import time
+
+        time.sleep(self.hold_s)
+        return flat.clone()
+
+
+def test_the_exchange_period_counts_from_the_answer_so_a_held_group_works_a_period_before_asking_again():
+    import torch
+
+    rt = GroupRuntime(_Hvd(0, size=1), AggregationSettings(rule="group_async", groups="1",
+                                                           exchange_period_s=0.05))
+    rt.params = [torch.zeros(3)]
+    rt._address = None
+    rt._enter_epoch(0, 0)
+    rt.link = _SlowLink(hold_s=0.2)  # type: ignore[assignment]
+    rt.exchange()
+    assert rt.step_flags() == (False, False)  # held 0.2 s, four periods: still no new exchange due
