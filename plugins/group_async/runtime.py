@@ -215,7 +215,7 @@ class GroupRuntime:
         return 1.0 if self.config.group_weight == "sum" else len(self.group) / self.world
 
     def park(self) -> None:
-        """This rank's share of the epoch is done: push what it learned, and let the others run on."""
+        """This group now waits at a global boundary, or has finished: the others must not wait for it."""
         if self.is_leader and self.link is not None and not self.stage.synchronous:
             self.link.park()
 
@@ -310,12 +310,14 @@ class GroupRuntime:
         """Whether a later epoch start may regroup or change the stage (all ranks know the same)."""
         return self.config.grouping == "speed" or (self.schedule.kind == "staged" and self.stage.name != "fine")
 
-    def _nominal(self, groups: Groups, samples: int, batch: int, synchronous: bool) -> list[int]:
-        measured = bool(self._paces) and all(math.isfinite(p) and p > 0 for p in self._paces)
+    def _nominal(self, groups: Groups, paces: list[float], samples: int, batch: int,
+                 synchronous: bool) -> list[int]:
+        """Steps per group over ``samples``: in proportion to measured paces, else an even split."""
+        measured = bool(paces) and all(math.isfinite(p) and p > 0 for p in paces)
         if samples <= 0:
             return [0] * len(groups)
         if measured and not synchronous:
-            return steps_per_group(groups, self._paces, samples, batch)
+            return steps_per_group(groups, paces, samples, batch)
         return [samples // (self.world * batch)] * len(groups)
 
     def _enter_epoch(self, epoch: int, samples: int) -> None:
@@ -323,7 +325,7 @@ class GroupRuntime:
         if self._consumed > 0 and self._taken > 0:
             self._share = self._taken / self._consumed
         self.epoch, self.epoch_samples = epoch, samples
-        self.nominal = self._nominal(self.groups, samples, self._batch, self.stage.synchronous)
+        self.nominal = self._nominal(self.groups, self._paces, samples, self._batch, self.stage.synchronous)
         if samples <= 0:
             self._expected = math.inf
         elif self._share is not None:
@@ -395,8 +397,7 @@ class GroupRuntime:
         else:
             groups = self.configured if self.config.grouping == "static" or len(self.groups) != count \
                 else self.groups
-        self._paces = list(paces)
-        steps = self._nominal(groups, samples, batch, stage.synchronous)
+        steps = self._nominal(groups, paces, samples, batch, stage.synchronous)
         return {"groups": [list(g) for g in groups], "steps": steps, "paces": paces, "change": change,
                 "stage": dataclasses.asdict(stage)}
 

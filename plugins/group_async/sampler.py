@@ -51,7 +51,8 @@ class GroupSampler:
         return torch.randperm(self.length, generator=g).tolist()
 
     def __len__(self) -> int:
-        """Steps of this rank's group in the current epoch (the even split until the first boundary)."""
+        """The steps planned for this rank's group in the current epoch (the even split before any plan); with
+        the service counting, the group may take more or fewer."""
         rt = self.runtime
         if self._steps is None:
             return self.length // (rt.world * self.batch)
