@@ -23,7 +23,7 @@ COMMON = {"global_batch": 128, "lr": 0.05, "evals_per_epoch": 1, "straggler": "3
 def _run(jobs, tmp_path: Path, name: str, runs: list[dict], env: dict[str, str]) -> list[dict]:
     job = horovodrun(name, TRAIN, tmp_path, np=4, env=env,
                      args=("--dataset", "digits", "--model", "mlp", "--width", "256", "--runs", json.dumps(runs),
-                           "--pace", "4"))
+                           "--pace", "12"))
     jobs.append(job)
     return [job]
 
@@ -38,7 +38,7 @@ def _summaries(job) -> list[dict]:
 def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_bound(jobs, tmp_path):
     runs = [{**COMMON, "name": "sync", "rule": "average", "epochs": 4},
             {**COMMON, "name": "group_async", "rule": "group_async", "epochs": 4}]
-    (job,) = _run(jobs, tmp_path, "ga", runs, {"CROSSOVER_STALENESS": "2", "CROSSOVER_EXCHANGE_PERIOD": "0.1"})
+    (job,) = _run(jobs, tmp_path, "ga", runs, {"CROSSOVER_STALENESS": "2", "CROSSOVER_EXCHANGE_PERIOD": "0.25"})
     summaries = _summaries(job)
     by_name = {r["name"]: r for r in summaries[0]["runs"]}
     sync, grouped = by_name["sync"], by_name["group_async"]
@@ -51,12 +51,15 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
     service = stats["service"]
     assert service["exchanges"] >= 8, service
     assert max(int(gap) for gap in service["gaps"]) <= 2, service  # never above CROSSOVER_STALENESS
-    # Each epoch is used up by both groups together, the straggler's group (led by rank 2) taking less.
+    # Each epoch is used up by both groups together. The straggler's group (led by rank 2) takes less of
+    # the run, and never more of an epoch: in an epoch where the two happen to move in step, both take
+    # equal shares (seen in about one epoch in four, in a third of runs).
     samples = service["samples"]
     assert sorted(samples) == ["0", "1", "2", "3"], samples
     for by_group in samples.values():
-        assert by_group.get("2", 0) < by_group["0"], samples
+        assert by_group.get("2", 0) <= by_group["0"], samples
         assert 1408 <= sum(by_group.values()) <= 1408 + 4 * 128, samples  # 11 global batches, and a few more
+    assert sum(by.get("2", 0) for by in samples.values()) < sum(by["0"] for by in samples.values()), samples
 
 
 def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(jobs, tmp_path):
