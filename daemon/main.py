@@ -64,10 +64,12 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--cpu-devices", metavar="N|IDS",
               help="Manage CPU cores as devices: a count (2) or core ids (0,1 or 2-3). "
               "Without it, GPUs are found through NVML.")
-@click.option("--policy", type=click.Choice(policies.available()), default="exclusive", show_default=True,
-              help="passthrough: observe only. exclusive: FIFO, one compute phase per device. "
-              "crossover: co-located jobs take turns in one cluster-wide order, so one job's "
-              "allreduce overlaps another's compute.")
+@click.option("--policy", type=click.Choice(policies.available()), default="crossover", show_default=True,
+              help="crossover: one compute phase per device, served in the order jobs' allreduces "
+              "ended (one order on every node), clearly shorter computes first; one job computes "
+              "while another communicates. exclusive: plain FIFO. turns: a fixed rotation by "
+              "iteration that waits for the job whose turn it is (slower; kept for comparison). "
+              "passthrough: observe only. docs/policies.md compares them.")
 @click.option("--node-name", default=lambda: os.uname().nodename, show_default="hostname",
               help="Name this node reports; must be unique in the cluster.")
 @click.option("--event-log", type=click.Path(dir_okay=False),

@@ -1,58 +1,44 @@
-"""`crossover`: co-located jobs interleave on each device in one cluster-wide order.
+"""`crossover`: each device serves co-located jobs in the order their allreduces ended, short computes first.
 
-While job A computes, job B runs its allreduce; then they swap (CrossoverScheduler,
-Luo et al. 2021). Generalized to N jobs with unequal phase times:
+While job A computes, job B runs its allreduce; when B's allreduce ends, B asks
+for the device and gets it as soon as A releases (CrossoverScheduler, Luo et al.
+2021). The rule that does this on every node at once:
 
-* One order everywhere ("crossover synchronization"). When a device is free,
-  it goes to the job with the smallest key `(turn, job_id)`: the job that
-  is furthest behind, ties broken by its id. A job's turn is its iteration
-  counter plus a base its ranks agreed on when it started. The ranks advance
-  the counter in lockstep (every step ends in the job's allreduce), and base
-  and id are the same on every node, so every node computes the same key for
-  the same job without exchanging a message: all ranks of a job get the device
-  in the same round, and a job's allreduce does not wait for a rank queued
-  behind another job elsewhere. The key depends on no local history, so a
-  node that joined late or lost a job is in step from its next decision on.
-* Fair rotation for late starters. A job that started at iteration 0 next to
-  one at iteration 500 would be "furthest behind" for 500 turns and run
-  ahead of it. Instead, each rank asks its daemon for `turn_floor` (the
-  smallest turn of the other jobs there) before its first request, and the
-  job takes the largest answer over its ranks as its base: it joins the
-  rotation where the others are, and from then on the jobs alternate. Nodes
-  may answer one turn apart (a job's ranks are up to one iteration apart);
-  the maximum is one agreed number, so the order stays consistent.
-* Backfilling, adapted to measured phase times. If the job that should go
-  next (the owner) is still in its allreduce, a ready job may use the device
-  now when its expected compute time (EMA of its measured compute phases)
-  fits before the owner is expected back (owner's comm start + the larger of
-  `slack` × EMA of its comm phases and that EMA + `margin_s`). The owner is
-  not delayed, and the device does not idle.
-  This test reads the clock, so two nodes whose events are skewed by a few
-  milliseconds can decide a borderline case differently; the order itself
-  does not drift (the keys put every node back in step at the next decision).
-* Bounded waiting. Otherwise the device is kept for the owner only until it
-  is expected back, and never longer than `max_wait_s`; then the best ready
-  job is served, and the late job counts as inactive (is not waited for)
-  until it asks again. A newly joined job is waited for once, so jobs that
-  start together start in the same order everywhere. A stalled, dead or
-  departed job never holds a device.
-* No starvation. A waiting rank's key does not change while it waits, and
-  each grant raises the served job's key, so every waiting rank becomes the
-  smallest key after finitely many grants.
-* No deadlock. The policy never withholds a free device without a deadline,
-  so no chain of ranks waiting on one another across nodes is permanent.
+* Request order is the cluster-wide order. A job's ranks all ask for their
+  devices when the job's allreduce ends, which is one moment for every rank of
+  the job (up to the network's skew). So serving each device in request order
+  gives every node the same order without a message between daemons, and all
+  ranks of a job get their devices in the same round. Requests within `tie_s`
+  of each other (jobs that start together, identical jobs in step) go in job-id
+  order, which every node shares, instead of in whichever order the skew gave. Nothing is kept per job
+  across iterations, so a job that arrives, pauses or leaves changes nobody's
+  order but its own.
+* Work-conserving. A free device with a waiting rank is granted at once. The
+  policy never keeps a device for a job expected back: measured on the
+  simulator, those bounded waits cost co-located jobs more than any ordering
+  bought (docs/policies.md, "Why the turn rotation lost").
+* Short compute first, within a bound. A waiting job whose measured compute
+  phase (EMA) is under `short_gap` x that of the first request in line goes
+  before it, the shortest first. Serving the shorter phase first shortens the
+  mean wait on the device (shortest-processing-time order), and a job's
+  iteration waits for its most-delayed rank on any device, so shorter waits
+  everywhere shorten iterations everywhere. The gap keeps nodes in agreement:
+  a job's phases measured on two nodes differ by its ranks' spread and jitter,
+  and only a clear difference reorders.
+* No starvation. A request is passed over by at most `max_overtakes` later
+  ones; then it is served before any other. Every waiting rank is therefore
+  served after finitely many grants: the first in line within
+  `max_overtakes` + 1, and each rank behind it moves up when it is served.
+* No deadlock. No device idles while a rank waits for it, so no chain of ranks
+  waiting on each other across nodes can form that the next release does not
+  break.
 
-`CrossoverSettings(tiebreak="join_order")` drops the synchronization: jobs at
-the same turn are served in the order they joined *this node*, so nodes whose
-ranks joined in different orders serve them in different sequences, and a
-job's allreduce waits for its rank queued behind another job elsewhere. The
-simulator runs it as `crossover-nosync`, to measure what the shared order buys.
+`CrossoverSettings(short_gap=0)` is plain first-come, first-served (the
+`exclusive` policy's order).
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from ..api import RankKey, RankRef
 from ._queues import QueuePolicy, _Device
@@ -62,43 +48,30 @@ __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 
 @dataclass(frozen=True)
 class CrossoverSettings:
-    slack: float = 1.2
-    # At least this much beyond the comm EMA: nodes see the same events up to a few ms
-    # apart, and a deadline inside that skew would be decided differently on each node.
-    margin_s: float = 0.005
-    backfill: bool = True
-    max_wait_s: float = 0.5
-    initial_wait_s: float = 0.25  # an owner whose comm time is not measured yet (its first allreduce)
+    """`short_gap`: how much shorter a job's compute must be to go first (0: never);
+    `max_overtakes`: how often one request may be passed over; `ema_alpha`: weight of
+    the newest compute phase in the measured mean; `tie_s`: requests this close to the
+    first in line count as simultaneous and go in job-id order (nodes see one moment a
+    few milliseconds apart)."""
+
+    short_gap: float = 0.8
+    max_overtakes: int = 1
     ema_alpha: float = 0.3
-    # Between jobs at the same turn: "job_id" (the same on every node) or "join_order"
-    # (the order the jobs joined this node, which nodes need not share).
-    tiebreak: Literal["job_id", "join_order"] = "job_id"
+    tie_s: float = 0.002
 
     def __post_init__(self) -> None:
-        if self.tiebreak not in ("job_id", "join_order"):
-            raise ValueError(f"tiebreak {self.tiebreak!r}: choose job_id or join_order")
-
-
-@dataclass
-class _Job:
-    name: str
-    joined: int  # its place in this node's join order (the "join_order" tie-break)
-    iteration: int = -1  # latest turn one of its ranks asked the device for (-1: none yet)
-    active: bool = True  # False after it missed a bounded wait, until it asks again
-    comm_ema: float | None = None
-    compute_ema: float | None = None
-    comm_began: dict[int, float] = field(default_factory=dict)  # device -> its rank's last release
-
-
-@dataclass
-class _Hold:
-    owner: str
-    since: float
-    deadline: float
+        if not 0.0 <= self.short_gap <= 1.0:
+            raise ValueError(f"short_gap {self.short_gap}: must be within [0, 1]")
+        if self.max_overtakes < 0:
+            raise ValueError(f"max_overtakes {self.max_overtakes}: must be >= 0")
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha {self.ema_alpha}: must be within (0, 1]")
+        if self.tie_s < 0:
+            raise ValueError(f"tie_s {self.tie_s}: must be >= 0")
 
 
 class CrossoverPolicy(QueuePolicy):
-    """Cluster-consistent interleaving with backfilling and bounded waiting. Pure: time only through `now`."""
+    """Request order with short computes first and bounded overtaking. Pure: time only through `now`."""
 
     name = "crossover"
     blocks = True
@@ -106,167 +79,94 @@ class CrossoverPolicy(QueuePolicy):
     def __init__(self, settings: CrossoverSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or CrossoverSettings()
-        if self.settings.tiebreak == "join_order":
-            self.name = "crossover-nosync"
-        self._jobs: dict[str, _Job] = {}
-        self._joins = itertools.count()
-        self._turns: dict[RankKey, int] = {}  # each rank's latest requested turn
-        self._holds: dict[int, _Hold] = {}
-        self.backfills = 0
-        self.timeouts = 0
-
-    # ---- events -------------------------------------------------------------
+        self._compute: dict[str, float] = {}  # job id -> EMA of its compute phases on this node
+        self._passed: dict[RankKey, int] = {}  # waiting rank -> times a later request went first
+        self.overtakes = 0
 
     def join(self, rank: RankRef, now: float) -> list[RankKey]:
         self._q.add(rank)
-        if rank.key.job_id not in self._jobs:
-            self._jobs[rank.key.job_id] = _Job(rank.job_name, next(self._joins))
-        return self._dispatch(rank.device, now)
+        return []
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
         device = self._q.remove(key)
-        self._turns.pop(key, None)
+        self._passed.pop(key, None)
         if not any(k.job_id == key.job_id for k in self._q.ranks):
-            del self._jobs[key.job_id]
-        return self._dispatch(device, now)
+            self._compute.pop(key.job_id, None)
+        return self._dispatch(self._q.devices[device])
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        self._q.enqueue(key, now)
-        self._asked(key, iteration)
-        return self._dispatch(self._q.ranks[key].device, now)
-
-    def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        granted = super().occupy(key, iteration, now)
-        self._asked(key, iteration)
-        self._holds.pop(self._q.ranks[key].device, None)
-        return granted
-
-    def _asked(self, key: RankKey, iteration: int) -> None:
-        job = self._jobs[key.job_id]
-        job.iteration = max(job.iteration, iteration)
-        job.active = True
-        self._turns[key] = iteration
+        return self._dispatch(self._q.enqueue(key, now))
 
     def release(self, key: RankKey, now: float) -> list[RankKey]:
-        self._q.release(key)
-        device = self._q.ranks[key].device
-        self._jobs[key.job_id].comm_began[device] = now
-        return self._dispatch(device, now)
+        return self._dispatch(self._q.release(key))
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
-        self._q.cancel(key)
-        return self._dispatch(self._q.ranks[key].device, now)
+        dev = self._q.cancel(key)
+        self._passed.pop(key, None)
+        return self._dispatch(dev)
 
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
-        job = self._jobs.get(key.job_id)
-        if job is None or duration_s <= 0:
+        if phase != "compute" or duration_s <= 0 or key not in self._q.ranks:
             return
+        old = self._compute.get(key.job_id)
         a = self.settings.ema_alpha
-        if phase == "comm":
-            job.comm_ema = duration_s if job.comm_ema is None else (1 - a) * job.comm_ema + a * duration_s
-        elif phase == "compute":
-            job.compute_ema = duration_s if job.compute_ema is None else (1 - a) * job.compute_ema + a * duration_s
+        self._compute[key.job_id] = duration_s if old is None else (1 - a) * old + a * duration_s
 
-    def tick(self, now: float) -> list[RankKey]:
-        granted: list[RankKey] = []
-        for device, hold in list(self._holds.items()):
-            if now >= hold.deadline:
-                granted += self._dispatch(device, now)
-        return granted
-
-    def next_deadline(self) -> float | None:
-        """When `tick` must next be called for a bounded wait to end on time (None: no wait running)."""
-        return min((h.deadline for h in self._holds.values()), default=None)
-
-    # ---- queries ------------------------------------------------------------
-
-    def order(self, device: int) -> list[str]:
-        """Job ids on the device, in the order the policy would serve them now."""
-        return sorted(self._jobs_on(device), key=lambda j: self._key(j, device))
-
-    def turn_floor(self, device: int, job_id: str) -> int:
-        turns = [self._key(j, device)[0] for j in self._jobs_on(device)
-                 if j != job_id and self._jobs[j].iteration >= 0 and self._jobs[j].active]
-        return min(turns, default=0)
+    def order(self, device: int) -> list[RankKey]:
+        """The device's waiting ranks in the order they would be served if nothing else happened."""
+        dev = self._q.devices.get(device)
+        if dev is None:
+            return []
+        waiting = list(dev.waiting)
+        passed = {k: self._passed.get(k, 0) for k in waiting}
+        out = []
+        while waiting:
+            nxt = self._pick(waiting, passed)
+            self._pass_over(waiting, passed, nxt)
+            waiting.remove(nxt)
+            out.append(nxt)
+        return out
 
     def _order(self, device: int) -> tuple[str, ...]:
-        return tuple(self._jobs[j].name for j in self.order(device))
+        """Job names on the device: the waiting ones in serve order, then the others (holding the
+        device or in their allreduce) by job id, as `crossover queue` shows them."""
+        names = {k: r.job_name for k, r in self._q.ranks.items() if r.device == device}
+        waiting = [names[k] for k in self.order(device)]
+        rest = [names[k] for k in sorted(names, key=lambda k: (k.job_id, k.rank))]
+        return tuple(dict.fromkeys(waiting + rest))
 
-    # ---- decisions ----------------------------------------------------------
+    def _pick(self, waiting: list[RankKey], passed: dict[RankKey, int]) -> RankKey:
+        """The rank to serve next among `waiting`: the first in line unless a clearly shorter job may pass it."""
+        at = self._q.requested_at
+        by_time = sorted(waiting, key=lambda k: (at[k], k.job_id, k.rank))
+        first = at[by_time[0]]
+        head = min((k for k in by_time if at[k] <= first + self.settings.tie_s), key=lambda k: (k.job_id, k.rank))
+        by_time.remove(head)
+        by_time.insert(0, head)
+        head_c = self._compute.get(head.job_id)
+        if head_c is None or passed.get(head, 0) >= self.settings.max_overtakes:
+            return head
+        limit = self.settings.short_gap * head_c
+        shorter = [k for k in by_time[1:] if self._compute.get(k.job_id, limit) < limit]
+        if not shorter:
+            return head
+        return min(shorter, key=lambda k: self._compute[k.job_id])  # stable: the earliest among equals
 
-    def _jobs_on(self, device: int) -> set[str]:
-        return {k.job_id for k, r in self._q.ranks.items() if r.device == device}
+    def _pass_over(self, waiting: list[RankKey], passed: dict[RankKey, int], chosen: RankKey) -> int:
+        """Count one overtake against every rank that asked before `chosen`; returns how many."""
+        t = self._q.requested_at[chosen] - self.settings.tie_s
+        earlier = [k for k in waiting if k != chosen and self._q.requested_at[k] < t]
+        for k in earlier:
+            passed[k] = passed.get(k, 0) + 1
+        return len(earlier)
 
-    def _key(self, job_id: str, device: int) -> tuple:
-        """Serve order on the device, smallest first: the job's next turn there, then its id.
-
-        The turn is read from the job's own ranks on this device: a waiting rank's
-        requested turn, or the turn after the latest one a rank asked for. Never from
-        the job's furthest rank on the node: its rank on another device may be a turn
-        ahead, and this device would then rank the job a turn later than every other
-        node and device does. A rank that has not asked yet will join at the job's turn.
-        """
-        dev = self._q.devices.get(device)
-        waiting = set(dev.waiting) if dev else set()
-        job = self._jobs[job_id]
-        turns = []
-        for key, rank in self._q.ranks.items():
-            if key.job_id != job_id or rank.device != device:
-                continue
-            asked = self._turns.get(key)
-            if asked is None:
-                turns.append(max(job.iteration, 0))
-            else:
-                turns.append(asked if key in waiting else asked + 1)
-        return (min(turns, default=job.iteration + 1), self._tiebreak(job_id))
-
-    def _tiebreak(self, job_id: str) -> str | int:
-        """Between jobs at the same turn: the job id (the same on every node) or, with
-        `tiebreak="join_order"`, the job's place in this node's join order."""
-        return job_id if self.settings.tiebreak == "job_id" else self._jobs[job_id].joined
-
-    def _expected_back(self, job: _Job, device: int, now: float) -> float:
-        began = job.comm_began.get(device)
-        if began is None or job.comm_ema is None:
-            return (began if began is not None else now) + self.settings.initial_wait_s
-        return began + max(self.settings.slack * job.comm_ema, job.comm_ema + self.settings.margin_s)
-
-    def _dispatch(self, device: int, now: float) -> list[RankKey]:
-        dev = self._q.devices.get(device)
-        if dev is None or dev.holders or not dev.waiting:
-            self._holds.pop(device, None)
+    def _dispatch(self, dev: _Device) -> list[RankKey]:
+        if dev.holders or not dev.waiting:
             return []
-        waiting_jobs = {k.job_id for k in dev.waiting}
-        active = {j for j in self._jobs_on(device) if self._jobs[j].active} | waiting_jobs
-        owner = min(active, key=lambda j: self._key(j, device))
-        best_ready = min(waiting_jobs, key=lambda j: self._waiting_key(dev, j))
-        if owner in waiting_jobs:
-            return self._grant(dev, device, owner)
-        hold = self._holds.get(device)
-        if hold is None or hold.owner != owner:
-            back = self._expected_back(self._jobs[owner], device, now)
-            hold = _Hold(owner, now, min(back, now + self.settings.max_wait_s))
-            self._holds[device] = hold
-        compute = self._jobs[best_ready].compute_ema
-        if self.settings.backfill and compute is not None and now + compute <= hold.deadline:
-            self.backfills += 1
-            return self._grant(dev, device, best_ready)
-        if now >= hold.deadline:
-            self.timeouts += 1
-            self._jobs[owner].active = False
-            return self._grant(dev, device, best_ready)
-        return []
-
-    def _first_waiting(self, dev: _Device, job_id: str) -> RankKey:
-        """The job's waiting rank on the device with the smallest requested turn."""
-        return min((k for k in dev.waiting if k.job_id == job_id), key=lambda k: self._turns[k])
-
-    def _waiting_key(self, dev: _Device, job_id: str) -> tuple:
-        """Serve order among ready jobs: the turn of the job's first waiting rank, then the tie-break."""
-        return (self._turns[self._first_waiting(dev, job_id)], self._tiebreak(job_id))
-
-    def _grant(self, dev: _Device, device: int, job_id: str) -> list[RankKey]:
-        key = self._first_waiting(dev, job_id)
-        self._q.grant(dev, key)
-        self._holds.pop(device, None)
-        return [key]
+        waiting = list(dev.waiting)
+        nxt = self._pick(waiting, self._passed)
+        if self._pass_over(waiting, self._passed, nxt):
+            self.overtakes += 1
+        self._passed.pop(nxt, None)
+        self._q.grant(dev, nxt)
+        return [nxt]

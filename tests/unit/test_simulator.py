@@ -11,7 +11,7 @@ import pytest
 
 from crossover.daemon import policies
 from crossover.daemon.api import RankKey
-from crossover.daemon.policies import CrossoverPolicy, ExclusivePolicy
+from crossover.daemon.policies import ExclusivePolicy, TurnsPolicy
 from tools.simulator import (
     POLICIES,
     SMALL_POLICIES,
@@ -97,7 +97,7 @@ def test_two_identical_jobs_under_crossover_reach_85_percent_of_the_pipeline_bou
     no_overlap(res.trace)
 
 
-@pytest.mark.parametrize("policy", ["exclusive", "crossover", "crossover-nosync"])
+@pytest.mark.parametrize("policy", ["exclusive", "crossover", "turns", "turns-nosync"])
 def test_blocking_policies_never_put_two_ranks_on_a_device(policy):
     place = [((0, 0), (1, 1), (2, 0)), ((0, 0), (1, 0), (2, 1)), ((0, 1), (1, 1), (2, 0)), ((0, 1), (1, 0), (2, 1))]
     jobs = [JobSpec(f"j{i}", p, (0.03, 0.04, 0.05), 0.02 + 0.01 * i, iterations=40, jitter=0.2)
@@ -205,10 +205,10 @@ def _late_owner():
             JobSpec("b", TWO_NODES, (0.01, 0.2), 0.02, iterations=20, jitter=0.3)]
 
 
-def test_crossover_deadlines_are_honoured_without_periodic_ticks():
+def test_turns_deadlines_are_honoured_without_periodic_ticks():
     ticks: list[tuple[float, list]] = []
 
-    class Counting(CrossoverPolicy):
+    class Counting(TurnsPolicy):
         def tick(self, now):
             granted = super().tick(now)
             ticks.append((now, granted))
@@ -228,7 +228,7 @@ def test_crossover_deadlines_are_honoured_without_periodic_ticks():
 def test_policy_with_next_deadline_is_ticked_exactly_then():
     calls: list[float] = []
 
-    class Announcing(CrossoverPolicy):
+    class Announcing(TurnsPolicy):
         def tick(self, now):
             calls.append(now)
             return super().tick(now)
@@ -240,17 +240,17 @@ def test_policy_with_next_deadline_is_ticked_exactly_then():
 
 def test_policy_without_deadlines_gets_periodic_ticks():
     class Opaque:
-        """Wraps CrossoverPolicy so the simulator cannot read its deadlines."""
+        """Wraps TurnsPolicy so the simulator cannot read its deadlines."""
 
         name, blocks = "opaque", True
 
         def __init__(self):
-            self._p = CrossoverPolicy()
+            self._p = TurnsPolicy()
 
         def __getattr__(self, attr):
             return getattr(self._p, attr)
 
-    exact = simulate(_late_owner(), "crossover", n_nodes=2)
+    exact = simulate(_late_owner(), "turns", n_nodes=2)
     opaque = simulate(_late_owner(), Opaque, n_nodes=2)
     assert opaque.completed_iterations == exact.completed_iterations
     assert opaque.jobs[0].iter_per_s == pytest.approx(exact.jobs[0].iter_per_s, rel=0.02)
@@ -259,11 +259,11 @@ def test_policy_without_deadlines_gets_periodic_ticks():
 # ---- the policies by name ----------------------------------------------------------------------------
 
 
-def test_the_simulator_runs_the_daemons_policies_and_crossover_without_synchronization():
-    assert set(POLICIES) == {*policies.available(), "crossover-nosync"}
-    nosync = POLICIES["crossover-nosync"]()
-    assert isinstance(nosync, CrossoverPolicy) and nosync.settings.tiebreak == "join_order"
-    assert nosync.name == "crossover-nosync"
+def test_the_simulator_runs_the_daemons_policies_and_turns_without_synchronization():
+    assert set(POLICIES) == {*policies.available(), "turns-nosync"}
+    nosync = POLICIES["turns-nosync"]()
+    assert isinstance(nosync, TurnsPolicy) and nosync.settings.tiebreak == "join_order"
+    assert nosync.name == "turns-nosync"
     assert all(POLICIES[name]().name == name for name in policies.available())
 
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError, Policy
-from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
+from crossover.daemon.policies import TurnsPolicy, TurnsSettings
 
 LINK_SHARING = ("fair", "fifo")
 
@@ -20,14 +20,14 @@ class SimulationError(CrossoverError):
 
 PolicyFactory = Callable[[], Policy]
 
-_TABLE_ORDER = ("passthrough", "exclusive", "crossover-nosync", "crossover")  # least to most scheduling
+_TABLE_ORDER = ("passthrough", "exclusive", "turns-nosync", "turns", "crossover")  # least to most scheduling
 
 
 def _registry() -> dict[str, PolicyFactory]:
-    """The daemon's policies (`policies.create`) and `crossover` without synchronization, in table order."""
+    """The daemon's policies (`policies.create`) and `turns` without synchronization, in table order."""
     factories: dict[str, PolicyFactory] = {name: functools.partial(policies.create, name)
                                            for name in policies.available()}
-    factories["crossover-nosync"] = functools.partial(CrossoverPolicy, CrossoverSettings(tiebreak="join_order"))
+    factories["turns-nosync"] = functools.partial(TurnsPolicy, TurnsSettings(tiebreak="join_order"))
     rank = {name: i for i, name in enumerate(_TABLE_ORDER)}
     return {name: factories[name] for name in sorted(factories, key=lambda n: (rank.get(n, len(rank)), n))}
 

@@ -142,7 +142,7 @@ def test_close_delivers_every_event_still_queued(serve, sessions, tmp_path):
 
 
 def test_turn_floor_places_a_new_job_where_the_others_are(serve, channels, streams, sessions):
-    d = serve(policy="crossover")
+    d = serve(policy="turns")
     target = f"unix://{d.socket_path}"
     stub = pb_grpc.SchedulerStub(channels(target))
     reg = register(stub, job="veteran", world=1)
@@ -159,7 +159,7 @@ def test_turn_floor_places_a_new_job_where_the_others_are(serve, channels, strea
 
 
 def test_a_negative_turn_base_is_refused(serve, channels):
-    d = serve(policy="crossover")
+    d = serve(policy="turns")
     stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
     reg = register(stub, job="bad", world=1)
     events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),

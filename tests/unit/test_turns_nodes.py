@@ -1,4 +1,4 @@
-"""The `crossover` policy on several nodes: one policy per node, fed job-synchronous events.
+"""The `turns` policy on several nodes: one policy per node, fed job-synchronous events.
 
 Each job's ranks request and release in lockstep, each node seeing the events
 with a jitter smaller than the bounded wait; the nodes grant the jobs in the
@@ -9,109 +9,24 @@ device's own rank.
 """
 from __future__ import annotations
 
-import heapq
 import random
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from crossover.daemon.api import RankKey, RankRef
-from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
-from tests.unit._crossover_fixtures import S, joined, ref
+from crossover.daemon.policies import TurnsPolicy, TurnsSettings
+from tests.unit._lockstep import inversions, lockstep
+from tests.unit._turns_fixtures import S, joined, ref
 
 # ---- properties: consistent order across nodes ------------------------------------------------------
-
-
-def _lockstep(n_nodes: int, jobs: list[tuple[str, float, float]], join_at: dict[tuple[str, int], float],
-              jitter: float, rounds: int, seed: int, start_at: float = 0.0, tick_s: float = 0.001,
-              policy_settings: CrossoverSettings = S) -> list[list[tuple[str, int]]]:
-    """Run one CrossoverPolicy per node; each job has one rank per node (global rank = node) on device 0.
-
-    A job's ranks first request together once all have joined (not before
-    `start_at`), then when its previous allreduce ended, each node
-    seeing the event up to `jitter` later; the allreduce starts when the job's
-    last rank released and takes the job's comm time. Returns, per node, the
-    sequence of (job, iteration) granted.
-    """
-    rng = random.Random(seed)
-    pols = [CrossoverPolicy(policy_settings) for _ in range(n_nodes)]
-    spec = {j: (c, m) for j, c, m in jobs}
-    heap: list[tuple[float, int, str, str, int]] = []
-    seq = 0
-
-    def push(t: float, kind: str, job: str, node: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, job, node))
-
-    for (j, n), t in join_at.items():
-        push(t, "join", j, n)
-    for n in range(n_nodes):
-        push(0.0, "tick", "", n)
-    joined = {j: 0 for j, _, _ in jobs}
-    released = {j: 0 for j, _, _ in jobs}
-    done = {j: 0 for j, _, _ in jobs}
-    began: dict[tuple[str, int], float] = {}
-    order: list[list[str]] = [[] for _ in range(n_nodes)]
-    busy = [False] * n_nodes
-
-    def granted(node: int, keys: list[RankKey], now: float) -> None:
-        for k in keys:
-            assert not busy[node], f"node {node}: second grant while busy"
-            busy[node] = True
-            order[node].append((k.job_id, done[k.job_id]))
-            push(now + spec[k.job_id][0] + rng.uniform(0, jitter), "release", k.job_id, node)
-
-    base: dict[str, int] = {}
-
-    def request_all(job: str, now: float) -> None:
-        if job not in base:  # the plugin's agreement before the first request: the largest floor
-            base[job] = max(pols[n].turn_floor(0, job) for n in range(n_nodes))
-        for n in range(n_nodes):
-            push(now + rng.uniform(0, jitter), "request", job, n)
-
-    while heap:
-        now, _, kind, job, node = heapq.heappop(heap)
-        p = pols[node]
-        if kind == "tick":
-            granted(node, p.tick(now), now)
-            if any(done[j] < rounds for j in done):
-                push(now + tick_s, "tick", "", node)
-        elif kind == "join":
-            granted(node, p.join(RankRef(RankKey(job, node), job, 0, n_nodes, now), now), now)
-            joined[job] += 1
-            if joined[job] == n_nodes:
-                request_all(job, max(now, start_at))
-        elif kind == "request":
-            granted(node, p.request(RankKey(job, node), base[job] + done[job], now), now)
-        elif kind == "release":
-            busy[node] = False
-            p.observe(RankKey(job, node), "compute", spec[job][0], now)
-            began[job, node] = now
-            granted(node, p.release(RankKey(job, node), now), now)
-            released[job] += 1
-            if released[job] == n_nodes:
-                released[job] = 0
-                push(now + spec[job][1], "comm_end", job, -1)
-        elif kind == "comm_end":
-            done[job] += 1
-            for n in range(n_nodes):
-                pols[n].observe(RankKey(job, n), "comm", now - began[job, n], now)
-            if done[job] < rounds:
-                request_all(job, now)
-            else:  # a finished job's ranks exit: each daemon sees its stream end
-                for n in range(n_nodes):
-                    push(now + rng.uniform(0, jitter), "leave", job, n)
-        elif kind == "leave":
-            granted(node, p.leave(RankKey(job, node), now), now)
-    return order
 
 
 _phase = st.floats(0.005, 0.05, allow_nan=False)
 _JITTER = 0.001  # per-node skew of every event (1 ms)
 
 
-NO_BACKFILL = CrossoverSettings(backfill=False)
+NO_BACKFILL = TurnsSettings(backfill=False)
 
 # The two tests below bound how often clock-based decisions (backfill, bounded wait)
 # taken inside the per-node skew go different ways. That bound is statistical:
@@ -134,21 +49,14 @@ def test_nodes_fed_job_synchronous_events_grant_jobs_in_the_same_sequence(n_node
     jobs = [(f"job{i}", c, m) for i, (c, m) in enumerate(phases)]
     rng.shuffle(jobs)  # join order unrelated to job id
     join_at = {(j, n): 0.01 * i + rng.uniform(0, _JITTER) for i, (j, _, _) in enumerate(jobs) for n in range(n_nodes)}
-    order = _lockstep(n_nodes, jobs, join_at, _JITTER, rounds=6, seed=seed, start_at=0.1,
+    order = lockstep(n_nodes, jobs, join_at, _JITTER, rounds=6, seed=seed, start_at=0.1,
                       policy_settings=S if backfill else NO_BACKFILL)
     assert len(order[0]) == 6 * len(jobs)
     for n in range(1, n_nodes):
         if backfill:
-            assert _inversions(order[0], order[n]) <= len(order[0]) // 6, f"node {n}: {order[n]} vs {order[0]}"
+            assert inversions(order[0], order[n]) <= len(order[0]) // 6, f"node {n}: {order[n]} vs {order[0]}"
         else:
             assert order[n] == order[0], f"node {n} granted {order[n]}, node 0 granted {order[0]}"
-
-
-def _inversions(a: list, b: list) -> int:
-    """Pairs of (job, iteration) grants that two nodes served in opposite order."""
-    pos = {x: i for i, x in enumerate(b)}
-    common = [x for x in a if x in pos]
-    return sum(pos[common[i]] > pos[common[j]] for i in range(len(common)) for j in range(i + 1, len(common)))
 
 
 @example(n_nodes=2, phases=[(0.0084, 0.03125), (0.03125, 0.03125)], join_gap=0.01, seed=0)
@@ -161,12 +69,12 @@ def test_nodes_agree_when_jobs_arrive_mid_run(n_nodes, phases, join_gap, seed):
     jobs = [(f"job{i}", c, m) for i, (c, m) in enumerate(phases)]
     join_at = {(j, n): i * join_gap + rng.uniform(0, _JITTER) for i, (j, _, _) in enumerate(jobs)
                for n in range(n_nodes)}
-    order = _lockstep(n_nodes, jobs, join_at, _JITTER, rounds=6, seed=seed, policy_settings=NO_BACKFILL)
+    order = lockstep(n_nodes, jobs, join_at, _JITTER, rounds=6, seed=seed, policy_settings=NO_BACKFILL)
     # A job's ranks reach each node's daemon up to the jitter apart: a decision taken
     # inside that window may differ between nodes (no daemon-to-daemon messages), so
     # each late join may cost one inversion; everything else is served in one order.
     for n in range(1, n_nodes):
-        assert _inversions(order[0], order[n]) <= len(jobs) - 1, f"node {n}: {order[n]} vs node 0: {order[0]}"
+        assert inversions(order[0], order[n]) <= len(jobs) - 1, f"node {n}: {order[n]} vs node 0: {order[0]}"
 
 
 def test_nodes_agree_even_when_jobs_joined_them_in_different_orders():
@@ -174,7 +82,7 @@ def test_nodes_agree_even_when_jobs_joined_them_in_different_orders():
     jobs = [("a", c, m), ("b", c, m)]
     # Both jobs start at about the same time; node 1 happens to see b's rank first.
     join_at = {("a", 0): 0.000, ("b", 0): 0.001, ("a", 1): 0.001, ("b", 1): 0.000}
-    order = _lockstep(2, jobs, join_at, jitter=0.0005, rounds=6, seed=1, policy_settings=NO_BACKFILL)
+    order = lockstep(2, jobs, join_at, jitter=0.0005, rounds=6, seed=1, policy_settings=NO_BACKFILL)
     assert order[1] == order[0]
 
 
@@ -192,7 +100,7 @@ def test_a_job_that_starts_late_joins_the_rotation_instead_of_running_ahead():
     # turns and take the device every time; from the agreed floor it alternates with a.
     jobs = [("a", 0.03, 0.02), ("b", 0.03, 0.02)]
     join_at = {("a", 0): 0.0, ("a", 1): 0.0005, ("b", 0): 1.0, ("b", 1): 1.0008}
-    order = _lockstep(2, jobs, join_at, _JITTER, rounds=40, seed=3)
+    order = lockstep(2, jobs, join_at, _JITTER, rounds=40, seed=3)
     assert order[0] == order[1]
     first_b = next(i for i, (job, _) in enumerate(order[0]) if job == "b")
     last_a = max(i for i, (job, _) in enumerate(order[0]) if job == "a")
@@ -201,7 +109,7 @@ def test_a_job_that_starts_late_joins_the_rotation_instead_of_running_ahead():
 
 
 def test_turn_floor_is_the_smallest_turn_of_the_other_active_jobs():
-    p = CrossoverPolicy(S)
+    p = TurnsPolicy(S)
     for job in ("a", "b"):
         p.join(RankRef(RankKey(job, 0), job, 0, 1, 0.0), 0.0)
     assert p.turn_floor(0, "c") == 0  # nobody has asked yet
@@ -224,7 +132,7 @@ def test_a_job_with_ranks_on_two_devices_of_one_node_is_ordered_by_each_devices_
     on device 0, and each job's next allreduce would wait for a rank queued behind the
     other job: the two devices would serve the jobs in opposite orders.
     """
-    p = CrossoverPolicy(CrossoverSettings(backfill=False))
+    p = TurnsPolicy(TurnsSettings(backfill=False))
     a0, a1, b0, b1 = ref("a", 0, 0), ref("a", 1, 1), ref("b", 0, 0), ref("b", 1, 1)
     joined(a0, a1, b0, b1, policy=p)
     for a, b in ((a0, b0), (a1, b1)):  # turn 0: a, then b, on each device

@@ -1,4 +1,4 @@
-"""The `crossover` policy under random event sequences that follow the scheduler's contract.
+"""The `turns` policy under random event sequences that follow the scheduler's contract.
 
 Never two holders on a device, and every waiting ready rank is eventually
 granted, each once, after any history.
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossover.daemon.api import RankKey, RankRef
-from crossover.daemon.policies import CrossoverPolicy
-from tests.unit._crossover_fixtures import S, ref
+from crossover.daemon.policies import TurnsPolicy
+from tests.unit._turns_fixtures import S, ref
 
 # ---- properties: random event sequences ---------------------------------------------------------
 
@@ -35,7 +35,7 @@ class _Shadow:
             self.holding.add(k)
 
 
-def _step(p: CrossoverPolicy, sh: _Shadow, kind: str, r: RankRef, now: float, dt: float) -> list[RankKey]:
+def _step(p: TurnsPolicy, sh: _Shadow, kind: str, r: RankRef, now: float, dt: float) -> list[RankKey]:
     k = r.key
     if kind == "join" and k not in sh.joined:
         sh.joined.add(k)
@@ -61,7 +61,7 @@ def _step(p: CrossoverPolicy, sh: _Shadow, kind: str, r: RankRef, now: float, dt
     return []
 
 
-def _check(p: CrossoverPolicy, sh: _Shadow) -> None:
+def _check(p: TurnsPolicy, sh: _Shadow) -> None:
     for dev in (0, 1):
         view = p.view(dev)
         assert len(view.holders) <= 1, f"two holders on device {dev}: {view.holders}"
@@ -75,11 +75,11 @@ _ops = st.lists(st.tuples(st.sampled_from(_KINDS), st.integers(0, len(_RANKS) - 
                           st.floats(0.0, 0.2, allow_nan=False)), max_size=80)
 
 
-def _replay(ops: list, check: Callable[[CrossoverPolicy, _Shadow], None] | None = None
-            ) -> tuple[CrossoverPolicy, _Shadow, float]:
+def _replay(ops: list, check: Callable[[TurnsPolicy, _Shadow], None] | None = None
+            ) -> tuple[TurnsPolicy, _Shadow, float]:
     """A fresh policy driven through `ops`, its grants checked against the shadow's waiters and `check` run
     after every step; returns the policy, the shadow and the time reached."""
-    p, sh = CrossoverPolicy(), _Shadow()
+    p, sh = TurnsPolicy(), _Shadow()
     now = 0.0
     for kind, i, dt in ops:
         now += dt

@@ -1,10 +1,10 @@
-"""Helpers shared by the `crossover` policy tests: default settings, rank references, a policy with ranks joined."""
+"""Helpers shared by the `turns` policy tests: default settings, rank references, a policy with ranks joined."""
 from __future__ import annotations
 
 from crossover.daemon.api import RankKey, RankRef
-from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings
+from crossover.daemon.policies import TurnsPolicy, TurnsSettings
 
-S = CrossoverSettings()
+S = TurnsSettings()
 
 
 def ref(job: str, rank: int = 0, device: int = 0, world: int = 2) -> RankRef:
@@ -14,8 +14,8 @@ def ref(job: str, rank: int = 0, device: int = 0, world: int = 2) -> RankRef:
 A, B, C = ref("a"), ref("b"), ref("c")
 
 
-def joined(*ranks: RankRef, policy: CrossoverPolicy | None = None) -> CrossoverPolicy:
-    p = policy or CrossoverPolicy()
+def joined(*ranks: RankRef, policy: TurnsPolicy | None = None) -> TurnsPolicy:
+    p = policy or TurnsPolicy()
     for r in ranks:
         p.join(r, now=0.0)
     return p
