@@ -12,8 +12,18 @@ Large scenarios (`tools.simulator`, one policy instance per node):
   churn-3   the same at 3 jobs per GPU, but half the jobs arrive during the
             first 15 s, each runs 100-300 iterations, and 10% crash mid-run.
 Policies: passthrough (unscheduled co-location: processor sharing with a
-switch penalty), exclusive (FIFO per device), crossover-nosync (crossover turns
-ordered by each node's local join order) and crossover.
+switch penalty), exclusive (FIFO per device), turns-nosync (the turn rotation
+ordered by each node's local join order), turns and crossover (the default).
+
+Heterogeneous scenarios (part of the default run; `--no-hetero` skips them): a few
+jobs with different C and M on 3-4 nodes x 1 GPU, each spanning its own set of
+nodes (job A on nodes 0-1, B on 1-2, ...), so every device has different partners:
+  span-3        4 jobs on 3 nodes (3 per device)
+  span-4        5 jobs on 4 nodes (3 per device)
+  span-4-churn  span-4, plus a job that arrives at 2 s and one that leaves at 4 s
+each with exact phases (jitter 0) and with jitter 0.1. For the static ones the
+table also gives the share of an offline reference: the best fixed cyclic order
+on every device, found by simulating every combination (`tools.simulator.reference`).
 
 Small scenarios (`--small`, or part of the default run): the emulated-cluster
 benchmark's set, 2 nodes x 1 device, 2 and 3 identical jobs, comm:compute 1:1,
@@ -38,10 +48,13 @@ from rich.table import Table
 
 from bench.lib.results import machine, write_json
 from tools.simulator import LINK_SHARING, POLICIES, SMALL_POLICIES, JobSpec, SimConfig, simulate, simulate_small
+from tools.simulator.reference import best_cyclic_orders, run_orders
 
 N_NODES, GPUS = 64, 8
 LARGE = ("static-2", "static-3", "static-4", "uniform-3", "churn-3")
 SMALL_RATIOS = {"1:1": 1.0, "1:2": 0.5, "2:1": 2.0}  # comm:compute
+HETERO = ("span-3", "span-4", "span-4-churn")
+HETERO_POLICIES = ("exclusive", "turns", "crossover")
 
 
 def place_jobs(rng: random.Random, per_gpu: int,
@@ -103,6 +116,48 @@ def run_large(scenario: str, policy: str, args: dict[str, Any]) -> dict[str, Any
             **res.to_dict(per_job=args["per_job"])}
 
 
+def hetero_jobs(scenario: str, iters: int, jitter: float) -> tuple[int, list[JobSpec]]:
+    """(nodes, jobs) of a heterogeneous scenario: (name, nodes, C ms, M ms) per job, one GPU per node."""
+    table = {
+        "span-3": (3, [("A", (0, 1), 30, 60), ("B", (1, 2), 60, 30), ("C", (0, 2), 45, 45), ("D", (0, 1, 2), 20, 40)]),
+        "span-4": (4, [("A", (0, 1), 30, 60), ("B", (1, 2), 60, 30), ("C", (2, 3), 45, 45), ("D", (3, 0), 20, 50),
+                       ("E", (0, 1, 2, 3), 40, 40)]),
+    }
+    n_nodes, rows = table[scenario.removesuffix("-churn")]
+    jobs = [JobSpec(name, tuple((n, 0) for n in nodes), c / 1000, m / 1000, iterations=iters, jitter=jitter)
+            for name, nodes, c, m in rows]
+    if scenario.endswith("-churn"):
+        jobs[1] = JobSpec(jobs[1].name, jobs[1].placement, jobs[1].compute_s, jobs[1].comm_s, iterations=iters,
+                          leave_s=4.0, jitter=jitter)
+        jobs.append(JobSpec("F", ((1, 0), (3, 0)), 0.025, 0.035, iterations=iters, arrival_s=2.0, jitter=jitter))
+    return n_nodes, jobs
+
+
+def run_hetero(scenario: str, jitter: float, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every policy in HETERO_POLICIES on one heterogeneous scenario, and the offline reference if static."""
+    n_nodes, jobs = hetero_jobs(scenario, args["iters"], jitter)
+    cfg = SimConfig(seed=args["seed"], switch_penalty=args["switch_penalty"],
+                    grant_latency_s=args["grant_latency_ms"] / 1000, link_sharing=args["link_sharing"],
+                    interference=args["interference"])
+    ref = None
+    if not scenario.endswith("-churn"):
+        exact_jobs = hetero_jobs(scenario, min(args["iters"], 60), 0.0)[1]
+        ref = best_cyclic_orders(exact_jobs, n_nodes=n_nodes, config=SimConfig(
+            seed=args["seed"], switch_penalty=args["switch_penalty"], grant_latency_s=args["grant_latency_ms"] / 1000,
+            link_sharing=args["link_sharing"], interference=args["interference"]))
+    rows = []
+    runs = [(p, simulate(jobs, p, n_nodes=n_nodes, config=cfg)) for p in HETERO_POLICIES]
+    if ref is not None:
+        runs.append(("reference", run_orders(jobs, ref.orders, n_nodes=n_nodes, config=cfg)))
+    for policy, res in runs:
+        rows.append({**res.to_dict(per_job=args["per_job"]), "kind": "hetero", "scenario": scenario,
+                     "jitter": jitter, "policy": policy,
+                     "grant_wait_max_s": max((j.grant_wait_max_s for j in res.jobs), default=0.0),
+                     "reference_orders": {f"{n}/{d}": list(o) for (n, d), o in ref.orders.items()} if ref else None,
+                     "reference_searched": ref.searched if ref else None})
+    return rows
+
+
 def run_small(n_jobs: int, ratio: str, policy: str, args: dict[str, Any]) -> dict[str, Any]:
     c = args["compute_ms"] / 1000
     m = args["comm_ms"] / 1000 * SMALL_RATIOS[ratio]
@@ -137,6 +192,31 @@ def large_table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
+def hetero_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="heterogeneous scenarios (3-4 nodes x 1 GPU, jobs with their own C, M and nodes): "
+                    "sum of per-job iterations/s")
+    for c in ("scenario", "jitter", "policy", "it/s", "x exclusive", "% of reference", "bound %", "norm thr",
+              "fairness", "wait max ms"):
+        t.add_column(c, justify="right")
+    for sc in HETERO:
+        for jitter in sorted({r["jitter"] for r in rows}):
+            block = {r["policy"]: r for r in rows if r["scenario"] == sc and r["jitter"] == jitter}
+            if not block:
+                continue
+            base = block["exclusive"]["throughput_iter_s"]
+            ref = block.get("reference", {}).get("throughput_iter_s")
+            names = [p for p in (*HETERO_POLICIES, "reference") if p in block]
+            for p in names:
+                r = block[p]
+                thr = r["throughput_iter_s"]
+                t.add_row(sc, f"{jitter:g}", p, f"{thr:.2f}", f"{thr / base:.3f}",
+                          _f(ref and 100 * thr / ref, ".1f"),
+                          _f(r["bound_fraction"] and 100 * r["bound_fraction"], ".0f"),
+                          f"{r['normalized_throughput']:.2f}", _f(r["fairness"], ".2f"),
+                          f"{1000 * r['grant_wait_max_s']:.0f}", end_section=p == names[-1])
+    return t
+
+
 def small_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> Table:
     t = Table(title=f"small scenarios (2 nodes x 1 device; C = {args.compute_ms:g} ms, M = {args.comm_ms:g} ms "
                     "x ratio): aggregate iterations/s")
@@ -163,6 +243,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="only the small (emulated-cluster) scenarios")
     p.add_argument("--scenarios", nargs="*", default=list(LARGE), choices=LARGE)
+    p.add_argument("--no-hetero", action="store_true", help="skip the heterogeneous scenarios and their reference")
     p.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--iters", type=int, default=200, help="iterations per job")
     p.add_argument("--seed", type=int, default=0)
@@ -192,6 +273,8 @@ def main() -> None:
         # Larger scenarios first, so the pool's last jobs are short ones.
         for sc in sorted(args.scenarios, key=lambda s: -int(s[-1])):
             cases += [(run_large, sc, pol, common) for pol in args.policies]
+        if not args.no_hetero:
+            cases += [(run_hetero, sc, jitter, common) for sc in HETERO for jitter in (0.0, 0.1)]
     cases += [(run_small, n, ratio, pol, common) for n in (2, 3) for ratio in SMALL_RATIOS for pol in SMALL_POLICIES]
 
     t0 = time.perf_counter()
@@ -202,9 +285,10 @@ def main() -> None:
         task = progress.add_task("simulating", total=len(cases))
         futures = {pool.submit(fn, *rest): rest for fn, *rest in cases}
         for fut in as_completed(futures):
-            r = fut.result()
-            results.append(r)
-            progress.update(task, advance=1, description=f"done: {r['scenario']} / {r['policy']}")
+            out = fut.result()
+            rs = out if isinstance(out, list) else [out]
+            results += rs
+            progress.update(task, advance=1, description=f"done: {rs[0]['scenario']} / {rs[-1]['policy']}")
     elapsed = time.perf_counter() - t0
 
     console = Console()
@@ -212,14 +296,18 @@ def main() -> None:
         console = Console(width=200)  # a file or a pipe: keep the table's rows on one line
     large = [r for r in results if r["kind"] == "large"]
     small = [r for r in results if r["kind"] == "small"]
+    hetero = [r for r in results if r["kind"] == "hetero"]
     if large:
         console.print(large_table(large))
+    if hetero:
+        console.print(hetero_table(hetero))
     console.print(small_table(small, args))
     write_json(args.out, {"benchmark": "simulate", "version": 1, "time": time.time(), "machine": machine(),
                           "args": {**vars(args), "out": str(args.out)}, "elapsed_s": elapsed,
                           "large": sorted(large, key=lambda r: (r["scenario"], r["policy"])),
+                          "hetero": sorted(hetero, key=lambda r: (r["scenario"], r["jitter"], r["policy"])),
                           "small": sorted(small, key=lambda r: (r["scenario"], r["policy"]))})
-    cpu = sum(r["wall_s"] if r["kind"] == "small" else r["cpu_s"] for r in results)
+    cpu = sum(r["wall_s"] if r["kind"] == "small" else r.get("cpu_s", 0.0) for r in results)
     print(f"wrote {args.out}: {len(results)} runs in {elapsed:.1f} s ({cpu:.1f} s of CPU in the runs, "
           f"{args.workers} workers)")
 

@@ -54,7 +54,7 @@ class CrossoverSettings:
     first in line count as simultaneous and go in job-id order (nodes see one moment a
     few milliseconds apart)."""
 
-    short_gap: float = 0.8
+    short_gap: float = 0.7
     max_overtakes: int = 1
     ema_alpha: float = 0.3
     tie_s: float = 0.002
