@@ -16,7 +16,8 @@ cycle); each segment is measured after a settle time:
 
   unscheduled  policy `passthrough` (the plugin only observes)
   exclusive    one compute phase per device, FIFO
-  crossover    cluster-consistent turns
+  turns        the fixed rotation by iteration, waiting for the job whose turn it is
+  crossover    request order, clearly shorter computes first (the default policy)
 
 and `sequential` (jobs one after another) comes from solo runs of the first job
 before and of the last job after the co-located run (identical jobs: running
@@ -28,7 +29,7 @@ device-busy fraction (union of compute intervals / wall, from the daemons'
 event logs), the pipeline bound (identical jobs: Σbatch / max(ΣC, ΣM, T_alone),
 C and M measured alone), and how often the two nodes granted in the same order.
 
-    python -m bench.emulated                    # 4 scenarios (~15 min on 2 cores)
+    python -m bench.emulated                    # 5 scenarios (~25 min on 2 cores)
     python -m bench.emulated --quick            # 1:1 with two jobs (~3 min)
     python -m bench.emulated --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
 
@@ -165,10 +166,14 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     segments: list[dict[str, Any]] = []
     # The policy is edited while we measure: record which source the daemons loaded.
     policy_sha = hashlib.sha256((ROOT / "daemon" / "policies" / "crossover.py").read_bytes()).hexdigest()[:12]
-    step(f"{scn.name} @ {rate:g} Mbit/s, batch {batch}: {names[0]} alone")
-    solos = [run_solo(names[0], 1000, rate, batch, args, workdir / "solo_first")]
+    batches = [scn.batch(k, batch) for k in range(scn.jobs)]
+    alone_first = [0, scn.jobs - 1] if not scn.batch_scale else []
+    step(f"{scn.name} @ {rate:g} Mbit/s, batch {batches}: {names[0]} alone")
+    # Identical jobs: the first alone before, the last after. Mixed jobs: every job alone, before.
+    solos = [run_solo(names[k], 1000 + k, rate, batches[k], args, workdir / f"solo_{k}")
+             for k in ([0] if alone_first else range(scn.jobs))]
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
-        jobs = [cluster.run(_job_cmd(script, args, batch, workdir / f"out_{n}", 1000 + k, stop=stop), name=n)
+        jobs = [cluster.run(_job_cmd(script, args, batches[k], workdir / f"out_{n}", 1000 + k, stop=stop), name=n)
                 for k, n in enumerate(names)]
         admin = _Admin(cluster)
         try:
@@ -195,8 +200,9 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
             if j.wait(args.job_timeout) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
         events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
-    step(f"{scn.name} @ {rate:g} Mbit/s, batch {batch}: {names[-1]} alone")
-    solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batch, args, workdir / "solo_last"))
+    step(f"{scn.name} @ {rate:g} Mbit/s, batch {batches}: {names[-1]} alone")
+    if alone_first:
+        solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batch, args, workdir / "solo_last"))
     return {"scenario": scn.name, "rate_mbit": rate, "batch": batch, "segments": segments, "events": events,
             "policy_source_sha256": policy_sha, "solos": solos,
             "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names}}
@@ -259,7 +265,7 @@ def main() -> int:
     t_start = time.monotonic()
 
     summaries, first_raw = [], None
-    total = 2 + len(scenarios) * (args.cycles * len(COLOCATED) + 2)
+    total = 2 + sum(args.cycles * len(COLOCATED) + 2 for _ in scenarios)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("calibration", total=total)

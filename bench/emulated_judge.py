@@ -101,10 +101,20 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
     t_alone = statistics.median(j["iter_s"] for s in alone for j in s["jobs"].values())
     c_alone = statistics.median(s["C_ms"] for s in alone) / 1000
     m_alone = statistics.median(s["M_ms"] for s in alone) / 1000
-    gb = sum(r["batch"] for r in next(iter(raw["jobs"].values())))
-    n = scn.jobs
-    bound = n * gb / max(n * c_alone, n * m_alone, t_alone)
-    seq_aggregate = gb / t_alone  # identical jobs one after another: one job's throughput at a time
+    names = list(raw["jobs"])
+    gbs = {n: sum(r["batch"] for r in raw["jobs"][n]) for n in names}
+    gb = gbs[names[0]]
+    if scn.batch_scale:  # mixed jobs: each measured alone
+        t_of = {n: v["iter_s"] for s in alone for n, v in s["jobs"].items()}
+        c_sum = sum(s["C_ms"] for s in alone) / 1000
+        m_sum = sum(s["M_ms"] for s in alone) / 1000
+    else:
+        t_of = dict.fromkeys(names, t_alone)
+        c_sum, m_sum = len(names) * c_alone, len(names) * m_alone
+    # Round robin at best: every job once per cycle of max(sum C, sum M, the slowest job alone).
+    bound = sum(gbs.values()) / max(c_sum, m_sum, max(t_of.values()))
+    # One after another, the same number of iterations each.
+    seq_aggregate = sum(gbs.values()) / sum(t_of.values())
     cycles: dict[int, dict[str, dict[str, Any]]] = {}
     for s in segs:
         cycles.setdefault(s["cycle"], {})[s["mode"]] = s
@@ -113,8 +123,8 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
                "jobs": {j: v for a_ in alone for j, v in a_["jobs"].items()}}
         cyc["sequential"] = seq
         for s in cyc.values():
-            for j in s["jobs"].values():
-                j["slowdown"] = j["iter_s"] / t_alone
+            for name, j in s["jobs"].items():
+                j["slowdown"] = j["iter_s"] / t_of.get(name, t_alone)
             slow = [j["slowdown"] for j in s["jobs"].values()]
             s["fairness"] = max(slow) / min(slow)
             s["vs_unscheduled"] = s["aggregate_samples_per_s"] / cyc["unscheduled"]["aggregate_samples_per_s"]
@@ -137,6 +147,7 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         modes[mode]["stalled_segments"] = sum(1 for s in (alone if mode == "sequential" else segs)
                                               if s["mode"] == mode and any(j["stalled"] for j in s["jobs"].values()))
     out = {"scenario": scn.name, "target_ratio": scn.ratio, "jobs": scn.jobs, "rate_mbit": raw["rate_mbit"],
+           "batch_scale": list(scn.batch_scale), "job_batches": gbs,
            "batch": raw["batch"], "global_batch": gb, "alone_iter_ms": 1000 * t_alone, "alone_C_ms": 1000 * c_alone,
            "alone_M_ms": 1000 * m_alone, "measured_ratio": m_alone / c_alone, "bound_samples_per_s": bound,
            "policy_source_sha256": raw["policy_source_sha256"],
