@@ -167,11 +167,11 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     # The policy is edited while we measure: record which source the daemons loaded.
     policy_sha = hashlib.sha256((ROOT / "daemon" / "policies" / "crossover.py").read_bytes()).hexdigest()[:12]
     batches = [scn.batch(k, batch) for k in range(scn.jobs)]
-    alone_first = [0, scn.jobs - 1] if not scn.batch_scale else []
+    mixed = bool(scn.batch_scale)
     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batches}: {names[0]} alone")
     # Identical jobs: the first alone before, the last after. Mixed jobs: every job alone, before.
     solos = [run_solo(names[k], 1000 + k, rate, batches[k], args, workdir / f"solo_{k}")
-             for k in ([0] if alone_first else range(scn.jobs))]
+             for k in (range(scn.jobs) if mixed else [0])]
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, batches[k], workdir / f"out_{n}", 1000 + k, stop=stop), name=n)
                 for k, n in enumerate(names)]
@@ -201,8 +201,8 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
         events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batches}: {names[-1]} alone")
-    if alone_first:
-        solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batch, args, workdir / "solo_last"))
+    if not mixed:
+        solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batches[-1], args, workdir / "solo_last"))
     return {"scenario": scn.name, "rate_mbit": rate, "batch": batch, "segments": segments, "events": events,
             "policy_source_sha256": policy_sha, "solos": solos,
             "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names}}

@@ -35,6 +35,7 @@ benchmark's set, 2 nodes x 1 device, 2 and 3 identical jobs, comm:compute 1:1,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import time
@@ -127,8 +128,7 @@ def hetero_jobs(scenario: str, iters: int, jitter: float) -> tuple[int, list[Job
     jobs = [JobSpec(name, tuple((n, 0) for n in nodes), c / 1000, m / 1000, iterations=iters, jitter=jitter)
             for name, nodes, c, m in rows]
     if scenario.endswith("-churn"):
-        jobs[1] = JobSpec(jobs[1].name, jobs[1].placement, jobs[1].compute_s, jobs[1].comm_s, iterations=iters,
-                          leave_s=4.0, jitter=jitter)
+        jobs[1] = dataclasses.replace(jobs[1], leave_s=4.0)
         jobs.append(JobSpec("F", ((1, 0), (3, 0)), 0.025, 0.035, iterations=iters, arrival_s=2.0, jitter=jitter))
     return n_nodes, jobs
 
@@ -142,9 +142,7 @@ def run_hetero(scenario: str, jitter: float, args: dict[str, Any]) -> list[dict[
     ref = None
     if not scenario.endswith("-churn"):
         exact_jobs = hetero_jobs(scenario, min(args["iters"], 60), 0.0)[1]
-        ref = best_cyclic_orders(exact_jobs, n_nodes=n_nodes, config=SimConfig(
-            seed=args["seed"], switch_penalty=args["switch_penalty"], grant_latency_s=args["grant_latency_ms"] / 1000,
-            link_sharing=args["link_sharing"], interference=args["interference"]))
+        ref = best_cyclic_orders(exact_jobs, n_nodes=n_nodes, config=cfg)
     rows = []
     runs = [(p, simulate(jobs, p, n_nodes=n_nodes, config=cfg)) for p in HETERO_POLICIES]
     if ref is not None:

@@ -131,8 +131,7 @@ def best_cyclic_orders(jobs: Sequence[JobSpec], *, n_nodes: int, devices_per_nod
     for combo in itertools.product(*(itertools.permutations(on[p]) for p in places)):
         orders = dict(zip(places, combo))
         try:
-            res = simulate(jobs, _factory(orders), n_nodes=n_nodes, devices_per_node=devices_per_node,
-                           config=replace(cfg, check_exclusive=True))
+            res = run_orders(jobs, orders, n_nodes=n_nodes, devices_per_node=devices_per_node, config=cfg)
         except SimulationError:
             deadlocked += 1
             continue
