@@ -9,6 +9,7 @@ from ..api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
 
 @dataclass
 class _Device:
+    index: int
     holders: list[RankKey] = field(default_factory=list)
     waiting: deque[RankKey] = field(default_factory=deque)
 
@@ -23,7 +24,7 @@ class DeviceQueues:
 
     def add(self, rank: RankRef) -> None:
         self.ranks[rank.key] = rank
-        self.devices.setdefault(rank.device, _Device())
+        self.devices.setdefault(rank.device, _Device(rank.device))
 
     def remove(self, key: RankKey) -> int:
         ref = self._ref(key)
@@ -110,3 +111,27 @@ class QueuePolicy:
 
     def _order(self, device: int) -> tuple[str, ...]:
         return ()
+
+
+class DispatchPolicy(QueuePolicy):
+    """A queue policy whose every event ends in one decision on the device it touched: `_dispatch`."""
+
+    def join(self, rank: RankRef, now: float) -> list[RankKey]:
+        self._q.add(rank)
+        return []
+
+    def leave(self, key: RankKey, now: float) -> list[RankKey]:
+        return self._dispatch(self._q.devices[self._q.remove(key)])
+
+    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
+        return self._dispatch(self._q.enqueue(key, now))
+
+    def release(self, key: RankKey, now: float) -> list[RankKey]:
+        return self._dispatch(self._q.release(key))
+
+    def cancel(self, key: RankKey, now: float) -> list[RankKey]:
+        return self._dispatch(self._q.cancel(key))
+
+    def _dispatch(self, dev: _Device) -> list[RankKey]:
+        """The grants to make on `dev` now (at most one while nobody holds it)."""
+        raise NotImplementedError

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..api import RankKey, RankRef
-from ._queues import QueuePolicy, _Device
+from ..api import RankKey
+from ._queues import DispatchPolicy, _Device
 
 __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 
@@ -70,7 +70,7 @@ class CrossoverSettings:
             raise ValueError(f"tie_s {self.tie_s}: must be >= 0")
 
 
-class CrossoverPolicy(QueuePolicy):
+class CrossoverPolicy(DispatchPolicy):
     """Request order with short computes first and bounded overtaking. Pure: time only through `now`."""
 
     name = "crossover"
@@ -83,27 +83,15 @@ class CrossoverPolicy(QueuePolicy):
         self._passed: dict[RankKey, int] = {}  # waiting rank -> times a later request went first
         self.overtakes = 0
 
-    def join(self, rank: RankRef, now: float) -> list[RankKey]:
-        self._q.add(rank)
-        return []
-
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
-        device = self._q.remove(key)
         self._passed.pop(key, None)
-        if not any(k.job_id == key.job_id for k in self._q.ranks):
+        if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
-        return self._dispatch(self._q.devices[device])
-
-    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        return self._dispatch(self._q.enqueue(key, now))
-
-    def release(self, key: RankKey, now: float) -> list[RankKey]:
-        return self._dispatch(self._q.release(key))
+        return super().leave(key, now)
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
-        dev = self._q.cancel(key)
         self._passed.pop(key, None)
-        return self._dispatch(dev)
+        return super().cancel(key, now)
 
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
         if phase != "compute" or duration_s <= 0 or key not in self._q.ranks:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from crossover.daemon.api import RankKey, RankRef
-from crossover.daemon.policies._queues import QueuePolicy, _Device
+from crossover.daemon.policies._queues import DispatchPolicy, _Device
 
 from .run import simulate
 from .spec import JobSpec, SimConfig, SimulationError
@@ -32,7 +32,7 @@ __all__ = ["FixedOrderPolicy", "Reference", "best_cyclic_orders"]
 Orders = dict[tuple[int, int], tuple[str, ...]]  # (node, device) -> job names in serve order
 
 
-class FixedOrderPolicy(QueuePolicy):
+class FixedOrderPolicy(DispatchPolicy):
     """Serves each device's jobs strictly in a given cycle of job names, waiting for the next one.
 
     A job that has left is skipped. Pure; one instance per node (`node` picks its cycles).
@@ -48,29 +48,16 @@ class FixedOrderPolicy(QueuePolicy):
         self._names: dict[str, str] = {}  # job id -> name
 
     def join(self, rank: RankRef, now: float) -> list[RankKey]:
-        self._q.add(rank)
         self._names[rank.key.job_id] = rank.job_name
-        return []
+        return super().join(rank, now)
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
-        device = self._q.remove(key)
+        device = self._q.ranks[key].device if key in self._q.ranks else None
         name = self._names.get(key.job_id)
-        if name in self._cycle.get(device, []) and not any(
-                k.job_id == key.job_id and r.device == device for k, r in self._q.ranks.items()):
+        if device is not None and name in self._cycle.get(device, []) and not any(
+                k.job_id == key.job_id and r.device == device for k, r in self._q.ranks.items() if k != key):
             self._skip(device, name)
-        return self._dispatch(device)
-
-    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        self._q.enqueue(key, now)
-        return self._dispatch(self._q.ranks[key].device)
-
-    def release(self, key: RankKey, now: float) -> list[RankKey]:
-        self._q.release(key)
-        return self._dispatch(self._q.ranks[key].device)
-
-    def cancel(self, key: RankKey, now: float) -> list[RankKey]:
-        self._q.cancel(key)
-        return self._dispatch(self._q.ranks[key].device)
+        return super().leave(key, now)
 
     def _skip(self, device: int, name: str) -> None:
         cycle = self._cycle[device]
@@ -83,10 +70,10 @@ class FixedOrderPolicy(QueuePolicy):
         else:
             self._next[device] = 0
 
-    def _dispatch(self, device: int) -> list[RankKey]:
-        dev: _Device | None = self._q.devices.get(device)
+    def _dispatch(self, dev: _Device) -> list[RankKey]:
+        device = dev.index
         cycle = self._cycle.get(device)
-        if dev is None or dev.holders or not dev.waiting or not cycle:
+        if dev.holders or not dev.waiting or not cycle:
             return []
         due = cycle[self._next[device]]
         key = next((k for k in dev.waiting if self._names[k.job_id] == due), None)
