@@ -32,6 +32,7 @@ C and M measured alone), and how often the two nodes granted in the same order.
     python -m bench.emulated                    # 5 scenarios (~25 min on 2 cores)
     python -m bench.emulated --quick            # 1:1 with two jobs (~3 min)
     python -m bench.emulated --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
+    python -m bench.emulated --host-cores 2-15  # device cores run only compute (needs spare cores)
 
 Writes `results/emulated.json` (`--out`) and `results/crossover_timeline.png` (`--timeline`).
 The scenarios are in `bench.emulated_scenarios`; a run is judged by `bench.emulated_judge` and shown by
@@ -57,6 +58,7 @@ from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline, render
 from bench.emulated_scenarios import COLOCATED, FULL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
+from crossover.client.settings import SettingError, parse_cpu_list
 from crossover.daemon.event_log import read_jsonl
 from crossover.protos import PROTOCOL_VERSION, admin_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
@@ -99,12 +101,37 @@ def _job_cmd(script: Path, args: argparse.Namespace, batch: int, out: Path, seed
     return cmd + (["--stop-file", str(stop)] if stop else [])
 
 
+def host_cores_plan(raw: str, usable: set[int], nodes: int = 2) -> tuple[tuple[int, ...], dict[str, str]]:
+    """`--host-cores`: the nodes' device cores (usable cores not named, lowest first) and the jobs' environment.
+
+    Each rank's compute thread then stays on its node's device core while its other
+    threads (Horovod's loop with Gloo, gRPC) run on the host cores, as on a GPU node.
+    """
+    if not raw:
+        return (), {}
+    host = set(parse_cpu_list(raw))
+    missing = sorted(host - usable)
+    if missing:
+        raise ValueError(f"--host-cores {raw}: cores {missing} are not usable here (usable: {sorted(usable)})")
+    devices = sorted(usable - host)[:nodes]
+    if len(devices) < nodes:
+        raise ValueError(f"--host-cores {raw} leaves {len(devices)} of the {len(usable)} usable cores for "
+                         f"{nodes} device cores: every node needs one core that only its ranks' compute uses")
+    return tuple(devices), {"CROSSOVER_HOST_CORES": ",".join(map(str, sorted(host)))}
+
+
+def _cluster_spec(rate: float, args: argparse.Namespace) -> ClusterSpec:
+    return ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice,
+                       cores=args.device_cores)
+
+
 def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One job alone for a few iterations: medians of its compute (grant→release) and comm phases."""
     script = _script(workdir, args.host_wait)
-    with Cluster(ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice),
+    with Cluster(_cluster_spec(rate, args),
                  workdir=workdir / "cluster") as cluster:
-        job = cluster.run(_job_cmd(script, args, batch, workdir / "out", 1000, iters=16), name="calibration")
+        job = cluster.run(_job_cmd(script, args, batch, workdir / "out", 1000, iters=16), name="calibration",
+                          env=args.job_env)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"calibration failed:\n{job.output()[-3000:]}")
         events = [e for n in cluster.nodes for e in read_jsonl(n.event_log)]
@@ -135,10 +162,10 @@ def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Names
              ) -> dict[str, Any]:
     """One job alone on a fresh cluster (policy passthrough): its iteration, compute and comm times."""
     script = _script(workdir, args.host_wait)
-    with Cluster(ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice),
+    with Cluster(_cluster_spec(rate, args),
                  workdir=workdir / "cluster") as cluster:
         job = cluster.run(_job_cmd(script, args, batch, workdir / f"out_{name}", seed, iters=args.solo_iters),
-                          name=name)
+                          name=name, env=args.job_env)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"solo {name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
@@ -161,7 +188,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     """
     script = _script(workdir, args.host_wait)
     stop = workdir / "stop"
-    spec = ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice)
+    spec = _cluster_spec(rate, args)
     names = [f"job{k}" for k in range(scn.jobs)]
     segments: list[dict[str, Any]] = []
     # The policy is edited while we measure: record which source the daemons loaded.
@@ -173,7 +200,8 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     solos = [run_solo(names[k], 1000 + k, rate, batches[k], args, workdir / f"solo_{k}")
              for k in (range(scn.jobs) if mixed else [0])]
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
-        jobs = [cluster.run(_job_cmd(script, args, batches[k], workdir / f"out_{n}", 1000 + k, stop=stop), name=n)
+        jobs = [cluster.run(_job_cmd(script, args, batches[k], workdir / f"out_{n}", 1000 + k, stop=stop), name=n,
+                            env=args.job_env)
                 for k, n in enumerate(names)]
         admin = _Admin(cluster)
         try:
@@ -243,6 +271,10 @@ def main() -> int:
     p.add_argument("--nice", type=int, default=0,
                    help="niceness of daemons and ranks; e.g. -10 keeps the emulated devices from being shared "
                         "with other work on the machine (slows that work down)")
+    p.add_argument("--host-cores", default="",
+                   help="cores (e.g. 2-7) for the ranks' host threads (Horovod's loop, Gloo, gRPC) while "
+                        "their compute stays on the node's device core, as on a GPU node; needs two cores "
+                        "beside these for the devices (a 16-core machine, not a 2-core one)")
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--timeline-seconds", type=float, default=3.0)
     p.add_argument("--out", type=Path, default=Path("results/emulated.json"))
@@ -258,6 +290,11 @@ def main() -> int:
         wanted = {x.strip() for x in args.scenarios.split(",")}
         scenarios = tuple(s for s in FULL if s.name in wanted)
     args.cycles = args.cycles or (3 if args.quick else 4)
+    try:
+        args.device_cores, args.job_env = host_cores_plan(args.host_cores, os.sched_getaffinity(0))
+    except (ValueError, SettingError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
     args.segment_s = args.segment_s or max(5.0, 20 * args.iter_ms / 1000)
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="xo-bench-")
     workdir = args.workdir or Path(tmp.name)  # type: ignore[union-attr]
@@ -322,7 +359,8 @@ def main() -> int:
         "benchmark": "crossover", "version": 2, "time": time.time(), "machine": machine(),
         "elapsed_s": time.monotonic() - t_start,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "setup": {"host_wait": args.host_wait, "nice": args.nice, "cycles": args.cycles, "segment_s": args.segment_s,
+        "setup": {"host_wait": args.host_wait, "nice": args.nice, "host_cores": args.host_cores,
+                  "device_cores": list(args.device_cores), "cycles": args.cycles, "segment_s": args.segment_s,
                   "nodes": 2,
                   "devices_per_node": 1, "ranks_per_job": 2, "workload": str(WORKLOAD.relative_to(ROOT)),
                   "unscheduled_policy": "passthrough",

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from ..protos import default_socket_path
 
-__all__ = ["AggregationSettings", "PluginSettings", "PLUGIN_SETTINGS", "SettingError"]
+__all__ = ["AggregationSettings", "PluginSettings", "PLUGIN_SETTINGS", "SettingError", "parse_cpu_list"]
 
 class SettingError(ValueError):
     """A `CROSSOVER_*` variable or flag has a value we cannot use."""
@@ -35,6 +35,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                          "(a missing socket means no daemon: no wait)."),
     "CROSSOVER_RECONNECT_INTERVAL": ("2", "Seconds between attempts to re-attach to a lost daemon."),
     "CROSSOVER_PIN": ("1", "0: do not pin to the CPU core a CPU device names."),
+    "CROSSOVER_HOST_CORES": ("", "CPU devices: cores (`2-5,8`) for the rank's other threads (Horovod's background "
+                             "loop, Gloo, gRPC) while its main thread computes on the device's cores, as a GPU "
+                             "leaves the host's cores to them; empty: every thread on the device's cores."),
     "CROSSOVER_LEASE": ("1", "Accept a lease when this rank is alone on its device: it then computes without a "
                         "grant round trip per iteration until another rank joins; 0: always wait for grants."),
     "CROSSOVER_REPORT_INTERVAL": ("0.1", "Seconds a rank that does not wait for grants (passthrough, or a lease) "
@@ -146,6 +149,31 @@ def _int(name: str, default: int, lo: int, hi: int) -> int:
     return int(_number(name, default, lo, hi, int, "an integer"))
 
 
+def parse_cpu_list(raw: str) -> tuple[int, ...]:
+    """`0-3,8` -> (0, 1, 2, 3, 8): the kernel's cpu-list format, sorted, without repeats."""
+    cores: set[int] = set()
+    for part in raw.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise SettingError(f"{raw!r} is not a cpu list such as 0-3,8") from None
+        if first < 0 or last < first:
+            raise SettingError(f"{raw!r}: {part!r} is not a range of core numbers")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def _cpu_list(name: str) -> tuple[int, ...]:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return parse_cpu_list(raw)
+    except SettingError as exc:
+        raise SettingError(f"{name}: {exc}") from None
+
+
 def _int_list(name: str) -> tuple[int, ...]:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -229,6 +257,7 @@ class PluginSettings:
     connect_timeout_s: float = 5.0
     reconnect_interval_s: float = 2.0
     pin: bool = True
+    host_cores: tuple[int, ...] = ()
     log_level: str = "WARNING"
     quiet_wait: bool = True
     cool_off_s: float = 10.0
@@ -261,6 +290,7 @@ class PluginSettings:
             connect_timeout_s=_float("CROSSOVER_CONNECT_TIMEOUT", cls.connect_timeout_s, 0.01, 60.0),
             reconnect_interval_s=_float("CROSSOVER_RECONNECT_INTERVAL", cls.reconnect_interval_s, 0.05, 600.0),
             pin=_bool("CROSSOVER_PIN", cls.pin),
+            host_cores=_cpu_list("CROSSOVER_HOST_CORES"),
             quiet_wait=_bool("CROSSOVER_QUIET_WAIT", cls.quiet_wait),
             cool_off_s=_float("CROSSOVER_COOL_OFF", cls.cool_off_s, 0.0, 86_400.0),
             daemon_silence_s=_float("CROSSOVER_DAEMON_SILENCE", cls.daemon_silence_s, 0.05, 3600.0),

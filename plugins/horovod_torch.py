@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -242,21 +243,51 @@ def _agree_turn_base(hvd: Any, process_set: Any, session: Session) -> None:
         _log.info("joining the rotation at turn %d", floor)
 
 
+def _affinity_plan(tids: list[int], compute_tid: int, device_cores: set[int], host_cores: set[int],
+                  usable: set[int]) -> dict[int, set[int]]:
+    """Which cores each thread of a rank may run on.
+
+    Without host cores (or none of them usable, or all of them device cores) every
+    thread goes to the device's cores: the emulated device is then the whole rank.
+    With them, only the compute thread stays on the device's cores and every other
+    thread (Horovod's background loop, which runs Gloo; gRPC's pollers) moves to the
+    host cores, as a GPU's host threads run beside it rather than on it. Threads
+    created later inherit their creator's cores, so intra-op threads the compute
+    thread starts stay on the device.
+    """
+    host = (host_cores & usable) - device_cores
+    if not host:
+        return {tid: set(device_cores) for tid in tids}
+    return {tid: set(device_cores) if tid == compute_tid else set(host) for tid in tids}
+
+
 def _pin(reg: Any) -> None:
-    """CPU devices: pin every thread of this process to the device's cores."""
+    """CPU devices: pin the rank's threads to the device's cores (and host cores, `CROSSOVER_HOST_CORES`)."""
     cores = set(reg.cpu_affinity)
     if not cores:
         return
-    for tid in os.listdir("/proc/self/task"):
+    settings: PluginSettings | None = _state["settings"]
+    wanted = set(settings.host_cores) if settings is not None else set()
+    usable = os.sched_getaffinity(0) | cores
+    if wanted and not (wanted & usable) - cores:
+        _log.warning("CROSSOVER_HOST_CORES %s names no usable core outside the device's %s; every thread stays "
+                     "on the device's cores", sorted(wanted), sorted(cores))
+    tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    plan = _affinity_plan(tids, threading.main_thread().native_id or os.getpid(), cores, wanted, usable)
+    for tid, allowed in plan.items():
         try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:
+            os.sched_setaffinity(tid, allowed)
+        except OSError:  # the thread ended meanwhile
             pass
-    os.sched_setaffinity(0, cores)
     try:
         import torch
 
         torch.set_num_threads(len(cores))
     except Exception:
         pass
-    _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)
+    host = sorted(set().union(*plan.values()) - cores)
+    if host:
+        _log.info("compute thread pinned to cores %s (device %d), %d other threads to host cores %s",
+                  sorted(cores), reg.device, len(plan) - 1, host)
+    else:
+        _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)
