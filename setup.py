@@ -20,6 +20,8 @@ setup(
     package_data={"crossover": ["py.typed"], "crossover.protos": ["*.proto", "*.pyi"]},
     install_requires=[
         "grpcio>=1.84",
+        "grpcio-health-checking>=1.84",
+        "prometheus-client>=0.20",
         "protobuf>=7.35.1,<8",
         "nvidia-ml-py",
         "psutil",

@@ -138,6 +138,10 @@ class Policy(Protocol):
     def next_deadline(self) -> float | None:
         """When `tick` must next run (the `now` clock's seconds), or None while no deadline is pending."""
 
+    def decisions(self) -> dict[str, int]:
+        """How often the policy made each of its notable choices since it started (backfills,
+        bounded waits that timed out, overtakes): what an operator reads in metrics."""
+
     def holds(self, key: RankKey) -> bool: ...
 
     def is_waiting(self, key: RankKey) -> bool: ...

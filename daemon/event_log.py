@@ -29,6 +29,9 @@ class EventLog:
     With `max_bytes`, the file is rotated like any daemon's log before it grows
     past that size: `path` becomes `path.1`, `path.1` becomes `path.2`, and so on up
     to `backups` (the oldest is deleted), so clients cannot fill the disk through it.
+
+    `recorded` counts entries recorded, `dropped` those a failed file write lost
+    (they stay in memory); listeners see every entry as it is recorded (metrics).
     """
 
     def __init__(
@@ -53,6 +56,9 @@ class EventLog:
         self._max_bytes = max_bytes
         self._backups = backups
         self._size = 0
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.recorded = 0
+        self.dropped = 0
         if path is not None:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
             self._size = self._file.tell()
@@ -69,9 +75,20 @@ class EventLog:
         entry = {"t": now, "wall": wall, "event": event, **fields}
         with self._lock:
             self._events.append(entry)
+            self.recorded += 1
             if self._file is not None:
                 self._unwritten.append(entry)
+        for listener in self._listeners:
+            try:
+                listener(entry)
+            except Exception:  # a listener (metrics) must never stop scheduling
+                _log.exception("event log listener failed on %s", event)
         return entry
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener(entry)` with every entry recorded from now on, on the recording thread
+        (often under the scheduler's lock): it must be quick and must not call back into the daemon."""
+        self._listeners.append(listener)
 
     def snapshot(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -95,6 +112,7 @@ class EventLog:
             _log.error("event log file write failed, keeping memory log only: %s", exc)
             with self._lock:
                 self._file = None
+                self.dropped += len(batch) + len(self._unwritten)
                 self._unwritten = []
 
     def _rotate(self, f: IO[str]) -> IO[str]:

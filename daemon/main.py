@@ -11,12 +11,14 @@ from types import FrameType
 
 import click
 
+from .. import __version__
 from ..protos import default_socket_path
 from . import policies
 from .api import CrossoverError
 from .event_log import EventLog
 from .inventory import Inventory, parse_cpu_devices
 from .limits import StreamLimits
+from .metrics import DaemonMetrics, parse_address
 from .scheduler import Scheduler
 from .server import Daemon
 
@@ -42,6 +44,7 @@ def _group(name: str | None, flag: str) -> int | None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "--version", prog_name="crossoverd", message="%(prog)s %(version)s")
 @click.option("--socket", "socket_path", default=default_socket_path,
               show_default="$CROSSOVER_SOCKET or a per-user path",
               help="Unix socket to serve on (created 0660, its folder 0770). Ranks and `crossover` find it here.")
@@ -111,6 +114,12 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
+@click.option("--metrics-address", metavar="HOST:PORT",
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (a bare PORT: loopback only). "
+              "Off by default; docs/operating.md lists the metrics.")
+@click.option("--health-address", metavar="HOST:PORT",
+              help="Serve the standard gRPC health service (grpc.health.v1) alone, in plain text and without a "
+              "token, for liveness and readiness probes. The sockets and --listen serve it too.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default="INFO", show_default=True)
 def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
@@ -119,8 +128,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          event_log: str | None, event_log_size: int, event_log_max_mb: float, event_log_backups: int,
          max_events_per_s: float, max_connections: int, idle_timeout: float, heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float,
-         overdue_warmup: float, lease: bool, session_socket: bool,
-         log_level: str) -> None:
+         overdue_warmup: float, lease: bool, session_socket: bool, metrics_address: str | None,
+         health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
     Run one per node (GPU machine), then start jobs whose script begins with
@@ -146,6 +155,13 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         raise click.UsageError("the admin token must differ from the token every rank holds")
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
+    for flag, address in (("--metrics-address", metrics_address), ("--health-address", health_address)):
+        if address:
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint=flag) from None
+    metrics = None
     try:
         cores = parse_cpu_devices(cpu_devices, os.cpu_count() or 1) if cpu_devices else None
         inventory = Inventory.detect(cores)
@@ -156,17 +172,22 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
                          overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup)
+        if metrics_address:
+            metrics = DaemonMetrics(core, __version__)
+            metrics.serve(metrics_address)
         tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
         daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls,
                         session_socket=session_socket, admin_token=admin_token,
                         socket_group=_group(socket_group, "--socket-group"),
-                        admin_group=_group(admin_group, "--admin-group"),
+                        admin_group=_group(admin_group, "--admin-group"), health_address=health_address,
                         limits=StreamLimits(events_per_s=max_events_per_s, max_connections=max_connections,
                                             idle_timeout_s=idle_timeout)).start()
     except CrossoverError as exc:
         click.echo(f"crossoverd: {exc}", err=True)
         sys.exit(2)
     except (OSError, RuntimeError) as exc:
+        if metrics is not None:
+            metrics.close()
         click.echo(f"crossoverd: cannot start: {exc}", err=True)
         sys.exit(1)
 
@@ -178,7 +199,11 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     signal.signal(signal.SIGINT, on_signal)
     if daemon.port:
         _log.info("TCP port %d", daemon.port)
+    if daemon.health_port:
+        _log.info("health checks on port %d", daemon.health_port)
     daemon.wait()
+    if metrics is not None:
+        metrics.close()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import grpc
 
 from ..protos import STEERING_CALLS, TOKEN_METADATA_KEY
+from . import rpc_errors
 
 __all__ = ["ADMIN_CALLS", "Gate", "Refusal", "Rule", "rank_socket_rule", "tcp_rule"]
 
@@ -40,6 +41,7 @@ class Gate(grpc.aio.ServerInterceptor):
         if refusal is None:
             return handler
         code, message = refusal
+        rpc_errors.count(code)
 
         async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(code, message)

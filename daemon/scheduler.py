@@ -221,15 +221,16 @@ class Scheduler:
             sess = self._sessions.get(session_id)
             return self._phases.policy.turn_floor(sess.ref.device, sess.ref.key.job_id)
 
-    def close(self, session_id: str, reason: str) -> bool:
-        """Remove a session (stream ended, process died, heartbeat lost); frees its grant."""
+    def close(self, session_id: str, reason: str, evicted: bool = False) -> bool:
+        """Remove a session (stream ended, process died, heartbeat lost); frees its grant.
+        `evicted`: the daemon removed it (`reap`), rather than the rank ending its stream."""
         with self._lock:
             now = self._clock()
             sess = self._sessions.pop(session_id)
             if sess is None:
                 return False
             d = Decision()
-            d.log("leave", sess, reason=reason)
+            d.log("leave", sess, reason=reason, evicted=evicted)
             if sess.phase is Phase.COMPUTE:
                 d.log("release", sess, reason=reason)
             if sess.phase is not Phase.SUSPENDED:  # a suspended rank already left the policy
@@ -250,7 +251,7 @@ class Scheduler:
             doomed = self._liveness.sweep(now, d)
             self._commit(d, now)
         for sid, reason in doomed:
-            self.close(sid, reason)
+            self.close(sid, reason, evicted=True)
         self.tick()
         return [sid for sid, _ in doomed]
 
@@ -286,6 +287,11 @@ class Scheduler:
     @property
     def policy_name(self) -> str:
         return self._phases.policy.name
+
+    def policy_decisions(self) -> dict[str, int]:
+        """The current policy's decision counts (`Policy.decisions`); they start again at a switch."""
+        with self._lock:
+            return dict(self._phases.policy.decisions())
 
     def set_policy(self, name: str) -> str:
         """Switch policy at once; ranks computing or waiting are re-queued under the new one."""

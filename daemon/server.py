@@ -17,8 +17,10 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..protos import admin_socket_path, framing
+from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from .api import FailedPrecondition, InvalidRequest
 from .limits import Connections, StreamLimits
@@ -30,6 +32,9 @@ from .session_socket import SessionSocketServer
 __all__ = ["Daemon"]
 
 _log = logging.getLogger(__name__)
+
+# "" is the whole server, as probes ask by default.
+_HEALTH_SERVICES = ("", *(s.full_name for s in pb.DESCRIPTOR.services_by_name.values()))
 
 
 def _socket_folder(folder: Path) -> None:
@@ -75,9 +80,11 @@ class Daemon:
         admin_token: str | None = None,
         socket_group: int | None = None,
         admin_group: int | None = None,
+        health_address: str | None = None,
     ) -> None:
         """`socket_group` (a gid) may reach the rank sockets (ranks run as its members); the admin
-        socket is the daemon user's alone unless `admin_group` may use it too."""
+        socket is the daemon user's alone unless `admin_group` may use it too. `health_address`
+        (HOST:PORT) serves only the gRPC health service, in plain text, for probes."""
         if listen and not token:
             raise InvalidRequest("--listen needs --token (or --token-file): TCP calls must be authenticated")
         if not socket_path and not listen:
@@ -103,6 +110,9 @@ class Daemon:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop", daemon=True)
         self._servers: list[grpc.aio.Server] = []
+        self.health = health.HealthServicer()
+        self.health_address = health_address
+        self.health_port: int | None = None
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
 
     def _sockets(self) -> list[str]:
@@ -169,6 +179,17 @@ class Daemon:
                 self.port = server.add_insecure_port(self.listen)
             await server.start()
             self._servers.append(server)
+        if self.health_address:
+            # Probes carry no token: this server has the health service and nothing else.
+            server = grpc.aio.server(migration_thread_pool=pool, options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            self.health_port = server.add_insecure_port(self.health_address)
+            if not self.health_port:
+                raise OSError(f"cannot listen on {self.health_address} for health checks")
+            await server.start()
+            self._servers.append(server)
+        for service in _HEALTH_SERVICES:
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def _grpc_server(self, pool: futures.ThreadPoolExecutor, interceptors: tuple) -> grpc.aio.Server:
         # Session streams are capped by `connections` (a clear refusal); the RPC cap above it only
@@ -183,6 +204,7 @@ class Daemon:
         pb_grpc.add_SchedulerServicer_to_server(
             SchedulerService(self.core, self.limits, self.connections, self.session_socket or ""), server)
         pb_grpc.add_AdminServicer_to_server(AdminService(self.core, self.limits, self.connections), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         return server
 
     def stop(self, grace: float = 1.0) -> None:
@@ -190,6 +212,7 @@ class Daemon:
         if self._stop.is_set():
             return
         self._stop.set()
+        self.health.enter_graceful_shutdown()
         self.core.shutdown()
         if self._session_server is not None:
             self._session_server.stop()

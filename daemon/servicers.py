@@ -18,7 +18,7 @@ from .api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, Unsupp
 from .limits import Connections, StreamLimits
 from .scheduler import Scheduler
 from .session_grpc import GrpcSessionStream, serve_session
-from .session_stream import error_text, status_code
+from .session_stream import refusal
 from .snapshots import RankSnapshot
 
 __all__ = ["AdminService", "SchedulerService"]
@@ -57,7 +57,7 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(self, request, context)
         except CrossoverError as exc:
-            context.abort(status_code(exc), error_text(exc))
+            context.abort(*refusal(exc))
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__

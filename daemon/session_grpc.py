@@ -17,7 +17,7 @@ from .api import CrossoverError, InvalidRequest
 from .limits import Connections, StreamLimits
 from .messages import CloseMsg, Message
 from .scheduler import Scheduler
-from .session_stream import SessionLifecycle, directive, error_text, status_code, too_many
+from .session_stream import SessionLifecycle, directive, error_text, refusal, too_many
 
 __all__ = ["GrpcSessionStream", "serve_session"]
 
@@ -38,7 +38,7 @@ class GrpcSessionStream:
         await self._context.write(directive)
 
     async def fail(self, exc: Exception) -> None:
-        await self._context.abort(status_code(exc), error_text(exc))
+        await self._context.abort(*refusal(exc))
 
 
 async def serve_session(core: Scheduler, stream: GrpcSessionStream, limits: StreamLimits,

@@ -18,7 +18,7 @@ from .api import CrossoverError, InvalidRequest
 from .limits import Connections, StreamLimits
 from .messages import CloseMsg, Message
 from .scheduler import Scheduler
-from .session_stream import SessionLifecycle, directive, error_text, status_code, too_many
+from .session_stream import SessionLifecycle, directive, refusal, too_many
 
 __all__ = ["SessionSocketServer"]
 
@@ -98,8 +98,8 @@ class _FrameConnection:
             return False
 
     def _fail(self, exc: Exception) -> None:
-        self._write(framing.encode(pb.Directive(error=pb.SessionError(code=status_code(exc).name,
-                                                                      message=error_text(exc)))))
+        code, text = refusal(exc)
+        self._write(framing.encode(pb.Directive(error=pb.SessionError(code=code.name, message=text))))
 
     def _drop(self) -> None:
         """End the connection; the serving thread sees it and closes the session."""

@@ -16,6 +16,7 @@ import grpc
 
 from ..protos import MAX_BATCH_EVENTS
 from ..protos import crossover_v1_pb2 as pb
+from . import rpc_errors
 from .api import (
     AlreadyExists,
     CrossoverError,
@@ -30,7 +31,7 @@ from .limits import Connections, EventBudget, StreamLimits
 from .messages import AliveMsg, GrantMsg, LeaseMsg, Message, PolicyMsg, ShareMsg
 from .scheduler import Scheduler
 
-__all__ = ["SessionLifecycle", "apply_event", "directive", "error_text", "status_code", "too_many"]
+__all__ = ["SessionLifecycle", "apply_event", "directive", "error_text", "refusal", "status_code", "too_many"]
 
 _log = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ def status_code(exc: Exception) -> grpc.StatusCode:
         if isinstance(exc, cls):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def refusal(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message an error ends a call with, counted (`rpc_errors`)."""
+    code = status_code(exc)
+    rpc_errors.count(code)
+    return code, error_text(exc)
 
 
 def error_text(exc: Exception) -> str:

@@ -97,6 +97,9 @@ class QueuePolicy:
     def tick(self, now: float) -> list[RankKey]:
         return []
 
+    def decisions(self) -> dict[str, int]:
+        return {}
+
     def next_deadline(self) -> float | None:
         return None  # order-free policies wait for no deadline
 

@@ -83,6 +83,9 @@ class CrossoverPolicy(DispatchPolicy):
         self._passed: dict[RankKey, int] = {}  # waiting rank -> times a later request went first
         self.overtakes = 0
 
+    def decisions(self) -> dict[str, int]:
+        return {"overtake": self.overtakes}
+
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
         self._passed.pop(key, None)
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):

@@ -115,6 +115,9 @@ class TurnsPolicy(QueuePolicy):
         self.backfills = 0
         self.timeouts = 0
 
+    def decisions(self) -> dict[str, int]:
+        return {"backfill": self.backfills, "timeout": self.timeouts}
+
     # ---- events -------------------------------------------------------------
 
     def join(self, rank: RankRef, now: float) -> list[RankKey]:

@@ -1,0 +1,201 @@
+"""Prometheus metrics of one daemon (`crossoverd --metrics-address`).
+
+Two sources, so that nothing is counted twice and nothing on the grant path
+waits for a scrape:
+- the event log: every entry the scheduler records passes `observe`, which
+  counts grants, waits, phases, leases, suspensions, evictions, overdue holders
+  and fail-opens (a rank that went ahead without its grant);
+- the scheduler at scrape time (`_StateCollector`): who holds each device and
+  how many wait, the policy and its decision counts, refused calls by status
+  code, and the event log's own counts.
+
+Per-job series are labelled by job name and id, and removed when the job's last
+rank on this node leaves, so labels stay bounded by the jobs alive here.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from . import rpc_errors
+from .scheduler import Scheduler
+
+__all__ = ["DaemonMetrics", "parse_address"]
+
+_log = logging.getLogger(__name__)
+
+_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_JOB = ("job_name", "job_id")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[::1]:9464` for IPv6; `9464` or `:9464` mean loopback) -> (host, port)."""
+    host, _sep, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+class DaemonMetrics:
+    """The daemon's metrics in their own registry, fed by its event log (see the module doc)."""
+
+    def __init__(self, core: Scheduler, version: str = "") -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.grants = Counter("crossover_grants", "Compute grants given, by device and job.",
+                              ("device", *_JOB), registry=r)
+        self.grant_wait = Histogram("crossover_grant_wait_seconds", "Time from a rank's request to its grant.",
+                                    ("device", *_JOB), buckets=_WAIT_BUCKETS, registry=r)
+        self.compute = Histogram("crossover_compute_seconds", "Compute phases (grant to release), by job.",
+                                 _JOB, buckets=_PHASE_BUCKETS, registry=r)
+        self.comm = Histogram("crossover_comm_seconds", "Communication phases (allreduces), by job.",
+                              _JOB, buckets=_PHASE_BUCKETS, registry=r)
+        self.fail_opens = Counter("crossover_fail_opens", "Compute phases a rank ran without its grant (it stopped "
+                                  "waiting: grant timeout, or a frozen daemon).", _JOB, registry=r)
+        self.leases = Counter("crossover_leases", "Leases given to a rank alone on its device.", ("device",),
+                              registry=r)
+        self.lease_revocations = Counter("crossover_lease_revocations", "Leases taken back (another rank "
+                                         "joined).", ("device",), registry=r)
+        self.suspensions = Counter("crossover_suspensions", "Ranks suspended for missing heartbeats.",
+                                   ("device",), registry=r)
+        self.evictions = Counter("crossover_evictions", "Ranks removed by the daemon (silent, or process gone).",
+                                 ("device",), registry=r)
+        self.overdue = Counter("crossover_overdue_holders", "Holders treated as stalled (held far past their "
+                               "compute time) so the next rank was served.", ("device",), registry=r)
+        self.policy_switches = Counter("crossover_policy_switches", "Policy changes (SetPolicy).", registry=r)
+        ProcessCollector(registry=r)
+        r.register(_StateCollector(core, version))
+        self._lock = threading.Lock()
+        self._ranks: dict[str, int] = defaultdict(int)  # job id -> ranks registered here
+        self._series: dict[str, set[tuple[Any, tuple[str, ...]]]] = defaultdict(set)  # job id -> its series
+        self._server: Any = None
+        core.events.add_listener(self.observe)
+
+    def observe(self, entry: dict[str, Any]) -> None:
+        """Count one event-log entry (an `EventLog` listener)."""
+        event = entry["event"]
+        if event == "policy":
+            self.policy_switches.inc()
+            return
+        if "job" not in entry:
+            return
+        job = (str(entry.get("job_name", "")), str(entry["job"]))
+        device = str(entry.get("device", ""))
+        if event == "grant":
+            self._job(self.grants, job, device).inc()
+            self._job(self.grant_wait, job, device).observe(entry.get("waited_s", 0.0))
+        elif event == "release" and "held_s" in entry:
+            self._job(self.compute, job).observe(entry["held_s"])
+        elif event == "comm_end":
+            self._job(self.comm, job).observe(entry.get("duration_s", 0.0))
+        elif event == "cancel":
+            self._job(self.fail_opens, job).inc()
+        elif event == "lease":
+            self.leases.labels(device).inc()
+        elif event == "lease_revoke":
+            self.lease_revocations.labels(device).inc()
+        elif event == "suspend":
+            self.suspensions.labels(device).inc()
+        elif event == "overdue":
+            self.overdue.labels(device).inc()
+        elif event == "register":
+            with self._lock:
+                self._ranks[job[1]] += 1
+        elif event == "leave":
+            if entry.get("evicted"):
+                self.evictions.labels(device).inc()
+            self._left(job[1])
+
+    def _job(self, metric: Any, job: tuple[str, str], *first: str) -> Any:
+        values = (*first, *job)
+        with self._lock:
+            self._series[job[1]].add((metric, values))
+        return metric.labels(*values)
+
+    def _left(self, job_id: str) -> None:
+        with self._lock:
+            self._ranks[job_id] -= 1
+            if self._ranks[job_id] > 0:
+                return
+            del self._ranks[job_id]
+            series = self._series.pop(job_id, set())
+        for metric, values in series:
+            try:
+                metric.remove(*values)
+            except KeyError:
+                pass
+
+    def serve(self, address: str) -> tuple[str, int]:
+        """Serve `/metrics` over HTTP on `address` (HOST:PORT; port 0 picks one); returns where."""
+        host, port = parse_address(address)
+        server, _thread = start_http_server(port, host, registry=self.registry)
+        self._server = server
+        bound = server.server_address
+        _log.info("metrics on http://%s:%d/metrics", bound[0], bound[1])
+        return str(bound[0]), int(bound[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _StateCollector(Collector):
+    """What the scheduler shows at the moment of a scrape (read under its lock, briefly)."""
+
+    def __init__(self, core: Scheduler, version: str) -> None:
+        self._core = core
+        self._version = version
+
+    def collect(self) -> Iterator[Any]:
+        core = self._core
+        devices, ranks = core.snapshot()
+        queue = GaugeMetricFamily("crossover_device_queue_length", "Ranks waiting for a grant on the device.",
+                                  labels=["device"])
+        busy = GaugeMetricFamily("crossover_device_busy", "1 while some rank holds the device.", labels=["device"])
+        holder = GaugeMetricFamily("crossover_device_holder", "1 for the job holding the device (one series "
+                                   "per holder).", labels=["device", *_JOB])
+        on = GaugeMetricFamily("crossover_device_ranks", "Ranks registered on the device.", labels=["device"])
+        draining = GaugeMetricFamily("crossover_device_draining", "1 while the device takes no new ranks.",
+                                     labels=["device"])
+        for index, snap in sorted(devices.items()):
+            dev = str(index)
+            queue.add_metric([dev], len(snap.waiting))
+            busy.add_metric([dev], 1 if snap.holders else 0)
+            on.add_metric([dev], len(snap.holders) + len(snap.waiting) + len(snap.others))
+            draining.add_metric([dev], 1 if core.is_draining(index) else 0)
+            for job in {(r.ident.job_name, r.ident.job_id) for r in snap.holders}:
+                holder.add_metric([dev, *job], 1)
+        yield from (queue, busy, holder, on, draining)
+        yield GaugeMetricFamily("crossover_jobs", "Jobs with a rank registered on this node.",
+                                value=len({r.ident.job_id for r in ranks}))
+        decisions = CounterMetricFamily("crossover_policy_decisions", "The current policy's notable decisions "
+                                        "(backfill, timeout, overtake) since it was set.",
+                                        labels=["policy", "decision"])
+        policy = core.policy_name
+        for name, count in sorted(core.policy_decisions().items()):
+            decisions.add_metric([policy, name], count)
+        yield decisions
+        errors = CounterMetricFamily("crossover_rpc_errors", "Calls ended with an error, by gRPC status code.",
+                                     labels=["code"])
+        for code, count in sorted(rpc_errors.counts().items()):
+            errors.add_metric([code], count)
+        yield errors
+        log = core.events
+        yield CounterMetricFamily("crossover_event_log_entries", "Entries recorded in the event log.",
+                                  value=log.recorded)
+        yield CounterMetricFamily("crossover_event_log_dropped", "Entries a failed event-log file write lost "
+                                  "(they stay in memory).", value=log.dropped)
+        yield InfoMetricFamily("crossover_daemon", "The daemon: version, node, policy.",
+                               value={"version": self._version, "node": core.node, "policy": policy})
+        yield GaugeMetricFamily("crossover_uptime_seconds", "Seconds since the daemon started.", value=core.uptime())
