@@ -271,7 +271,7 @@ class PluginSettings:
     @classmethod
     def from_env(cls, script_name: str = "") -> PluginSettings:
         address = os.environ.get("CROSSOVER_ADDRESS", "")
-        target = address if address else f"unix://{default_socket_path()}"
+        target = address if address else f"unix://{default_socket_path(client=True)}"
         device_raw = os.environ.get("CROSSOVER_DEVICE", "-1")
         try:
             device = int(device_raw)

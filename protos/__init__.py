@@ -17,12 +17,23 @@ def admin_socket_path(socket_path: str) -> str:
     return f"{socket_path}.admin"
 
 
-def default_socket_path() -> str:
-    """`$CROSSOVER_SOCKET`, else /run/crossover/crossoverd.sock for root, else a per-user runtime dir."""
+SYSTEM_SOCKET = "/run/crossover/crossoverd.sock"
+
+
+def default_socket_path(client: bool = False) -> str:
+    """`$CROSSOVER_SOCKET`, else /run/crossover/crossoverd.sock for root, else a per-user runtime dir.
+
+    With `client` (ranks, the CLI), a user with no daemon of their own finds the node's
+    system daemon (deploy/systemd) at /run/crossover/crossoverd.sock; a daemon never
+    takes that path unless it runs as root or is told to.
+    """
     env = os.environ.get("CROSSOVER_SOCKET")
     if env:
         return env
     if os.geteuid() == 0:
-        return "/run/crossover/crossoverd.sock"
+        return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/crossover-{os.getuid()}"
-    return str(Path(runtime) / "crossover" / "crossoverd.sock")
+    own = Path(runtime) / "crossover" / "crossoverd.sock"
+    if client and not own.exists() and Path(SYSTEM_SOCKET).exists():
+        return SYSTEM_SOCKET
+    return str(own)

@@ -19,6 +19,7 @@ command -v mpirun >/dev/null 2>&1 || need_apt+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/openmpi ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include ] || dpkg -s libopenmpi-dev >/dev/null 2>&1 || need_apt+=(libopenmpi-dev)
 command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
+command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)  # verifies deploy/systemd in make test
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing Debian packages: ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
