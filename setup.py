@@ -30,6 +30,7 @@ setup(
         "torch",
         "horovod",
     ],
+    extras_require={"plots": ["matplotlib"]},  # crossover timeline
     entry_points={
         "console_scripts": [
             "crossoverd = crossover.daemon.main:main",

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 import click
@@ -18,10 +21,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from ..daemon.event_log import read_jsonl
 from ..protos import PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, default_socket_path
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from . import formatting
+from . import event_intervals, event_views, formatting
 from .transport import channel_for
 
 __all__ = ["main", "ExitCode"]
@@ -110,7 +114,8 @@ def _finite(_ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 
 _common = [
-    click.option("--socket", default=default_socket_path, show_default="$CROSSOVER_SOCKET or the daemon's default",
+    click.option("--socket", default=lambda: default_socket_path(client=True),
+                 show_default="$CROSSOVER_SOCKET, else your own daemon's, else the node's /run/crossover one",
                  help="Unix socket of the daemon."),
     click.option("--address", envvar="CROSSOVER_ADDRESS", help="host:port of a TCP daemon (overrides --socket)."),
     click.option("--token", envvar="CROSSOVER_TOKEN", help="Token for a TCP daemon [env CROSSOVER_TOKEN]."),
@@ -133,14 +138,34 @@ def _ctx(kw: dict[str, Any]) -> _Ctx:
                 kw.pop("tls_ca"))
 
 
+def _version() -> str:
+    """The installed distribution's version, else the package's own (a checkout run in place)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("horovod-crossover")
+    except PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"crossover {_version()}")
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="horovod-crossover", prog_name="crossover")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the version and exit.")
 def main() -> None:
     """Inspect and steer the Crossover daemon of this node.
 
     Each device (GPU, or CPU core under --cpu-devices) has a queue: the rank
     holding it computes; the others wait in grant order or are in their
-    allreduce. Start with `crossover queue`.
+    allreduce. Start with `crossover queue`. `crossover stats` and
+    `crossover timeline` read the daemon's --event-log files instead.
 
     \b
     Exit codes: 0 ok, 1 error, 2 usage, 3 daemon unreachable,
@@ -225,6 +250,125 @@ main.command("drain", help="Stop placing new ranks on DEVICE; ranks already ther
     _with_common(click.argument("device", type=click.IntRange(0, _MAX_DEVICE))(_device_cmd("Drain", "drain"))))
 main.command("resume", help="Accept new ranks on DEVICE again.")(
     _with_common(click.argument("device", type=click.IntRange(0, _MAX_DEVICE))(_device_cmd("Resume", "resume"))))
+
+
+def _seconds(_ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter("must be a finite number of seconds", param=param)
+    return value
+
+
+_log_options = [
+    click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path)),
+    click.option("--since", type=float, callback=_seconds, metavar="SECONDS",
+                 help="Start this many seconds after the first event (negative: before the last one)."),
+    click.option("--until", type=float, callback=_seconds, metavar="SECONDS",
+                 help="End this many seconds after the first event (negative: before the last one)."),
+    click.option("--job", "job_names", multiple=True, metavar="NAME",
+                 help="Only this job, by name or id (repeat for more)."),
+]
+
+
+def _with_log_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed(_log_options):
+        fn = opt(fn)
+    return fn
+
+
+class _Selection:
+    """The phases of the chosen jobs in the chosen window of the given logs."""
+
+    def __init__(self, files: Sequence[Path], since: float | None, until: float | None,
+                 job_names: Sequence[str]) -> None:
+        unique: dict[Path, Path] = {}
+        for path in files:
+            unique.setdefault(path.resolve(), path)  # a file named twice is read once
+        logs = [_read_log(path) for path in unique.values()]
+        events = event_intervals.merge_logs(logs)
+        self.log = event_intervals.read_phases(events)
+        self.policy_changes = event_intervals.policy_changes(events)
+        try:
+            self.jobs = event_intervals.select_jobs(self.log, job_names)
+        except event_intervals.UnknownJob as exc:
+            raise _Fail(str(exc), ExitCode.USAGE) from None
+        self.since, self.until = event_intervals.window(self.log, since, until)
+        span = self.log.last - self.log.first
+        if self.since >= self.until:
+            raise _Fail(f"empty window: {self.since - self.log.first:.1f} s to {self.until - self.log.first:.1f} s "
+                        f"(the log spans 0 to {span:.1f} s)", ExitCode.USAGE)
+        self.devices = sorted({iv.device_key for iv in self.log.intervals if iv.job in self.jobs})
+        self.intervals = event_intervals.clip((iv for iv in self.log.intervals if iv.job in self.jobs),
+                                              self.since, self.until)
+        if not self.intervals:
+            whose = f" of {', '.join(job_names)}" if job_names else ""
+            raise _Fail(f"no phases{whose} between {self.since - self.log.first:.1f} s and "
+                        f"{self.until - self.log.first:.1f} s (the log spans 0 to {span:.1f} s)", ExitCode.ERROR)
+
+
+def _read_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise _Fail(f"no such file: {path}", ExitCode.USAGE)
+    try:
+        events = [e for e in read_jsonl(path) if isinstance(e, dict) and "event" in e
+                  and isinstance(e.get("t"), (int, float))]
+    except (OSError, ValueError) as exc:
+        raise _Fail(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}", ExitCode.ERROR) from None
+    if not events:
+        raise _Fail(f"{path} holds no crossoverd events (is it a crossoverd --event-log file?)", ExitCode.ERROR)
+    return events
+
+
+@main.command()
+@_with_log_options
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default="timeline.png",
+              show_default=True, help="PNG file to write.")
+@click.option("--title", help="Title above the picture (default: the files and the window).")
+def timeline(files: tuple[Path, ...], since: float | None, until: float | None, job_names: tuple[str, ...],
+             output: Path, title: str | None) -> None:
+    """Draw who computed, communicated and waited on each device, from event logs.
+
+    FILES are crossoverd --event-log files, one per node; their clocks are
+    aligned by wall time. One band per node and device, one row per rank on
+    it: compute solid, allreduce hatched, waiting for a grant pale; dashed
+    lines mark policy switches. Needs matplotlib
+    (pip install 'horovod-crossover[plots]').
+    """
+    sel = _Selection(files, since, until, job_names)
+    if title is None:
+        title = (f"{', '.join(p.name for p in files)}: {sel.since - sel.log.first:.1f} s to "
+                 f"{sel.until - sel.log.first:.1f} s" + (f", jobs {', '.join(job_names)}" if job_names else ""))
+    try:
+        path = event_views.draw_timeline(sel.intervals, sel.since, sel.until, output, devices=sel.devices,
+                                         marks=[(t, f"policy {p}") for t, p in sel.policy_changes],
+                                         title=title, origin=sel.log.first)
+    except ImportError as exc:
+        raise _Fail(f"timeline needs matplotlib ({exc}): pip install 'horovod-crossover[plots]' "
+                    "or pip install matplotlib", ExitCode.ERROR) from None
+    except OSError as exc:
+        raise _Fail(f"cannot write {output}: {exc.strerror or exc}", ExitCode.ERROR) from None
+    click.echo(str(path))
+
+
+@main.command()
+@_with_log_options
+@click.option("--json", "as_json", is_flag=True, help="Print versioned JSON instead of tables.")
+def stats(files: tuple[Path, ...], since: float | None, until: float | None, job_names: tuple[str, ...],
+          as_json: bool) -> None:
+    """Per job and per device figures from event logs.
+
+    \b
+    Jobs: ranks seen, iterations (compute phases a rank released in the window),
+    compute and allreduce time (total, mean), wait for grants (total, mean,
+    p95, max), compute share of the ranks' active time.
+    Devices: busy (time some rank computed / window), grants, holders.
+    Phases that cross the window's edges are cut to it.
+    """
+    sel = _Selection(files, since, until, job_names)
+    result = event_intervals.compute_stats(sel.log, sel.since, sel.until, sel.jobs)
+    if as_json:
+        click.echo(json.dumps(event_views.stats_json(result, sel.log), indent=2, sort_keys=True))
+    else:
+        Console(width=None if sys.stdout.isatty() else 140).print(*event_views.stats_tables(result, sel.log))
 
 
 if __name__ == "__main__":

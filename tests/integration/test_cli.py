@@ -186,17 +186,19 @@ def test_unreachable_daemon(run, tmp_path):
     (("policy",), "switch"),
     (("drain",), "Stop placing new ranks"),
     (("resume",), "Accept new ranks"),
+    (("stats",), "Per job and per device"),
+    (("timeline",), "Draw who computed"),
 ])
 def test_help_of_every_command(args, words):
     res = CliRunner(env={"COLUMNS": "200"}).invoke(main, [*args, "--help"])
     assert res.exit_code == 0, res.output
     assert words in res.stdout
-    if args:
+    if args and args[0] not in ("stats", "timeline"):  # those two read event-log files, not a daemon
         assert "--socket" in res.stdout and "--json" in res.stdout
 
 
 def test_every_command_has_a_help_test():
-    assert set(main.commands) == {"queue", "jobs", "policy", "drain", "resume"}
+    assert set(main.commands) == {"queue", "jobs", "policy", "drain", "resume", "stats", "timeline"}
 
 
 # ---- the crossoverd entry point ---------------------------------------

@@ -1,0 +1,186 @@
+"""`crossover stats` and `crossover timeline` on event logs written by the daemon's own `EventLog`."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from crossover.client.cli import main
+from crossover.daemon.event_log import EventLog
+
+ALPHA = "a1a1a1a1a1a1a1a1"
+BETA = "b2b2b2b2b2b2b2b2"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_node(path: Path, node: str, rank: int, clock_base: float, beta_name: str = "beta") -> Path:
+    """Ten iterations of two jobs sharing device 0, as one daemon logs them; `clock_base` is that daemon's
+    monotonic clock at the first event (each node's differs), the wall clock is shared."""
+    log = EventLog(path=path, clock=lambda: clock_base + 100.0, wall_clock=lambda: 1_700_000_100.0,
+                   flush_interval_s=60)
+
+    def rec(t: float, event: str, job: str, **fields: object) -> None:
+        log.record(event, t=clock_base + t, job=job, job_name="alpha" if job == ALPHA else beta_name, rank=rank,
+                   device=0, node=node, **fields)
+
+    rec(0.0, "register", ALPHA, pid=1, world_size=2)
+    rec(0.0, "register", BETA, pid=2, world_size=2)
+    for i in range(10):
+        # alpha: no wait, compute 0.5 s, allreduce 0.5 s; beta: waits 0.25 s for alpha, compute 0.5, allreduce 0.25
+        rec(i, "request", ALPHA, iteration=i, seq=i + 1, turn=i)
+        rec(i, "grant", ALPHA, iteration=i, waited_s=0.0)
+        rec(i + 0.25, "request", BETA, iteration=i, seq=i + 1, turn=i)
+        rec(i + 0.5, "release", ALPHA, held_s=0.5)
+        rec(i + 0.5, "comm_begin", ALPHA, iteration=i)
+        rec(i + 0.5, "grant", BETA, iteration=i, waited_s=0.25)
+        rec(i + 1.0, "comm_end", ALPHA, iteration=i, duration_s=0.5)
+        rec(i + 1.0, "release", BETA, held_s=0.5)
+        rec(i + 1.0, "comm_begin", BETA, iteration=i)
+        rec(i + 1.25, "comm_end", BETA, iteration=i, duration_s=0.25)
+    rec(10.5, "leave", ALPHA, reason="stream ended")
+    rec(10.5, "leave", BETA, reason="stream ended")
+    log.record("policy", t=clock_base + 10.5, old="crossover", new="exclusive")
+    log.close()
+    return path
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> list[str]:
+    return [str(_write_node(tmp_path / "n0.jsonl", "n0", 0, 1000.0)),
+            str(_write_node(tmp_path / "n1.jsonl", "n1", 1, 5000.0))]
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_stats_json_has_each_job_and_device(logs):
+    res = _run("stats", *logs, "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["version"] == 1 and data["kind"] == "stats"
+    assert data["window"] == {"since_s": 0.0, "until_s": 10.5, "log_s": 10.5}
+    jobs = {j["job_name"]: j for j in data["jobs"]}
+    alpha, beta = jobs["alpha"], jobs["beta"]
+    assert alpha["job"] == ALPHA and alpha["ranks"] == [0, 1]
+    assert alpha["iterations"] == beta["iterations"] == 10
+    assert alpha["compute_total_s"] == pytest.approx(10.0) and alpha["compute_mean_s"] == pytest.approx(0.5)
+    assert alpha["comm_mean_s"] == pytest.approx(0.5) and beta["comm_mean_s"] == pytest.approx(0.25)
+    assert alpha["wait_max_s"] == 0.0
+    assert beta["wait_total_s"] == pytest.approx(5.0) and beta["wait_p95_s"] == pytest.approx(0.25)
+    devices = {(d["node"], d["device"]): d for d in data["devices"]}
+    assert set(devices) == {("n0", 0), ("n1", 0)}
+    for d in devices.values():
+        assert d["busy_fraction"] == pytest.approx(10.0 / 10.5), "the two nodes' clocks are aligned"
+        assert d["grants"] == 20
+    assert devices[("n1", 0)]["holders"] == ["alpha/1", "beta/1"]
+
+
+def test_a_file_named_twice_is_read_once(logs):
+    once = json.loads(_run("stats", *logs, "--json").stdout)
+    assert json.loads(_run("stats", *logs, logs[0], "--json").stdout) == once
+
+
+def test_stats_in_a_window_for_one_job(logs):
+    res = _run("stats", *logs, "--json", "--since", "2", "--until", "8", "--job", "beta")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert [j["job_name"] for j in data["jobs"]] == ["beta"]
+    assert data["jobs"][0]["iterations"] == 6
+    assert data["devices"][0]["busy_fraction"] == pytest.approx(0.5)
+    res = _run("stats", *logs, "--json", "--since", "-1", "--job", BETA[:8])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["window"]["since_s"] == pytest.approx(9.5)
+
+
+def test_stats_table(logs):
+    res = _run("stats", *logs)
+    assert res.exit_code == 0, res.output
+    assert "alpha" in res.stdout and "beta" in res.stdout and "a1a1a1a1a1a1" in res.stdout
+    assert re.search(r"n1\s.*\s95%\s.*\s20\s.*alpha/1, beta/1", res.stdout)
+
+
+def test_timeline_writes_a_png_and_prints_its_path(logs, tmp_path):
+    out = tmp_path / "pics" / "t.png"
+    res = _run("timeline", *logs, "-o", str(out), "--since", "1", "--until", "6", "--title", "two jobs")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == str(out)
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_timeline_of_hostile_names(tmp_path):
+    log = _write_node(tmp_path / "n0.jsonl", "n0", 0, 0.0, beta_name="$\\frac{$ \x1b[2J")
+    out = tmp_path / "t.png"
+    res = _run("timeline", str(log), "-o", str(out))
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_timeline_without_matplotlib_says_how_to_install_it(logs, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    res = _run("timeline", *logs, "-o", str(tmp_path / "t.png"))
+    assert res.exit_code == 1
+    assert res.stderr.count("\n") == 1 and "pip install" in res.stderr
+    assert not (tmp_path / "t.png").exists()
+    assert _run("stats", *logs).exit_code == 0, "stats needs no matplotlib"
+
+
+def test_the_cli_does_not_import_matplotlib():
+    code = "import sys, crossover.client.cli; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["missing.jsonl"], 2, "no such file: missing.jsonl"),
+    (["--job", "gamma"], 2, "no job 'gamma' in the log (jobs: alpha, beta)"),
+    (["--since", "20"], 2, "empty window: 20.0 s to 10.5 s (the log spans 0 to 10.5 s)"),
+    (["--since", "5", "--until", "4"], 2, "empty window"),
+    (["--since", "10.4", "--job", "alpha"], 1, "no phases of alpha between 10.4 s and 10.5 s"),
+    (["--until", "nan"], 2, None),
+])
+@pytest.mark.parametrize("command", ["stats", "timeline"])
+def test_errors_are_one_line_with_an_exit_code(logs, tmp_path, command, args, code, message):
+    files = [] if args[0].endswith(".jsonl") else logs
+    res = _run(command, *files, *args, "-o" if command == "timeline" else "--json",
+               *([str(tmp_path / "t.png")] if command == "timeline" else []))
+    assert res.exit_code == code, res.output
+    if message is not None:
+        assert res.stderr.count("\n") == 1 and res.stderr.startswith("crossover: ")
+        assert message in res.stderr
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_a_file_that_is_no_event_log(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\n[1, 2]\n")
+    res = _run("stats", str(bad))
+    assert res.exit_code == 1
+    assert res.stderr == f"crossover: {bad} holds no crossoverd events (is it a crossoverd --event-log file?)\n"
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    res = _run("stats", str(binary))
+    assert res.exit_code == 1 and res.stderr.startswith(f"crossover: cannot read {binary}")
+
+
+def test_version():
+    res = _run("--version")
+    assert res.exit_code == 0
+    assert re.fullmatch(r"crossover \d+\.\d+\.\d+\S*\n", res.stdout)
+
+
+def test_version_of_a_checkout_that_is_not_installed(monkeypatch):
+    import importlib.metadata
+
+    import crossover
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert _run("--version").stdout == f"crossover {crossover.__version__}\n"
