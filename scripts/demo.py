@@ -1,88 +1,93 @@
-"""`make demo`: a daemon, two co-located Horovod jobs with `import crossover.auto`, the queue, the result.
+"""`make demo`: two co-located Horovod jobs on a two-node emulated cluster, unscheduled and then scheduled.
 
-Runs on one machine: the daemon manages two CPU cores as devices, each job
-has two ranks (one per device), so on every device the two jobs take turns.
+Two nodes are network namespaces with shaped links, each with its own crossoverd
+managing one CPU core as the node's device. Two identical jobs, each a real
+`horovodrun` job with `import crossover.auto` as its first line and one rank per
+node, train side by side. They are measured the way the benchmark measures them
+(`python -m bench.emulated --quick`): the jobs start once and the daemons switch
+policy every few seconds, so unscheduled (`passthrough`) and scheduled
+(`crossover`, and the other policies) segments interleave and see the same machine.
+
+It ends with both jobs' samples/s unscheduled and scheduled, the ratio, and two
+timeline pictures drawn by `crossover timeline` from the daemons' event logs: a
+few seconds of each mode, side by side in time on every node's device.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
-from tools.harness.daemon import BIN, DaemonProc, queue_state
-from tools.harness.jobs import Job, horovodrun, with_import
-from tools.harness.oracles import compute_intervals, overlaps
+from crossover.daemon.event_log import read_jsonl
+from tools.cluster import preflight
+from tools.harness.daemon import BIN
 
 console = Console()
-JOBS = ("resnet-ish", "bert-ish")
+ROOT = Path(__file__).resolve().parents[1]
+_SETTLE_S = 2.0
+_WINDOW_S = 3.0
+
+
+def _window(logs: list[Path], policy: str) -> tuple[float, float] | None:
+    """Seconds (from the logs' first event) of a stretch under `policy`, after the switch has settled."""
+    events = [e for log in logs for e in read_jsonl(log)]
+    if not events:
+        return None
+    t0 = min(e["t"] for e in events)
+    switches = sorted(e["t"] for e in events if e["event"] == "policy" and e.get("new") == policy)
+    if not switches:
+        return None
+    since = switches[0] - t0 + _SETTLE_S
+    return since, since + _WINDOW_S
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--policy", default="crossover", help="passthrough, exclusive or crossover")
-    p.add_argument("--iters", type=int, default=200)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cycles", type=int, default=2, help="interleaved cycles through the modes (more: steadier)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "demo", help="folder for the results")
     args = p.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="crossover-demo-"))
-    console.rule(f"[bold]Crossover demo[/] (work dir {tmp})")
-    console.print(f"1. crossoverd --cpu-devices 2 --policy {args.policy}")
-    daemon = DaemonProc.in_dir(tmp, "--cpu-devices", "2", "--policy", args.policy, "--log-level", "WARNING",
-                               name="crossoverd")
-    jobs: list[Job] = []
-    try:
-        try:
-            daemon.start()
-        except RuntimeError as exc:
-            console.print(f"[red]{exc}[/]")
-            return 1
-        script = with_import(tmp, "train_mlp.py")
-        console.print("2. two jobs, each `horovodrun -np 2 --gloo python train.py` with `import crossover.auto` "
-                      "as its first line")
-        t0 = time.monotonic()
-        for name in JOBS:
-            jobs.append(horovodrun(name, script, tmp, np=2, args=("--iters", str(args.iters)),
-                                   env={"CROSSOVER_SOCKET": str(daemon.socket)}))
-        console.print("3. `crossover queue` while they train:")
-        shown = 0
-        while any(j.proc.poll() is None for j in jobs) and shown < 3:
-            time.sleep(2.5)
-            try:
-                state = queue_state(daemon.socket)
-            except Exception:  # the daemon is busy or gone: the final check below says which
-                continue
-            if any(d["holders"] or d["waiting"] for d in state["devices"]):
-                subprocess.run([str(BIN / "crossover"), "queue", "--socket", str(daemon.socket)], timeout=20)
-                shown += 1
-        for j in jobs:
-            if j.proc.wait(600) != 0:
-                console.print(f"[red]job {j.name} failed; see {j.log}[/]")
-                return 1
-        wall = time.monotonic() - t0
-        console.print("4. result")
-        table = Table()
-        for c in ("job", "ranks", "iterations", "mean iter ms", "ranks agree"):
-            table.add_column(c)
-        for j in jobs:
-            ranks = j.summaries()
-            its = [t for r in ranks for t in r["iter_times"][5:]]
-            table.add_row(j.name, str(len(ranks)), str(len(ranks[0]["iter_times"])),
-                          f"{1000 * sum(its) / len(its):.1f}", str(len({r["digest"] for r in ranks}) == 1))
-        console.print(table)
-        ev = daemon.events()
-        grants = [e for e in ev if e["event"] == "grant"]
-        clashes = sum(len(overlaps(iv)) for iv in compute_intervals(ev).values())
-        console.print(f"{len(grants)} grants over {wall:.1f}s; overlapping compute phases on a device: {clashes}; "
-                      f"event log: {daemon.event_log}")
-        return 0 if clashes == 0 or args.policy == "passthrough" else 1
-    finally:
-        for j in jobs:
-            j.kill()
-        daemon.stop()
+    reasons = preflight()
+    if reasons:
+        console.print(f"[red]the demo builds a two-node emulated cluster and cannot here:[/] {'; '.join(reasons)}")
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    work, result = args.out / "work", args.out / "emulated.json"
+    console.rule("[bold]Crossover demo[/]: two co-located jobs on two emulated nodes")
+    bench = [sys.executable, "-m", "bench.emulated", "--quick", "--cycles", str(args.cycles), "--out", str(result),
+             "--timeline", str(args.out / "bench_timeline.png"), "--workdir", str(work)]
+    console.print("$ " + " ".join(bench[1:]))
+    if subprocess.run(bench, cwd=ROOT).returncode != 0:
+        console.print(f"[red]the run failed; logs are under {work}[/]")
+        return 1
+
+    summary = json.loads(result.read_text())["scenarios"][0]
+    modes = summary["modes"]
+    logs = sorted((work / "1-1_x2" / "cluster").glob("node*.events.jsonl"))
+    pictures = []
+    for mode, policy in (("unscheduled", "passthrough"), ("crossover", "crossover")):
+        window = _window(logs, policy)
+        if window is None:
+            continue
+        png = args.out / f"timeline_{mode}.png"
+        cmd = [str(BIN / "crossover"), "timeline", *map(str, logs), "-o", str(png), "--since", f"{window[0]:.2f}",
+               "--until", f"{window[1]:.2f}", "--title", f"{mode} ({policy}): {_WINDOW_S:.0f} s on both nodes"]
+        if subprocess.run(cmd, capture_output=True, text=True).returncode == 0:
+            pictures.append(png)
+    unscheduled = modes["unscheduled"]["aggregate_samples_per_s"]
+    scheduled = modes["crossover"]["aggregate_samples_per_s"]
+    console.rule("[bold]Result[/]")
+    console.print(f"event logs: {' '.join(map(str, logs))}")
+    for png in pictures:
+        console.print(f"timeline:   {png}")
+    console.print(f"unscheduled: {unscheduled:8.0f} samples/s (both jobs)")
+    console.print(f"crossover:   {scheduled:8.0f} samples/s (both jobs)")
+    console.print(f"ratio:       {scheduled / unscheduled:8.2f}x  (medians of {args.cycles} interleaved cycles; "
+                  f"{100 * modes['crossover']['of_bound']:.0f}% of the pipeline bound)")
+    return 0
 
 
 if __name__ == "__main__":
