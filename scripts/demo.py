@@ -59,7 +59,7 @@ def main() -> int:
     console.rule("[bold]Crossover demo[/]: two co-located jobs on two emulated nodes")
     bench = [sys.executable, "-m", "bench.emulated", "--quick", "--cycles", str(args.cycles), "--out", str(result),
              "--timeline", str(args.out / "bench_timeline.png"), "--workdir", str(work)]
-    console.print("$ " + " ".join(bench[1:]))
+    console.print("$ python " + " ".join(bench[1:]))
     if subprocess.run(bench, cwd=ROOT).returncode != 0:
         console.print(f"[red]the run failed; logs are under {work}[/]")
         return 1
