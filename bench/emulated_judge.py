@@ -9,6 +9,7 @@ from typing import Any
 
 from bench.emulated_scenarios import MODES, Scenario
 from bench.lib.judge import percentile
+from crossover.client.event_intervals import covered_length
 
 
 def phase_intervals(events: list[dict[str, Any]], start: str, end: str) -> dict[str, list[tuple[float, float]]]:
@@ -26,17 +27,7 @@ def phase_intervals(events: list[dict[str, Any]], start: str, end: str) -> dict[
 
 def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
     """How long [lo, hi] is covered by at least one of ``intervals``."""
-    total, cur_a, cur_b = 0.0, 0.0, None
-    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi):
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a
-    return total
+    return covered_length((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
 
 
 def turn_agreement(ev0: list[dict[str, Any]], ev1: list[dict[str, Any]], lo: float, hi: float) -> float | None:

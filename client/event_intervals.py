@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 __all__ = [
     "DeviceKey", "DeviceStats", "Interval", "JobStats", "PhaseKind", "PhaseLog", "Stats", "UnknownJob",
-    "clip", "compute_stats", "job_labels", "merge_logs", "policy_changes", "read_phases", "select_jobs",
-    "union_length", "window",
+    "clip", "compute_stats", "covered_length", "job_labels", "merge_logs", "policy_changes", "read_phases",
+    "select_jobs", "union_length", "window",
 ]
 
 _log = logging.getLogger(__name__)
@@ -172,6 +172,11 @@ class _Rank:
         node, job, job_name, rank = self.ident
         self.out.append(Interval(phase, node, device, job, job_name, rank, start, max(start, end), complete))
 
+    def end_measured(self, phase: PhaseKind, t: float, device: int, length: float) -> None:
+        """End `phase` at `t`; had it no beginning (a cut log), it still ran `length` seconds up to `t`."""
+        if not self.end(phase, t, complete=True) and length > 0:
+            self.add(phase, t - length, t, device, True)
+
     def end_all(self, t: float) -> None:
         for phase in list(self.open):
             self.end(phase, t, complete=False)
@@ -213,9 +218,7 @@ def _replay(r: _Rank, e: Mapping[str, Any]) -> None:
     if ev == "request":
         r.begin("wait", t, device)
     elif ev == "grant":
-        waited = _float(e.get("waited_s"))
-        if not r.end("wait", t, complete=True) and waited > 0:
-            r.add("wait", t - waited, t, device, True)
+        r.end_measured("wait", t, device, _float(e.get("waited_s")))
         r.begin("compute", t, device)
     elif ev == "release":
         if not r.end("compute", t, complete="held_s" in e and not e.get("yields")):
@@ -230,9 +233,7 @@ def _replay(r: _Rank, e: Mapping[str, Any]) -> None:
     elif ev == "comm_begin":
         r.begin("comm", t, device)
     elif ev == "comm_end":
-        duration = _float(e.get("duration_s"))
-        if not r.end("comm", t, complete=True) and duration > 0:
-            r.add("comm", t - duration, t, device, True)
+        r.end_measured("comm", t, device, _float(e.get("duration_s")))
     elif ev == "leave":
         r.end_all(t)
 
@@ -297,8 +298,13 @@ def clip(intervals: Iterable[Interval], since: float, until: float) -> list[Inte
 
 def union_length(intervals: Iterable[Interval]) -> float:
     """How long at least one of the intervals covers (overlaps counted once)."""
+    return covered_length((iv.start, iv.end) for iv in intervals)
+
+
+def covered_length(spans: Iterable[tuple[float, float]]) -> float:
+    """How long at least one (start, end) span covers (overlaps counted once)."""
     total, cur_a, cur_b = 0.0, 0.0, None
-    for a, b in sorted((iv.start, iv.end) for iv in intervals):
+    for a, b in sorted(spans):
         if cur_b is None or a > cur_b:
             if cur_b is not None:
                 total += cur_b - cur_a
