@@ -22,6 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from crossover.client.event_intervals import merge_logs, policy_changes
 from crossover.daemon.event_log import read_jsonl
 from tools.cluster import preflight
 from tools.harness.daemon import BIN
@@ -33,15 +34,13 @@ _WINDOW_S = 3.0
 
 
 def _window(logs: list[Path], policy: str) -> tuple[float, float] | None:
-    """Seconds (from the logs' first event) of a stretch under `policy`, after the switch has settled."""
-    events = [e for log in logs for e in read_jsonl(log)]
-    if not events:
-        return None
-    t0 = min(e["t"] for e in events)
-    switches = sorted(e["t"] for e in events if e["event"] == "policy" and e.get("new") == policy)
+    """Seconds (from the logs' first event, on the clock `crossover timeline` uses) of a stretch under
+    `policy`, after the switch has settled."""
+    events = merge_logs([read_jsonl(log) for log in logs])
+    switches = [t for t, new in policy_changes(events) if new == policy]
     if not switches:
         return None
-    since = switches[0] - t0 + _SETTLE_S
+    since = switches[0] + _SETTLE_S
     return since, since + _WINDOW_S
 
 
