@@ -28,6 +28,12 @@ def _measured(p: CrossoverPolicy, **compute_s: float) -> None:
         p.observe(RankKey(job, 0), "compute", c, 0.0)
 
 
+def _line_up(p: CrossoverPolicy, *jobs: str) -> None:
+    """Each job's rank 0 asks in turn, 0.1 s apart from t=0 (further apart than `tie_s`)."""
+    for i, job in enumerate(jobs):
+        p.request(RankKey(job, 0), 0, i / 10)
+
+
 def test_is_the_blocking_default_registered_by_name():
     p = create("crossover")
     assert isinstance(p, CrossoverPolicy) and p.name == "crossover" and p.blocks is True
@@ -53,9 +59,7 @@ def test_without_measurements_the_device_is_served_in_request_order():
 def test_a_clearly_shorter_job_goes_before_the_first_in_line():
     p = _policy("h", "long", "short")
     _measured(p, long=0.050, short=0.010)
-    p.request(RankKey("h", 0), 0, 0.0)
-    p.request(RankKey("long", 0), 0, 0.1)
-    p.request(RankKey("short", 0), 0, 0.2)
+    _line_up(p, "h", "long", "short")
     assert p.order(0) == [RankKey("short", 0), RankKey("long", 0)]
     assert p.release(RankKey("h", 0), 0.3) == [RankKey("short", 0)]
     assert p.overtakes == 1
@@ -64,18 +68,14 @@ def test_a_clearly_shorter_job_goes_before_the_first_in_line():
 def test_a_job_within_the_gap_keeps_its_place_in_line():
     p = _policy("h", "first", "second")
     _measured(p, first=0.050, second=0.037)  # 0.74 x: not under the 0.7 gap
-    p.request(RankKey("h", 0), 0, 0.0)
-    p.request(RankKey("first", 0), 0, 0.1)
-    p.request(RankKey("second", 0), 0, 0.2)
+    _line_up(p, "h", "first", "second")
     assert p.release(RankKey("h", 0), 0.3) == [RankKey("first", 0)]
 
 
 def test_an_unmeasured_job_neither_passes_nor_is_passed():
     p = _policy("h", "new", "short")
     _measured(p, short=0.001)
-    p.request(RankKey("h", 0), 0, 0.0)
-    p.request(RankKey("new", 0), 0, 0.1)
-    p.request(RankKey("short", 0), 0, 0.2)
+    _line_up(p, "h", "new", "short")
     assert p.release(RankKey("h", 0), 0.3) == [RankKey("new", 0)]
 
 
@@ -83,9 +83,7 @@ def test_a_request_is_passed_over_at_most_max_overtakes_times():
     """Two short jobs that would alternate for ever ahead of a long one let it in after one overtake."""
     p = _policy("s1", "s2", "long")
     _measured(p, s1=0.010, s2=0.010, long=0.050)
-    p.request(RankKey("s1", 0), 0, 0.0)
-    p.request(RankKey("long", 0), 0, 0.1)
-    p.request(RankKey("s2", 0), 0, 0.2)
+    _line_up(p, "s1", "long", "s2")
     assert p.release(RankKey("s1", 0), 0.3) == [RankKey("s2", 0)]  # s2 passes long once
     p.request(RankKey("s1", 0), 1, 0.35)
     assert p.release(RankKey("s2", 0), 0.4) == [RankKey("long", 0)]  # long has been passed once: served
@@ -94,17 +92,13 @@ def test_a_request_is_passed_over_at_most_max_overtakes_times():
 def test_max_overtakes_zero_is_first_come_first_served():
     p = _policy("h", "long", "short", settings=CrossoverSettings(max_overtakes=0))
     _measured(p, long=0.050, short=0.010)
-    p.request(RankKey("h", 0), 0, 0.0)
-    p.request(RankKey("long", 0), 0, 0.1)
-    p.request(RankKey("short", 0), 0, 0.2)
+    _line_up(p, "h", "long", "short")
     assert p.release(RankKey("h", 0), 0.3) == [RankKey("long", 0)]
 
 
 def test_leave_and_cancel_hand_the_device_on_and_forget_the_rank():
     p = _policy("a", "b", "c")
-    p.request(RankKey("a", 0), 0, 0.0)
-    p.request(RankKey("b", 0), 0, 0.1)
-    p.request(RankKey("c", 0), 0, 0.2)
+    _line_up(p, "a", "b", "c")
     p.cancel(RankKey("b", 0), 0.3)
     assert p.leave(RankKey("a", 0), 0.4) == [RankKey("c", 0)]
     with pytest.raises(FailedPrecondition):
