@@ -1,7 +1,10 @@
 """Crossover on an emulated cluster: co-located Horovod jobs, with and without scheduling.
 
 Two nodes (network namespaces on one machine, `tools.cluster`), each with
-one device (a CPU core its ranks are pinned to) and a tc-shaped link. Every
+one device (a CPU core its ranks are pinned to) and a tc-shaped link; three in
+`span x2`, where job0 runs on nodes 0-1 and job1 on nodes 1-2, so they share
+only node 1's device (on a 2-core machine nodes 0 and 2 share a core, which no
+daemon schedules: see docs/emulated-cluster.md). Every
 job is a real PyTorch MLP classifier trained data-parallel under Horovod
 (bench/workloads/train_bench.py with `import crossover.auto` prepended), one
 rank per node. A calibration measures compute time per sample and allreduce
@@ -29,7 +32,7 @@ device-busy fraction (union of compute intervals / wall, from the daemons'
 event logs), the pipeline bound (identical jobs: Σbatch / max(ΣC, ΣM, T_alone),
 C and M measured alone), and how often the two nodes granted in the same order.
 
-    python -m bench.emulated                    # 5 scenarios (~25 min on 2 cores)
+    python -m bench.emulated                    # 6 scenarios (~30 min on 2 cores)
     python -m bench.emulated --quick            # 1:1 with two jobs (~3 min)
     python -m bench.emulated --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
     python -m bench.emulated --host-cores 2-15  # device cores run only compute (needs spare cores)
@@ -120,9 +123,9 @@ def host_cores_plan(raw: str, usable: set[int], nodes: int = 2) -> tuple[tuple[i
     return tuple(devices), {"CROSSOVER_HOST_CORES": ",".join(map(str, sorted(host)))}
 
 
-def _cluster_spec(rate: float, args: argparse.Namespace) -> ClusterSpec:
-    return ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice,
-                       cores=args.device_cores)
+def _cluster_spec(rate: float, args: argparse.Namespace, nodes: int = 2) -> ClusterSpec:
+    return ClusterSpec(nodes=nodes, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice,
+                       cores=tuple(args.device_cores[:nodes]))
 
 
 def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -188,7 +191,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     """
     script = _script(workdir, args.host_wait)
     stop = workdir / "stop"
-    spec = _cluster_spec(rate, args)
+    spec = _cluster_spec(rate, args, scn.nodes)
     names = [f"job{k}" for k in range(scn.jobs)]
     segments: list[dict[str, Any]] = []
     # The policy is edited while we measure: record which source the daemons loaded.
@@ -201,7 +204,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
              for k in (range(scn.jobs) if mixed else [0])]
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, batches[k], workdir / f"out_{n}", 1000 + k, stop=stop), name=n,
-                            env=args.job_env)
+                            nodes=scn.nodes_of(k), env=args.job_env)
                 for k, n in enumerate(names)]
         admin = _Admin(cluster)
         try:
@@ -242,8 +245,9 @@ def _wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int,
         for j in jobs:
             if j.poll() is not None:
                 raise RuntimeError(f"{j.name} exited before the measurement:\n{j.output()[-3000:]}")
-        ends = [e.get("job_name") for e in cluster.events(0) if e["event"] == "comm_end"]
-        if all(ends.count(n) >= warmup for n in names):
+        ends = [[e.get("job_name") for e in cluster.events(i) if e["event"] == "comm_end"]
+                for i in range(len(cluster.nodes))]
+        if all(max(node.count(n) for node in ends) >= warmup for n in names):
             return
         time.sleep(0.2)
     raise RuntimeError(f"jobs did not reach {warmup} iterations in {timeout:.0f}s")
@@ -288,10 +292,16 @@ def main() -> int:
     scenarios: tuple[Scenario, ...] = QUICK if args.quick else FULL
     if args.scenarios:
         wanted = {x.strip() for x in args.scenarios.split(",")}
+        unknown = wanted - {s.name for s in FULL}
+        if unknown:
+            console.print(f"[red]error:[/] --scenarios: no scenario {', '.join(sorted(unknown))} "
+                          f"(known: {', '.join(s.name for s in FULL)})")
+            return 2
         scenarios = tuple(s for s in FULL if s.name in wanted)
     args.cycles = args.cycles or (3 if args.quick else 4)
     try:
-        args.device_cores, args.job_env = host_cores_plan(args.host_cores, os.sched_getaffinity(0))
+        args.device_cores, args.job_env = host_cores_plan(args.host_cores, os.sched_getaffinity(0),
+                                                          max(s.nodes for s in scenarios))
     except (ValueError, SettingError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
@@ -361,11 +371,12 @@ def main() -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "setup": {"host_wait": args.host_wait, "nice": args.nice, "host_cores": args.host_cores,
                   "device_cores": list(args.device_cores), "cycles": args.cycles, "segment_s": args.segment_s,
-                  "nodes": 2,
+                  "nodes": {s.name: s.nodes for s in scenarios},
                   "devices_per_node": 1, "ranks_per_job": 2, "workload": str(WORKLOAD.relative_to(ROOT)),
                   "unscheduled_policy": "passthrough",
                   "sequential": "solo runs of the first job (before) and the last job (after) the co-located run",
-                  "note": f"4 nodes need 4 cores for 4 devices; this machine has {machine()['cpus']}, so 2 nodes"},
+                  "note": f"a node's device is one core; this machine has {machine()['cpus']}, so a 3-node "
+                          f"scenario's nodes 0 and 2 share a core unless --host-cores leaves 3 device cores"},
         "calibration": calibration,
         "scenarios": summaries,
     })

@@ -32,6 +32,8 @@ def plot_timeline(raw: dict[str, Any], path: Path, title: str, seconds: float) -
             comm = phase_intervals(events[node], "comm_begin", "comm_end")
             for k, job in enumerate(jobs):
                 c = colors[k % len(colors)]
+                if job not in comp and job not in comm:  # a job placed on other nodes
+                    continue
                 if job not in segs[mode]["running"]:
                     labels.append(f"{node} dev0 {job} (not running)")
                     ticks.append(y + 0.5)
@@ -61,7 +63,7 @@ def plot_timeline(raw: dict[str, Any], path: Path, title: str, seconds: float) -
 
 def render(summaries: list[dict[str, Any]], host_wait: str, nice: int) -> Table:
     """One section per scenario: each mode's medians over cycles, then the pipeline bound."""
-    t = Table(title=f"Crossover on an emulated 2-node cluster (1 core = 1 device per node, tbf links, host wait "
+    t = Table(title=f"Crossover on an emulated cluster (1 core = 1 device per node, tbf links, host wait "
                     f"{host_wait}, nice {nice}); medians over cycles",
               caption="samples/s: aggregate over running jobs; ×unsched/×seq: vs the unscheduled and the one-alone "
                       "segment of the same cycle; % bound: vs Σbatch/max(ΣC,ΣM,T) with C, M, T measured alone; "
@@ -79,6 +81,9 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int) -> Table:
     for s in summaries:
         head = (f"{s['scenario']}\n{s['rate_mbit']:.0f} Mbit/s, batch {s['batch']}\nalone C {s['alone_C_ms']:.0f} "
                 f"M {s['alone_M_ms']:.0f} ms\nmeasured M:C {s['measured_ratio']:.2f}")
+        if s.get("placement"):
+            head += f"\n{s['nodes']} nodes: " + " ".join(f"job{k}@{'+'.join(map(str, p))}"
+                                                         for k, p in enumerate(s["placement"]))
         for i, mode in enumerate(MODES):
             r = s["modes"][mode]
             per = " ".join(f"{1000 * j['iter_s']:.0f}({j['slowdown']:.2f})" for _, j in sorted(r["jobs"].items()))

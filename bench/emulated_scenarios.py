@@ -17,12 +17,25 @@ class Scenario:
     """A set of jobs co-located at one comm:compute ratio (of the first job).
 
     `batch_scale[k]` multiplies job k's batch (its compute phase); empty: identical jobs.
+    `placement[k]` names the nodes job k runs on (one rank each); empty: every job on every node.
     """
 
     name: str
     ratio: float  # target comm:compute
     jobs: int
     batch_scale: tuple[float, ...] = ()
+    nodes: int = 2
+    placement: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.placement and (len(self.placement) != self.jobs
+                               or any(not 0 <= n < self.nodes for p in self.placement for n in p)):
+            raise ValueError(f"{self.name}: placement {self.placement} must name nodes 0..{self.nodes - 1} "
+                             f"for each of {self.jobs} jobs")
+
+    def nodes_of(self, k: int) -> tuple[int, ...] | None:
+        """The nodes job k runs on; None: all of them."""
+        return self.placement[k] if self.placement else None
 
     def batch(self, k: int, base: int) -> int:
         scale = self.batch_scale[k] if self.batch_scale else 1.0
@@ -30,5 +43,6 @@ class Scenario:
 
 
 FULL = (Scenario("1:1 x2", 1.0, 2), Scenario("1:2 x2", 0.5, 2), Scenario("2:1 x2", 2.0, 2),
-        Scenario("1:1 x3", 1.0, 3), Scenario("mixed x3", 1.0, 3, (1.0, 0.4, 1.6)))
+        Scenario("1:1 x3", 1.0, 3), Scenario("mixed x3", 1.0, 3, (1.0, 0.4, 1.6)),
+        Scenario("span x2", 1.0, 2, nodes=3, placement=((0, 1), (1, 2))))
 QUICK = (Scenario("1:1 x2", 1.0, 2),)
