@@ -59,7 +59,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline, render
-from bench.emulated_scenarios import COLOCATED, FULL, POLICY, QUICK, Scenario
+from bench.emulated_scenarios import ALL, COLOCATED, FULL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.settings import SettingError, parse_cpu_list
 from crossover.daemon.event_log import read_jsonl
@@ -161,6 +161,52 @@ class _Admin:
             ch.close()
 
 
+class _Visitors:
+    """Churn: a job like job 0 that arrives and leaves inside every measured segment.
+
+    Each visitor is started one segment ahead and waits for its go file before hvd.init, so
+    what lands in a segment is its arrival (rendezvous, registration, first grants) and its
+    leaving, not its interpreter's start-up; the next one's start-up runs in every segment
+    alike. It leaves on its stop file, part-way through the segment.
+    """
+
+    def __init__(self, cluster: Cluster, script: Path, args: argparse.Namespace, batch: int, workdir: Path) -> None:
+        self._cluster, self._script, self._args, self._batch, self._workdir = cluster, script, args, batch, workdir
+        self._count = 0
+        self._next = self._launch()
+        self.outs: dict[str, Path] = {}
+
+    def _launch(self) -> tuple[str, Any, Path]:
+        name = f"visitor{self._count}"
+        self._count += 1
+        d = self._workdir / name
+        d.mkdir(parents=True, exist_ok=True)
+        cmd = _job_cmd(self._script, self._args, self._batch, d / "out", 2000 + self._count, stop=d / "stop")
+        job = self._cluster.run(cmd + ["--go-file", str(d / "go")], name=name, env=self._args.job_env)
+        return name, job, d
+
+    def arrive(self) -> tuple[str, Any, Path]:
+        """Let the waiting visitor join; start the next one's interpreter."""
+        visitor, self._next = self._next, self._launch()
+        (visitor[2] / "go").touch()
+        return visitor
+
+    def finish(self, visitor: tuple[str, Any, Path]) -> None:
+        """Make it leave (if it has not) and wait for it to end."""
+        name, job, d = visitor
+        (d / "stop").touch()
+        if job.wait(self._args.job_timeout) != 0:
+            raise RuntimeError(f"{name} failed:\n{job.output()[-3000:]}")
+        self.outs[name] = d / "out"
+
+    def close(self) -> None:
+        """The visitor that was started for a segment that never came: let it join and leave at once."""
+        name, job, d = self._next
+        (d / "stop").touch()
+        (d / "go").touch()
+        job.wait(self._args.job_timeout)
+
+
 def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Namespace, workdir: Path
              ) -> dict[str, Any]:
     """One job alone on a fresh cluster (policy passthrough): its iteration, compute and comm times."""
@@ -207,6 +253,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
                             nodes=scn.nodes_of(k), env=args.job_env)
                 for k, n in enumerate(names)]
         admin = _Admin(cluster)
+        visitors = _Visitors(cluster, script, args, batches[0], workdir) if scn.visitor else None
         try:
             _wait_warm(cluster, jobs, names, args.warmup)
             for cycle in range(args.cycles):
@@ -217,16 +264,29 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
                     t_switch = time.monotonic()
                     time.sleep(args.settle_s)
                     a = time.monotonic()
-                    time.sleep(args.segment_s)
+                    running = list(names)
+                    if visitors is None:
+                        time.sleep(args.segment_s)
+                    else:
+                        visitor = visitors.arrive()
+                        time.sleep(0.6 * args.segment_s)
+                        (visitor[2] / "stop").touch()
+                        time.sleep(0.4 * args.segment_s)
+                        running.append(visitor[0])
                     b = time.monotonic()
                     for j in jobs:
                         if j.poll() is not None:
                             raise RuntimeError(f"{j.name} exited during the run:\n{j.output()[-3000:]}")
+                    if visitors is not None:
+                        visitors.finish(visitor)
                     segments.append({"cycle": cycle, "mode": mode, "switch": t_switch, "a": a, "b": b,
-                                     "running": list(names), "load1": os.getloadavg()[0]})
+                                     "running": running, "visitors": running[len(names):],
+                                     "load1": os.getloadavg()[0]})
         finally:
             admin.close()
             stop.touch()
+            if visitors is not None:
+                visitors.close()
         for j in jobs:
             if j.wait(args.job_timeout) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
@@ -236,7 +296,8 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
         solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batches[-1], args, workdir / "solo_last"))
     return {"scenario": scn.name, "rate_mbit": rate, "batch": batch, "segments": segments, "events": events,
             "policy_source_sha256": policy_sha, "solos": solos,
-            "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names}}
+            "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names},
+            "visitors": {n: rank_summaries(out) for n, out in (visitors.outs.items() if visitors else ())}}
 
 
 def _wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, timeout: float = 120) -> None:
@@ -256,7 +317,8 @@ def _wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int,
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1:1 with two jobs only")
-    p.add_argument("--scenarios", help="comma-separated subset of: " + ", ".join(s.name for s in FULL))
+    p.add_argument("--scenarios", help="comma-separated, from: " + ", ".join(s.name for s in ALL)
+                   + " (default: all but the last, churn, which needs cores beside the devices)")
     p.add_argument("--cycles", type=int, default=None, help="cycles through the 4 modes (default 4, quick 3)")
     p.add_argument("--segment-s", type=float, default=None, help="measured seconds per segment (default 20 x "
                    "--iter-ms)")
@@ -292,12 +354,12 @@ def main() -> int:
     scenarios: tuple[Scenario, ...] = QUICK if args.quick else FULL
     if args.scenarios:
         wanted = {x.strip() for x in args.scenarios.split(",")}
-        unknown = wanted - {s.name for s in FULL}
+        unknown = wanted - {s.name for s in ALL}
         if unknown:
             console.print(f"[red]error:[/] --scenarios: no scenario {', '.join(sorted(unknown))} "
-                          f"(known: {', '.join(s.name for s in FULL)})")
+                          f"(known: {', '.join(s.name for s in ALL)})")
             return 2
-        scenarios = tuple(s for s in FULL if s.name in wanted)
+        scenarios = tuple(s for s in ALL if s.name in wanted)
     args.cycles = args.cycles or (3 if args.quick else 4)
     try:
         args.device_cores, args.job_env = host_cores_plan(args.host_cores, os.sched_getaffinity(0),

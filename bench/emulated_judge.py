@@ -49,17 +49,21 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
     lo, hi = seg["a"], seg["b"]
     per_job: dict[str, dict[str, Any]] = {}
     aggregate = 0.0
+    visitors = set(seg.get("visitors", ()))
     for name in seg["running"]:
-        ranks = raw["jobs"][name]
+        ranks = raw["visitors"][name] if name in visitors else raw["jobs"][name]
         r0 = min(ranks, key=lambda r: r["rank"])
         ends = [t for t in r0["iter_end"] if lo <= t <= hi]
         # Mean time between iteration ends; a job that (nearly) stalled gets the window over what it did.
-        stalled = len(ends) < 3
-        iter_s = (ends[-1] - ends[0]) / (len(ends) - 1) if not stalled else (hi - lo) / max(len(ends), 0.5)
+        stalled = len(ends) < 3 and name not in visitors
+        iter_s = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) >= 3 else (hi - lo) / max(len(ends), 0.5)
         gb = sum(r["batch"] for r in ranks)
-        per_job[name] = {"iter_s": iter_s, "samples_per_s": gb / iter_s, "iters": len(ends), "stalled": stalled}
-        aggregate += gb / iter_s
-    busy, gaps, c_held, m_comm = {}, [], [], []
+        # A visitor is there for part of the window: it adds the samples it finished in it.
+        rate = len(ends) * gb / (hi - lo) if name in visitors else gb / iter_s
+        per_job["visitor" if name in visitors else name] = {"iter_s": iter_s, "samples_per_s": rate,
+                                                            "iters": len(ends), "stalled": stalled}
+        aggregate += rate
+    busy, gaps, c_held, m_comm, waits = {}, [], [], [], []
     for node, events in raw["events"].items():
         comp = phase_intervals(events, "grant", "release")  # a paused job may hold a passthrough grant: skip it
         busy[node] = _union_length([iv for job in seg["running"] for iv in comp.get(job, [])], lo, hi) / (hi - lo)
@@ -70,9 +74,11 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
             if e["event"] == "release" and "held_s" in e:
                 last_release = e["t"]
                 c_held.append(e["held_s"])
-            elif e["event"] == "grant" and last_release is not None:
-                gaps.append(e["t"] - last_release)
-                last_release = None
+            elif e["event"] == "grant":
+                waits.append(e.get("waited_s", 0.0))
+                if last_release is not None:
+                    gaps.append(e["t"] - last_release)
+                    last_release = None
             elif e["event"] == "comm_end":
                 m_comm.append(e["duration_s"])
     # Turn agreement compares two nodes that every running job is on: the scenarios with two nodes.
@@ -83,6 +89,7 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
             "busy_fraction_mean": statistics.fmean(busy.values()), "busy_fraction": busy,
             "turn_agreement": agreement,
             "gap_ms_p50": 1000 * percentile(gaps, 50), "gap_ms_p90": 1000 * percentile(gaps, 90),
+            "wait_ms_max": 1000 * max(waits, default=0.0),
             "C_ms": 1000 * statistics.median(c_held) if c_held else None,
             "M_ms": 1000 * statistics.median(m_comm) if m_comm else None}
 
@@ -129,18 +136,20 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         med: dict[str, Any] = {k: _median([r[k] for r in rows]) for k in ("aggregate_samples_per_s", "vs_unscheduled",
                                                               "vs_sequential", "of_bound", "busy_fraction_mean",
                                                               "fairness", "turn_agreement", "gap_ms_p50",
-                                                              "gap_ms_p90", "load1", "C_ms", "M_ms")}
+                                                              "gap_ms_p90", "wait_ms_max", "load1", "C_ms",
+                                                              "M_ms")}
         jobs = sorted({j for r in rows for j in r["jobs"]})
         med["jobs"] = {j: {"iter_s": _median([r["jobs"][j]["iter_s"] for r in rows if j in r["jobs"]]),
                            "slowdown": _median([r["jobs"][j]["slowdown"] for r in rows if j in r["jobs"]])}
                        for j in jobs}
+        med["wait_ms_worst"] = max((r["wait_ms_max"] for r in rows), default=None)
         med["cycles"] = len(rows)
         modes[mode] = med
     for mode in MODES:
         modes[mode]["stalled_segments"] = sum(1 for s in (alone if mode == "sequential" else segs)
                                               if s["mode"] == mode and any(j["stalled"] for j in s["jobs"].values()))
     out = {"scenario": scn.name, "target_ratio": scn.ratio, "jobs": scn.jobs, "rate_mbit": raw["rate_mbit"],
-           "nodes": scn.nodes, "placement": [list(p) for p in scn.placement],
+           "nodes": scn.nodes, "placement": [list(p) for p in scn.placement], "visitor": scn.visitor,
            "batch_scale": list(scn.batch_scale), "job_batches": gbs,
            "batch": raw["batch"], "global_batch": gb, "alone_iter_ms": 1000 * t_alone, "alone_C_ms": 1000 * c_alone,
            "alone_M_ms": 1000 * m_alone, "measured_ratio": m_alone / c_alone, "bound_samples_per_s": bound,
@@ -157,7 +166,7 @@ def _median(xs: list[Any]) -> float | None:
 
 def targets(summary: dict[str, Any]) -> dict[str, bool] | None:
     """The issue's targets (1:1, two jobs on the same nodes), checked on the medians."""
-    if summary["target_ratio"] != 1.0 or summary["jobs"] != 2 or summary["placement"]:
+    if summary["target_ratio"] != 1.0 or summary["jobs"] != 2 or summary["placement"] or summary["visitor"]:
         return None
     xo = summary["modes"]["crossover"]
     return {"crossover_vs_unscheduled_ge_1.35": xo["vs_unscheduled"] >= 1.35,

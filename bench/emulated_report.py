@@ -19,7 +19,7 @@ def plot_timeline(raw: dict[str, Any], path: Path, title: str, seconds: float) -
     solo = raw["solos"][0]
     panels = [("sequential", solo["events"], solo["segment"])] + [(m, raw["events"], segs[m]) for m in COLOCATED
                                                                    if m in segs]
-    jobs = sorted(raw["jobs"])
+    jobs = sorted(raw["jobs"]) + sorted(raw.get("visitors", {}))
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 2.4 * len(panels)), squeeze=False)
     colors = [f"C{i}" for i in range(10)]  # matplotlib's default cycle
     for ax, (mode, events, seg) in zip(axes[:, 0], panels):
@@ -33,6 +33,8 @@ def plot_timeline(raw: dict[str, Any], path: Path, title: str, seconds: float) -
             for k, job in enumerate(jobs):
                 c = colors[k % len(colors)]
                 if job not in comp and job not in comm:  # a job placed on other nodes
+                    continue
+                if job in raw.get("visitors", {}) and job not in segs[mode]["running"]:
                     continue
                 if job not in segs[mode]["running"]:
                     labels.append(f"{node} dev0 {job} (not running)")
@@ -69,10 +71,11 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int) -> Table:
                       "segment of the same cycle; % bound: vs Σbatch/max(ΣC,ΣM,T) with C, M, T measured alone; "
                       "slowdown: iteration vs alone; busy: union of compute phases / wall; fair: max/min slowdown; "
                       "turns agree: share of consecutive grants node1 made in node0's order; gap: release→next grant; "
+                      "wait max: longest grant wait in any cycle; "
                       "stalled: segments where a job finished <3 iterations; "
                       "load: 1-min load average of the shared machine")
     for c in ("scenario", "mode", "samples/s", "×unsched", "×seq", "% bound", "iter ms (slowdown) per job",
-              "busy %", "fair", "turns agree", "gap p50/p90 ms", "load"):
+              "busy %", "fair", "turns agree", "gap p50/p90 ms", "wait max ms", "load"):
         t.add_column(c, justify="left" if c in ("scenario", "mode") else "right")
 
     def f(x: float | None, fmt: str) -> str:
@@ -81,6 +84,8 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int) -> Table:
     for s in summaries:
         head = (f"{s['scenario']}\n{s['rate_mbit']:.0f} Mbit/s, batch {s['batch']}\nalone C {s['alone_C_ms']:.0f} "
                 f"M {s['alone_M_ms']:.0f} ms\nmeasured M:C {s['measured_ratio']:.2f}")
+        if s.get("visitor"):
+            head += "\n+1 job arrives and leaves in every segment"
         if s.get("placement"):
             head += f"\n{s['nodes']} nodes: " + " ".join(f"job{k}@{'+'.join(map(str, p))}"
                                                          for k, p in enumerate(s["placement"]))
@@ -95,7 +100,8 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int) -> Table:
                       f(None if r["busy_fraction_mean"] is None else 100 * r["busy_fraction_mean"], ".0f"),
                       f(r["fairness"], ".2f") if mode != "sequential" else "-",
                       f(None if r["turn_agreement"] is None else 100 * r["turn_agreement"], ".0f"),
-                      f"{f(r['gap_ms_p50'], '.1f')}/{f(r['gap_ms_p90'], '.1f')}", f(r["load1"], ".1f"))
-        t.add_row("", "bound", f"{s['bound_samples_per_s']:.0f}", "", "", "100%", "", "", "", "", "", "",
+                      f"{f(r['gap_ms_p50'], '.1f')}/{f(r['gap_ms_p90'], '.1f')}", f(r["wait_ms_worst"], ".0f"),
+                      f(r["load1"], ".1f"))
+        t.add_row("", "bound", f"{s['bound_samples_per_s']:.0f}", "", "", "100%", "", "", "", "", "", "", "",
                   end_section=True)
     return t

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["COLOCATED", "FULL", "MODES", "POLICY", "QUICK", "Scenario"]
+__all__ = ["ALL", "CHURN", "COLOCATED", "FULL", "MODES", "POLICY", "QUICK", "Scenario"]
 
 MODES = ("sequential", "unscheduled", "exclusive", "turns", "crossover")
 COLOCATED = MODES[1:]
@@ -18,6 +18,7 @@ class Scenario:
 
     `batch_scale[k]` multiplies job k's batch (its compute phase); empty: identical jobs.
     `placement[k]` names the nodes job k runs on (one rank each); empty: every job on every node.
+    `visitor`: churn; one more job like job 0 arrives and leaves inside every measured segment.
     """
 
     name: str
@@ -26,6 +27,7 @@ class Scenario:
     batch_scale: tuple[float, ...] = ()
     nodes: int = 2
     placement: tuple[tuple[int, ...], ...] = ()
+    visitor: bool = False
 
     def __post_init__(self) -> None:
         if self.placement and (len(self.placement) != self.jobs
@@ -45,4 +47,8 @@ class Scenario:
 FULL = (Scenario("1:1 x2", 1.0, 2), Scenario("1:2 x2", 0.5, 2), Scenario("2:1 x2", 2.0, 2),
         Scenario("1:1 x3", 1.0, 3), Scenario("mixed x3", 1.0, 3, (1.0, 0.4, 1.6)),
         Scenario("span x2", 1.0, 2, nodes=3, placement=((0, 1), (1, 2))))
+# Only when named (--scenarios): on a machine whose cores are all devices, the visitors' interpreter
+# start-up lands on the device cores and the figures measure that (docs/emulated-cluster.md).
+CHURN = Scenario("churn x2+1", 1.0, 2, visitor=True)
+ALL = (*FULL, CHURN)
 QUICK = (Scenario("1:1 x2", 1.0, 2),)

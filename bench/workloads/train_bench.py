@@ -43,10 +43,14 @@ def main():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stop-file", default="", help="stop (at an iteration boundary) once this file exists; "
                    "ranks may stop one iteration apart, hvd.join() evens that out")
+    p.add_argument("--go-file", default="", help="wait for this file before hvd.init: the interpreter has "
+                   "started but the job has not yet joined anything (a job arriving at a chosen moment)")
     p.add_argument("--out", default="")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
+    while args.go_file and not os.path.exists(args.go_file):
+        time.sleep(0.02)
     hvd.init()
     torch.manual_seed(args.seed)
     model = build(args.in_dim, args.width, args.depth, args.classes)

@@ -4,12 +4,16 @@ from __future__ import annotations
 import pytest
 
 from bench.emulated_judge import targets
-from bench.emulated_scenarios import FULL, Scenario
+from bench.emulated_scenarios import ALL, CHURN, FULL, Scenario
 
 
 def test_a_job_without_a_placement_runs_on_every_node() -> None:
     scn = Scenario("1:1 x2", 1.0, 2)
     assert scn.nodes == 2 and scn.nodes_of(0) is None and scn.nodes_of(1) is None
+
+
+def test_churn_is_run_only_when_named() -> None:
+    assert CHURN.visitor and CHURN in ALL and CHURN not in FULL
 
 
 def test_span_puts_two_jobs_on_overlapping_node_pairs() -> None:
@@ -25,12 +29,12 @@ def test_a_placement_must_name_existing_nodes_for_every_job(placement: tuple[tup
 
 
 def test_scenario_names_are_unique() -> None:
-    assert len({s.name for s in FULL}) == len(FULL)
+    assert len({s.name for s in ALL}) == len(ALL)
 
 
 def _summary(placement: list[list[int]]) -> dict:
     xo = {"vs_unscheduled": 1.4, "vs_sequential": 1.6, "of_bound": 0.9, "fairness": 1.1}
-    return {"target_ratio": 1.0, "jobs": 2, "placement": placement, "modes": {"crossover": xo}}
+    return {"target_ratio": 1.0, "jobs": 2, "placement": placement, "visitor": False, "modes": {"crossover": xo}}
 
 
 def test_the_targets_judge_two_jobs_on_the_same_nodes_only() -> None:
