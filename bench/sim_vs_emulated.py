@@ -85,7 +85,9 @@ def main() -> None:
     args = p.parse_args()
     try:
         data = json.loads(args.emulated.read_text())
-        scenarios = [s for s in data["scenarios"] if not s.get("batch_scale")]  # the simulator models identical jobs
+        # simulate_small models identical jobs that all share every node's device, for the whole run
+        scenarios = [s for s in data["scenarios"]
+                     if not s.get("batch_scale") and not s.get("placement") and not s.get("visitor")]
     except (OSError, ValueError, KeyError) as exc:
         sys.exit(f"sim_vs_emulated: {args.emulated} is not a bench/emulated.py result: {exc}")
     rows = [compare(s, args.interference, args.iters) for s in scenarios]
