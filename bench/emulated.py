@@ -181,6 +181,8 @@ class _Visitors:
         self._count += 1
         d = self._workdir / name
         d.mkdir(parents=True, exist_ok=True)
+        for flag in ("go", "stop"):
+            (d / flag).unlink(missing_ok=True)
         cmd = _job_cmd(self._script, self._args, self._batch, d / "out", 2000 + self._count, stop=d / "stop")
         job = self._cluster.run(cmd + ["--go-file", str(d / "go")], name=name, env=self._args.job_env)
         return name, job, d
@@ -237,6 +239,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     """
     script = _script(workdir, args.host_wait)
     stop = workdir / "stop"
+    stop.unlink(missing_ok=True)  # left by an earlier run in the same --workdir, it would stop the jobs at once
     spec = _cluster_spec(rate, args, scn.nodes)
     names = [f"job{k}" for k in range(scn.jobs)]
     segments: list[dict[str, Any]] = []
