@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import grpc
 from rich.console import Console
@@ -161,6 +161,12 @@ class _Admin:
             ch.close()
 
 
+class _Visitor(NamedTuple):
+    name: str
+    job: Any
+    folder: Path  # its go and stop files, and its ranks' summaries (out/)
+
+
 class _Visitors:
     """Churn: a job like job 0 that arrives and leaves inside every measured segment.
 
@@ -176,7 +182,7 @@ class _Visitors:
         self._next = self._launch()
         self.outs: dict[str, Path] = {}
 
-    def _launch(self) -> tuple[str, Any, Path]:
+    def _launch(self) -> _Visitor:
         name = f"visitor{self._count}"
         self._count += 1
         d = self._workdir / name
@@ -185,28 +191,31 @@ class _Visitors:
             (d / flag).unlink(missing_ok=True)
         cmd = _job_cmd(self._script, self._args, self._batch, d / "out", 2000 + self._count, stop=d / "stop")
         job = self._cluster.run(cmd + ["--go-file", str(d / "go")], name=name, env=self._args.job_env)
-        return name, job, d
+        return _Visitor(name, job, d)
 
-    def arrive(self) -> tuple[str, Any, Path]:
+    def arrive(self) -> _Visitor:
         """Let the waiting visitor join; start the next one's interpreter."""
         visitor, self._next = self._next, self._launch()
-        (visitor[2] / "go").touch()
+        (visitor.folder / "go").touch()
         return visitor
 
-    def finish(self, visitor: tuple[str, Any, Path]) -> None:
+    @staticmethod
+    def leave(visitor: _Visitor) -> None:
+        """Tell it to stop at its next iteration boundary."""
+        (visitor.folder / "stop").touch()
+
+    def finish(self, visitor: _Visitor) -> None:
         """Make it leave (if it has not) and wait for it to end."""
-        name, job, d = visitor
-        (d / "stop").touch()
-        if job.wait(self._args.job_timeout) != 0:
-            raise RuntimeError(f"{name} failed:\n{job.output()[-3000:]}")
-        self.outs[name] = d / "out"
+        self.leave(visitor)
+        if visitor.job.wait(self._args.job_timeout) != 0:
+            raise RuntimeError(f"{visitor.name} failed:\n{visitor.job.output()[-3000:]}")
+        self.outs[visitor.name] = visitor.folder / "out"
 
     def close(self) -> None:
         """The visitor that was started for a segment that never came: let it join and leave at once."""
-        name, job, d = self._next
-        (d / "stop").touch()
-        (d / "go").touch()
-        job.wait(self._args.job_timeout)
+        self.leave(self._next)
+        (self._next.folder / "go").touch()
+        self._next.job.wait(self._args.job_timeout)
 
 
 def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Namespace, workdir: Path
@@ -273,9 +282,9 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
                     else:
                         visitor = visitors.arrive()
                         time.sleep(0.6 * args.segment_s)
-                        (visitor[2] / "stop").touch()
+                        visitors.leave(visitor)
                         time.sleep(0.4 * args.segment_s)
-                        running.append(visitor[0])
+                        running.append(visitor.name)
                     b = time.monotonic()
                     for j in jobs:
                         if j.poll() is not None:
