@@ -5,11 +5,7 @@
 
 The conformance tier launches Horovod's own examples and test suite from
 `../shared/peer/` this way under `horovodrun`. One thing the machine forces:
-PyPI has no CPU build of torchvision, and the CUDA build's compiled ops do not
-load beside a CPU torch. torchvision's Python parts (datasets, transforms,
-models) need none of them, but its import registers fake kernels for two ops
-(`nms`, `qnms`) that then do not exist. When that import fails, this declares
-those two schemas, with no kernel, and imports again; nothing else changes.
+torchvision's CPU import needs two op schemas declared (`tools.workloads.vision`).
 """
 from __future__ import annotations
 
@@ -17,28 +13,14 @@ import runpy
 import sys
 
 import crossover.auto  # noqa: F401  (first, as a user adds it)
+from tools.workloads.vision import import_torchvision  # noqa: E402
 
 
 def _import_torchvision() -> None:
     try:
-        import torchvision  # noqa: F401
+        import_torchvision()
     except ModuleNotFoundError:
         return
-    except RuntimeError as exc:
-        if "torchvision::" not in str(exc):
-            raise
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        import torch
-
-        lib = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _keep.append(lib)
-        import torchvision  # noqa: F401,F811
-
-
-_keep: list = []
 
 
 def main(argv: list[str]) -> None:

@@ -90,6 +90,9 @@ class ClusterSpec:
     # host; an emulated device (a core) is, unless its ranks outrank the other tasks there
     # (negative values need root, and slow everything else on those cores down).
     nice: int = 0
+    # Nodes whose daemon schedules this machine's GPUs (found through NVML) instead of a core:
+    # one GPU node beside CPU-core nodes emulates one node of a multi-node GPU job (bench.gpu).
+    gpu_nodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
@@ -99,6 +102,8 @@ class ClusterSpec:
             raise ClusterError(f"link overrides for nodes {bad} that do not exist (0..{self.nodes - 1})")
         if not -20 <= self.nice <= 19:
             raise ClusterError(f"nice={self.nice} is outside -20..19")
+        if any(not 0 <= i < self.nodes for i in self.gpu_nodes):
+            raise ClusterError(f"gpu_nodes={list(self.gpu_nodes)} names nodes that do not exist (0..{self.nodes - 1})")
         if self.cores and len(self.cores) != self.nodes:
             raise ClusterError(f"cores={list(self.cores)} must name one core per node ({self.nodes})")
 

@@ -1,0 +1,393 @@
+"""Crossover on a real GPU: the daemon's NVML inventory, the CUDA release path, and two co-located ResNet jobs.
+
+One call on a bare GPU machine (`bench/gpu.sh` installs what is missing first)
+runs three checks and writes `gpu.json` and `gpu_timeline.png` under --out:
+
+  inventory  a crossoverd without --cpu-devices: the GPUs NVML reports, as
+             `crossover queue --json` shows them.
+  release    a one-rank job whose last gradient leaves `--sleep-ms` of work
+             queued on the GPU (bench/workloads/release_probe.py): every grant
+             must be released only after that work is done, as the daemon's
+             event log records it.
+  speedup    two jobs of a torchvision ResNet on synthetic images share the
+             GPU. Each is a two-node job on an emulated cluster
+             (`tools.cluster`, network namespaces): node 0's daemon schedules
+             the real GPU and runs each job's rank 0; node 1 stands in for the
+             other node (bench/workloads/train_gpu.py, a rank that waits the
+             compute time measured alone and allreduces gradients of the same
+             shapes), behind a tc-shaped link. So the GPU sees what one node
+             of a two-node job sees: its compute phases and real allreduces
+             (Horovod over Gloo, gradients staged through host memory).
+             A calibration picks the link rate for the wanted comm:compute;
+             then both jobs train while the daemons cycle through unscheduled
+             (passthrough), exclusive (FIFO) and crossover, interleaved; one
+             job alone afterwards gives the sequential figure and the bound.
+             Judged by `bench.emulated_judge`, as the CPU bed is.
+
+    bench/gpu.sh                       # on the GPU machine: set-up, then this
+    python -m bench.gpu --dry-run      # the same steps on the CPU, small and short (CI)
+
+Why a stand-in peer and not two ranks on the GPU: two ranks of one job on one
+GPU would put both halves of every allreduce on the same device and node, which
+no multi-node job sees; a second GPU is not there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.emulated import _Admin, _wait_warm
+from bench.emulated_judge import summarize
+from bench.emulated_report import plot_timeline
+from bench.emulated_scenarios import POLICY, Scenario
+from bench.lib.results import git_commit, machine, write_json
+from crossover.daemon.event_log import read_jsonl
+from tools import checkout_on_path
+from tools.cluster import Cluster, ClusterSpec, Link, preflight
+from tools.harness.daemon import kill_group, queue_state
+from tools.harness.jobs import rank_summaries, with_import
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+MODES = ("unscheduled", "exclusive", "crossover")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench.gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def environment() -> dict[str, Any]:
+    """What the machine offers: torch and CUDA, the GPU, Horovod's build, namespaces."""
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "cuda_available": torch.cuda.is_available(), "commit": git_commit(), **machine()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   gpu_sms=props.multi_processor_count)
+    try:
+        import horovod
+        import horovod.torch as hvd
+
+        env.update(horovod=horovod.__version__, horovod_gloo=hvd.gloo_built(), horovod_nccl=hvd.nccl_built(),
+                   horovod_cuda=hvd.cuda_built())
+    except ImportError as exc:
+        env["horovod"] = f"missing: {exc}"
+    env["netns_preflight"] = preflight() or "ok"
+    return env
+
+
+# ---- a daemon of our own, outside any namespace ---------------------------------------------------------
+
+
+class _Daemon:
+    """`python -m crossover.daemon.main` on a socket in `workdir`; stopped on exit."""
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.socket, self.events = workdir / "d.sock", workdir / "d.events.jsonl"
+        self.log = workdir / "d.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "crossover.daemon.main", "--socket", str(self.socket),
+                 "--event-log", str(self.events), "--log-level", "INFO", *args],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": checkout_on_path(os.environ)})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"crossoverd exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                self.queue = queue_state(self.socket, timeout=2)
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.1)
+        self.close()
+        raise RuntimeError(f"crossoverd did not answer in 30 s: {self.log.read_text()[-2000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                kill_group(self.proc)
+                self.proc.wait()
+
+    def __enter__(self) -> _Daemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _device_args(dry_run: bool) -> list[str]:
+    return ["--cpu-devices", "1"] if dry_run else []
+
+
+def check_inventory(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The devices a daemon without --cpu-devices finds (NVML), as its queue reports them."""
+    with _Daemon(workdir, *_device_args(args.dry_run)) as d:
+        devices = d.queue.get("devices", [])
+    if not args.dry_run and not any(dev.get("kind") == "gpu" for dev in devices):
+        raise RuntimeError(f"the daemon found no GPU through NVML: {devices}")
+    return {"devices": devices}
+
+
+def check_release(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Each grant's release against the end of the GPU work its last gradient queued."""
+    if args.dry_run:
+        return {"skipped": "no CUDA device in a dry run"}
+    script = with_import(workdir, WORKLOADS / "release_probe.py")
+    out = workdir / "out_release"
+    with _Daemon(workdir, "--no-lease", "--policy", "exclusive") as d:
+        env = {**os.environ, "CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_JOB_NAME": "release-probe",
+               "PYTHONUNBUFFERED": "1", "PYTHONPATH": checkout_on_path(os.environ)}
+        res = subprocess.run([sys.executable, "-c", "from horovod.runner.launch import run_commandline; "
+                              "run_commandline()", "-np", "1", "-H", "localhost:1", "--gloo",
+                              sys.executable, str(script), "--out", str(out), "--sleep-ms", str(args.sleep_ms)],
+                             env=env, capture_output=True, text=True, timeout=180)
+        if res.returncode != 0:
+            raise RuntimeError(f"release probe exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
+        time.sleep(0.5)
+        events = read_jsonl(d.events)
+    probe = rank_summaries(out)[0]
+    releases = [e["t"] for e in events if e["event"] == "release" and e.get("job_name") == "release-probe"]
+    return judge_release(probe["launched"], releases, probe["sleep_s"])
+
+
+def judge_release(launched: list[float], releases: list[float], sleep_s: float) -> dict[str, Any]:
+    """Each launch of the GPU sleep against the first release after it: every one must come ≥ 90 % of the
+    sleep later (a release when the CPU is done comes about one round trip after the launch)."""
+    margins = []
+    for t in launched:
+        after = [r for r in releases if r > t]
+        if after:
+            margins.append(after[0] - t)
+    ok = bool(launched) and len(margins) == len(launched) and all(m >= 0.9 * sleep_s for m in margins)
+    return {"sleep_ms": 1000 * sleep_s, "iterations": len(launched),
+            "release_after_launch_ms": [round(1000 * m, 2) for m in margins], "released_after_device_work": ok}
+
+
+# ---- the co-located jobs ----------------------------------------------------------------------------
+
+
+def _job_cmd(script: Path, args: argparse.Namespace, out: Path, seed: int, peer_ms: float, iters: int,
+             stop: Path | None = None) -> list[str]:
+    cmd = [sys.executable, str(script), "--model", args.model, "--batch", str(args.batch), "--image-size",
+           str(args.image_size), "--classes", str(args.classes), "--iters", str(iters), "--seed", str(seed),
+           "--peer-node", "node1", "--peer-compute-ms", f"{peer_ms:.2f}", "--out", str(out)]
+    if args.dry_run:
+        cmd.append("--cpu")
+    return cmd + (["--stop-file", str(stop)] if stop else [])
+
+
+def _spec(args: argparse.Namespace, rate: float) -> ClusterSpec:
+    usable = sorted(os.sched_getaffinity(0))
+    return ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough",
+                       gpu_nodes=() if args.dry_run else (0,), cores=(usable[0], usable[-1]))
+
+
+def _phases(events: list[dict[str, Any]], skip: int) -> tuple[float, float]:
+    """Medians of the GPU node's compute (grant→release) and comm phases, after `skip` of each."""
+    c = [e["held_s"] for e in events if e["event"] == "release" and "held_s" in e][skip:]
+    m = [e["duration_s"] for e in events if e["event"] == "comm_end"][skip:]
+    return statistics.median(c), statistics.median(m)
+
+
+def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, iters: int, workdir: Path
+             ) -> dict[str, Any]:
+    """One job alone (policy passthrough): its summaries, events and measured window."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    script = with_import(workdir, WORKLOADS / "train_gpu.py")
+    with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
+        job = cluster.run(_job_cmd(script, args, workdir / f"out_{name}", 1000, peer_ms, iters), name=name)
+        if job.wait(args.job_timeout) != 0:
+            raise RuntimeError(f"{name} failed:\n{job.output()[-3000:]}")
+        events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
+    ranks = rank_summaries(workdir / f"out_{name}")
+    r0 = min(ranks, key=lambda r: r["rank"])
+    its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
+    seg = {"cycle": -1, "mode": "sequential", "a": its[0][0], "b": its[-1][1], "running": [name],
+           "load1": os.getloadavg()[0]}
+    return {"name": name, "events": events, "jobs": {name: ranks}, "segment": seg}
+
+
+def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[str, Any]:
+    """Calibrate, run the two jobs through interleaved policy segments, then one alone; judge."""
+    reasons = preflight()
+    if reasons:
+        raise RuntimeError("cannot build the emulated cluster: " + "; ".join(reasons))
+    cal = run_solo("calibration", args, args.ref_rate, 0.0, args.warmup + args.calibration_iters,
+                   workdir / "calibration")
+    c, m = _phases(cal["events"]["node0"], args.warmup)
+    rate = float(round(min(args.max_rate, max(args.min_rate, m * args.ref_rate / (args.ratio * c)))))
+    _log(f"calibration: compute {1000 * c:.1f} ms, allreduce {1000 * m:.1f} ms at {args.ref_rate:g} Mbit/s "
+         f"-> link {rate:g} Mbit/s for comm:compute {args.ratio:g}")
+    peer_ms = 1000 * c
+    script = with_import(workdir, WORKLOADS / "train_gpu.py")
+    stop = workdir / "stop"
+    names = ["job0", "job1"]
+    segments: list[dict[str, Any]] = []
+    with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
+        jobs = [cluster.run(_job_cmd(script, args, workdir / f"out_{n}", 1000 + k, peer_ms, 1_000_000, stop),
+                            name=n) for k, n in enumerate(names)]
+        admin = _Admin(cluster)
+        seg_s = args.settle_s + args.segment_s
+        try:
+            _wait_warm(cluster, jobs, names, args.warmup, timeout=args.job_timeout)
+            for cycle in range(args.cycles):
+                # Leave time for the solo run after the last cycle.
+                if cycle and time.monotonic() + len(MODES) * seg_s + args.solo_reserve_s > deadline:
+                    _log(f"stopping after {cycle} cycles: the time budget is spent")
+                    break
+                k = cycle % len(MODES)
+                for mode in MODES[k:] + MODES[:k]:
+                    _log(f"cycle {cycle + 1}/{args.cycles}: {mode}")
+                    admin.set_policy(POLICY[mode])
+                    t_switch = time.monotonic()
+                    time.sleep(args.settle_s)
+                    a = time.monotonic()
+                    time.sleep(args.segment_s)
+                    b = time.monotonic()
+                    for j in jobs:
+                        if j.poll() is not None:
+                            raise RuntimeError(f"{j.name} exited during the run:\n{j.output()[-3000:]}")
+                    segments.append({"cycle": cycle, "mode": mode, "switch": t_switch, "a": a, "b": b,
+                                     "running": list(names), "visitors": [], "load1": os.getloadavg()[0]})
+        finally:
+            admin.close()
+            stop.touch()
+        for j in jobs:
+            if j.wait(args.job_timeout) != 0:
+                raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
+        events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
+    _log("job1 alone")
+    solo = run_solo("job1", args, rate, peer_ms, args.warmup + args.solo_iters, workdir / "solo")
+    raw = {"scenario": "gpu 1:1 x2", "rate_mbit": rate, "batch": args.batch, "segments": segments,
+           "events": events, "policy_source_sha256": "", "solos": [solo],
+           "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names}, "visitors": {}}
+    summary = summarize(Scenario("gpu 1:1 x2", args.ratio, 2), raw)
+    plot_timeline(raw, args.out / "gpu_timeline.png",
+                  f"{args.model} batch {args.batch} on {'CPU (dry run)' if args.dry_run else 'one GPU'}: link "
+                  f"{rate:g} Mbit/s, alone C {summary['alone_C_ms']:.0f} ms / M {summary['alone_M_ms']:.0f} ms",
+                  args.timeline_seconds)
+    params = rank_summaries(workdir / "out_job0")[0]["params"]
+    return {"calibration": {"rate_mbit": args.ref_rate, "C_ms": 1000 * c, "M_ms": 1000 * m, "params": params},
+            "rate_mbit": rate, "peer_compute_ms": peer_ms, "summary": summary}
+
+
+def _table(summary: dict[str, Any]) -> str:
+    rows = [f"{'mode':<12} {'samples/s':>10} {'vs unsch.':>9} {'vs seq.':>8} {'of bound':>8} {'busy':>5} "
+            f"{'C ms':>6} {'M ms':>6} {'cycles':>6}"]
+    for mode in ("sequential", *MODES):
+        r = summary["modes"][mode]
+
+        def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        rows.append(f"{mode:<12} {f('aggregate_samples_per_s', '10.0f')} {f('vs_unscheduled', '9.3f')} "
+                    f"{f('vs_sequential', '8.3f')} {f('of_bound', '8.3f')} {f('busy_fraction_mean', '5.2f')} "
+                    f"{f('C_ms', '6.1f')} {f('M_ms', '6.1f')} {r.get('cycles', 0):>6}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true",
+                   help="the same steps on the CPU: node 0 is a core, a small model on small images (CI)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "results/gpu"),
+                   help="folder for gpu.json and gpu_timeline.png (default $OUT, else results/gpu)")
+    p.add_argument("--model", default=None, help="torchvision model (default resnet18)")
+    p.add_argument("--batch", type=int, default=None, help="per-rank batch (default 128; dry run 8)")
+    p.add_argument("--image-size", type=int, default=None, help="default 224; dry run 32")
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--ratio", type=float, default=1.0, help="wanted comm:compute of a job alone")
+    p.add_argument("--ref-rate", type=float, default=None, help="calibration link rate, Mbit/s "
+                   "(default 10000; dry run 1000)")
+    p.add_argument("--min-rate", type=float, default=50.0)
+    p.add_argument("--max-rate", type=float, default=40000.0)
+    p.add_argument("--cycles", type=int, default=None, help="cycles through the three modes (default 3; dry 1)")
+    p.add_argument("--segment-s", type=float, default=None, help="measured seconds per segment (default 8; dry 3)")
+    p.add_argument("--settle-s", type=float, default=None, help="seconds after a switch (default 2; dry 1)")
+    p.add_argument("--warmup", type=int, default=None, help="iterations before measuring (default 10; dry 3)")
+    p.add_argument("--calibration-iters", type=int, default=None, help="default 20; dry 5")
+    p.add_argument("--solo-iters", type=int, default=None, help="measured iterations alone (default 40; dry 5)")
+    p.add_argument("--sleep-ms", type=float, default=200.0, help="GPU work queued after the last gradient "
+                   "in the release check")
+    p.add_argument("--budget-s", type=float, default=480.0, help="stop adding cycles when this much time has "
+                   "passed, leaving time for the run alone")
+    p.add_argument("--job-timeout", type=float, default=180.0)
+    p.add_argument("--timeline-seconds", type=float, default=None)
+    p.add_argument("--only", default="inventory,release,speedup", help="comma-separated checks to run")
+    p.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir, removed)")
+    args = p.parse_args(argv)
+    dry = args.dry_run
+    for key, full, small in (("model", "resnet18", "resnet18"), ("batch", 128, 8), ("image_size", 224, 32),
+                             ("ref_rate", 10000.0, 1000.0), ("cycles", 3, 1), ("segment_s", 8.0, 3.0),
+                             ("settle_s", 2.0, 1.0), ("warmup", 10, 3), ("calibration_iters", 20, 5),
+                             ("solo_iters", 40, 5), ("timeline_seconds", 1.0, 3.0)):
+        if getattr(args, key) is None:
+            setattr(args, key, small if dry else full)
+    if dry:
+        args.classes = min(args.classes, 10)
+    args.solo_reserve_s = 40.0
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    deadline = t0 + args.budget_s
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="xo-gpu-")
+    workdir = args.workdir or Path(tmp.name)  # type: ignore[union-attr]
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    report: dict[str, Any] = {"benchmark": "gpu", "version": 1, "time": time.time(), "dry_run": dry,
+                              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                              "environment": environment(), "checks": {}}
+    _log(f"environment: {json.dumps(report['environment'])}")
+    checks: dict[str, Callable[[], dict[str, Any]]] = {
+        "inventory": lambda: check_inventory(args, workdir / "inventory"),
+        "release": lambda: check_release(args, workdir / "release"),
+        "speedup": lambda: check_speedup(args, workdir / "speedup", deadline),
+    }
+    wanted = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = [c for c in wanted if c not in checks]
+    if unknown:
+        print(f"bench.gpu: error: --only: no check {', '.join(unknown)} (known: {', '.join(checks)})",
+              file=sys.stderr)
+        return 2
+    failed = []
+    for name in wanted:
+        _log(f"{name} ...")
+        t = time.monotonic()
+        (workdir / name).mkdir(parents=True, exist_ok=True)
+        try:
+            result = checks[name]()
+            result["ok"] = result.get("released_after_device_work", True)
+        except Exception as exc:  # noqa: BLE001 - report it and go on to the next check
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        result["elapsed_s"] = round(time.monotonic() - t, 1)
+        report["checks"][name] = result
+        if not result["ok"]:
+            failed.append(name)
+        shown = {k: v for k, v in result.items() if k not in ("summary", "traceback")}
+        _log(f"{name}: {'ok' if result['ok'] else 'FAILED'} {json.dumps(shown, default=str)[:1500]}")
+        if "summary" in result:
+            print(_table(result["summary"]), flush=True)
+    report["elapsed_s"] = round(time.monotonic() - t0, 1)
+    write_json(args.out / "gpu.json", report)
+    _log(f"wrote {args.out / 'gpu.json'} in {report['elapsed_s']} s; "
+         + (f"failed: {', '.join(failed)}" if failed else "every check passed"))
+    if tmp is not None:
+        tmp.cleanup()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""`python -m bench.gpu --dry-run`, as CI runs it, so the GPU benchmark cannot rot between GPU draws.
+
+The dry run takes every step the GPU run takes (a daemon's inventory, the
+emulated two-node cluster, calibration, two co-located ResNet jobs through
+unscheduled, exclusive and crossover segments, a job alone, the judge and the
+timeline) with node 0's device a CPU core and a small model on small images;
+only the release check, which needs CUDA, is skipped and says so.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.cluster import preflight
+from tools.harness.jobs import CHECKOUT
+
+_REASONS = preflight()
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(bool(_REASONS), reason="emulated cluster unavailable: " + "; ".join(_REASONS)),
+]
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.mark.timeout(300)
+def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
+    before = _netns()
+    res = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(tmp_path)], cwd=CHECKOUT,
+                         capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    checks = report["checks"]
+    assert [c for c, r in checks.items() if not r["ok"]] == []
+    assert [d["kind"] for d in checks["inventory"]["devices"]] == ["cpu"]
+    assert "no CUDA" in checks["release"]["skipped"]
+    summary = checks["speedup"]["summary"]
+    for mode in ("sequential", "unscheduled", "exclusive", "crossover"):
+        assert summary["modes"][mode]["aggregate_samples_per_s"] > 0, mode
+    assert summary["alone_C_ms"] > 0 and summary["alone_M_ms"] > 0
+    assert (tmp_path / "gpu_timeline.png").stat().st_size > 10_000
+    assert "crossover" in res.stdout  # the table
+    assert _netns() <= before  # every namespace it made is gone
