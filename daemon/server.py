@@ -17,7 +17,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..protos import admin_socket_path, framing
 from ..protos import crossover_v1_pb2 as pb
@@ -35,6 +36,21 @@ _log = logging.getLogger(__name__)
 
 # "" is the whole server, as probes ask by default.
 _HEALTH_SERVICES = ("", *(s.full_name for s in pb.DESCRIPTOR.services_by_name.values()))
+# Calls the probe port serves at once: probes ask one Check at a time; more is a flood.
+_PROBE_CALLS = 256
+
+
+class _HealthService(health_aio.HealthServicer):
+    """grpc.health.v1 on the event loop: a call, a Watch stream included, holds no thread, so no
+    number of them can take the threads that the control plane's calls run on."""
+
+
+class _ProbeHealthService(_HealthService):
+    """The probe port's health service: Check only. Probes (the kubelet's gRPC probe among them)
+    call Check; a Watch is a stream that anyone who reaches the port could hold open."""
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the probe port serves Check only")
 
 
 def _socket_folder(folder: Path) -> None:
@@ -110,7 +126,8 @@ class Daemon:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop", daemon=True)
         self._servers: list[grpc.aio.Server] = []
-        self.health = health.HealthServicer()
+        self.health = _HealthService()
+        self._probe_health = _ProbeHealthService()
         self.health_address = health_address
         self.health_port: int | None = None
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
@@ -181,15 +198,16 @@ class Daemon:
             self._servers.append(server)
         if self.health_address:
             # Probes carry no token: this server has the health service and nothing else.
-            server = grpc.aio.server(migration_thread_pool=pool, options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            server = grpc.aio.server(maximum_concurrent_rpcs=_PROBE_CALLS, options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self._probe_health, server)
             self.health_port = server.add_insecure_port(self.health_address)
             if not self.health_port:
                 raise OSError(f"cannot listen on {self.health_address} for health checks")
             await server.start()
             self._servers.append(server)
         for service in _HEALTH_SERVICES:
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            for servicer in (self.health, self._probe_health):
+                await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def _grpc_server(self, pool: futures.ThreadPoolExecutor, interceptors: tuple) -> grpc.aio.Server:
         # Session streams are capped by `connections` (a clear refusal); the RPC cap above it only
@@ -212,7 +230,11 @@ class Daemon:
         if self._stop.is_set():
             return
         self._stop.set()
-        self.health.enter_graceful_shutdown()
+        try:
+            for servicer in (self.health, self._probe_health):
+                asyncio.run_coroutine_threadsafe(servicer.enter_graceful_shutdown(), self._loop).result(timeout=2)
+        except Exception:  # a loop that never started (a failed start) has nothing to tell
+            _log.debug("health status not set to NOT_SERVING", exc_info=True)
         self.core.shutdown()
         if self._session_server is not None:
             self._session_server.stop()

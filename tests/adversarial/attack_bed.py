@@ -1,0 +1,51 @@
+"""The adversarial tier: attacks on a live `crossoverd` while a well-behaved job trains beside them.
+
+Each test starts a real daemon, a real two-rank `horovodrun` job (the victim),
+and an attack; it asserts what the victim sees (its grant waits, the control
+plane answering within a second, the daemon stopping on SIGTERM) and that the
+attack is refused or bounded. Every process is killed at teardown, even on failure.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.harness.daemon import DaemonProc, queue_state
+from tools.harness.jobs import Job, horovodrun, with_import
+
+VICTIM_ITERS = "150"
+
+
+def start_victim(d: DaemonProc, tmp: Path, name: str = "victim", iters: str = VICTIM_ITERS) -> Job:
+    """A two-rank job of the shared MLP workload, scheduled by `d`."""
+    script = with_import(tmp)
+    return horovodrun(name, script, tmp, np=2, args=("--iters", iters), env={"CROSSOVER_SOCKET": str(d.socket)})
+
+
+def answers_within(d: DaemonProc, seconds: float) -> float:
+    """How long `crossover queue` takes on the rank socket; fails past `seconds`."""
+    t0 = time.monotonic()
+    queue_state(d.socket, timeout=seconds)
+    return time.monotonic() - t0
+
+
+def grant_waits(d: DaemonProc, job_name: str) -> list[float]:
+    """Every grant wait the daemon logged for a job, in seconds."""
+    return [e.get("waited_s", 0.0) for e in d.events() if e["event"] == "grant" and e.get("job_name") == job_name]
+
+
+def stops_on_sigterm(d: DaemonProc, grace_s: float = 5.0) -> float:
+    """Seconds from SIGTERM to the daemon's exit; fails past `grace_s`."""
+    assert d.proc is not None
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.wait(grace_s)
+    return time.monotonic() - t0
+
+
+def event_kinds(d: DaemonProc) -> list[Any]:
+    return [e["event"] for e in d.events()]
