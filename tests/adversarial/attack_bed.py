@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tools.harness.daemon import DaemonProc, queue_state
 from tools.harness.jobs import Job, horovodrun, with_import
 
