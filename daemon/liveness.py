@@ -6,7 +6,9 @@ moment (a loaded node) carries on where it was when it speaks again, instead of
 training unscheduled until it re-registers. A rank silent past the eviction
 time, whose process is gone, or that never opened its stream is evicted.
 A holder far past its own compute time, with a rank waiting, is treated as
-stalled (`OVERDUE`) and the device goes to the next rank.
+stalled (`OVERDUE`) and the device goes to the next rank. Its compute time is
+what the daemon saw (a rank's own figure may only shorten it), and no holder
+keeps a device past `max_hold_s` while another rank waits, whatever it reports.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class Liveness:
 
     def __init__(self, registry: Registry, leases: Leases, phases: PhaseMachine, pid_alive: Callable[[int], bool],
                  heartbeat_timeout_s: float, evict_after_s: float, overdue_factor: float,
-                 overdue_after_s: float, overdue_warmup_s: float) -> None:
+                 overdue_after_s: float, overdue_warmup_s: float, max_hold_s: float = 120.0) -> None:
         if evict_after_s < heartbeat_timeout_s:
             raise InvalidRequest(
                 f"evict_after_s={evict_after_s} is shorter than heartbeat_timeout_s={heartbeat_timeout_s}")
@@ -38,6 +40,7 @@ class Liveness:
         self.overdue_factor = overdue_factor
         self.overdue_after_s = overdue_after_s
         self.overdue_warmup_s = overdue_warmup_s
+        self.max_hold_s = max_hold_s
         self.overdue_total = 0  # holders treated as stalled since start
         self._registry = registry
         self._leases = leases
@@ -86,8 +89,8 @@ class Liveness:
             return
         held = now - sess.phase_since
         ema = sess.stats.compute_ema
-        limit = (max(self.overdue_warmup_s, self.overdue_after_s) if ema is None
-                 else max(self.overdue_after_s, self.overdue_factor * ema))
+        limit = min(self.max_hold_s, max(self.overdue_warmup_s, self.overdue_after_s) if ema is None
+                    else max(self.overdue_after_s, self.overdue_factor * ema))
         if held <= limit or not policy.view(sess.ref.device).waiting:
             return
         self.overdue_total += 1

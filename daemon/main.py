@@ -107,6 +107,9 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--overdue-warmup", type=click.FloatRange(0.01, 86_400), default=30.0, show_default=True,
               help="The limit for a rank's first compute phase, before it has a measured compute time: a first "
               "step pays for lazy initialisation (allocators, autotuned kernels) and must not read as a stall.")
+@click.option("--max-hold", type=click.FloatRange(0.1, 86_400), default=120.0, show_default=True,
+              help="Seconds any rank may hold its device while another rank waits, whatever its measured "
+              "compute time: past it, the holder is treated as stalled (`overdue`) and the next rank is served.")
 @click.option("--lease/--no-lease", default=True, show_default=True,
               help="Let a rank alone on its device compute without waiting for each grant (it still reports "
               "its phases); revoked the moment another rank joins the device. --no-lease makes every "
@@ -127,7 +130,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
          event_log: str | None, event_log_size: int, event_log_max_mb: float, event_log_backups: int,
          max_events_per_s: float, max_connections: int, idle_timeout: float, heartbeat_timeout: float,
-         evict_after: float, overdue_factor: float, overdue_after: float,
+         evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
          overdue_warmup: float, lease: bool, session_socket: bool, metrics_address: str | None,
          health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
@@ -171,7 +174,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         core = Scheduler(inventory, policy, node=node_name, event_log=log,
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
-                         overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup)
+                         overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)

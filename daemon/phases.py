@@ -42,7 +42,7 @@ class PhaseMachine:
             self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.duration_s, ev.no_wait, now, d)
         elif kind is EventKind.COMPUTE_DONE:
             if ev.requested:  # its request rode along: apply it first, dated when the phase began
-                began = max(now - ev.duration_s, sess.last_t)
+                began = max(now - ev.duration_s, sess.last_t, sess.heard_before)
                 mark = d.mark()
                 self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.comm_s, True, now, d)
                 d.date_since(mark, began)
@@ -101,7 +101,10 @@ class PhaseMachine:
         d.log("comm_begin", sess, iteration=iteration)
 
     def _end_comm(self, sess: Session, iteration: int, duration_s: float, now: float, d: Decision) -> None:
-        measured = duration_s or (now - sess.phase_since if sess.phase is Phase.COMM else 0.0)
+        # As for compute: the rank's figure within what the daemon saw (no allreduce began before the
+        # rank's current phase did); without one, the daemon's own measure of a COMM phase.
+        seen = max(0.0, now - sess.phase_since)
+        measured = min(duration_s, seen) if duration_s > 0 else (seen if sess.phase is Phase.COMM else 0.0)
         sess.stats.comm_total += measured
         sess.stats.comm_n += 1
         self.policy.observe(sess.ref.key, "comm", measured, now)
@@ -116,12 +119,15 @@ class PhaseMachine:
         if sess.phase is Phase.COMPUTE and self.policy.holds(key):
             held = now - sess.phase_since
             sess.stats.compute_total += held
+            # The rank's own figure may refine the daemon's (it excludes the grant's trip), never
+            # lengthen it: the liveness limit and the policy's estimates follow this figure.
+            measured = min(duration_s, held) if duration_s > 0 else held
             if yields:
-                sess.yielded_s += duration_s or held
+                sess.yielded_s += measured
                 d.log("release", sess, held_s=held, yields=True)
             else:
                 sess.stats.compute_n += 1
-                phase_s = sess.yielded_s + (duration_s or held)
+                phase_s = sess.yielded_s + measured
                 ema = sess.stats.compute_ema
                 sess.stats.compute_ema = phase_s if ema is None else 0.7 * ema + 0.3 * phase_s
                 self.policy.observe(key, "compute", phase_s, now)

@@ -24,7 +24,7 @@ from ..protos.identity import RankIdentity
 from . import policies
 from .api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef
 from .event_log import EventLog
-from .events import Decision, RankEvent, record_rank
+from .events import Decision, EventKind, RankEvent, record_rank
 from .inventory import Inventory
 from .leases import Leases
 from .liveness import Liveness
@@ -62,13 +62,14 @@ class Scheduler:
         overdue_factor: float = 10.0,
         overdue_after_s: float = 3.0,
         overdue_warmup_s: float = 30.0,
+        max_hold_s: float = 120.0,
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
         self._phases = PhaseMachine(policies.create(policy) if isinstance(policy, str) else policy,
                                     self._sessions, self._leases)
         self._liveness = Liveness(self._sessions, self._leases, self._phases, pid_alive, heartbeat_timeout_s,
-                                  evict_after_s, overdue_factor, overdue_after_s, overdue_warmup_s)
+                                  evict_after_s, overdue_factor, overdue_after_s, overdue_warmup_s, max_hold_s)
         self.inventory = inventory
         self.node = node or os.uname().nodename
         self.events = event_log or EventLog()
@@ -89,6 +90,14 @@ class Scheduler:
     @overdue_factor.setter
     def overdue_factor(self, value: float) -> None:
         self._liveness.overdue_factor = value
+
+    @property
+    def max_hold_s(self) -> float:
+        return self._liveness.max_hold_s
+
+    @max_hold_s.setter
+    def max_hold_s(self, value: float) -> None:
+        self._liveness.max_hold_s = value
 
     @property
     def overdue_after_s(self) -> float:
@@ -203,12 +212,18 @@ class Scheduler:
                 return
             try:
                 sess = self._sessions.get(session_id)
-                silent = arrived - sess.last_seen
+                heard = sess.last_seen
+                silent = arrived - heard
                 sess.last_seen = arrived
                 # A dated event is its batch's arrival less its age; batches travel with different
                 # delays, so a date can fall before the rank's previous event. A rank's events are
-                # sequential: clamp, or its own consecutive phases would overlap in the log.
-                now = max(now, sess.last_t)
+                # sequential: clamp, or its own consecutive phases would overlap in the log. And no
+                # event of this message happened before the rank's previous message arrived: a
+                # client cannot backdate a request past what the daemon saw, to jump the queue.
+                now = max(now, sess.last_t, heard)
+                if ev.kind is EventKind.COMPUTE_REQUEST and not ev.no_wait:
+                    now = max(arrived, sess.last_t)  # a request that waits is sent at once: its arrival is its date
+                sess.heard_before = heard
                 if sess.phase is Phase.SUSPENDED:
                     self._liveness.resume(sess, silent, now, d)
                 self._phases.apply(sess, ev, now, d)

@@ -7,6 +7,7 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos.identity import RankIdentity
+from tests.unit.scheduler._world import FakeClock
 
 
 @pytest.mark.parametrize("text,address", [("127.0.0.1:9464", ("127.0.0.1", 9464)), (":9464", ("127.0.0.1", 9464)),
@@ -29,19 +30,27 @@ def _rank(core: Scheduler, job: str, rank: int) -> str:
 
 
 @pytest.fixture()
-def core() -> Scheduler:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture()
+def core(clock: FakeClock) -> Scheduler:
     return Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="n0", pid_alive=lambda _p: True,
+                     clock=clock,
                      lease=False)
 
 
-def test_grants_phases_and_waits_are_counted_per_job(core: Scheduler) -> None:
+def test_grants_phases_and_waits_are_counted_per_job(core: Scheduler, clock: FakeClock) -> None:
     m = DaemonMetrics(core, "9.9")
     a, b = _rank(core, "a", 0), _rank(core, "b", 0)
     get = m.registry.get_sample_value
     core.event(a, "compute_request", iteration=1, seq=1)
     core.event(b, "compute_request", iteration=1, seq=1)
+    clock.advance(0.05)
     core.event(a, "compute_done", iteration=1, duration_s=0.05)
     core.event(a, "comm_begin", iteration=1)
+    clock.advance(0.2)
     core.event(a, "comm_end", iteration=1, duration_s=0.2)
     labels_a = {"device": "0", "job_name": "a", "job_id": "id-a"}
     assert get("crossover_grants_total", labels_a) == 1

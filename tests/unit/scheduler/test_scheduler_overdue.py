@@ -139,3 +139,63 @@ def test_every_heartbeat_is_answered_so_a_rank_can_tell_a_frozen_daemon(make):
     while not box.empty():
         answers.append(box.get_nowait())
     assert [type(m) for m in answers] == [AliveMsg, AliveMsg]
+
+
+# ---- the daemon's clock decides ------------------------------------------
+
+
+def test_a_holders_own_long_figure_does_not_lengthen_its_limit(make, clock):
+    """A rank that reports a day-long compute phase it was seen to hold for 10 ms is measured at
+    10 ms: its next hold, with a rank waiting, is overdue at the floor, not at ten days."""
+    s = make("exclusive", evict_after=1000.0, timeout=1000.0)
+    s.overdue_factor, s.overdue_after_s = 10.0, 1.0
+    a, _ = join(s, job="hog", device=0)
+    b, box_b = join(s, job="victim", device=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    clock.advance(0.01)
+    s.event(a, "compute_done", iteration=0, duration_s=86_400.0, comm_begins=True)
+    assert s._sessions[a].stats.compute_ema == pytest.approx(0.01)
+    s.event(a, "compute_request", iteration=1, seq=2)
+    s.event(b, "compute_request", iteration=0, seq=1)
+    clock.advance(1.1)
+    s.reap()
+    assert s.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+
+
+def test_no_holder_keeps_a_waited_for_device_past_max_hold(make, clock):
+    s = make("exclusive", evict_after=1000.0, timeout=1000.0)
+    s.overdue_factor, s.overdue_after_s, s.max_hold_s = 10.0, 1.0, 60.0
+    a, _ = join(s, job="slow", device=0)
+    b, box_b = join(s, job="victim", device=0)
+    s.event(a, "compute_request", iteration=0, seq=1)
+    clock.advance(50.0)  # a genuinely long phase: its limit would be 500 s
+    s.event(a, "compute_done", iteration=0, duration_s=50.0, comm_begins=True)
+    s.event(a, "compute_request", iteration=1, seq=2)
+    s.event(b, "compute_request", iteration=0, seq=1)
+    clock.advance(59.0)
+    s.reap()
+    assert s.overdue_total == 0
+    clock.advance(2.0)
+    s.reap()
+    assert s.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+    overdue = [e for e in s.events.snapshot() if e["event"] == "overdue"]
+    assert overdue[0]["limit_s"] == pytest.approx(60.0)
+
+
+def test_a_backdated_request_cannot_jump_the_queue(make, clock):
+    """`ago_s` dates an event inside a batch; it cannot date it before the rank's previous message."""
+    s = make("exclusive", evict_after=1000.0, timeout=1000.0)
+    holder, _ = join(s, job="holder", device=0)
+    honest, box_h = join(s, job="honest", device=0)
+    cheat, box_c = join(s, job="cheat", device=0)
+    s.event(holder, "compute_request", iteration=0, seq=1)
+    s.event(cheat, "heartbeat")
+    clock.advance(1.0)
+    s.event(honest, "compute_request", iteration=0, seq=1)
+    clock.advance(0.5)
+    s.event(cheat, "compute_request", iteration=0, seq=1, ago_s=100.0)  # "asked long ago"
+    requests = [e for e in s.events.snapshot() if e["event"] == "request" and e["job"] == "cheat"]
+    assert requests[0]["t"] == clock()  # a request that waits is dated when it arrived
+    s.event(holder, "compute_done", iteration=0, duration_s=0.1, comm_begins=True)
+    assert [m for m in drain_outbox(box_h) if isinstance(m, GrantMsg)]
+    assert not [m for m in drain_outbox(box_c) if isinstance(m, GrantMsg)]

@@ -1,0 +1,52 @@
+"""A live rank cannot keep a device: the daemon's own clock and --max-hold decide, not the rank's report.
+
+Before: a rank that reported COMPUTE_DONE with duration_s=86400 set its own
+liveness limit to ten days; holding its next grant while heartbeating, it kept
+the device while the victim's ranks fell back to their grant timeout (30 s) and
+trained unscheduled, again and again, with no `overdue` entry.
+Now its compute time is what the daemon saw (10 ms), so its hold is overdue at
+the floor (--overdue-after, 3 s by default) and the victim is served.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from attack_bed import answers_within, grant_waits, start_victim, stops_on_sigterm
+
+from tools import checkout_on_path
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
+
+HOG = Path(__file__).with_name("hog_rank.py")
+
+
+def test_a_heartbeating_holder_is_moved_aside_within_the_floor(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease")
+    status = tmp_path / "hog.status"
+    env = {"PYTHONPATH": checkout_on_path({}), "PATH": "/usr/bin:/bin"}
+    hog = subprocess.Popen([sys.executable, str(HOG), str(d.socket), "90", str(status)], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not status.exists():
+            assert hog.poll() is None, hog.stderr.read().decode() if hog.stderr else ""
+            assert time.monotonic() < deadline, "the hog never got its second grant"
+            time.sleep(0.05)
+        victim = start_victim(d, tmp_path)
+        jobs.append(victim)
+        assert victim.wait(150) == 0, victim.output()[-3000:]
+        assert hog.poll() is None  # the hog still holds on: the victim did not outlive it
+        waits = grant_waits(d, "victim")
+        # The first grant waits out the hog's hold (floor 3 s, reaped every 0.1 s); then the two jobs alternate.
+        assert waits and max(waits) < 4.5, sorted(waits)[-3:]
+        overdue = [e for e in d.events() if e["event"] == "overdue" and e.get("job_name") == "hog"]
+        assert len(overdue) == 1 and overdue[0]["limit_s"] == pytest.approx(3.0)
+        assert answers_within(d, 1.0) < 1.0
+    finally:
+        hog.kill()
+        hog.wait()
+    assert stops_on_sigterm(d) < 5.0
