@@ -26,7 +26,7 @@ from ..protos import PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, defaul
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from . import event_intervals, event_views, formatting
-from .transport import channel_for
+from .transport import channel_for, untrusted_socket
 
 __all__ = ["main", "ExitCode"]
 
@@ -77,6 +77,9 @@ class _Ctx:
         if method in STEERING_CALLS and self.socket is not None:
             self._use_admin_socket(method)
         if self._channel is None:
+            untrusted = untrusted_socket(self.target)
+            if untrusted:
+                raise _Fail(untrusted, ExitCode.FORBIDDEN)
             try:
                 self._channel, self._md = channel_for(self.target, self.token, self.tls_ca)
             except OSError as exc:

@@ -24,7 +24,15 @@ from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 from ..protos.identity import RankIdentity
 from .settings import PluginSettings
-from .transport import FrameStream, GrpcStream, SessionStream, StreamBroken, channel_for, missing_socket
+from .transport import (
+    FrameStream,
+    GrpcStream,
+    SessionStream,
+    StreamBroken,
+    channel_for,
+    missing_socket,
+    untrusted_socket,
+)
 
 __all__ = ["Session"]
 
@@ -295,6 +303,10 @@ class Session:
         if missing:
             self._lost(f"no daemon socket at {missing}")
             return
+        untrusted = untrusted_socket(s.target)
+        if untrusted:
+            self._lost(untrusted)
+            return
         try:
             grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
             reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity,
@@ -340,7 +352,10 @@ class Session:
     def _open_stream(self, stub: pb_grpc.SchedulerStub, reg: pb.RegisterResponse) -> SessionStream:
         """The session socket when the daemon offers it (and the rank did not ask for gRPC), else gRPC."""
         first = pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id)
-        if reg.session_socket and self.settings.transport == "auto":
+        untrusted = untrusted_socket(f"unix://{reg.session_socket}") if reg.session_socket else ""
+        if untrusted:
+            _log.warning("%s; using the gRPC stream", untrusted)
+        elif reg.session_socket and self.settings.transport == "auto":
             try:
                 return FrameStream(reg.session_socket, first, self.settings.connect_timeout_s)
             except OSError as exc:

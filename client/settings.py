@@ -23,6 +23,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_ADDRESS": ("", "host:port of a daemon listening on TCP (overrides the socket)."),
     "CROSSOVER_TOKEN": ("", "Shared token for a TCP daemon."),
     "CROSSOVER_TLS_CA": ("", "CA certificate (PEM) to verify a TLS daemon."),
+    "CROSSOVER_DAEMON_USER": ("", "User crossoverd runs as: its sockets may belong to it. Sockets of root, of "
+                              "this user, or of the owner of a folder only root could hand over (/run/crossover) "
+                              "are trusted without it; any other owner is refused."),
     "CROSSOVER_DISABLE": ("0", "1: the import does nothing at all."),
     "CROSSOVER_JOB_NAME": ("script name", "Readable job name shown by `crossover queue`."),
     "CROSSOVER_DEVICE": ("-1", "Device index to ask for; -1 lets the daemon choose (local rank)."),

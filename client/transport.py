@@ -9,8 +9,10 @@ Neither ever blocks the training thread on a daemon that stopped reading.
 from __future__ import annotations
 
 import os
+import pwd
 import queue
 import socket
+import stat
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -20,7 +22,8 @@ from ..protos import TOKEN_METADATA_KEY, framing
 from ..protos import crossover_v1_pb2 as pb
 from ..protos import crossover_v1_pb2_grpc as pb_grpc
 
-__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "channel_for", "missing_socket"]
+__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "channel_for", "missing_socket",
+           "untrusted_socket"]
 
 _CLOSE = object()
 
@@ -153,3 +156,41 @@ def missing_socket(target: str) -> str:
         return ""
     path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
     return "" if os.path.exists(path) else path
+
+
+def untrusted_socket(target: str) -> str:
+    """Why a Unix-socket target cannot be the node's daemon ("" when it can, or when it is no socket path).
+
+    A daemon's socket belongs to root, to this user (a daemon of one's own), to
+    `CROSSOVER_DAEMON_USER`, or to the owner of its folder where only root could
+    have made that folder theirs (its parent is root's and no one else may write
+    there, as with /run/crossover). Anything else is another user's socket in the
+    daemon's place: talking to it would hand them this rank's phases or this
+    operator's commands.
+    """
+    if not target.startswith("unix:"):
+        return ""
+    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
+    try:
+        st = os.stat(path)
+        folder = os.stat(os.path.dirname(os.path.abspath(path)))
+        parent = os.stat(os.path.dirname(os.path.dirname(os.path.abspath(path))))
+    except OSError:
+        return ""
+    trusted = {0, os.geteuid()}
+    daemon_user = os.environ.get("CROSSOVER_DAEMON_USER", "")
+    if daemon_user:
+        try:
+            trusted.add(pwd.getpwnam(daemon_user).pw_uid)
+        except KeyError:
+            return f"CROSSOVER_DAEMON_USER={daemon_user}: no such user"
+    if parent.st_uid == 0 and not parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        trusted.add(folder.st_uid)
+    if st.st_uid in trusted:
+        return ""
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    return (f"{path} belongs to {owner}, not to root, this user or the daemon's user: refusing to use it "
+            "(set CROSSOVER_DAEMON_USER to the user crossoverd runs as)")

@@ -47,7 +47,8 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.version_option(__version__, "--version", prog_name="crossoverd", message="%(prog)s %(version)s")
 @click.option("--socket", "socket_path", default=default_socket_path,
               show_default="$CROSSOVER_SOCKET or a per-user path",
-              help="Unix socket to serve on (created 0660, its folder 0770). Ranks and `crossover` find it here.")
+              help="Unix socket to serve on (created 0660, its folder 0750: the socket group may connect, "
+              "only the daemon changes what is there). Ranks and `crossover` find it here.")
 @click.option("--no-socket", is_flag=True, help="Serve only on --listen.")
 @click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (needs --token or --token-file).")
 @click.option("--token", envvar="CROSSOVER_TOKEN",

@@ -42,7 +42,7 @@ class PhaseMachine:
             self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.duration_s, ev.no_wait, now, d)
         elif kind is EventKind.COMPUTE_DONE:
             if ev.requested:  # its request rode along: apply it first, dated when the phase began
-                began = max(now - ev.duration_s, sess.last_t, sess.heard_before)
+                began = max(now - ev.duration_s, sess.last_t, sess.floor_t)
                 mark = d.mark()
                 self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.comm_s, True, now, d)
                 d.date_since(mark, began)

@@ -77,7 +77,7 @@ class Session:
     accepts_leases: bool = False
     no_wait: bool = False  # the rank computes without waiting for the pending request's grant
     last_t: float = 0.0  # the date of its latest logged entry: its next ones are never dated earlier
-    heard_before: float = 0.0  # when its message before the current one arrived: nothing is dated earlier
+    floor_t: float = 0.0  # when its previous message with events arrived: no later event is dated earlier
     stats: Stats = field(default_factory=Stats)
     process: psutil.Process | None = None
 

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Callable
 
@@ -192,7 +193,11 @@ class Scheduler:
             yields=yields))
 
     def apply(self, session_id: str, ev: RankEvent) -> None:
-        """Apply one rank event.
+        """Apply one rank event: a message of the rank's stream that carries one (see `apply_message`)."""
+        self.apply_message(session_id, (ev,))
+
+    def apply_message(self, session_id: str, events: Sequence[RankEvent]) -> None:
+        """Apply the events of one message of the rank's stream, in order (a BATCH carries several).
 
         A compute request's place in the policy's order is its turn, `turn_base + iteration`;
         a request with `no_wait` is not answered (the rank computes already). A `compute_done`
@@ -202,33 +207,34 @@ class Scheduler:
         rank is about to wait for other ranks (a collective) and asks again afterwards with the
         same iteration. Its pieces add up to one phase for the policy's compute estimates.
         `ago_s`: the rank reports the event late (a batch); it is applied and logged at the
-        time it happened (liveness counts from its arrival).
+        time it happened (liveness counts from its arrival), within what the daemon saw: never
+        before the rank's previous event, nor before its previous message with events arrived
+        (a client cannot backdate an event past that to jump the queue). A request that waits
+        is sent at once, so it is dated when it arrives, whatever it says.
         """
-        d = Decision()
         with self._lock:
             arrived = self._clock()
-            now = arrived - ev.ago_s
             if self._closed:  # shutting down: the grant or close already queued for this stream stands
                 return
-            try:
-                sess = self._sessions.get(session_id)
-                heard = sess.last_seen
-                silent = arrived - heard
-                sess.last_seen = arrived
-                # A dated event is its batch's arrival less its age; batches travel with different
-                # delays, so a date can fall before the rank's previous event. A rank's events are
-                # sequential: clamp, or its own consecutive phases would overlap in the log. And no
-                # event of this message happened before the rank's previous message arrived: a
-                # client cannot backdate a request past what the daemon saw, to jump the queue.
-                now = max(now, sess.last_t, heard)
+            sess = self._sessions.get(session_id)
+            silent = arrived - sess.last_seen
+            sess.last_seen = arrived
+            floor = sess.floor_t
+            for ev in events:
+                d = Decision()
+                # Batches travel with different delays, so a date can fall before the rank's previous
+                # event; a rank's events are sequential: clamp, or its phases would overlap in the log.
+                now = max(arrived - ev.ago_s, sess.last_t, floor)
                 if ev.kind is EventKind.COMPUTE_REQUEST and not ev.no_wait:
-                    now = max(arrived, sess.last_t)  # a request that waits is sent at once: its arrival is its date
-                sess.heard_before = heard
-                if sess.phase is Phase.SUSPENDED:
-                    self._liveness.resume(sess, silent, now, d)
-                self._phases.apply(sess, ev, now, d)
-            finally:  # what was decided before an error stands: log it and send its messages
-                self._commit(d, now)
+                    now = max(arrived, sess.last_t)
+                try:
+                    if sess.phase is Phase.SUSPENDED:
+                        self._liveness.resume(sess, silent, now, d)
+                    self._phases.apply(sess, ev, now, d)
+                finally:  # what was decided before an error stands: log it and send its messages
+                    self._commit(d, now)
+            if any(ev.kind is not EventKind.HEARTBEAT for ev in events):
+                sess.floor_t = arrived
 
     def turn_floor(self, session_id: str) -> int:
         """Where the session's job should join its device's rotation (see `Policy.turn_floor`)."""

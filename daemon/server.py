@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import stat
 import threading
 import time
@@ -54,29 +55,63 @@ class _ProbeHealthService(_HealthService):
 
 
 def _socket_folder(folder: Path) -> None:
-    """Create the socket's folder 0770 (whatever the umask), or accept an existing one only
-    if this user (or root) owns it and other users cannot replace what is in it (not
-    writable by others, or sticky like /tmp): otherwise they could swap our socket for theirs."""
+    """Create the socket's folder 0750 (whatever the umask): the socket group may reach the sockets
+    but not add, rename or remove anything there. An existing folder is accepted only if this user
+    (or root) owns it and no other user can replace what is in it: ours, it is made 0750 (an older
+    daemon made it 0770); root's, it must not be writable by group or others unless sticky like /tmp."""
     if not folder.exists():
-        folder.mkdir(parents=True, mode=0o770)
-        os.chmod(folder, 0o770)
+        folder.mkdir(parents=True, mode=0o750)
+        os.chmod(folder, 0o750)
         return
     st = folder.stat()
     if st.st_uid not in (os.geteuid(), 0):
         raise FailedPrecondition(f"{folder} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
                                  "refusing to serve a socket there")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise FailedPrecondition(f"{folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
-                                 "refusing to serve a socket there")
+    if not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_mode & stat.S_ISVTX:
+        return
+    if st.st_uid == os.geteuid():
+        _log.warning("%s was writable by other users (mode %o); making it 0750 so that none can replace "
+                     "the sockets", folder, stat.S_IMODE(st.st_mode))
+        os.chmod(folder, 0o750)
+        return
+    raise FailedPrecondition(f"{folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                             "refusing to serve a socket there")
 
 
 def _clear_socket_path(path: Path) -> None:
-    """Make room for a socket: prepare its folder, remove a stale socket, refuse to replace anything else."""
+    """Make room for a socket: prepare its folder, remove a stale socket, refuse to replace anything else,
+    and never take the socket of a daemon that still answers there."""
     _socket_folder(path.parent)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
+        if _answers(path):
+            raise FailedPrecondition(f"another crossoverd serves {path}; stop it first, or give this one "
+                                     "another --socket")
         path.unlink()
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on a Unix socket (a live daemon), or it is stale."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _open_up(path: str, group: int | None, mode: int) -> None:
+    """Give a socket this daemon just bound its group and mode, never what a link there points at."""
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise FailedPrecondition(f"{path} is no longer the socket this daemon bound; refusing to open it up")
+    if group is not None:
+        os.chown(path, -1, group, follow_symlinks=False)
+    os.chmod(path, mode)
 
 
 class Daemon:
@@ -151,11 +186,8 @@ class Daemon:
             os.umask(old)
         for path, group in ((self.socket_path, self._socket_group), (self.session_socket, self._socket_group),
                             (self.admin_socket, self._admin_group)):
-            if not path:
-                continue
-            if group is not None:
-                os.chown(path, -1, group)
-            os.chmod(path, 0o600 if path == self.admin_socket and group is None else 0o660)
+            if path:
+                _open_up(path, group, 0o600 if path == self.admin_socket and group is None else 0o660)
         self._reaper.start()
         _log.info("crossoverd serving on %s%s%s%s (policy %s, %d device(s))",
                   self.socket_path or "", f" and {self.listen}" if self.listen else "",

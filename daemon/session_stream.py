@@ -87,8 +87,7 @@ def apply_event(core: Scheduler, sid: str, ev: pb.RankEvent, budget: EventBudget
     if budget is not None and not budget.spend(max(len(events), 1)):
         raise ResourceExhausted("the session sends events faster than this daemon allows "
                                 "(crossoverd --max-events-per-s); a training rank sends a few per iteration")
-    for one in events:
-        core.apply(sid, RankEvent.from_pb(one, in_batch=one is not ev))
+    core.apply_message(sid, [RankEvent.from_pb(one, in_batch=one is not ev) for one in events])
 
 
 def directive(msg: Message) -> pb.Directive | None:

@@ -53,7 +53,7 @@ def test_a_second_user_may_look_and_train_but_not_steer(shared_daemon):
     sock = str(d.socket)
     modes = {p.name: (stat.S_IMODE(p.stat().st_mode), p.stat().st_gid) for p in d.socket.parent.iterdir()}
     assert modes == {"d.sock": (0o660, NOGROUP), "d.sock.session": (0o660, NOGROUP), "d.sock.admin": (0o600, 0)}
-    assert (stat.S_IMODE(d.socket.parent.stat().st_mode), d.socket.parent.stat().st_gid) == (0o770, NOGROUP)
+    assert (stat.S_IMODE(d.socket.parent.stat().st_mode), d.socket.parent.stat().st_gid) == (0o750, NOGROUP)
 
     looked = _as_nobody("cli", "queue", "--json", "--socket", sock)
     assert looked.returncode == 0, looked.stderr

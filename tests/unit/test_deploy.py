@@ -239,7 +239,7 @@ def test_daemon_runs_unprivileged_and_owns_its_socket_folder():
     folder = str(PurePosixPath(flags["--socket"] or "").parent)
     (init,) = spec["initContainers"]
     assert f"os.chown('{folder}', {uid}, {int(flags['--socket-group'] or '')})" in " ".join(init["command"])
-    assert f"os.chmod('{folder}', 0o770)" in " ".join(init["command"])
+    assert f"os.chmod('{folder}', 0o750)" in " ".join(init["command"])
 
 
 def test_training_pod_reaches_the_daemon_socket():
@@ -325,7 +325,7 @@ def test_unit_settings_that_matter():
     assert _service("User") == _service("Group") == "crossover"
     assert _service("KillSignal") == "SIGTERM", "SIGTERM is what releases waiting ranks"
     assert _service("Restart") == "on-failure"
-    assert _service("RuntimeDirectoryMode") == "0770"
+    assert _service("RuntimeDirectoryMode") == "0750"
     assert _service("NoNewPrivileges") == "yes"
     assert _service("ProtectSystem") == "strict"
     # Each of these would keep NVML from /dev/nvidia* or the daemon from its ranks' /proc entries.

@@ -187,19 +187,25 @@ def test_after_a_grant_timeout_a_rank_trains_unscheduled_for_the_cool_off_instea
     waiter.release(6)
 
 
-def test_the_socket_folder_is_made_0770_and_an_unsafe_one_is_refused(tmp_path):
+def test_the_socket_folder_is_made_0750_and_an_unsafe_one_is_refused(tmp_path):
     old = os.umask(0o027)
     try:
         d = Daemon(make_core(), socket_path=str(tmp_path / "new" / "d.sock"), reap_interval_s=0.05).start()
         d.stop(grace=0.2)
     finally:
         os.umask(old)
-    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o770
+    assert stat.S_IMODE(os.stat(tmp_path / "new").st_mode) == 0o750
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    os.chmod(ours, 0o770)  # as an older daemon left it: its group could replace the sockets
+    Daemon(make_core(), socket_path=str(ours / "d.sock"), reap_interval_s=0.05).start().stop(grace=0.2)
+    assert stat.S_IMODE(os.stat(ours).st_mode) == 0o750
     shared = tmp_path / "shared"
     shared.mkdir()
-    os.chmod(shared, 0o777)  # another user could replace the socket
-    with pytest.raises(FailedPrecondition, match="writable by other users"):
+    os.chown(shared, 65534, 65534)  # another user's folder
+    with pytest.raises(FailedPrecondition, match="belongs to uid 65534"):
         Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start()
+    os.chown(shared, 0, 0)
     os.chmod(shared, 0o1777)  # sticky, like /tmp: others cannot replace our files
     Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start().stop(grace=0.2)
 
