@@ -57,7 +57,7 @@ class Liveness:
                 doomed.append((sess.id, f"no heartbeat for {silent:.2f}s"))
             elif not sess.attached and now - sess.registered_at > max(5.0, 4 * self.heartbeat_timeout_s):
                 doomed.append((sess.id, "registered but never opened its stream"))
-            elif not self._pid_alive(sess.ident.pid):
+            elif sess.ident.pid and not self._pid_alive(sess.ident.pid):
                 doomed.append((sess.id, f"process {sess.ident.pid} is gone"))
             elif sess.attached and silent > self.heartbeat_timeout_s and sess.phase is not Phase.SUSPENDED:
                 self._suspend(sess, silent, now, d)

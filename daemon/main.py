@@ -90,6 +90,10 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--max-connections", type=click.IntRange(1, 1 << 20), default=StreamLimits.max_connections,
               show_default=True, help="Session streams served at once; one more is refused with "
               "RESOURCE_EXHAUSTED (the rank trains unscheduled and retries). `crossover queue` shows the count.")
+@click.option("--max-connections-per-user", type=click.IntRange(1, 1 << 20),
+              default=StreamLimits.max_connections_per_uid, show_default=True,
+              help="Session socket streams one local user (the kernel's uid of the connection) may hold open; one "
+              "more from that user is refused with RESOURCE_EXHAUSTED, so no user can take every slot.")
 @click.option("--idle-timeout", type=click.FloatRange(1, 86_400), default=StreamLimits.idle_timeout_s,
               show_default=True, help="Seconds a session socket connection may stay silent before it is closed "
               "(ranks send a heartbeat every 0.2 s); one that sends no OPEN is closed after 5 s.")
@@ -130,7 +134,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          admin_token_file: str | None, socket_group: str | None, admin_group: str | None, tls_cert: str | None,
          tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
          event_log: str | None, event_log_size: int, event_log_max_mb: float, event_log_backups: int,
-         max_events_per_s: float, max_connections: int, idle_timeout: float, heartbeat_timeout: float,
+         max_events_per_s: float, max_connections: int, max_connections_per_user: int, idle_timeout: float,
+         heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
          overdue_warmup: float, lease: bool, session_socket: bool, metrics_address: str | None,
          health_address: str | None, log_level: str) -> None:
@@ -185,6 +190,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                         socket_group=_group(socket_group, "--socket-group"),
                         admin_group=_group(admin_group, "--admin-group"), health_address=health_address,
                         limits=StreamLimits(events_per_s=max_events_per_s, max_connections=max_connections,
+                                            max_connections_per_uid=max_connections_per_user,
                                             idle_timeout_s=idle_timeout)).start()
     except CrossoverError as exc:
         click.echo(f"crossoverd: {exc}", err=True)

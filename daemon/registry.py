@@ -8,7 +8,7 @@ scheduler owns it and touches it under its own.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import psutil
@@ -80,6 +80,7 @@ class Session:
     floor_t: float = 0.0  # when its previous message with events arrived: no later event is dated earlier
     stats: Stats = field(default_factory=Stats)
     process: psutil.Process | None = None
+    uid: int | None = None  # the kernel's uid of its session socket peer (None: not known, e.g. gRPC)
 
     def send(self, msg: Message) -> None:
         if self.deliver is None:
@@ -129,6 +130,8 @@ class Registry:
     def find(self, session_id: str) -> Session | None:
         return self._by_id.get(session_id)
 
+    maybe = find
+
     def by_key(self, key: RankKey) -> Session | None:
         return self._by_key.get(key)
 
@@ -140,6 +143,19 @@ class Registry:
 
     def items(self) -> list[tuple[str, Session]]:
         return list(self._by_id.items())
+
+
+def printable(text: str) -> str:
+    """`text` with each character that is not printable (a newline, an ANSI escape, any control)
+    written as its escape: what a client names goes into logs and terminals as inert text."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def printable_identity(ident: RankIdentity) -> RankIdentity:
+    """The identity with its job's id and name made `printable`, as the daemon keeps and shows it."""
+    if ident.job_id.isprintable() and ident.job_name.isprintable():
+        return ident
+    return replace(ident, job_id=printable(ident.job_id), job_name=printable(ident.job_name))
 
 
 def validate_identity(ident: RankIdentity, n_devices: int) -> None:

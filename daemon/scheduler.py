@@ -31,7 +31,7 @@ from .leases import Leases
 from .liveness import Liveness
 from .messages import CloseMsg, GrantMsg, Message, PolicyMsg
 from .phases import PhaseMachine
-from .registry import Registration, Registry, Session, validate_identity
+from .registry import Registration, Registry, Session, printable_identity, validate_identity
 from .snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
 
 __all__ = ["Scheduler"]
@@ -69,6 +69,7 @@ class Scheduler:
         self._leases = Leases(lease, self._sessions, clock)
         self._phases = PhaseMachine(policies.create(policy) if isinstance(policy, str) else policy,
                                     self._sessions, self._leases)
+        self._pid_alive = pid_alive
         self._liveness = Liveness(self._sessions, self._leases, self._phases, pid_alive, heartbeat_timeout_s,
                                   evict_after_s, overdue_factor, overdue_after_s, overdue_warmup_s, max_hold_s)
         self.inventory = inventory
@@ -125,6 +126,7 @@ class Scheduler:
 
     def register(self, ident: RankIdentity, accepts_leases: bool = False) -> Registration:
         validate_identity(ident, len(self.inventory.devices))
+        ident = printable_identity(ident)
         device_index = ident.device if ident.device >= 0 else ident.local_rank % len(self.inventory.devices)
         device = self.inventory.by_index(device_index)
         key = RankKey(ident.job_id, ident.rank)
@@ -132,6 +134,11 @@ class Scheduler:
             process: psutil.Process | None = psutil.Process(ident.pid)
         except (psutil.Error, ValueError):
             process = None
+        if process is None and ident.pid and not self._pid_alive(ident.pid):
+            # A pid this daemon cannot see (a rank in a container's process namespace, or one that
+            # is gone): unknown until its stream arrives on the session socket, whose peer the
+            # kernel names (`bind_peer`); meanwhile its stream and heartbeats say whether it lives.
+            ident = replace(ident, pid=0)
         with self._lock:
             now = self._clock()
             if self._closed:
@@ -235,6 +242,29 @@ class Scheduler:
                     self._commit(d, now)
             if any(ev.kind is not EventKind.HEARTBEAT for ev in events):
                 sess.floor_t = arrived
+
+    def bind_peer(self, session_id: str, pid: int, uid: int) -> None:
+        """Bind a session to its connection's process and user as the kernel reports them (SO_PEERCRED).
+
+        From then on liveness, `crossover queue`'s pid and per-user limits use the kernel's
+        figures, not the rank's claim. `pid` 0: the peer's process namespace is not the daemon's
+        (a container): the pid stays unknown and the connection alone says whether the rank lives.
+        """
+        try:
+            process: psutil.Process | None = psutil.Process(pid) if pid > 0 else None
+        except (psutil.Error, ValueError):
+            process = None
+        with self._lock:
+            sess = self._sessions.maybe(session_id)
+            if sess is None:
+                return
+            sess.uid = uid
+            if pid != sess.ident.pid:
+                if pid > 0 and sess.ident.pid:
+                    _log.warning("%s rank %d claimed pid %d but its connection is pid %d; using the kernel's",
+                                 sess.ident.job_name, sess.ident.rank, sess.ident.pid, pid)
+                sess.ident = replace(sess.ident, pid=pid)
+                sess.process = process
 
     def turn_floor(self, session_id: str) -> int:
         """Where the session's job should join its device's rotation (see `Policy.turn_floor`)."""

@@ -155,7 +155,7 @@ class Daemon:
         self._tls = tls
         self._max_workers = max_workers
         self.limits = limits or StreamLimits()
-        self.connections = Connections(self.limits.max_connections)
+        self.connections = Connections(self.limits.max_connections, self.limits.max_connections_per_uid)
         self._stop = threading.Event()
         self._reap_interval = reap_interval_s
         self._loop = asyncio.new_event_loop()

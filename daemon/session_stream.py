@@ -69,8 +69,11 @@ def error_text(exc: Exception) -> str:
     return f"{text[:_MAX_ERROR_TEXT]}... ({len(text)} characters)"
 
 
-def too_many(connections: Connections) -> ResourceExhausted:
-    """The refusal of a stream past the daemon's cap."""
+def too_many(connections: Connections, uid: int | None = None) -> ResourceExhausted:
+    """The refusal of a stream past the daemon's cap, or past one user's share of it."""
+    if connections.full_for(uid):
+        return ResourceExhausted(f"this user (uid {uid}) has {connections.per_uid} session streams open, the most "
+                                 "one user may hold (crossoverd --max-connections-per-user)")
     return ResourceExhausted(f"this daemon serves at most {connections.cap} session streams at once "
                              "(crossoverd --max-connections)")
 

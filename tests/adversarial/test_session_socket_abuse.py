@@ -1,0 +1,149 @@
+"""What one client of the session socket can cost the others: a trickled frame, a user's share of the
+slots, and what it says about itself (its pid, its job's name), against a live daemon beside a victim job.
+
+Before: a frame header for 1 MiB and then a byte every few seconds held a slot,
+a thread and the buffer until the idle timeout (60 s), since the timeout was per
+read; one local user could take all 1024 slots; every refused connection logged
+a WARNING; a rank's pid was whatever it claimed (so `crossover queue` and the
+liveness check believed pid 1), and a job name went into the log raw
+(newlines, ANSI escapes).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from attack_bed import answers_within, grant_waits, start_victim, stops_on_sigterm
+
+from crossover.client.transport import FrameStream
+from crossover.protos import PROTOCOL_VERSION, framing
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
+from tools.harness.daemon import queue_state
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
+
+NOBODY, NOGROUP = 65534, 65534
+
+
+def test_a_trickled_frame_is_cut_off_at_the_frame_deadline(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
+    victim = start_victim(d, tmp_path)
+    jobs.append(victim)
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.connect(f"{d.socket}.session")
+    slow.settimeout(0.3)
+    slow.sendall(struct.pack(">I", framing.MAX_FRAME))  # announces 1 MiB
+    t0 = time.monotonic()
+    closed_after, got = None, b""
+    while time.monotonic() - t0 < 8.0:
+        try:
+            slow.sendall(b"\0")  # one byte at a time, well inside every per-read timeout
+        except OSError:
+            closed_after = time.monotonic() - t0
+            break
+        try:
+            data = slow.recv(65536)
+            got += data
+            if data == b"":
+                closed_after = time.monotonic() - t0
+                break
+        except TimeoutError:
+            pass
+        except OSError:
+            closed_after = time.monotonic() - t0
+            break
+    slow.close()
+    assert closed_after is not None and closed_after < 3.5, closed_after  # the frame deadline, 2 s
+    assert b"did not arrive whole within 2 s" in got  # told why, in a SessionError
+    assert answers_within(d, 1.0) < 1.0
+    assert victim.wait(120) == 0, victim.output()[-3000:]
+    assert grant_waits(d, "victim")
+
+
+_HOLD = """
+import os, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+os.setgroups([{gid}]); os.setgid({gid}); os.setuid({uid})
+held, refused = [], 0
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.settimeout(0.5)
+    try:
+        data = s.recv(4096)
+    except (TimeoutError, socket.timeout):
+        data = None
+    if data:
+        refused += 1
+        s.close()
+    else:
+        held.append(s)
+print(len(held), refused, flush=True)
+time.sleep(3)
+"""
+
+
+@pytest.fixture
+def base():
+    if os.geteuid() != 0:
+        pytest.skip("acting as a second user needs root (setuid)")
+    folder = Path(tempfile.mkdtemp(prefix="crossover-adv-", dir="/tmp"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_one_user_cannot_take_every_slot_and_refusals_do_not_flood_the_log(daemon_factory, jobs, base, tmp_path):
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--socket-group", str(NOGROUP),
+                       "--max-connections-per-user", "4", socket=base / "run" / "d.sock")
+    hold = subprocess.run([sys.executable, "-c", _HOLD.format(uid=NOBODY, gid=NOGROUP), f"{d.socket}.session", "40"],
+                          capture_output=True, text=True, timeout=60)
+    held, refused = map(int, hold.stdout.split())
+    assert (held, refused) == (4, 36), hold.stderr
+    victim = start_victim(d, tmp_path)  # root's ranks still find slots
+    jobs.append(victim)
+    assert victim.wait(120) == 0, victim.output()[-3000:]
+    assert grant_waits(d, "victim")
+    refusal_lines = [line for line in d.log.read_text().splitlines() if "refused" in line and "session socket" in line]
+    assert 1 <= len(refusal_lines) <= 2, refusal_lines  # one summary line, not 36
+    assert stops_on_sigterm(d) < 5.0
+
+
+def test_the_kernel_names_a_ranks_process_and_a_job_name_reaches_the_log_inert(daemon_factory):
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
+    evil = "evil\n2026-11-25 00:00:00 crossoverd INFO everything is fine\x1b[2J"
+    ident = RankIdentity(job_id="liar", job_name=evil, rank=0, local_rank=0, world_size=1, local_size=1,
+                         device=0, pid=1)  # claims to be init
+    with grpc.insecure_channel(f"unix://{d.socket}") as ch:
+        reg = pb_grpc.SchedulerStub(ch).Register(
+            pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=ident.to_pb()), timeout=5)
+        stream = FrameStream(reg.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), 5.0)
+        try:
+            stream.send(pb.RankEvent(kind=pb.HEARTBEAT))
+            deadline = time.monotonic() + 5
+            while True:
+                ranks = [r for dev in queue_state(d.socket)["devices"] for key in ("holders", "waiting", "others")
+                         for r in dev.get(key, [])]
+                liar = [r for r in ranks if r.get("job_id") == "liar"]
+                if liar and int(liar[0]["pid"]) == os.getpid() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert liar and int(liar[0]["pid"]) == os.getpid(), liar  # the kernel's pid, not the claimed 1
+            assert liar[0]["job_name"] == evil.encode("unicode_escape").decode().replace("\\\\", "\\")
+        finally:
+            stream.close()
+    log = d.log.read_text()
+    assert "everything is fine" not in log.split("evil")[0]  # nothing before it was forged
+    assert not any(line.startswith("2026-11-25 00:00:00") for line in log.splitlines())
+    assert "\x1b" not in log and "\x1b" not in d.event_log.read_text()
