@@ -23,6 +23,12 @@ __all__ = ["GrpcSessionStream", "serve_session"]
 
 _log = logging.getLogger(__name__)
 
+# A rank reads every directive at once; one whose directives pile up (a full flow-control
+# window) stopped reading: it is dropped, as the session socket drops it, instead of the
+# daemon queueing an answer to each of its heartbeats for as long as it keeps sending them.
+_MAX_UNSENT = 256
+_WRITE_TIMEOUT_S = 5.0
+
 
 class GrpcSessionStream:
     """The Session RPC's stream: None at its end, a gRPC status to fail it."""
@@ -63,13 +69,21 @@ async def _serve_session(core: Scheduler, stream: GrpcSessionStream, limits: Str
         return
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
+    stalled = asyncio.Event()
     loop_thread = threading.get_ident()
+
+    def put(msg: Message) -> None:  # on the loop
+        if inbox.qsize() < _MAX_UNSENT or isinstance(msg, CloseMsg):
+            inbox.put_nowait(msg)
+        elif not stalled.is_set():
+            stalled.set()
+            inbox.put_nowait(CloseMsg("stopped reading"))
 
     def deliver(msg: Message) -> None:  # called from any thread by the scheduler
         if threading.get_ident() == loop_thread:  # a grant decided while reading an event: no wake-up needed
-            inbox.put_nowait(msg)
+            put(msg)
         else:
-            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            loop.call_soon_threadsafe(put, msg)
 
     life = SessionLifecycle(core, limits)
     try:
@@ -81,13 +95,21 @@ async def _serve_session(core: Scheduler, stream: GrpcSessionStream, limits: Str
     try:
         while True:
             msg = await inbox.get()
-            if isinstance(msg, CloseMsg):
-                if msg.error is not None:
+            if isinstance(msg, CloseMsg) or stalled.is_set():
+                if isinstance(msg, CloseMsg) and msg.error is not None:
                     await stream.fail(msg.error)
+                if stalled.is_set():
+                    life.reason = "stopped reading"
+                    _log.warning("dropping a rank's session: it stopped reading its gRPC stream")
                 return
             out = directive(msg)
             if out is not None:
-                await stream.write(out)
+                try:
+                    await asyncio.wait_for(stream.write(out), _WRITE_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    life.reason = "stopped reading"
+                    _log.warning("dropping a rank's session: it stopped reading its gRPC stream")
+                    return
     finally:
         reader.cancel()
         core.close(life.sid, "stream closed")
