@@ -5,6 +5,7 @@ overlap on a device) and to draw timelines.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -30,8 +31,11 @@ class EventLog:
     past that size: `path` becomes `path.1`, `path.1` becomes `path.2`, and so on up
     to `backups` (the oldest is deleted), so clients cannot fill the disk through it.
 
-    `recorded` counts entries recorded, `dropped` those a failed file write lost
-    (they stay in memory); listeners see every entry as it is recorded (metrics).
+    Entries wait for the writer in a queue of at most `maxlen`; a write that fails
+    (a full disk, a removed folder) is retried every `retry_s`, the file reopened if
+    need be, and reported when it fails and again when it works. `recorded` counts
+    entries recorded, `dropped` those the file lost (the queue overflowed while
+    writes failed; they stay in memory); listeners see every entry as it is recorded.
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class EventLog:
         flush_interval_s: float = 0.1,
         max_bytes: int = 0,
         backups: int = 3,
+        retry_s: float = 1.0,
     ) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
@@ -57,6 +62,10 @@ class EventLog:
         self._backups = backups
         self._size = 0
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._max_unwritten = maxlen
+        self._retry_s = retry_s
+        self._retry_at = 0.0
+        self._failures = 0
         self.recorded = 0
         self.dropped = 0
         if path is not None:
@@ -76,8 +85,11 @@ class EventLog:
         with self._lock:
             self._events.append(entry)
             self.recorded += 1
-            if self._file is not None:
+            if self._path is not None and not self._closed.is_set():
                 self._unwritten.append(entry)
+                if len(self._unwritten) > self._max_unwritten:  # writes fail and the queue is full: oldest go
+                    del self._unwritten[0]
+                    self.dropped += 1
         for listener in self._listeners:
             try:
                 listener(entry)
@@ -95,25 +107,47 @@ class EventLog:
             return list(self._events)
 
     def flush(self) -> None:
-        """Write the events recorded since the last flush to the file (if any)."""
+        """Write the events recorded since the last flush to the file (if any); after a failed write,
+        not before `retry_s` has passed."""
+        if self._path is None or (self._failures and time.monotonic() < self._retry_at):
+            return
         with self._lock:
             batch, self._unwritten = self._unwritten, []
             f = self._file
-        if f is None or not batch:
+        if not batch:
             return
         text = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch)
         try:
+            if f is None or f.closed:
+                f = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+                self._size = f.tell()
+                with self._lock:
+                    self._file = f
             if self._max_bytes and self._size and self._size + len(text) > self._max_bytes:
                 f = self._rotate(f)
             f.write(text)
             f.flush()
             self._size += len(text)
-        except (OSError, ValueError) as exc:  # a full disk must not stop scheduling
-            _log.error("event log file write failed, keeping memory log only: %s", exc)
+        except (OSError, ValueError) as exc:  # a full disk must not stop scheduling, nor end the log
+            self._failures += 1
+            self._retry_at = time.monotonic() + self._retry_s
+            if self._failures == 1:
+                _log.error("event log file write failed (%s); keeping up to %d entries and retrying every %g s",
+                           exc, self._max_unwritten, self._retry_s)
+            if f is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    f.close()
             with self._lock:
                 self._file = None
-                self.dropped += len(batch) + len(self._unwritten)
-                self._unwritten = []
+                queued = batch + self._unwritten
+                over = max(0, len(queued) - self._max_unwritten)
+                self._unwritten = queued[over:]
+                self.dropped += over
+            return
+        if self._failures:
+            _log.warning("event log file writes work again after %d failed attempt(s); %d entries lost meanwhile",
+                         self._failures, self.dropped)
+            self._failures = 0
 
     def _rotate(self, f: IO[str]) -> IO[str]:
         """Shift the files one place (dropping the oldest) and start an empty one; by the writer only."""
@@ -134,6 +168,7 @@ class EventLog:
         self._closed.set()
         if self._writer is not None and self._writer is not threading.current_thread():
             self._writer.join(5)
+        self._failures = 0  # a last try, whenever the previous one failed
         self.flush()
         with self._lock:
             if self._file is not None:
