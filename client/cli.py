@@ -121,7 +121,10 @@ _common = [
                  show_default="$CROSSOVER_SOCKET, else your own daemon's, else the node's /run/crossover one",
                  help="Unix socket of the daemon."),
     click.option("--address", envvar="CROSSOVER_ADDRESS", help="host:port of a TCP daemon (overrides --socket)."),
-    click.option("--token", envvar="CROSSOVER_TOKEN", help="Token for a TCP daemon [env CROSSOVER_TOKEN]."),
+    click.option("--token", envvar="CROSSOVER_TOKEN", help="Token for a TCP daemon [env CROSSOVER_TOKEN]; `ps` "
+                 "shows it: prefer --token-file."),
+    click.option("--token-file", type=click.Path(dir_okay=False),
+                 help="Read the token for a TCP daemon from this file (the admin token, for steering over TCP)."),
     click.option("--tls-ca", envvar="CROSSOVER_TLS_CA", type=click.Path(dir_okay=False),
                  help="CA certificate (PEM) to verify a TLS daemon at --address [env CROSSOVER_TLS_CA]."),
     click.option("--json", "as_json", is_flag=True, help="Print versioned JSON instead of a table."),
@@ -137,8 +140,18 @@ def _with_common(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _ctx(kw: dict[str, Any]) -> _Ctx:
-    return _Ctx(kw.pop("socket"), kw.pop("address"), kw.pop("token"), kw.pop("as_json"), kw.pop("timeout"),
-                kw.pop("tls_ca"))
+    token, token_file, address, tls_ca = kw.pop("token"), kw.pop("token_file"), kw.pop("address"), kw.pop("tls_ca")
+    if token_file:
+        if token:
+            raise click.UsageError("give --token or --token-file, not both")
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise click.UsageError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
+    if address and token and not tls_ca:
+        click.echo(f"crossover: warning: sending the token to {address} over plain TCP (no --tls-ca): anyone "
+                   "on the way can read it", err=True)
+    return _Ctx(kw.pop("socket"), address, token, kw.pop("as_json"), kw.pop("timeout"), tls_ca)
 
 
 def _version() -> str:
@@ -181,7 +194,7 @@ def main() -> None:
 @_with_common
 @click.option("--device", type=click.IntRange(-1, _MAX_DEVICE), default=-1, help="Only this device (-1: all).")
 @click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0, show_default=True,
+@click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0, show_default=True, callback=_finite,
               help="Seconds between refreshes with --watch.")
 def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
     """Show each device's holder, waiting ranks, phases and timings.
