@@ -89,7 +89,8 @@ def _group(name: str | None, flag: str) -> int | None:
               "past it is closed with RESOURCE_EXHAUSTED and its rank trains unscheduled. 0: no limit.")
 @click.option("--max-connections", type=click.IntRange(1, 1 << 20), default=StreamLimits.max_connections,
               show_default=True, help="Session streams served at once; one more is refused with "
-              "RESOURCE_EXHAUSTED (the rank trains unscheduled and retries). `crossover queue` shows the count.")
+              "RESOURCE_EXHAUSTED (the rank trains unscheduled and retries). `crossover queue` shows the count. "
+              "Registered ranks are capped at twice this.")
 @click.option("--max-connections-per-user", type=click.IntRange(1, 1 << 20),
               default=StreamLimits.max_connections_per_uid, show_default=True,
               help="Session socket streams one local user (the kernel's uid of the connection) may hold open; one "
@@ -180,7 +181,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         core = Scheduler(inventory, policy, node=node_name, event_log=log,
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
-                         overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold)
+                         overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
+                         max_sessions=2 * max_connections)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)

@@ -127,6 +127,9 @@ class Registry:
     def __getitem__(self, session_id: str) -> Session:
         return self._by_id[session_id]
 
+    def __len__(self) -> int:
+        return len(self._by_id)
+
     def find(self, session_id: str) -> Session | None:
         return self._by_id.get(session_id)
 

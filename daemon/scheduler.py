@@ -23,7 +23,7 @@ import psutil
 
 from ..protos.identity import RankIdentity
 from . import policies
-from .api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef
+from .api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
 from .event_log import EventLog
 from .events import Decision, EventKind, RankEvent, record_rank
 from .inventory import Inventory
@@ -64,12 +64,16 @@ class Scheduler:
         overdue_after_s: float = 3.0,
         overdue_warmup_s: float = 30.0,
         max_hold_s: float = 120.0,
+        max_sessions: int = 2048,
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
         self._phases = PhaseMachine(policies.create(policy) if isinstance(policy, str) else policy,
                                     self._sessions, self._leases)
         self._pid_alive = pid_alive
+        # Registered sessions at once: each registration costs every session on its device a share
+        # update, so a flood of them (sessions that never open a stream live 5 s) is bounded.
+        self.max_sessions = max_sessions
         self._liveness = Liveness(self._sessions, self._leases, self._phases, pid_alive, heartbeat_timeout_s,
                                   evict_after_s, overdue_factor, overdue_after_s, overdue_warmup_s, max_hold_s)
         self.inventory = inventory
@@ -143,6 +147,9 @@ class Scheduler:
             now = self._clock()
             if self._closed:
                 raise FailedPrecondition("the daemon is shutting down")
+            if len(self._sessions) >= self.max_sessions:
+                raise ResourceExhausted(f"this daemon holds {self.max_sessions} registered ranks, the most it takes "
+                                        "(crossoverd --max-connections); try again once some have left")
             known = self._sessions.by_key(key)
             if known is not None:
                 raise AlreadyExists(
