@@ -268,6 +268,27 @@ main.command("resume", help="Accept new ranks on DEVICE again.")(
     _with_common(click.argument("device", type=click.IntRange(0, _MAX_DEVICE))(_device_cmd("Resume", "resume"))))
 
 
+@main.command()
+@_with_common
+@click.argument("device", type=click.IntRange(0, _MAX_DEVICE), required=False)
+@click.option("--job", default="", metavar="JOB", help="Also (or only) close every session of this job (id or name).")
+def evict(device: int | None, job: str, **kw: Any) -> None:
+    """Take DEVICE back from the rank that holds it, now, or remove a job's ranks from this node.
+
+    \b
+    crossover evict 0            the holder of device 0 is treated as stalled; the next rank computes
+    crossover evict --job hog    every session of job `hog` here is closed; its ranks train
+                                 unscheduled and re-attach as new sessions (drain the device first
+                                 to keep them off it)
+    """
+    if device is None and not job:
+        raise click.UsageError("name a DEVICE or a --job to evict")
+    ctx = _ctx(kw)
+    reply = ctx.call("Evict", pb.EvictRequest(protocol_version=PROTOCOL_VERSION,
+                                              device=-1 if device is None else device, job=job))
+    ctx.emit("evict", reply, lambda d: "\n".join(d.get("done") or ["nothing to evict"]))
+
+
 def _seconds(_ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     if value is not None and not math.isfinite(value):
         raise click.BadParameter("must be a finite number of seconds", param=param)

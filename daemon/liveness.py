@@ -93,13 +93,19 @@ class Liveness:
                     else max(self.overdue_after_s, self.overdue_factor * ema))
         if held <= limit or not policy.view(sess.ref.device).waiting:
             return
-        self.overdue_total += 1
-        d.log("overdue", sess, held_s=held, limit_s=limit, iteration=sess.iteration)
         _log.warning("%s rank %d has held device %d for %.2fs (limit %.2fs); treating it as stalled and "
                      "serving the next rank", sess.ident.job_name, sess.ident.rank, sess.ref.device, held, limit)
+        self.move_aside(sess, now, d, limit_s=limit)
+
+    def move_aside(self, sess: Session, now: float, d: Decision, **fields: object) -> None:
+        """Take the device from a holder (overdue, or the operator's `evict`): it is treated as
+        stalled (`OVERDUE`) until it reports its phase done, and the next rank is served."""
+        held = now - sess.phase_since
+        self.overdue_total += 1
+        d.log("overdue", sess, held_s=held, iteration=sess.iteration, **fields)
         sess.stats.compute_total += held
         sess.set_phase(Phase.OVERDUE, now)
-        self._phases.deliver(policy.release(key, now), now, d)
+        self._phases.deliver(self._phases.policy.release(sess.ref.key, now), now, d)
 
     def _suspend(self, sess: Session, silent: float, now: float, d: Decision) -> None:
         was = sess.phase

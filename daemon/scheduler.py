@@ -395,6 +395,34 @@ class Scheduler:
         self.events.record("drain" if draining else "resume", device=device)
         return draining
 
+    def evict(self, device: int = -1, job: str = "") -> list[str]:
+        """The operator's `crossover evict`: take `device` back from its holders now (each is treated
+        as overdue and the next rank is served), and/or close every session of `job` (id or name) on
+        this node. Returns a line per rank touched; an empty list when nothing matched."""
+        if device >= 0:
+            self.inventory.by_index(device)
+        done: list[str] = []
+        doomed: list[str] = []
+        with self._lock:
+            now = self._clock()
+            d = Decision()
+            for sess in list(self._sessions):
+                name = f"{sess.ident.job_name} rank {sess.ident.rank} on device {sess.ref.device}"
+                if job and job in (sess.ident.job_id, sess.ident.job_name):
+                    doomed.append(sess.id)
+                    done.append(f"{name}: evicted")
+                elif (device >= 0 and sess.ref.device == device and sess.phase is Phase.COMPUTE
+                      and self._phases.policy.holds(sess.ref.key)):
+                    self._liveness.move_aside(sess, now, d, reason="evicted by the operator")
+                    done.append(f"{name}: moved aside")
+            self._commit(d, now)
+        for sid in doomed:
+            self.close(sid, "evicted by the operator", evicted=True)
+        self.events.record("evict", device=device, job=job, touched=len(done))
+        _log.warning("operator evict (device %s, job %r): %s", device if device >= 0 else "-", job,
+                     "; ".join(done) or "nothing matched")
+        return done
+
     def is_draining(self, device: int) -> bool:
         with self._lock:
             return device in self._leases.draining

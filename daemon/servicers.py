@@ -171,4 +171,11 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         _check_version(request.protocol_version)
         return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
 
+    @_unary
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
+        _check_version(request.protocol_version)
+        if request.device < 0 and not request.job:
+            raise InvalidRequest("name a device or a job to evict")
+        return pb.EvictReply(done=self._core.evict(request.device, request.job))
+
 

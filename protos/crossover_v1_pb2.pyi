@@ -340,3 +340,19 @@ class DeviceAck(_message.Message):
     device: int
     draining: bool
     def __init__(self, device: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("protocol_version", "device", "job")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    device: int
+    job: str
+    def __init__(self, protocol_version: _Optional[int] = ..., device: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
+
+class EvictReply(_message.Message):
+    __slots__ = ("done",)
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    done: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, done: _Optional[_Iterable[str]] = ...) -> None: ...

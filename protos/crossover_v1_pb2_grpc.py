@@ -222,6 +222,11 @@ class AdminStub:
                 request_serializer=crossover__v1__pb2.DeviceRequest.SerializeToString,
                 response_deserializer=crossover__v1__pb2.DeviceAck.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/crossover.v1.Admin/Evict',
+                request_serializer=crossover__v1__pb2.EvictRequest.SerializeToString,
+                response_deserializer=crossover__v1__pb2.EvictReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -263,6 +268,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -295,6 +306,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=crossover__v1__pb2.DeviceRequest.FromString,
                     response_serializer=crossover__v1__pb2.DeviceAck.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=crossover__v1__pb2.EvictRequest.FromString,
+                    response_serializer=crossover__v1__pb2.EvictReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +475,33 @@ class Admin:
             '/crossover.v1.Admin/Resume',
             crossover__v1__pb2.DeviceRequest.SerializeToString,
             crossover__v1__pb2.DeviceAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crossover.v1.Admin/Evict',
+            crossover__v1__pb2.EvictRequest.SerializeToString,
+            crossover__v1__pb2.EvictReply.FromString,
             options,
             channel_credentials,
             insecure,

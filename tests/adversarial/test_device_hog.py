@@ -9,6 +9,7 @@ the floor (--overdue-after, 3 s by default) and the victim is served.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import pytest
 from attack_bed import answers_within, grant_waits, start_victim, stops_on_sigterm
 
 from tools import checkout_on_path
+from tools.harness.daemon import cli, queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
 
@@ -50,3 +52,43 @@ def test_a_heartbeating_holder_is_moved_aside_within_the_floor(daemon_factory, j
         hog.kill()
         hog.wait()
     assert stops_on_sigterm(d) < 5.0
+
+
+def test_the_operator_takes_the_device_back_and_removes_the_job(daemon_factory, jobs, tmp_path):
+    """With a floor no hog reaches (--overdue-after 600), `crossover evict 0` hands the device over at once,
+    and `crossover evict --job hog` removes the hog's session."""
+    d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease", "--overdue-after", "600",
+                       "--overdue-warmup", "600")
+    status = tmp_path / "hog.status"
+    env = {"PYTHONPATH": checkout_on_path({}), "PATH": "/usr/bin:/bin"}
+    hog = subprocess.Popen([sys.executable, str(HOG), str(d.socket), "90", str(status)], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not status.exists():
+            assert hog.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        victim = start_victim(d, tmp_path)
+        jobs.append(victim)
+        deadline = time.monotonic() + 30
+        while not any(r for dev in queue_state(d.socket)["devices"] for r in dev["waiting"]):
+            assert time.monotonic() < deadline, "the victim never queued"
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert not grant_waits(d, "victim")  # the hog still holds the device
+        out = cli("evict", "0", socket=d.socket)
+        assert "hog rank 0 on device 0: moved aside" in out.stdout
+        deadline = time.monotonic() + 5
+        while not grant_waits(d, "victim"):
+            assert time.monotonic() < deadline, "evict did not hand the device over"
+            time.sleep(0.05)
+        out = cli("evict", "--job", "hog", "--json", socket=d.socket)
+        assert json.loads(out.stdout)["done"] == ["hog rank 0 on device 0: evicted"]
+        assert not [r for dev in queue_state(d.socket)["devices"] for key in ("holders", "waiting", "others")
+                    for r in dev[key] if r.get("job_name") == "hog"]
+        assert victim.wait(150) == 0, victim.output()[-3000:]
+        assert max(grant_waits(d, "victim")[1:]) < 2.0
+    finally:
+        hog.kill()
+        hog.wait()
+    assert [e["event"] for e in d.events()].count("evict") == 2

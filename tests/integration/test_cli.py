@@ -186,6 +186,7 @@ def test_unreachable_daemon(run, tmp_path):
     (("policy",), "switch"),
     (("drain",), "Stop placing new ranks"),
     (("resume",), "Accept new ranks"),
+    (("evict",), "Take DEVICE back"),
     (("stats",), "Per job and per device"),
     (("timeline",), "Draw who computed"),
 ])

@@ -64,7 +64,7 @@ def test_a_second_user_may_look_and_train_but_not_steer(shared_daemon):
     assert json.loads(trained.stdout) == {"attached": True, "granted": [True, True, True],
                                           "transport": "session socket"}
 
-    for args in (("drain", "0"), ("resume", "0"), ("policy", "passthrough")):
+    for args in (("drain", "0"), ("resume", "0"), ("policy", "passthrough"), ("evict", "0")):
         refused = _as_nobody("cli", *args, "--socket", sock)
         assert refused.returncode == 6, (args, refused.stdout, refused.stderr)
         assert "admin socket" in refused.stderr and "Traceback" not in refused.stderr
