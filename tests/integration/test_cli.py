@@ -199,7 +199,7 @@ def test_help_of_every_command(args, words):
 
 
 def test_every_command_has_a_help_test():
-    assert set(main.commands) == {"queue", "jobs", "policy", "drain", "resume", "stats", "timeline"}
+    assert set(main.commands) == {"queue", "jobs", "policy", "drain", "resume", "evict", "stats", "timeline"}
 
 
 # ---- the crossoverd entry point ---------------------------------------
