@@ -194,6 +194,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                         limits=StreamLimits(events_per_s=max_events_per_s, max_connections=max_connections,
                                             max_connections_per_uid=max_connections_per_user,
                                             idle_timeout_s=idle_timeout)).start()
+        if metrics is not None:
+            metrics.watch_connections(daemon.connections)
     except CrossoverError as exc:
         click.echo(f"crossoverd: {exc}", err=True)
         sys.exit(2)

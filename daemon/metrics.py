@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from . import rpc_errors
+from .limits import Connections
 from .scheduler import Scheduler
 
 __all__ = ["DaemonMetrics", "parse_address"]
@@ -73,7 +74,8 @@ class DaemonMetrics:
                                "compute time) so the next rank was served.", ("device",), registry=r)
         self.policy_switches = Counter("crossover_policy_switches", "Policy changes (SetPolicy).", registry=r)
         ProcessCollector(registry=r)
-        r.register(_StateCollector(core, version))
+        self._state = _StateCollector(core, version)
+        r.register(self._state)
         self._lock = threading.Lock()
         self._ranks: dict[str, int] = defaultdict(int)  # job id -> ranks registered here
         self._series: dict[str, set[tuple[Any, tuple[str, ...]]]] = defaultdict(set)  # job id -> its series
@@ -134,6 +136,10 @@ class DaemonMetrics:
             except KeyError:
                 pass
 
+    def watch_connections(self, connections: Connections) -> None:
+        """Export the daemon's open session streams (`Daemon.connections`), once it serves."""
+        self._state.connections = connections
+
     def serve(self, address: str) -> tuple[str, int]:
         """Serve `/metrics` over HTTP on `address` (HOST:PORT; port 0 picks one); returns where."""
         host, port = parse_address(address)
@@ -156,6 +162,7 @@ class _StateCollector(Collector):
     def __init__(self, core: Scheduler, version: str) -> None:
         self._core = core
         self._version = version
+        self.connections: Connections | None = None
 
     def collect(self) -> Iterator[Any]:
         core = self._core
@@ -179,6 +186,19 @@ class _StateCollector(Collector):
         yield from (queue, busy, holder, on, draining)
         yield GaugeMetricFamily("crossover_jobs", "Jobs with a rank registered on this node.",
                                 value=len({r.ident.job_id for r in ranks}))
+        sessions = GaugeMetricFamily("crossover_sessions", "Registered ranks, by local user (the kernel's uid of "
+                                     "the session socket peer; unknown on the gRPC stream).", labels=["uid"])
+        for uid, n in sorted(core.sessions_by_uid().items()):
+            sessions.add_metric([uid], n)
+        yield sessions
+        if self.connections is not None:
+            yield GaugeMetricFamily("crossover_session_streams", "Session streams open, both transports "
+                                    "(crossoverd --max-connections).", value=self.connections.count)
+            by_uid = GaugeMetricFamily("crossover_session_socket_streams", "Session socket streams open, by local "
+                                       "user (crossoverd --max-connections-per-user).", labels=["uid"])
+            for user, n in sorted(self.connections.by_uid().items()):
+                by_uid.add_metric([str(user)], n)
+            yield by_uid
         decisions = CounterMetricFamily("crossover_policy_decisions", "The current policy's notable decisions "
                                         "(backfill, timeout, overtake) since it was set.",
                                         labels=["policy", "decision"])

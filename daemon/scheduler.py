@@ -423,6 +423,16 @@ class Scheduler:
                      "; ".join(done) or "nothing matched")
         return done
 
+    def sessions_by_uid(self) -> dict[str, int]:
+        """Registered ranks per local user (the kernel's uid of a session socket peer; "unknown" for
+        ranks on the gRPC stream or not yet attached)."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for sess in self._sessions:
+                key = "unknown" if sess.uid is None else str(sess.uid)
+                counts[key] = counts.get(key, 0) + 1
+            return counts
+
     def is_draining(self, device: int) -> bool:
         with self._lock:
             return device in self._leases.draining

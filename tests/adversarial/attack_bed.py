@@ -7,7 +7,10 @@ attack is refused or bounded. Every process is killed at teardown, even on failu
 """
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,25 @@ from tools.harness.daemon import DaemonProc, queue_state
 from tools.harness.jobs import Job, horovodrun, with_import
 
 VICTIM_ITERS = "150"
+NOBODY, NOGROUP = 65534, 65534  # the second local user, and the socket group it is in
+
+
+def drop_to_nobody() -> None:
+    """preexec_fn: become `nobody`, a member of the socket group only."""
+    os.setgroups([NOGROUP])
+    os.setgid(NOGROUP)
+    os.setuid(NOBODY)
+
+
+def shared_folder() -> Path:
+    """A fresh folder under /tmp that `nobody` may traverse (the caller removes it); needs root."""
+    folder = Path(tempfile.mkdtemp(prefix="crossover-adv-", dir="/tmp"))
+    folder.chmod(0o755)
+    return folder
+
+
+def remove(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def start_victim(d: DaemonProc, tmp: Path, name: str = "victim", iters: str = VICTIM_ITERS) -> Job:

@@ -11,18 +11,15 @@ liveness check believed pid 1), and a job name went into the log raw
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import grpc
 import pytest
-from attack_bed import answers_within, grant_waits, start_victim, stops_on_sigterm
+from attack_bed import NOBODY, NOGROUP, answers_within, grant_waits, start_victim, stops_on_sigterm
 
 from crossover.client.transport import FrameStream
 from crossover.protos import PROTOCOL_VERSION, framing
@@ -32,9 +29,6 @@ from crossover.protos.identity import RankIdentity
 from tools.harness.daemon import queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
-
-NOBODY, NOGROUP = 65534, 65534
-
 
 def test_a_trickled_frame_is_cut_off_at_the_frame_deadline(daemon_factory, jobs, tmp_path):
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
@@ -92,16 +86,6 @@ for _ in range(n):
 print(len(held), refused, flush=True)
 time.sleep(3)
 """
-
-
-@pytest.fixture
-def base():
-    if os.geteuid() != 0:
-        pytest.skip("acting as a second user needs root (setuid)")
-    folder = Path(tempfile.mkdtemp(prefix="crossover-adv-", dir="/tmp"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_one_user_cannot_take_every_slot_and_refusals_do_not_flood_the_log(daemon_factory, jobs, base, tmp_path):

@@ -11,42 +11,21 @@ themselves or the daemon's user, and a daemon refuses a socket another answers o
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from attack_bed import answers_within, grant_waits, start_victim, stops_on_sigterm
+from attack_bed import NOBODY, NOGROUP, answers_within, drop_to_nobody, grant_waits, start_victim, stops_on_sigterm
 
 from tools.harness.daemon import BIN, DaemonProc
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
 
-NOBODY, NOGROUP = 65534, 65534
-
-
-def _drop_to_nobody() -> None:
-    os.setgroups([NOGROUP])
-    os.setgid(NOGROUP)
-    os.setuid(NOBODY)
-
-
 def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, preexec_fn=_drop_to_nobody)
-
-
-@pytest.fixture
-def base():
-    if os.geteuid() != 0:
-        pytest.skip("acting as a second user needs root (setuid)")
-    folder = Path(tempfile.mkdtemp(prefix="crossover-adv-", dir="/tmp"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, preexec_fn=drop_to_nobody)
 
 
 def test_a_socket_group_member_cannot_replace_the_daemons_sockets(daemon_factory, jobs, base, tmp_path):

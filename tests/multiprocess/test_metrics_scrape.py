@@ -1,6 +1,7 @@
 """A live crossoverd's Prometheus metrics and health service, while two real horovodrun jobs share it."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 import urllib.request
@@ -83,6 +84,10 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
     assert both is not None and later is not None, f"never saw both jobs run for 2 s: {jobs[0].output()[-2000:]}"
 
     assert sum(v for _l, v in both["crossover_device_ranks"]) == 4
+    me = str(os.geteuid())  # the ranks' user, as the kernel names their session socket connections
+    assert {labels["uid"]: v for labels, v in both["crossover_sessions"]} == {me: 4}
+    assert both["crossover_session_streams"] == [({}, 4.0)]
+    assert {labels["uid"]: v for labels, v in both["crossover_session_socket_streams"]} == {me: 4}
     assert all(v in (0.0, 1.0) for _l, v in both["crossover_device_busy"])
     assert all(v >= 0 for _l, v in both["crossover_device_queue_length"])
     assert {labels["job_name"] for labels, _v in both.get("crossover_device_holder", [])} <= {"alpha", "beta"}

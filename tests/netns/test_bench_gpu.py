@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tools.cluster import preflight
+from tools.cluster.netns import netns_list
 from tools.harness.jobs import CHECKOUT
 
 _REASONS = preflight()
@@ -26,14 +27,9 @@ pytestmark = [
 ]
 
 
-def _netns() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
 @pytest.mark.timeout(300)
 def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
-    before = _netns()
+    before = netns_list()
     res = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(tmp_path)], cwd=CHECKOUT,
                          capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
@@ -48,4 +44,4 @@ def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     assert summary["alone_C_ms"] > 0 and summary["alone_M_ms"] > 0
     assert (tmp_path / "gpu_timeline.png").stat().st_size > 10_000
     assert "crossover" in res.stdout  # the table
-    assert _netns() <= before  # every namespace it made is gone
+    assert netns_list() <= before  # every namespace it made is gone
