@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import runpy
 import sys
+from pathlib import Path
 
 import crossover.auto  # noqa: F401  (first, as a user adds it)
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, last: `tools` is never installed
 from tools.workloads.vision import import_torchvision  # noqa: E402
 
 
