@@ -305,7 +305,7 @@ class Session:
             return
         untrusted = untrusted_socket(s.target)
         if untrusted:
-            self._lost(untrusted)
+            self._lost(untrusted, f"checks the socket again every {s.reconnect_interval_s:g} s")
             return
         try:
             grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
@@ -316,7 +316,8 @@ class Session:
             self._lost(f"no daemon answers at {s.target}")
             return
         except grpc.RpcError as exc:
-            self._lost(f"daemon at {s.target} refused registration: {exc.code().name}: {exc.details()}")
+            self._lost(f"daemon at {s.target} refused this rank: {exc.code().name}: {exc.details()}",
+                       f"asks again every {s.reconnect_interval_s:g} s")
             return
         stream = self._open_stream(stub, reg)
         with self._cond:
@@ -404,9 +405,9 @@ class Session:
             self._stream = None
         self._cond.notify_all()
 
-    def _lost(self, why: str) -> None:
+    def _lost(self, why: str, then: str = "re-attaches when the daemon is back") -> None:
         if not self._warned:
             self._warned = True
-            _log.warning("%s; training continues unscheduled and re-attaches when the daemon is back", why)
+            _log.warning("%s; training continues unscheduled and %s", why, then)
         else:
             _log.info("%s", why)

@@ -79,7 +79,7 @@ def test_clients_refuse_another_users_socket_in_the_daemons_place(base, tmp_path
             capture_output=True, text=True, timeout=60,
             env={**os.environ, "CROSSOVER_SOCKET": str(fake_path), "CROSSOVER_LOG_LEVEL": "WARNING"})
         assert rank.stdout.strip() == "refused", rank.stdout + rank.stderr
-        assert "belongs to nobody" in rank.stderr
+        assert "belongs to nobody" in rank.stderr and "checks the socket again every 2 s" in rank.stderr
         # Naming the fake's owner as the daemon's user is the operator's explicit choice.
         named = subprocess.run([str(BIN / "crossover"), "queue", "--socket", str(fake_path), "--timeout", "1"],
                                capture_output=True,
