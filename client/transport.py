@@ -146,16 +146,21 @@ def channel_for(target: str, token: str = "", tls_ca: str = "") -> tuple[grpc.Ch
     return grpc.insecure_channel(target), metadata
 
 
+def _unix_path(target: str) -> str:
+    """The path of a `unix:` or `unix://` target; "" for any other (TCP)."""
+    if not target.startswith("unix:"):
+        return ""
+    return target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
+
+
 def missing_socket(target: str) -> str:
     """The path of a Unix-socket target that does not exist ("" otherwise).
 
     No socket file means no daemon on this node: say so at once instead of
     spending the connect timeout, which is meant for a daemon that is there but busy.
     """
-    if not target.startswith("unix:"):
-        return ""
-    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
-    return "" if os.path.exists(path) else path
+    path = _unix_path(target)
+    return "" if not path or os.path.exists(path) else path
 
 
 def untrusted_socket(target: str) -> str:
@@ -168,9 +173,9 @@ def untrusted_socket(target: str) -> str:
     daemon's place: talking to it would hand them this rank's phases or this
     operator's commands.
     """
-    if not target.startswith("unix:"):
+    path = _unix_path(target)
+    if not path:
         return ""
-    path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
     try:
         st = os.stat(path)
         folder = os.stat(os.path.dirname(os.path.abspath(path)))

@@ -133,8 +133,6 @@ class Registry:
     def find(self, session_id: str) -> Session | None:
         return self._by_id.get(session_id)
 
-    maybe = find
-
     def by_key(self, key: RankKey) -> Session | None:
         return self._by_key.get(key)
 

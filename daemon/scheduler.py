@@ -39,6 +39,16 @@ __all__ = ["Scheduler"]
 _log = logging.getLogger(__name__)
 
 
+def _process(pid: int) -> psutil.Process | None:
+    """The process `pid` names, for its CPU and memory figures; None when this daemon cannot see it."""
+    if pid <= 0:
+        return None
+    try:
+        return psutil.Process(pid)
+    except (psutil.Error, ValueError):
+        return None
+
+
 class Scheduler:
     """Thread-safe registry plus policy executor for one node.
 
@@ -134,10 +144,7 @@ class Scheduler:
         device_index = ident.device if ident.device >= 0 else ident.local_rank % len(self.inventory.devices)
         device = self.inventory.by_index(device_index)
         key = RankKey(ident.job_id, ident.rank)
-        try:
-            process: psutil.Process | None = psutil.Process(ident.pid)
-        except (psutil.Error, ValueError):
-            process = None
+        process = _process(ident.pid)
         if process is None and ident.pid and not self._pid_alive(ident.pid):
             # A pid this daemon cannot see (a rank in a container's process namespace, or one that
             # is gone): unknown until its stream arrives on the session socket, whose peer the
@@ -257,12 +264,9 @@ class Scheduler:
         figures, not the rank's claim. `pid` 0: the peer's process namespace is not the daemon's
         (a container): the pid stays unknown and the connection alone says whether the rank lives.
         """
-        try:
-            process: psutil.Process | None = psutil.Process(pid) if pid > 0 else None
-        except (psutil.Error, ValueError):
-            process = None
+        process = _process(pid)
         with self._lock:
-            sess = self._sessions.maybe(session_id)
+            sess = self._sessions.find(session_id)
             if sess is None:
                 return
             sess.uid = uid
