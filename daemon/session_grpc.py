@@ -95,21 +95,20 @@ async def _serve_session(core: Scheduler, stream: GrpcSessionStream, limits: Str
     try:
         while True:
             msg = await inbox.get()
-            if isinstance(msg, CloseMsg) or stalled.is_set():
-                if isinstance(msg, CloseMsg) and msg.error is not None:
-                    await stream.fail(msg.error)
-                if stalled.is_set():
-                    life.reason = "stopped reading"
-                    _log.warning("dropping a rank's session: it stopped reading its gRPC stream")
+            if isinstance(msg, CloseMsg) and msg.error is not None:
+                await stream.fail(msg.error)
+            if stalled.is_set():
+                break
+            if isinstance(msg, CloseMsg):
                 return
             out = directive(msg)
             if out is not None:
                 try:
                     await asyncio.wait_for(stream.write(out), _WRITE_TIMEOUT_S)
                 except asyncio.TimeoutError:
-                    life.reason = "stopped reading"
-                    _log.warning("dropping a rank's session: it stopped reading its gRPC stream")
-                    return
+                    break
+        life.reason = "stopped reading"
+        _log.warning("dropping a rank's session: it stopped reading its gRPC stream")
     finally:
         reader.cancel()
         core.close(life.sid, "stream closed")
