@@ -144,8 +144,8 @@ def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) 
             "params": rank_summaries(workdir / "out")[0]["params"]}
 
 
-class _Admin:
-    """SetPolicy on every daemon of the cluster, back to back over channels opened once."""
+class ClusterAdmin:
+    """SetPolicy on every daemon of the cluster, back to back over channels opened once (also bench.gpu)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self._channels = [grpc.insecure_channel(f"unix://{admin_socket_path(n.socket)}") for n in cluster.nodes]
@@ -264,10 +264,10 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
         jobs = [cluster.run(_job_cmd(script, args, batches[k], workdir / f"out_{n}", 1000 + k, stop=stop), name=n,
                             nodes=scn.nodes_of(k), env=args.job_env)
                 for k, n in enumerate(names)]
-        admin = _Admin(cluster)
+        admin = ClusterAdmin(cluster)
         visitors = _Visitors(cluster, script, args, batches[0], workdir) if scn.visitor else None
         try:
-            _wait_warm(cluster, jobs, names, args.warmup)
+            wait_warm(cluster, jobs, names, args.warmup)
             for cycle in range(args.cycles):
                 k = cycle % len(COLOCATED)
                 for mode in COLOCATED[k:] + COLOCATED[:k]:
@@ -312,7 +312,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
             "visitors": {n: rank_summaries(out) for n, out in (visitors.outs.items() if visitors else ())}}
 
 
-def _wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, timeout: float = 120) -> None:
+def wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for j in jobs:

@@ -45,7 +45,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.emulated import _Admin, _wait_warm
+from bench.emulated import ClusterAdmin, wait_warm
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline
 from bench.emulated_scenarios import POLICY, Scenario
@@ -240,10 +240,10 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
     with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, workdir / f"out_{n}", 1000 + k, peer_ms, 1_000_000, stop),
                             name=n) for k, n in enumerate(names)]
-        admin = _Admin(cluster)
+        admin = ClusterAdmin(cluster)
         seg_s = args.settle_s + args.segment_s
         try:
-            _wait_warm(cluster, jobs, names, args.warmup, timeout=args.job_timeout)
+            wait_warm(cluster, jobs, names, args.warmup, timeout=args.job_timeout)
             for cycle in range(args.cycles):
                 # Leave time for the solo run after the last cycle.
                 if cycle and time.monotonic() + len(MODES) * seg_s + args.solo_reserve_s > deadline:
@@ -272,10 +272,11 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
         events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
     _log("job1 alone")
     solo = run_solo("job1", args, rate, peer_ms, args.warmup + args.solo_iters, workdir / "solo")
-    raw = {"scenario": "gpu 1:1 x2", "rate_mbit": rate, "batch": args.batch, "segments": segments,
+    scenario = Scenario(f"gpu {args.model} b{args.batch} comm:compute {args.ratio:g} x2", args.ratio, 2)
+    raw = {"scenario": scenario.name, "rate_mbit": rate, "batch": args.batch, "segments": segments,
            "events": events, "policy_source_sha256": "", "solos": [solo],
            "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names}, "visitors": {}}
-    summary = summarize(Scenario("gpu 1:1 x2", args.ratio, 2), raw)
+    summary = summarize(scenario, raw)
     plot_timeline(raw, args.out / "gpu_timeline.png",
                   f"{args.model} batch {args.batch} on {'CPU (dry run)' if args.dry_run else 'one GPU'}: link "
                   f"{rate:g} Mbit/s, alone C {summary['alone_C_ms']:.0f} ms / M {summary['alone_M_ms']:.0f} ms",
