@@ -36,6 +36,12 @@ C and M measured alone), and how often the two nodes granted in the same order.
     python -m bench.emulated --quick            # 1:1 with two jobs (~3 min)
     python -m bench.emulated --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
     python -m bench.emulated --host-cores 2-15  # device cores run only compute (needs spare cores)
+    python -m bench.emulated --device model     # a GPU-like emulated device per node (tools.device_model)
+
+With `--device model` a node's device is not a core: each rank submits its compute
+phase to the node's device server, which time-slices concurrent contexts and slows
+compute beside an allreduce (docs/emulated-cluster.md, "The device model"). Compute
+then costs no CPU, so the two cores are left to Gloo, TCP, the daemons and the ranks.
 
 Writes `results/emulated.json` (`--out`) and `results/crossover_timeline.png` (`--timeline`).
 The scenarios are in `bench.emulated_scenarios`; a run is judged by `bench.emulated_judge` and shown by
@@ -59,7 +65,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline, render
-from bench.emulated_scenarios import ALL, COLOCATED, FULL, POLICY, QUICK, Scenario
+from bench.emulated_scenarios import ALL, COLOCATED, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.settings import SettingError, parse_cpu_list
 from crossover.daemon.event_log import read_jsonl
@@ -67,6 +73,7 @@ from crossover.protos import PROTOCOL_VERSION, admin_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
+from tools.device_model import DeviceParams
 from tools.harness.jobs import rank_summaries, with_import
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "train_bench.py"
@@ -101,6 +108,8 @@ def _job_cmd(script: Path, args: argparse.Namespace, batch: int, out: Path, seed
              iters: int = 1_000_000, stop: Path | None = None) -> list[str]:
     cmd = [sys.executable, str(script), "--iters", str(iters), "--batch", str(batch), "--width", str(args.width),
            "--depth", str(args.depth), "--in-dim", str(args.in_dim), "--seed", str(seed), "--out", str(out)]
+    if args.device_params is not None:
+        cmd += ["--device-ms-per-sample", str(args.device_ms_per_sample)]
     return cmd + (["--stop-file", str(stop)] if stop else [])
 
 
@@ -125,7 +134,7 @@ def host_cores_plan(raw: str, usable: set[int], nodes: int = 2) -> tuple[tuple[i
 
 def _cluster_spec(rate: float, args: argparse.Namespace, nodes: int = 2) -> ClusterSpec:
     return ClusterSpec(nodes=nodes, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice,
-                       cores=tuple(args.device_cores[:nodes]))
+                       cores=tuple(args.device_cores[:nodes]), device_model=args.device_params)
 
 
 def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -338,7 +347,20 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5, help="iterations every job does before the first segment")
     p.add_argument("--solo-iters", type=int, default=25, help="iterations of each solo (alone) run")
     p.add_argument("--iter-ms", type=float, default=450.0, help="target alone iteration time (C + M)")
-    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--device", choices=("core", "model"), default="core",
+                   help="core: a node's device is a CPU core its ranks compute on; model: a GPU-like emulated "
+                        "device per node (compute costs no CPU; see docs/emulated-cluster.md)")
+    defaults = DeviceParams()
+    p.add_argument("--slice-us", type=float, default=defaults.slice_us,
+                   help="device model: time slice per context (µs)")
+    p.add_argument("--switch-us", type=float, default=defaults.switch_us,
+                   help="device model: cost of one context switch (µs)")
+    p.add_argument("--interference", type=float, default=defaults.interference,
+                   help="device model: compute slowdown beside an allreduce (0.19 = 19%%)")
+    p.add_argument("--device-ms-per-sample", type=float, default=1.0,
+                   help="device model: device time per training sample (ms); sets the batch for a compute phase")
+    p.add_argument("--width", type=int, default=None, help="MLP width (default 1024; 512 with --device model, "
+                   "so the allreduces move fewer bytes through the two cores)")
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--in-dim", type=int, default=512)
     p.add_argument("--ref-rate", type=float, default=200.0, help="first calibration link rate, Mbit/s")
@@ -372,7 +394,16 @@ def main() -> int:
                           f"(known: {', '.join(s.name for s in ALL)})")
             return 2
         scenarios = tuple(s for s in ALL if s.name in wanted)
+    if args.device == "model" and not args.scenarios and not args.quick:
+        scenarios = MODEL
     args.cycles = args.cycles or (3 if args.quick else 4)
+    try:
+        args.device_params = (DeviceParams(args.slice_us, args.switch_us, args.interference)
+                              if args.device == "model" else None)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] device model: {exc}")
+        return 2
+    args.width = args.width or (512 if args.device == "model" else 1024)
     try:
         args.device_cores, args.job_env = host_cores_plan(args.host_cores, os.sched_getaffinity(0),
                                                           max(s.nodes for s in scenarios))
@@ -427,7 +458,9 @@ def main() -> int:
                 f"{xo['vs_unscheduled']:.2f}× unscheduled, {xo['vs_sequential']:.2f}× sequential, "
                 f"{100 * xo['of_bound']:.0f}% of bound (medians of {args.cycles} cycles)")
 
-    Console(width=None if sys.stdout.isatty() else 170).print(render(summaries, args.host_wait, args.nice))
+    device = ("1 core = 1 device per node" if args.device_params is None
+              else f"emulated GPU per node: {args.device_params.describe()}")
+    Console(width=None if sys.stdout.isatty() else 180).print(render(summaries, args.host_wait, args.nice, device))
     if first_raw is not None:
         s0 = summaries[0]
         plot_timeline(first_raw, args.timeline,
@@ -442,15 +475,23 @@ def main() -> int:
     write_json(args.out, {
         "benchmark": "crossover", "version": 2, "time": time.time(), "machine": machine(),
         "elapsed_s": time.monotonic() - t_start,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "device_params"},
         "setup": {"host_wait": args.host_wait, "nice": args.nice, "host_cores": args.host_cores,
+                  "device": args.device,
+                  "device_model": None if args.device_params is None else {
+                      "slice_us": args.device_params.slice_us, "switch_us": args.device_params.switch_us,
+                      "interference": args.device_params.interference,
+                      "ms_per_sample": args.device_ms_per_sample},
                   "device_cores": list(args.device_cores), "cycles": args.cycles, "segment_s": args.segment_s,
                   "nodes": {s.name: s.nodes for s in scenarios},
                   "devices_per_node": 1, "ranks_per_job": 2, "workload": str(WORKLOAD.relative_to(ROOT)),
                   "unscheduled_policy": "passthrough",
                   "sequential": "solo runs of the first job (before) and the last job (after) the co-located run",
-                  "note": f"a node's device is one core; this machine has {machine()['cpus']}, so a 3-node "
-                          f"scenario's nodes 0 and 2 share a core unless --host-cores leaves 3 device cores"},
+                  "note": (f"a node's device is one core; this machine has {machine()['cpus']}, so a 3-node "
+                           f"scenario's nodes 0 and 2 share a core unless --host-cores leaves 3 device cores"
+                           if args.device_params is None else
+                           f"a node's device is an emulated GPU ({args.device_params.describe()}); "
+                           f"{args.device_ms_per_sample:g} ms of device time per sample")},
         "calibration": calibration,
         "scenarios": summaries,
     })

@@ -143,6 +143,7 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
                            "slowdown": _median([r["jobs"][j]["slowdown"] for r in rows if j in r["jobs"]])}
                        for j in jobs}
         med["wait_ms_worst"] = max((r["wait_ms_max"] for r in rows), default=None)
+        med["vs_unscheduled_spread"] = spread([r["vs_unscheduled"] for r in rows])
         med["cycles"] = len(rows)
         modes[mode] = med
     for mode in MODES:
@@ -157,6 +158,14 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
            "modes": modes, "segments": segs, "solo_segments": alone}
     out["targets"] = targets(out)
     return out
+
+
+def spread(xs: list[float]) -> float | None:
+    """How far the farthest cycle's ratio lies from their median, as a fraction of it (0.03: within ±3 %)."""
+    med = _median(xs)
+    if not med:
+        return None
+    return max(abs(x / med - 1.0) for x in xs if isinstance(x, (int, float)) and x == x)
 
 
 def _median(xs: list[Any]) -> float | None:

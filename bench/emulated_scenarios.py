@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALL", "CHURN", "COLOCATED", "FULL", "MODES", "POLICY", "QUICK", "Scenario"]
+__all__ = ["ALL", "CHURN", "COLOCATED", "FULL", "MODEL", "MODES", "POLICY", "QUICK", "Scenario"]
 
 MODES = ("sequential", "unscheduled", "exclusive", "turns", "crossover")
 COLOCATED = MODES[1:]
@@ -50,5 +50,9 @@ FULL = (Scenario("1:1 x2", 1.0, 2), Scenario("1:2 x2", 0.5, 2), Scenario("2:1 x2
 # Only when named (--scenarios): on a machine whose cores are all devices, the visitors' interpreter
 # start-up lands on the device cores and the figures measure that (docs/emulated-cluster.md).
 CHURN = Scenario("churn x2+1", 1.0, 2, visitor=True)
-ALL = (*FULL, CHURN)
+# Four nodes, three jobs on each: 12 ranks, which only the device model leaves the cores for.
+WIDE = Scenario("1:1 x3 4n", 1.0, 3, nodes=4)
+MODEL = (*FULL, WIDE)
+"""The device model's default set (`--device model`)."""
+ALL = (*FULL, CHURN, WIDE)
 QUICK = (Scenario("1:1 x2", 1.0, 2),)

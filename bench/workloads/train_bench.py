@@ -6,6 +6,12 @@ labels from a seeded random teacher network, each rank reading its own shard
 in mini-batches. Parameter count (allreduce bytes) and batch size (compute)
 are set independently, so a benchmark can pick comm:compute at a link rate.
 
+On an emulated cluster with a device model (`EMULATED_DEVICE_SOCKET` set),
+the compute phase runs on the node's emulated device: `--device-ms-per-sample`
+x batch of device work, then the real forward and backward on only
+`--real-batch` rows (so gradients, and the allreduce, stay real while compute
+costs little CPU). The rank tells the device when its allreduce is in flight.
+
 Each rank writes a JSON summary to --out: per-iteration start/end on
 time.monotonic() (the clock the daemons' event logs use, shared by every
 network namespace on the machine), losses, and the model's parameter count.
@@ -18,6 +24,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
+from tools.device_model.client import DeviceClient
 from tools.workloads.summary import write_rank_summary
 
 
@@ -45,8 +52,15 @@ def main():
                    "ranks may stop one iteration apart, hvd.join() evens that out")
     p.add_argument("--go-file", default="", help="wait for this file before hvd.init: the interpreter has "
                    "started but the job has not yet joined anything (a job arriving at a chosen moment)")
+    p.add_argument("--device-ms-per-sample", type=float, default=0.0,
+                   help="with an emulated device: its compute time per sample (ms)")
+    p.add_argument("--real-batch", type=int, default=8,
+                   help="with an emulated device: rows of the batch really computed on the CPU")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    device = DeviceClient.from_env()
+    if device is not None and args.device_ms_per_sample <= 0:
+        p.error("an emulated device is set (EMULATED_DEVICE_SOCKET): give --device-ms-per-sample > 0")
 
     torch.set_num_threads(args.threads)
     while args.go_file and not os.path.exists(args.go_file):
@@ -75,11 +89,18 @@ def main():
             break
         t0 = time.monotonic()
         b = i % n_batches
-        x, y = x_all[b * args.batch:(b + 1) * args.batch], y_all[b * args.batch:(b + 1) * args.batch]
+        rows = args.batch if device is None else min(args.batch, args.real_batch)
+        x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
         opt.zero_grad()
+        if device is not None:
+            device.compute(args.batch * args.device_ms_per_sample / 1000)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        if device is not None:
+            device.comm(True)
         opt.step()
+        if device is not None:
+            device.comm(False)
         ends.append(time.monotonic())
         starts.append(t0)
         losses.append(float(loss.detach()))

@@ -41,3 +41,19 @@ def test_the_targets_judge_two_jobs_on_the_same_nodes_only() -> None:
     assert targets(_summary([])) == {"crossover_vs_unscheduled_ge_1.35": True, "crossover_vs_sequential_ge_1.5": True,
                                      "crossover_of_bound_ge_0.85": True, "crossover_fairness_le_1.2": True}
     assert targets(_summary([[0, 1], [1, 2]])) is None
+
+
+def test_the_device_models_set_adds_three_jobs_on_four_nodes() -> None:
+    from bench.emulated_scenarios import MODEL
+
+    wide = [s for s in MODEL if s.nodes == 4]
+    assert len(wide) == 1 and wide[0].jobs == 3 and wide[0].nodes_of(2) is None
+    assert set(FULL) <= set(MODEL)
+
+
+def test_spread_is_the_farthest_cycle_from_the_median() -> None:
+    from bench.emulated_judge import spread
+
+    assert spread([1.0, 1.02, 0.97]) == pytest.approx(0.03)
+    assert spread([1.1]) == 0.0
+    assert spread([]) is None

@@ -43,3 +43,19 @@ def test_a_run_the_simulator_itself_produced_passes_and_a_distorted_one_fails(sv
     assert not row["links"]["fair"]["within"]  # fair links keep unscheduled jobs in lockstep
     off = dict(sim, crossover=sim["crossover"] * 0.8)
     assert not sve.compare(scenario(off), None, 200)["links"]["fifo"]["within"]
+
+
+def test_a_device_model_run_is_simulated_with_the_models_own_parameters(sve):
+    from tools.simulator import simulate_small
+
+    device = {"slice_us": 1000.0, "switch_us": 50.0, "interference": 0.25}
+    world = {"switch_penalty": 0.05, "comm_interference": 0.0, "n_nodes": 4}
+    sim = {mode: simulate_small(0.2, 0.2, 3, policy, iterations=200, link_sharing="fifo", interference=0.25,
+                                **world)["throughput_iter_s"] for mode, policy in sve.MODES.items()}
+    s = {**scenario(sim), "nodes": 4, "jobs": 3}
+    row = sve.compare(s, None, 200, device)
+    assert row["interference"] == 0.25  # the model's, not the measured compute stretch (230/200 - 1)
+    assert row["links"]["fifo"]["tolerance"] == sve.DEVICE_TOLERANCE
+    assert max(abs(e) for e in row["links"]["fifo"]["error"].values()) < 1e-9
+    # the same figures read as a 2-node run without the model's parameters do not match exactly
+    assert max(abs(e) for e in sve.compare({**s, "nodes": 2}, None, 200)["links"]["fifo"]["error"].values()) > 1e-3

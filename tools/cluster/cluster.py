@@ -19,7 +19,7 @@ from typing import Any
 
 from tools.harness.daemon import kill_group
 
-from .launch import ClusterJob, launch_job, start_daemon, wait_daemon
+from .launch import ClusterJob, launch_job, start_daemon, start_device, wait_daemon, wait_device
 from .netns import (
     ETC_NETNS,
     add_bridge,
@@ -172,13 +172,20 @@ class Cluster:
             nodes.append(Node(index=i, name=f"node{i}", netns=ns, address=f"{SUBNET}.{i + 1}", core=core,
                               socket=str(self.workdir / f"node{i}.sock"),
                               event_log=str(self.workdir / f"node{i}.events.jsonl"),
-                              log=str(self.workdir / f"node{i}.log")))
+                              log=str(self.workdir / f"node{i}.log"),
+                              device_socket=str(self.workdir / f"node{i}.device.sock") if self.spec.device_model
+                              else ""))
         self.state = ClusterState(prefix=self.prefix, hub_netns=hub, hub_address=f"{SUBNET}.{HUB_HOST}",
                                   workdir=str(self.workdir), owner_pid=os.getpid(), policy=self.spec.policy,
                                   nodes=tuple(nodes), links=tuple(self._links))
+        if self.spec.device_model:
+            devices = [start_device(n, self.spec) for n in nodes]
+            self._daemons.extend(devices)
+            for n, proc in zip(nodes, devices):
+                wait_device(n, proc, ready_timeout_s)
         for n in nodes:
             self._daemons.append(start_daemon(n, self.spec))
-        for n, proc in zip(nodes, self._daemons):
+        for n, proc in zip(nodes, self._daemons[-len(nodes):]):
             wait_daemon(n, proc, ready_timeout_s)
         (self.workdir / "cluster.json").write_text(json.dumps(self.state.to_json(), indent=2))
         _log.info("cluster %s up: %d nodes, %s", self.prefix, len(nodes), ", ".join(x.describe() for x in self._links))

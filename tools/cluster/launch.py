@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from tools import checkout_on_path
+from tools.device_model import SOCKET_ENV
 from tools.harness.daemon import kill_group, queue_state
 
 from .spec import IFACE, ClusterError, ClusterSpec, ClusterState, Node
 
-_PER_NODE_ENV = ("CROSSOVER_SOCKET", "CROSSOVER_ADDRESS", "CROSSOVER_NODE")
+_PER_NODE_ENV = ("CROSSOVER_SOCKET", "CROSSOVER_ADDRESS", "CROSSOVER_NODE", SOCKET_ENV)
 
 
 def _python_m(module: str, *args: str) -> list[str]:
@@ -62,6 +63,27 @@ def start_daemon(node: Node, spec: ClusterSpec) -> subprocess.Popen:
          "--node-name", node.name, "--event-log", node.event_log, "--log-level", "WARNING",
          "--heartbeat-timeout", str(spec.heartbeat_timeout_s), *spec.daemon_args],
         Path(node.log))
+
+
+def start_device(node: Node, spec: ClusterSpec) -> subprocess.Popen:
+    """The node's emulated device server (`tools.device_model.server`), logging beside the daemon's log."""
+    params = spec.device_model
+    assert params is not None and node.device_socket
+    return _popen(_python_m("tools.device_model.server", "--socket", node.device_socket,
+                            "--slice-us", str(params.slice_us), "--switch-us", str(params.switch_us),
+                            "--interference", str(params.interference)),
+                  Path(node.log).with_suffix(".device.log"), {**os.environ, "PYTHONPATH": checkout_on_path(os.environ)})
+
+
+def wait_device(node: Node, proc: subprocess.Popen, timeout: float) -> None:
+    """Return once the node's device server has its socket; `ClusterError` if it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(node.device_socket):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log = Path(node.log).with_suffix(".device.log")
+            raise ClusterError(f"device server of {node.name} is not up (exit {proc.poll()}): "
+                               f"{log.read_text(errors='replace')[-2000:] if log.exists() else ''}")
+        time.sleep(0.05)
 
 
 def wait_daemon(node: Node, proc: subprocess.Popen, timeout: float) -> None:
@@ -154,7 +176,8 @@ def launch_job(state: ClusterState, command: Sequence[str], *, name: str, ranks_
         "iface": IFACE,
         "verbose": verbose,
         "nice": nice,
-        "nodes": {n.hostname: {"netns": n.netns, "env": {"CROSSOVER_SOCKET": n.socket, "CROSSOVER_NODE": n.name}}
+        "nodes": {n.hostname: {"netns": n.netns, "env": {"CROSSOVER_SOCKET": n.socket, "CROSSOVER_NODE": n.name,
+                                                         **({SOCKET_ENV: n.device_socket} if n.device_socket else {})}}
                   for n in chosen},
     }
     spec_path = jobs_dir / f"{safe}.{os.getpid()}.{time.monotonic_ns()}.json"

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools.device_model import DeviceParams
+
 SUBNET = "10.77.0"
 HUB_HOST = 254
 IFACE = "eth0"  # every node's interface has this name, so one HOROVOD_GLOO_IFACE fits all ranks
@@ -93,6 +95,9 @@ class ClusterSpec:
     # Nodes whose daemon schedules this machine's GPUs (found through NVML) instead of a core:
     # one GPU node beside CPU-core nodes emulates one node of a multi-node GPU job (bench.gpu).
     gpu_nodes: tuple[int, ...] = ()
+    # A GPU-like device per node (tools.device_model): ranks submit their compute phases to it
+    # instead of running them on the node's core. None: the core is the device.
+    device_model: DeviceParams | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
@@ -127,6 +132,7 @@ class Node:
     socket: str
     event_log: str
     log: str
+    device_socket: str = ""  # the node's emulated device server (ClusterSpec.device_model), if any
 
     @property
     def hostname(self) -> str:

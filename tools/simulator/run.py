@@ -37,7 +37,8 @@ def simulate(jobs: Sequence[JobSpec], policy: Union[str, PolicyFactory], *, n_no
 def simulate_small(compute_s: float, comm_s: float, n_jobs: int, policy: str, *, n_nodes: int = 2,
                    iterations: int = 200, jitter: float = 0.05, switch_penalty: float = 0.05,
                    tick_s: float | None = 0.1, startup_spread_s: float = 0.5, grant_latency_s: float = 0.0003,
-                   seed: int = 0, link_sharing: str = "fair", interference: float = 0.0) -> dict[str, Any]:
+                   seed: int = 0, link_sharing: str = "fair", interference: float = 0.0,
+                   comm_interference: float | None = None) -> dict[str, Any]:
     """The emulated-cluster scenario: `n_nodes` x 1 device, `n_jobs` identical jobs with one rank per node.
 
     `policy` is one of `SMALL_POLICIES`: a name in `POLICIES` (jobs co-located),
@@ -51,7 +52,8 @@ def simulate_small(compute_s: float, comm_s: float, n_jobs: int, policy: str, *,
     if policy not in SMALL_POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(SMALL_POLICIES)}")
     cfg = SimConfig(seed=seed, switch_penalty=switch_penalty, tick_s=tick_s, startup_spread_s=startup_spread_s,
-                    grant_latency_s=grant_latency_s, link_sharing=link_sharing, interference=interference)
+                    grant_latency_s=grant_latency_s, link_sharing=link_sharing, interference=interference,
+                    comm_interference=comm_interference)
     place = tuple((n, 0) for n in range(n_nodes))
     specs = [JobSpec(f"job{i}", place, compute_s, comm_s, iterations=iterations, jitter=jitter) for i in range(n_jobs)]
     bound = 1.0 / max(n_jobs * compute_s, n_jobs * comm_s, compute_s + comm_s)

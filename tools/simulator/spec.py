@@ -92,6 +92,7 @@ class SimConfig:
     startup_spread_s: float = 0.0  # ranks of a job join within this window after its arrival
     grant_latency_s: float = 0.0  # grant round trip, added to each blocking compute phase
     interference: float = 0.0  # a compute phase and an allreduce on one (node, device) each run at 1/(1+this)
+    comm_interference: float | None = None  # the allreduce's own slowdown there, if not `interference`
     horizon_s: float | None = None  # stop here (jobs still running count what they did)
     warmup_iterations: int = 3  # excluded from per-job rates
     record_trace: bool = False  # keep every compute span (node, device, job, start, end)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from crossover.daemon.api import RankKey, RankRef
+from tools.device_model.model import compute_rate
 
 from .metrics import ComputeSpan
 from .spec import JobSpec, PolicyFactory, SimConfig, SimulationError
@@ -40,6 +41,7 @@ class World:
             self.nodes.append(NodeState(index, p, devices_per_node, self.rng.random() * (cfg.tick_s or 0.0),
                                     None if cfg.tick_s else p.next_deadline))
         self.blocks = bool(self.nodes[0].policy.blocks) if self.nodes else True
+        self._comm_slows = cfg.interference if cfg.comm_interference is None else cfg.comm_interference
         self.policy_name = str(getattr(self.nodes[0].policy, "name", "?")) if self.nodes else "?"
         self.links: dict[tuple[int, int], list[JobState]] = {}
         self.by_key: dict[RankKey, RankState] = {}
@@ -238,7 +240,7 @@ class World:
             raise SimulationError(f"{self.policy_name} let {len(dev.computing)} ranks compute on node "
                                   f"{rank.node} device {rank.device} at t={self.now:.6f}")
         self.reshare(dev)
-        if self.cfg.interference and len(dev.computing) == 1:  # the link's allreduces now share the device
+        if self._comm_slows and len(dev.computing) == 1:  # the link's allreduces now share the device
             self.rerate(self.links.get(dev.link, ()))
 
     def compute_stop(self, dev: DeviceState, rank: RankState) -> None:
@@ -251,16 +253,15 @@ class World:
                                           rank.iteration, rank.granted_at, self.now))
         self.mark(dev)
         self.reshare(dev)
-        if self.cfg.interference and not dev.computing:
+        if self._comm_slows and not dev.computing:
             self.rerate(self.links.get(dev.link, ()))
 
     def reshare(self, dev: DeviceState) -> None:
         k = len(dev.computing)
         if k == 0:
             return
-        rate = 1.0 if k == 1 else 1.0 / (k * (1.0 + self.cfg.switch_penalty))
-        if self.cfg.interference and any(job.comm_rate > 0 for job in self.links.get(dev.link, ())):
-            rate /= 1.0 + self.cfg.interference
+        comm_beside = bool(self.cfg.interference) and any(job.comm_rate > 0 for job in self.links.get(dev.link, ()))
+        rate = compute_rate(k, comm_beside, self.cfg.switch_penalty, self.cfg.interference)
         now = self.now
         for r in dev.computing:
             r.work = max(0.0, r.work - (now - r.since) * r.rate)
@@ -332,8 +333,8 @@ class World:
                 rate = 1.0 if all(self.links[link][0] is job for link in job.links) else 0.0
             else:
                 rate = 1.0 / max(map(len, map(self.links.__getitem__, job.links)))
-            if rate > 0 and self.cfg.interference and any(self._device(link).computing for link in job.links):
-                rate /= 1.0 + self.cfg.interference
+            if rate > 0 and self._comm_slows and any(self._device(link).computing for link in job.links):
+                rate /= 1.0 + self._comm_slows
             if rate != job.comm_rate:
                 job.comm_work = max(0.0, job.comm_work - (now - job.comm_since) * job.comm_rate)
                 job.comm_since = now
