@@ -18,6 +18,7 @@ network namespace on the machine), losses, and the model's parameter count.
 """
 import argparse
 import os
+import threading
 import time
 
 import horovod.torch as hvd
@@ -35,6 +36,21 @@ def build(in_dim: int, width: int, depth: int, classes: int) -> nn.Module:
         d = width
     layers.append(nn.Linear(d, classes))
     return nn.Sequential(*layers)
+
+
+def _comm_done_when_allreduced(opt, device: DeviceClient) -> None:
+    """Tell the emulated device the allreduce is over when Horovod has finished it: not when `step()`
+    returns, which is later by the wait for the next grant (no allreduce runs then)."""
+    from horovod.torch.mpi_ops import poll
+
+    handles = [h for h, _ in list(getattr(opt, "_handles", {}).values()) if isinstance(h, int)]
+    for h in handles:
+        try:
+            while not poll(h):
+                time.sleep(0.0005)
+        except (RuntimeError, ValueError):  # already collected by synchronize(): done
+            pass
+    device.comm(False)
 
 
 def main():
@@ -98,9 +114,8 @@ def main():
         loss.backward()
         if device is not None:
             device.comm(True)
+            threading.Thread(target=_comm_done_when_allreduced, args=(opt, device), daemon=True).start()
         opt.step()
-        if device is not None:
-            device.comm(False)
         ends.append(time.monotonic())
         starts.append(t0)
         losses.append(float(loss.detach()))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 from . import SOCKET_ENV
 
@@ -26,6 +27,7 @@ class DeviceClient:
             self._sock.close()
             raise DeviceGone(f"no emulated device on {path}: {exc}") from exc
         self._buf = b""
+        self._send_lock = threading.Lock()  # `comm` may come from another thread than `compute`
 
     @classmethod
     def from_env(cls) -> DeviceClient | None:
@@ -54,7 +56,8 @@ class DeviceClient:
 
     def _send(self, line: str) -> None:
         try:
-            self._sock.sendall(line.encode())
+            with self._send_lock:
+                self._sock.sendall(line.encode())
         except OSError as exc:
             raise DeviceGone(f"emulated device {self.path}: {exc}") from exc
 
