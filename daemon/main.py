@@ -71,8 +71,7 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--policy", type=click.Choice(policies.available()), default="crossover", show_default=True,
               help="crossover: one compute phase per device, served in the order jobs' allreduces "
               "ended (one order on every node), clearly shorter computes first; one job computes "
-              "while another communicates. exclusive: plain FIFO. turns: a fixed rotation by "
-              "iteration that waits for the job whose turn it is (slower; kept for comparison). "
+              "while another communicates. exclusive: plain FIFO. "
               "passthrough: observe only. docs/policies.md compares them.")
 @click.option("--node-name", default=lambda: os.uname().nodename, show_default="hostname",
               help="Name this node reports; must be unique in the cluster.")

@@ -89,12 +89,6 @@ class SchedulerService(_Service, pb_grpc.SchedulerServicer):
             session_socket=self._session_socket if context.peer().startswith("unix:") else "",
         )
 
-    @_unary
-    def TurnFloor(self, request: pb.TurnFloorRequest, context: grpc.ServicerContext) -> pb.TurnFloorResponse:
-        if not request.session_id:
-            raise InvalidRequest("session_id is missing")
-        return pb.TurnFloorResponse(floor=self._core.turn_floor(request.session_id))
-
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         # Runs on the event loop: reading an event, deciding and writing the grant
         # happen on one thread, which keeps the grant round trip short.

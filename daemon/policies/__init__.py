@@ -7,16 +7,13 @@ from ..api import NotFound, Policy
 from .crossover import CrossoverPolicy, CrossoverSettings
 from .exclusive import ExclusivePolicy
 from .passthrough import PassthroughPolicy
-from .turns import TurnsPolicy, TurnsSettings
 
-__all__ = ["available", "create", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy", "PassthroughPolicy",
-           "TurnsPolicy", "TurnsSettings"]
+__all__ = ["available", "create", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy", "PassthroughPolicy"]
 
 _FACTORIES: dict[str, Callable[[], Policy]] = {
     "passthrough": PassthroughPolicy,
     "exclusive": ExclusivePolicy,
     "crossover": CrossoverPolicy,
-    "turns": TurnsPolicy,
 }
 
 

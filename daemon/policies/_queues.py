@@ -103,9 +103,6 @@ class QueuePolicy:
     def next_deadline(self) -> float | None:
         return None  # order-free policies wait for no deadline
 
-    def turn_floor(self, device: int, job_id: str) -> int:
-        return 0  # order-free policies: turns mean nothing
-
     def view(self, device: int) -> DeviceView:
         dev = self._q.devices.get(device)
         if dev is None:
