@@ -19,7 +19,6 @@ cycle); each segment is measured after a settle time:
 
   unscheduled  policy `passthrough` (the plugin only observes)
   exclusive    one compute phase per device, FIFO
-  turns        the fixed rotation by iteration, waiting for the job whose turn it is
   crossover    request order, clearly shorter computes first (the default policy)
 
 and `sequential` (jobs one after another) comes from solo runs of the first job
