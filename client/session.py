@@ -19,12 +19,8 @@ from typing import Callable
 
 import grpc
 
-from ..protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from ..protos.identity import RankIdentity
-from .settings import PluginSettings
-from .transport import (
+from crossover.client.settings import PluginSettings
+from crossover.client.transport import (
     FrameStream,
     GrpcStream,
     SessionStream,
@@ -33,6 +29,10 @@ from .transport import (
     missing_socket,
     untrusted_socket,
 )
+from crossover.protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["Session"]
 

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..protos import PROTOCOL_VERSION
+from crossover.protos import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",

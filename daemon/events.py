@@ -12,13 +12,13 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..protos import crossover_v1_pb2 as pb
-from .api import InvalidRequest
-from .messages import Message
+from crossover.daemon.api import InvalidRequest
+from crossover.daemon.messages import Message
+from crossover.protos import crossover_v1_pb2 as pb
 
 if TYPE_CHECKING:
-    from .event_log import EventLog
-    from .registry import Session
+    from crossover.daemon.event_log import EventLog
+    from crossover.daemon.registry import Session
 
 __all__ = ["Decision", "EventKind", "RankEvent", "record_rank"]
 

@@ -11,16 +11,16 @@ from types import FrameType
 
 import click
 
-from .. import __version__
-from ..protos import default_socket_path
-from . import policies
-from .api import CrossoverError
-from .event_log import EventLog
-from .inventory import Inventory, parse_cpu_devices
-from .limits import StreamLimits
-from .metrics import DaemonMetrics, parse_address
-from .scheduler import Scheduler
-from .server import Daemon
+from crossover import __version__
+from crossover.daemon import policies
+from crossover.daemon.api import CrossoverError
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.inventory import Inventory, parse_cpu_devices
+from crossover.daemon.limits import StreamLimits
+from crossover.daemon.metrics import DaemonMetrics, parse_address
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.server import Daemon
+from crossover.protos import default_socket_path
 
 _log = logging.getLogger("crossover.daemon")
 

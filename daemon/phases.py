@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from .api import FailedPrecondition, Phase, Policy, RankKey
-from .events import Decision, EventKind, RankEvent
-from .leases import Leases
-from .messages import AliveMsg, GrantMsg, ShareMsg
-from .registry import Registry, Session
+from crossover.daemon.api import FailedPrecondition, Phase, Policy, RankKey
+from crossover.daemon.events import Decision, EventKind, RankEvent
+from crossover.daemon.leases import Leases
+from crossover.daemon.messages import AliveMsg, GrantMsg, ShareMsg
+from crossover.daemon.registry import Registry, Session
 
 __all__ = ["PhaseMachine"]
 

@@ -21,18 +21,18 @@ from typing import Callable
 
 import psutil
 
-from ..protos.identity import RankIdentity
-from . import policies
-from .api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
-from .event_log import EventLog
-from .events import Decision, EventKind, RankEvent, record_rank
-from .inventory import Inventory
-from .leases import Leases
-from .liveness import Liveness
-from .messages import CloseMsg, GrantMsg, Message, PolicyMsg
-from .phases import PhaseMachine
-from .registry import Registration, Registry, Session, printable_identity, validate_identity
-from .snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
+from crossover.daemon import policies
+from crossover.daemon.api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.events import Decision, EventKind, RankEvent, record_rank
+from crossover.daemon.inventory import Inventory
+from crossover.daemon.leases import Leases
+from crossover.daemon.liveness import Liveness
+from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PolicyMsg
+from crossover.daemon.phases import PhaseMachine
+from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
+from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["Scheduler"]
 

@@ -10,16 +10,16 @@ from typing import Any, Callable
 
 import grpc
 
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from ..protos.identity import RankIdentity
-from . import policies
-from .api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, UnsupportedVersion
-from .limits import Connections, StreamLimits
-from .scheduler import Scheduler
-from .session_grpc import GrpcSessionStream, serve_session
-from .session_stream import refusal
-from .snapshots import RankSnapshot
+from crossover.daemon import policies
+from crossover.daemon.api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, UnsupportedVersion
+from crossover.daemon.limits import Connections, StreamLimits
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
+from crossover.daemon.session_stream import refusal
+from crossover.daemon.snapshots import RankSnapshot
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["AdminService", "SchedulerService"]
 

@@ -22,12 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..client.phase_reporter import PhaseReporter
-from ..client.session import Session
-from ..client.settings import PluginSettings
-from ..protos.identity import RankIdentity
-from . import horovod_waits
-from .phase_tracking import track_phases
+from crossover.client.phase_reporter import PhaseReporter
+from crossover.client.session import Session
+from crossover.client.settings import PluginSettings
+from crossover.plugins import horovod_waits
+from crossover.plugins.phase_tracking import track_phases
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["install", "uninstall", "current_session"]
 
@@ -53,7 +53,7 @@ def install(settings: PluginSettings | None = None) -> bool:
     except ImportError as exc:
         _log.warning("horovod.torch is not importable (%s); crossover does nothing", exc)
         return False
-    from .selection import prepare_horovod
+    from crossover.plugins.selection import prepare_horovod
 
     prepare_horovod()
     if _state["original"] is not None:
@@ -67,7 +67,7 @@ def install(settings: PluginSettings | None = None) -> bool:
         # The aggregation rule (CROSSOVER_AGGREGATION) decides how the optimizer is built;
         # without one this is exactly Horovod's own call. A rule that contradicts the
         # script's arguments raises AggregationError here, at start-up, with the reason.
-        from . import aggregation
+        from crossover.plugins import aggregation
 
         opt = aggregation.distributed_optimizer(hvd, original, optimizer, args, kwargs)
         try:

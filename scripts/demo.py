@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from crossover.client.event_intervals import merge_logs, policy_changes
-from crossover.daemon.event_log import read_jsonl
+from crossover.protos.event_file import read_jsonl
 from tools.cluster import preflight
 from tools.harness.daemon import BIN
 

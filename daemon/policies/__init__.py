@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..api import NotFound, Policy
-from .crossover import CrossoverPolicy, CrossoverSettings
-from .exclusive import ExclusivePolicy
-from .passthrough import PassthroughPolicy
+from crossover.daemon.api import NotFound, Policy
+from crossover.daemon.policies.crossover import CrossoverPolicy, CrossoverSettings
+from crossover.daemon.policies.exclusive import ExclusivePolicy
+from crossover.daemon.policies.passthrough import PassthroughPolicy
 
 __all__ = ["available", "create", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy", "PassthroughPolicy"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
+from crossover.daemon.api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
 
 
 @dataclass

@@ -47,9 +47,10 @@ the event loop), `metrics` (what a run measured), `run` (`simulate`,
 """
 from __future__ import annotations
 
-from .metrics import ComputeSpan, JobResult, SimResult, alone_iteration_s
+from .metrics import JobResult, SimResult, alone_iteration_s
 from .run import simulate, simulate_small
 from .spec import LINK_SHARING, POLICIES, SMALL_POLICIES, JobSpec, PolicyFactory, SimConfig, SimulationError
+from .state import ComputeSpan
 
 __all__ = [
     "JobSpec",

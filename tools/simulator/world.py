@@ -15,9 +15,20 @@ from typing import Any, Callable
 from crossover.daemon.api import RankKey, RankRef
 from tools.device_model.model import compute_rate
 
-from .metrics import ComputeSpan
 from .spec import JobSpec, PolicyFactory, SimConfig, SimulationError
-from .state import COMM, COMPUTE, GONE, IDLE, JOINING, WAITING, DeviceState, JobState, NodeState, RankState
+from .state import (
+    COMM,
+    COMPUTE,
+    GONE,
+    IDLE,
+    JOINING,
+    WAITING,
+    ComputeSpan,
+    DeviceState,
+    JobState,
+    NodeState,
+    RankState,
+)
 
 _ARRIVE, _JOIN, _LEAVE, _COMPUTE_DONE, _COMM_DONE, _TICK = range(6)  # event kinds
 
