@@ -42,4 +42,4 @@ test-netns: bootstrap
 	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra -m netns tests/netns
 
 clean:
-	rm -rf .venv build *.egg-info results .pytest_cache
+	rm -rf .venv build *.egg-info .pytest_cache results/conformance.json

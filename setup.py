@@ -28,6 +28,7 @@ setup(
         "click>=8.1",
         "rich>=13",
         "torch",
+        "numpy",  # plugins.group_async
         "horovod",
     ],
     extras_require={"plots": ["matplotlib"]},  # crossover timeline

@@ -19,7 +19,6 @@ cycle); each segment is measured after a settle time:
 
   unscheduled  policy `passthrough` (the plugin only observes)
   exclusive    one compute phase per device, FIFO
-  turns        the fixed rotation by iteration, waiting for the job whose turn it is
   crossover    request order, clearly shorter computes first (the default policy)
 
 and `sequential` (jobs one after another) comes from solo runs of the first job
@@ -68,10 +67,10 @@ from bench.emulated_report import plot_timeline, render
 from bench.emulated_scenarios import ALL, COLOCATED, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.settings import SettingError, parse_cpu_list
-from crossover.daemon.event_log import read_jsonl
 from crossover.protos import PROTOCOL_VERSION, admin_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.event_file import read_jsonl
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.device_model import DeviceParams
 from tools.harness.jobs import rank_summaries, with_import

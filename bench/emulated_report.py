@@ -72,12 +72,12 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int, device: s
                       "segment of the same cycle; ±: the farthest cycle's ×unsched from the median; "
                       "% bound: vs Σbatch/max(ΣC,ΣM,T) with C, M, T measured alone; "
                       "slowdown: iteration vs alone; busy: union of compute phases / wall; fair: max/min slowdown; "
-                      "turns agree: share of consecutive grants node1 made in node0's order; gap: release→next grant; "
+                      "same order: share of consecutive grants node1 made in node0's order; gap: release→next grant; "
                       "wait max: longest grant wait in any cycle; "
                       "stalled: segments where a job finished <3 iterations; "
                       "load: 1-min load average of the shared machine")
     for c in ("scenario", "mode", "samples/s", "×unsched", "±", "×seq", "% bound", "iter ms (slowdown) per job",
-              "busy %", "fair", "turns agree", "gap p50/p90 ms", "wait max ms", "load"):
+              "busy %", "fair", "same order", "gap p50/p90 ms", "wait max ms", "load"):
         t.add_column(c, justify="left" if c in ("scenario", "mode") else "right")
 
     def f(x: float | None, fmt: str) -> str:

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 __all__ = ["ALL", "CHURN", "COLOCATED", "FULL", "MODEL", "MODES", "POLICY", "QUICK", "Scenario"]
 
-MODES = ("sequential", "unscheduled", "exclusive", "turns", "crossover")
+MODES = ("sequential", "unscheduled", "exclusive", "crossover")
 COLOCATED = MODES[1:]
-POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "turns": "turns",
-          "crossover": "crossover"}
+POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}
 
 
 @dataclass(frozen=True)

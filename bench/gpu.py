@@ -50,7 +50,7 @@ from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline
 from bench.emulated_scenarios import POLICY, Scenario
 from bench.lib.results import git_commit, machine, write_json
-from crossover.daemon.event_log import read_jsonl
+from crossover.protos.event_file import read_jsonl
 from tools import checkout_on_path
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.harness.daemon import kill_group, queue_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from crossover.daemon.event_log import read_jsonl
+from crossover.protos.event_file import read_jsonl
 
 __all__ = ["Key", "grant_records", "leak_suspected", "lost_requests", "net_of_queueing", "read_events", "split"]
 

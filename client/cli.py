@@ -21,12 +21,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from ..daemon.event_log import read_jsonl
-from ..protos import PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, default_socket_path
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from . import event_intervals, event_views, formatting
-from .transport import channel_for, untrusted_socket
+from crossover.client import event_intervals, event_views, formatting
+from crossover.client.transport import channel_for, untrusted_socket
+from crossover.protos import PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, default_socket_path
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.event_file import read_jsonl
 
 __all__ = ["main", "ExitCode"]
 
@@ -161,7 +161,7 @@ def _version() -> str:
     try:
         return version("horovod-crossover")
     except PackageNotFoundError:
-        from .. import __version__
+        from crossover import __version__
 
         return __version__
 

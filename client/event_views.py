@@ -13,8 +13,8 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from .event_intervals import DeviceKey, Interval, PhaseLog, Stats, job_labels
-from .formatting import JSON_VERSION, shown
+from crossover.client.event_intervals import DeviceKey, Interval, PhaseLog, Stats, job_labels
+from crossover.client.formatting import JSON_VERSION, shown
 
 __all__ = ["draw_timeline", "stats_json", "stats_tables"]
 

@@ -35,8 +35,6 @@ _log = logging.getLogger(__name__)
 class PhaseSession(Protocol):
     """What `PhaseReporter` needs of a session (`crossover.client.session.Session` is one)."""
 
-    turn_agreed: bool
-
     @property
     def shares_device(self) -> bool: ...
 
@@ -71,10 +69,9 @@ class PhaseReporter:
     the device's, not the launch queue's).
     """
 
-    def __init__(self, session: PhaseSession, agree: Callable[[PhaseSession], None] | None = None,
-                 settle: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, session: PhaseSession, settle: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.session = session
-        self.agree = agree
         self.settle = settle
         self._clock = clock
         self._lock = threading.RLock()
@@ -147,7 +144,7 @@ class PhaseReporter:
 
     @guarded
     def resume(self) -> None:
-        """Take the device again after a pause, with the same iteration (the same turn)."""
+        """Take the device again after a pause, with the same iteration."""
         with self._lock:
             if self.yielded:
                 self._resume()
@@ -155,9 +152,6 @@ class PhaseReporter:
     # ---- internals -----------------------------------------------------
 
     def _acquire(self, comm_s: float | None = None) -> None:
-        if not self.session.turn_agreed and self.agree is not None:
-            self.session.turn_agreed = True
-            self.agree(self.session)
         for reset in self.on_phase_start:
             reset()
         self.in_comm = False

@@ -19,12 +19,8 @@ from typing import Callable
 
 import grpc
 
-from ..protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from ..protos.identity import RankIdentity
-from .settings import PluginSettings
-from .transport import (
+from crossover.client.settings import PluginSettings
+from crossover.client.transport import (
     FrameStream,
     GrpcStream,
     SessionStream,
@@ -33,6 +29,10 @@ from .transport import (
     missing_socket,
     untrusted_socket,
 )
+from crossover.protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["Session"]
 
@@ -72,8 +72,6 @@ class Session:
         self.on_attach: Callable[[pb.RegisterResponse], None] | None = None
         self.grant_waits: list[float] = []  # seconds each blocking acquire took (benchmarks read it)
         self.leased_acquires = 0  # how many of those returned at once under a lease
-        self.turn_base = 0  # the job's agreed place in its devices' rotation (see turn_floor)
-        self.turn_agreed = False
         self.transport = ""  # how the session stream travels: "session socket" or "grpc"
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
 
@@ -110,7 +108,7 @@ class Session:
             seq = next(self._seq)
             gen = self._generation
             self._requested_gen = gen
-            request = pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq, turn_base=self.turn_base,
+            request = pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=iteration, seq=seq,
                                    duration_s=comm_s or 0.0)
             if not self._blocks or self._leased:
                 # Nobody answers a request the rank does not wait for: it rides on the release
@@ -157,25 +155,6 @@ class Session:
                 else:
                     self._send(pb.RankEvent(kind=pb.COMM_BEGIN, iteration=iteration))
 
-    def turn_floor(self) -> int:
-        """The daemon's answer to "where in the rotation should this job start?" (0 when unattached).
-
-        The job's ranks must then agree on one base (the plugin takes the
-        maximum over them) and set :attr:`turn_base`.
-        """
-        with self._cond:
-            reg = self.registration if self._attached else None
-        if reg is None or self._channel is None:
-            return 0
-        try:
-            reply = pb_grpc.SchedulerStub(self._channel).TurnFloor(
-                pb.TurnFloorRequest(session_id=reg.session_id), timeout=self.settings.connect_timeout_s,
-                metadata=self._metadata)
-        except grpc.RpcError as exc:
-            _log.info("turn floor unavailable (%s); starting the rotation at 0", exc.code().name)
-            return 0
-        return int(reply.floor)
-
     # ---- lifecycle -------------------------------------------------------
 
     def start(self) -> Session:
@@ -210,7 +189,7 @@ class Session:
         self._unsent = None
         now = self._clock()
         self._batch.append((pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, iteration=request.iteration,
-                                         seq=request.seq, turn_base=request.turn_base, comm_s=request.duration_s,
+                                         seq=request.seq, comm_s=request.duration_s,
                                          duration_s=duration_s or now - start, comm_begins=comm_begins,
                                          yields=yields), now))
         if now - self._batch[0][1] >= self.settings.report_interval_s or len(self._batch) >= MAX_BATCH_EVENTS:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..protos import default_socket_path
+from crossover.protos import default_socket_path
 
 __all__ = ["AggregationSettings", "PluginSettings", "PLUGIN_SETTINGS", "SettingError", "parse_cpu_list"]
 

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import grpc
 
-from ..protos import TOKEN_METADATA_KEY, framing
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos import TOKEN_METADATA_KEY, framing
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
 __all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "channel_for", "missing_socket",
            "untrusted_socket"]

@@ -8,9 +8,9 @@ one warning.
 import logging as _logging
 import os as _os
 
-from .client.settings import PluginSettings as _PluginSettings
-from .client.settings import SettingError as _SettingError
-from .plugins import horovod_torch as _hook
+from crossover.client.settings import PluginSettings as _PluginSettings
+from crossover.client.settings import SettingError as _SettingError
+from crossover.plugins import horovod_torch as _hook
 
 _logger = _logging.getLogger("crossover")
 if not _logger.handlers:

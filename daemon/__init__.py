@@ -1,0 +1,1 @@
+"""crossoverd, the per-node daemon: the scheduler core, its policies (`policies/`), its sockets and services."""

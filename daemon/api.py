@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..protos import PROTOCOL_VERSION
+from crossover.protos import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -114,14 +114,11 @@ class Policy(Protocol):
     def leave(self, key: RankKey, now: float) -> list[RankKey]: ...
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        """`iteration` is the job's turn: its agreed base plus its own iteration counter."""
+        """The rank asks for its device for its compute phase of `iteration` (its own counter)."""
 
     def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         """The rank computes already (under a lease, or since before the policy blocked): it
         holds its device from now on, whoever waits. Same precondition as `request`."""
-
-    def turn_floor(self, device: int, job_id: str) -> int:
-        """The turn a job joining `device` should start from so it does not run ahead of the others."""
 
     def release(self, key: RankKey, now: float) -> list[RankKey]: ...
 

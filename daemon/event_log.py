@@ -14,7 +14,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any, Callable
 
-__all__ = ["EventLog", "read_jsonl"]
+__all__ = ["EventLog"]
 
 _log = logging.getLogger(__name__)
 
@@ -179,15 +179,3 @@ class EventLog:
         # One writer at a time: close() joins this thread before its own final flush.
         while not self._closed.wait(interval):
             self.flush()
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Load an event log file written with `EventLog(path=...)`; a torn last line is skipped."""
-    events = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events

@@ -12,17 +12,16 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..protos import crossover_v1_pb2 as pb
-from .api import InvalidRequest
-from .messages import Message
+from crossover.daemon.api import InvalidRequest
+from crossover.daemon.messages import Message
+from crossover.protos import crossover_v1_pb2 as pb
 
 if TYPE_CHECKING:
-    from .event_log import EventLog
-    from .registry import Session
+    from crossover.daemon.event_log import EventLog
+    from crossover.daemon.registry import Session
 
 __all__ = ["Decision", "EventKind", "RankEvent", "record_rank"]
 
-_MAX_TURN = 1 << 53  # turns are counters; anything larger is a corrupt field
 _MAX_PHASE_S = 86_400
 
 
@@ -59,7 +58,6 @@ class RankEvent:
     iteration: int = 0
     seq: int = 0
     duration_s: float = 0.0
-    turn_base: int = 0
     comm_begins: bool = False
     no_wait: bool = False
     requested: bool = False
@@ -73,8 +71,6 @@ class RankEvent:
                 raise InvalidRequest(f"{name}={value} is not a plausible phase length")
         if self.iteration < -1:
             raise InvalidRequest(f"iteration={self.iteration} is negative")
-        if self.turn_base < 0 or self.turn_base > _MAX_TURN:
-            raise InvalidRequest(f"turn_base={self.turn_base} is outside 0..{_MAX_TURN}")
 
     @classmethod
     def named(cls, kind: str, **fields: Any) -> RankEvent:
@@ -92,7 +88,7 @@ class RankEvent:
         if kind is None:
             where = "inside a BATCH" if in_batch else "after OPEN"
             raise InvalidRequest(f"event kind {ev.kind} is not valid {where}")
-        return cls(kind, ev.iteration, ev.seq, ev.duration_s, ev.turn_base, comm_begins=ev.comm_begins,
+        return cls(kind, ev.iteration, ev.seq, ev.duration_s, comm_begins=ev.comm_begins,
                    no_wait=ev.no_wait, requested=ev.requested, comm_s=ev.comm_s,
                    ago_s=ev.ago_s if in_batch else 0.0, yields=ev.yields)
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import InvalidRequest
+from crossover.daemon.api import InvalidRequest
 
 __all__ = ["Device", "Inventory", "DeviceStats", "parse_cpu_devices"]
 

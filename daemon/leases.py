@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .api import RankKey
-from .events import Decision
-from .messages import LeaseMsg
-from .registry import Registry, Session
+from crossover.daemon.api import RankKey
+from crossover.daemon.events import Decision
+from crossover.daemon.messages import LeaseMsg
+from crossover.daemon.registry import Registry, Session
 
 __all__ = ["Leases"]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .api import InvalidRequest, Phase
-from .events import Decision
-from .leases import Leases
-from .phases import PhaseMachine
-from .registry import Registry, Session
+from crossover.daemon.api import InvalidRequest, Phase
+from crossover.daemon.events import Decision
+from crossover.daemon.leases import Leases
+from crossover.daemon.phases import PhaseMachine
+from crossover.daemon.registry import Registry, Session
 
 __all__ = ["Liveness"]
 

@@ -11,16 +11,16 @@ from types import FrameType
 
 import click
 
-from .. import __version__
-from ..protos import default_socket_path
-from . import policies
-from .api import CrossoverError
-from .event_log import EventLog
-from .inventory import Inventory, parse_cpu_devices
-from .limits import StreamLimits
-from .metrics import DaemonMetrics, parse_address
-from .scheduler import Scheduler
-from .server import Daemon
+from crossover import __version__
+from crossover.daemon import policies
+from crossover.daemon.api import CrossoverError
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.inventory import Inventory, parse_cpu_devices
+from crossover.daemon.limits import StreamLimits
+from crossover.daemon.metrics import DaemonMetrics, parse_address
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.server import Daemon
+from crossover.protos import default_socket_path
 
 _log = logging.getLogger("crossover.daemon")
 
@@ -71,8 +71,7 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--policy", type=click.Choice(policies.available()), default="crossover", show_default=True,
               help="crossover: one compute phase per device, served in the order jobs' allreduces "
               "ended (one order on every node), clearly shorter computes first; one job computes "
-              "while another communicates. exclusive: plain FIFO. turns: a fixed rotation by "
-              "iteration that waits for the job whose turn it is (slower; kept for comparison). "
+              "while another communicates. exclusive: plain FIFO. "
               "passthrough: observe only. docs/policies.md compares them.")
 @click.option("--node-name", default=lambda: os.uname().nodename, show_default="hostname",
               help="Name this node reports; must be unique in the cluster.")

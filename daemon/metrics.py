@@ -24,9 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from . import rpc_errors
-from .limits import Connections
-from .scheduler import Scheduler
+from crossover.daemon import rpc_errors
+from crossover.daemon.limits import Connections
+from crossover.daemon.scheduler import Scheduler
 
 __all__ = ["DaemonMetrics", "parse_address"]
 

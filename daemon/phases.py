@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from .api import FailedPrecondition, Phase, Policy, RankKey
-from .events import Decision, EventKind, RankEvent
-from .leases import Leases
-from .messages import AliveMsg, GrantMsg, ShareMsg
-from .registry import Registry, Session
+from crossover.daemon.api import FailedPrecondition, Phase, Policy, RankKey
+from crossover.daemon.events import Decision, EventKind, RankEvent
+from crossover.daemon.leases import Leases
+from crossover.daemon.messages import AliveMsg, GrantMsg, ShareMsg
+from crossover.daemon.registry import Registry, Session
 
 __all__ = ["PhaseMachine"]
 
@@ -39,12 +39,12 @@ class PhaseMachine:
         if kind is EventKind.HEARTBEAT:
             d.post(sess, AliveMsg())
         elif kind is EventKind.COMPUTE_REQUEST:
-            self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.duration_s, ev.no_wait, now, d)
+            self._request(sess, ev.iteration, ev.seq, ev.duration_s, ev.no_wait, now, d)
         elif kind is EventKind.COMPUTE_DONE:
             if ev.requested:  # its request rode along: apply it first, dated when the phase began
                 began = max(now - ev.duration_s, sess.last_t, sess.floor_t)
                 mark = d.mark()
-                self._request(sess, ev.iteration, ev.seq, ev.turn_base, ev.comm_s, True, now, d)
+                self._request(sess, ev.iteration, ev.seq, ev.comm_s, True, now, d)
                 d.date_since(mark, began)
                 sess.requested_at = began
                 if sess.phase is Phase.COMPUTE:
@@ -63,7 +63,7 @@ class PhaseMachine:
             d.log("lease_released", sess)
             self.end_revoke(sess.ref.device, sess.id, now, d)
 
-    def _request(self, sess: Session, iteration: int, seq: int, turn_base: int, comm_s: float, no_wait: bool,
+    def _request(self, sess: Session, iteration: int, seq: int, comm_s: float, no_wait: bool,
                  now: float, d: Decision) -> None:
         if sess.phase in (Phase.WAITING, Phase.COMPUTE):
             raise FailedPrecondition(f"rank {sess.ref.key} requested the device while in phase {sess.phase.value}")
@@ -72,14 +72,14 @@ class PhaseMachine:
         sess.iteration = max(sess.iteration, iteration)
         sess.pending_seq = seq
         sess.requested_at = now
-        sess.turn = turn_base + iteration
+        sess.pending_iteration = iteration
         sess.forgive_done = False
         sess.no_wait = no_wait
         self.queue_request(sess, iteration, now, d)
 
     def queue_request(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
         sess.set_phase(Phase.WAITING, now)
-        d.log("request", sess, iteration=iteration, seq=sess.pending_seq, turn=sess.turn)
+        d.log("request", sess, iteration=iteration, seq=sess.pending_seq)
         if not self._leases.defer(sess):
             self._hand_to_policy(sess, now, d)
 
@@ -92,9 +92,9 @@ class PhaseMachine:
         cannot make itself a second holder under a blocking policy.
         """
         if sess.no_wait and self.policy.blocks and self._leases.computes_unseen(sess):
-            self.deliver(self.policy.occupy(sess.ref.key, sess.turn, now), now, d)
+            self.deliver(self.policy.occupy(sess.ref.key, sess.pending_iteration, now), now, d)
         else:
-            self.deliver(self.policy.request(sess.ref.key, sess.turn, now), now, d)
+            self.deliver(self.policy.request(sess.ref.key, sess.pending_iteration, now), now, d)
 
     def _begin_comm(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
         sess.set_phase(Phase.COMM, now)

@@ -13,9 +13,9 @@ from typing import Callable
 
 import psutil
 
-from ..protos.identity import RankIdentity
-from .api import InvalidRequest, NotFound, Phase, RankKey, RankRef
-from .messages import Message
+from crossover.daemon.api import InvalidRequest, NotFound, Phase, RankKey, RankRef
+from crossover.daemon.messages import Message
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["Registration", "Registry", "Session", "Stats", "validate_identity"]
 
@@ -70,7 +70,7 @@ class Session:
     iteration: int = -1
     pending_seq: int = 0
     requested_at: float = 0.0
-    turn: int = 0  # the pending request's place in the rotation
+    pending_iteration: int = 0  # the iteration of its pending (or granted) compute request
     suspended_from: Phase | None = None  # the phase it was silenced in (while SUSPENDED)
     forgive_done: bool = False  # its grant was taken while it was silent: a late COMPUTE_DONE is no error
     yielded_s: float = 0.0  # device time of the current iteration's phase before it yielded

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 import grpc
 
-from ..protos import STEERING_CALLS, TOKEN_METADATA_KEY
-from . import rpc_errors
+from crossover.daemon import rpc_errors
+from crossover.protos import STEERING_CALLS, TOKEN_METADATA_KEY
 
 __all__ = ["ADMIN_CALLS", "Gate", "Refusal", "Rule", "rank_socket_rule", "tcp_rule"]
 

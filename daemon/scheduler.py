@@ -21,18 +21,18 @@ from typing import Callable
 
 import psutil
 
-from ..protos.identity import RankIdentity
-from . import policies
-from .api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
-from .event_log import EventLog
-from .events import Decision, EventKind, RankEvent, record_rank
-from .inventory import Inventory
-from .leases import Leases
-from .liveness import Liveness
-from .messages import CloseMsg, GrantMsg, Message, PolicyMsg
-from .phases import PhaseMachine
-from .registry import Registration, Registry, Session, printable_identity, validate_identity
-from .snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
+from crossover.daemon import policies
+from crossover.daemon.api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.events import Decision, EventKind, RankEvent, record_rank
+from crossover.daemon.inventory import Inventory
+from crossover.daemon.leases import Leases
+from crossover.daemon.liveness import Liveness
+from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PolicyMsg
+from crossover.daemon.phases import PhaseMachine
+from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
+from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["Scheduler"]
 
@@ -204,13 +204,13 @@ class Scheduler:
         return outbox
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
-              turn_base: int = 0, *, comm_begins: bool = False, no_wait: bool = False, requested: bool = False,
+              *, comm_begins: bool = False, no_wait: bool = False, requested: bool = False,
               comm_s: float = 0.0, ago_s: float = 0.0, yields: bool = False) -> None:
         """Apply one rank event given by its kind's name (`compute_request`, `compute_done`, `comm_begin`,
         `comm_end`, `heartbeat`, `lease_released`) and fields; see `RankEvent` and `apply`."""
         self.apply(session_id, RankEvent.named(
-            kind, iteration=iteration, seq=seq, duration_s=duration_s, turn_base=turn_base,
-            comm_begins=comm_begins, no_wait=no_wait, requested=requested, comm_s=comm_s, ago_s=ago_s,
+            kind, iteration=iteration, seq=seq, duration_s=duration_s, comm_begins=comm_begins, no_wait=no_wait,
+            requested=requested, comm_s=comm_s, ago_s=ago_s,
             yields=yields))
 
     def apply(self, session_id: str, ev: RankEvent) -> None:
@@ -220,8 +220,8 @@ class Scheduler:
     def apply_message(self, session_id: str, events: Sequence[RankEvent]) -> None:
         """Apply the events of one message of the rank's stream, in order (a BATCH carries several).
 
-        A compute request's place in the policy's order is its turn, `turn_base + iteration`;
-        a request with `no_wait` is not answered (the rank computes already). A `compute_done`
+        A compute request reaches the policy with its iteration; a request with `no_wait` is
+        not answered (the rank computes already). A `compute_done`
         with `comm_begins` also begins the rank's allreduce; with `requested` it also stands
         for the phase's request, made `duration_s` earlier and ending an allreduce of `comm_s`.
         A `compute_done` that `yields` frees the device in the middle of a compute phase: the
@@ -276,12 +276,6 @@ class Scheduler:
                                  sess.ident.job_name, sess.ident.rank, sess.ident.pid, pid)
                 sess.ident = replace(sess.ident, pid=pid)
                 sess.process = process
-
-    def turn_floor(self, session_id: str) -> int:
-        """Where the session's job should join its device's rotation (see `Policy.turn_floor`)."""
-        with self._lock:
-            sess = self._sessions.get(session_id)
-            return self._phases.policy.turn_floor(sess.ref.device, sess.ref.key.job_id)
 
     def close(self, session_id: str, reason: str, evicted: bool = False) -> bool:
         """Remove a session (stream ended, process died, heartbeat lost); frees its grant.
@@ -379,7 +373,7 @@ class Scheduler:
             for sess in active:
                 if not self._leases.defer(sess):  # a rank granted under the old policy computes: it keeps its device
                     claim = new.occupy if sess.phase is Phase.COMPUTE else new.request
-                    self._phases.deliver(claim(sess.ref.key, sess.turn, now), now, d)
+                    self._phases.deliver(claim(sess.ref.key, sess.pending_iteration, now), now, d)
             for sess in self._sessions:
                 d.post(sess, PolicyMsg(new.name, new.blocks))
             self._commit(d, now)

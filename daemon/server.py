@@ -21,15 +21,15 @@ import grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ..protos import admin_socket_path, framing
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from .api import FailedPrecondition, InvalidRequest
-from .limits import Connections, StreamLimits
-from .rights import Gate, rank_socket_rule, tcp_rule
-from .scheduler import Scheduler
-from .servicers import AdminService, SchedulerService
-from .session_socket import SessionSocketServer
+from crossover.daemon.api import FailedPrecondition, InvalidRequest
+from crossover.daemon.limits import Connections, StreamLimits
+from crossover.daemon.rights import Gate, rank_socket_rule, tcp_rule
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.servicers import AdminService, SchedulerService
+from crossover.daemon.session_socket import SessionSocketServer
+from crossover.protos import admin_socket_path, framing
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
 __all__ = ["Daemon"]
 

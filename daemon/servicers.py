@@ -10,16 +10,16 @@ from typing import Any, Callable
 
 import grpc
 
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import crossover_v1_pb2_grpc as pb_grpc
-from ..protos.identity import RankIdentity
-from . import policies
-from .api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, UnsupportedVersion
-from .limits import Connections, StreamLimits
-from .scheduler import Scheduler
-from .session_grpc import GrpcSessionStream, serve_session
-from .session_stream import refusal
-from .snapshots import RankSnapshot
+from crossover.daemon import policies
+from crossover.daemon.api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, UnsupportedVersion
+from crossover.daemon.limits import Connections, StreamLimits
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
+from crossover.daemon.session_stream import refusal
+from crossover.daemon.snapshots import RankSnapshot
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["AdminService", "SchedulerService"]
 
@@ -88,12 +88,6 @@ class SchedulerService(_Service, pb_grpc.SchedulerServicer):
             # Offered to local peers only: a path means nothing on another node.
             session_socket=self._session_socket if context.peer().startswith("unix:") else "",
         )
-
-    @_unary
-    def TurnFloor(self, request: pb.TurnFloorRequest, context: grpc.ServicerContext) -> pb.TurnFloorResponse:
-        if not request.session_id:
-            raise InvalidRequest("session_id is missing")
-        return pb.TurnFloorResponse(floor=self._core.turn_floor(request.session_id))
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         # Runs on the event loop: reading an event, deciding and writing the grant

@@ -12,12 +12,12 @@ import threading
 
 import grpc
 
-from ..protos import crossover_v1_pb2 as pb
-from .api import CrossoverError, InvalidRequest
-from .limits import Connections, StreamLimits
-from .messages import CloseMsg, Message
-from .scheduler import Scheduler
-from .session_stream import SessionLifecycle, directive, error_text, refusal, too_many
+from crossover.daemon.api import CrossoverError, InvalidRequest
+from crossover.daemon.limits import Connections, StreamLimits
+from crossover.daemon.messages import CloseMsg, Message
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.session_stream import SessionLifecycle, directive, error_text, refusal, too_many
+from crossover.protos import crossover_v1_pb2 as pb
 
 __all__ = ["GrpcSessionStream", "serve_session"]
 

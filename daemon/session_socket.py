@@ -14,13 +14,13 @@ import threading
 import time
 from typing import NamedTuple
 
-from ..protos import crossover_v1_pb2 as pb
-from ..protos import framing
-from .api import CrossoverError, InvalidRequest
-from .limits import Connections, StreamLimits
-from .messages import CloseMsg, Message
-from .scheduler import Scheduler
-from .session_stream import SessionLifecycle, directive, refusal, too_many
+from crossover.daemon.api import CrossoverError, InvalidRequest
+from crossover.daemon.limits import Connections, StreamLimits
+from crossover.daemon.messages import CloseMsg, Message
+from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.session_stream import SessionLifecycle, directive, refusal, too_many
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import framing
 
 __all__ = ["SessionSocketServer"]
 

@@ -14,10 +14,8 @@ from typing import Callable
 
 import grpc
 
-from ..protos import MAX_BATCH_EVENTS
-from ..protos import crossover_v1_pb2 as pb
-from . import rpc_errors
-from .api import (
+from crossover.daemon import rpc_errors
+from crossover.daemon.api import (
     AlreadyExists,
     CrossoverError,
     FailedPrecondition,
@@ -26,10 +24,12 @@ from .api import (
     ResourceExhausted,
     UnsupportedVersion,
 )
-from .events import RankEvent
-from .limits import Connections, EventBudget, StreamLimits
-from .messages import AliveMsg, GrantMsg, LeaseMsg, Message, PolicyMsg, ShareMsg
-from .scheduler import Scheduler
+from crossover.daemon.events import RankEvent
+from crossover.daemon.limits import Connections, EventBudget, StreamLimits
+from crossover.daemon.messages import AliveMsg, GrantMsg, LeaseMsg, Message, PolicyMsg, ShareMsg
+from crossover.daemon.scheduler import Scheduler
+from crossover.protos import MAX_BATCH_EVENTS
+from crossover.protos import crossover_v1_pb2 as pb
 
 __all__ = ["SessionLifecycle", "apply_event", "directive", "error_text", "refusal", "status_code", "too_many"]
 

@@ -6,9 +6,9 @@ from typing import NamedTuple
 
 import psutil
 
-from ..protos.identity import RankIdentity
-from .api import Phase
-from .registry import Session
+from crossover.daemon.api import Phase
+from crossover.daemon.registry import Session
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["DeviceSnapshot", "RankSnapshot", "rank_snapshot", "with_process_usage"]
 

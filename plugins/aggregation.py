@@ -37,22 +37,22 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
-from ..client.settings import LBBSP_METHODS, AggregationSettings
-from .adasum.collectives import HorovodCollectives
-from .adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
-from .adasum.optimizer import AdasumOptimizer
-from .group_async.optimizer import GroupAsyncOptimizer
-from .group_async.runtime import GroupRuntime
-from .group_async.sampler import GroupSampler
-from .lbbsp.adoption import decide
-from .lbbsp.config import BatchSizeConfig
-from .lbbsp.controller import BatchSizeController
-from .lbbsp.exchange import apply_measurements
-from .lbbsp.replay import replay_decisions
-from .lbbsp.sampler import LBBSPSampler
-from .lbbsp.state import LBBSPState, SamplerLink
-from .lbbsp.weighting import WeightingHook, weight_scale
-from .selection import AggregationError, Rule, current_rule, prepare_horovod, set_aggregation, settings
+from crossover.client.settings import LBBSP_METHODS, AggregationSettings
+from crossover.plugins.adasum.collectives import HorovodCollectives
+from crossover.plugins.adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
+from crossover.plugins.adasum.optimizer import AdasumOptimizer
+from crossover.plugins.group_async.optimizer import GroupAsyncOptimizer
+from crossover.plugins.group_async.runtime import GroupRuntime
+from crossover.plugins.group_async.sampler import GroupSampler
+from crossover.plugins.lbbsp.adoption import decide
+from crossover.plugins.lbbsp.config import BatchSizeConfig
+from crossover.plugins.lbbsp.controller import BatchSizeController
+from crossover.plugins.lbbsp.exchange import apply_measurements
+from crossover.plugins.lbbsp.replay import replay_decisions
+from crossover.plugins.lbbsp.sampler import LBBSPSampler
+from crossover.plugins.lbbsp.state import LBBSPState, SamplerLink
+from crossover.plugins.lbbsp.weighting import WeightingHook, weight_scale
+from crossover.plugins.selection import AggregationError, Rule, current_rule, prepare_horovod, set_aggregation, settings
 
 __all__ = [
     "AdasumDecision",

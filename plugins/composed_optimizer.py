@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .selection import AggregationError
+from crossover.plugins.selection import AggregationError
 
 __all__ = ["ComposedOptimizer"]
 

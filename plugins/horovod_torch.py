@@ -22,12 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..client.phase_reporter import PhaseReporter
-from ..client.session import Session
-from ..client.settings import PluginSettings
-from ..protos.identity import RankIdentity
-from . import horovod_waits
-from .phase_tracking import track_phases
+from crossover.client.phase_reporter import PhaseReporter
+from crossover.client.session import Session
+from crossover.client.settings import PluginSettings
+from crossover.plugins import horovod_waits
+from crossover.plugins.phase_tracking import track_phases
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["install", "uninstall", "current_session"]
 
@@ -53,7 +53,7 @@ def install(settings: PluginSettings | None = None) -> bool:
     except ImportError as exc:
         _log.warning("horovod.torch is not importable (%s); crossover does nothing", exc)
         return False
-    from .selection import prepare_horovod
+    from crossover.plugins.selection import prepare_horovod
 
     prepare_horovod()
     if _state["original"] is not None:
@@ -67,7 +67,7 @@ def install(settings: PluginSettings | None = None) -> bool:
         # The aggregation rule (CROSSOVER_AGGREGATION) decides how the optimizer is built;
         # without one this is exactly Horovod's own call. A rule that contradicts the
         # script's arguments raises AggregationError here, at start-up, with the reason.
-        from . import aggregation
+        from crossover.plugins import aggregation
 
         opt = aggregation.distributed_optimizer(hvd, original, optimizer, args, kwargs)
         try:
@@ -116,7 +116,7 @@ def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:
     """
     if _state["phases"] is None:
         session = _ensure_session(hvd, process_set)
-        phases = PhaseReporter(session, agree=functools.partial(_agree_turn_base, hvd, process_set))
+        phases = PhaseReporter(session)
         horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))
         _state["phases"] = phases
     return _state["phases"]
@@ -158,9 +158,8 @@ def _follow_reinit(hvd: Any) -> None:
     """After `hvd.init()` again (an elastic reset): register anew if the rank's place changed.
 
     Workers were added or removed, so this rank's rank, world size or local rank may
-    differ: the daemon's view follows with a new session of the same job, which keeps
-    the job's turn base (no collective: a worker that just joined does not make it).
-    The phase state and its iteration counter stay.
+    differ: the daemon's view follows with a new session of the same job. The phase
+    state and its iteration counter stay.
     """
     old: Session | None = _state["session"]
     phases: PhaseReporter | None = _state["phases"]
@@ -172,7 +171,6 @@ def _follow_reinit(hvd: Any) -> None:
     info = replace(old.info, rank=place[0], local_rank=place[1], world_size=place[2], local_size=place[3],
                    pid=0, node="")
     new = Session(info, old.settings)
-    new.turn_base, new.turn_agreed = old.turn_base, True
     new.on_attach = old.on_attach
     old.close()
     _state["session"] = phases.session = new.start()
@@ -222,25 +220,6 @@ def _agree_job_id(hvd: Any, process_set: Any) -> str:
         kwargs["process_set"] = process_set
         root = ranks[0]
     return str(hvd.broadcast_object(mine, root_rank=root, **kwargs))
-
-
-def _agree_turn_base(hvd: Any, process_set: Any, session: Session) -> None:
-    """Before the job's first request: every rank asks its daemon for the turn floor, the job takes the largest.
-
-    A collective, reached by every rank of the set at its first grant request
-    (the first ``zero_grad`` or step), whether or not its daemon is reachable.
-    """
-    floor = session.turn_floor()
-    if hvd.size() > 1 and not _elastic():  # elastic: no collective a joining worker would make alone
-        import torch
-
-        kwargs: dict[str, Any] = {"name": "crossover.turn_floor"}
-        if process_set is not None:
-            kwargs["process_set"] = process_set
-        floor = int(hvd.allgather(torch.tensor([floor], dtype=torch.int64), **kwargs).max())
-    session.turn_base = floor
-    if floor:
-        _log.info("joining the rotation at turn %d", floor)
 
 
 def _affinity_plan(tids: list[int], compute_tid: int, device_cores: set[int], host_cores: set[int],

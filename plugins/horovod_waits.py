@@ -22,7 +22,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from ..client.phase_reporter import PhaseReporter
+from crossover.client.phase_reporter import PhaseReporter
 
 __all__ = ["install", "uninstall"]
 

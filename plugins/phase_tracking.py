@@ -20,8 +20,8 @@ from typing import Any
 import horovod.torch.optimizer as hvd_opt
 import torch
 
-from ..client.phase_reporter import PhaseReporter
-from .optimizer_hooks import OptimizerHook, hooks_of
+from crossover.client.phase_reporter import PhaseReporter
+from crossover.plugins.optimizer_hooks import OptimizerHook, hooks_of
 
 __all__ = ["track_phases"]
 

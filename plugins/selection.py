@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import Any, Literal, Optional
 
-from ..client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
+from crossover.client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
 
 __all__ = ["AggregationError", "Rule", "current_rule", "prepare_horovod", "set_aggregation", "settings"]
 

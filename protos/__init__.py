@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PROTOCOL_VERSION = 1  # RegisterRequest and every Admin request carry it; the daemon refuses another
+PROTOCOL_VERSION = 2  # RegisterRequest and every Admin request carry it; the daemon refuses another
 STEERING_CALLS = ("SetPolicy", "Drain", "Resume", "Evict")  # Admin calls that change the daemon: its admin socket only
 TOKEN_METADATA_KEY = "x-crossover-token"
 MAX_BATCH_EVENTS = 256  # events one BATCH may carry; the daemon refuses a larger one (INVALID_ARGUMENT)

@@ -100,13 +100,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ..., session_socket: _Optional[str] = ...) -> None: ...
 
 class RankEvent(_message.Message):
-    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "turn_base", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "yields")
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "yields")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
-    TURN_BASE_FIELD_NUMBER: _ClassVar[int]
     COMM_BEGINS_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
@@ -119,7 +118,6 @@ class RankEvent(_message.Message):
     iteration: int
     seq: int
     duration_s: float
-    turn_base: int
     comm_begins: bool
     no_wait: bool
     requested: bool
@@ -127,7 +125,7 @@ class RankEvent(_message.Message):
     batch: _containers.RepeatedCompositeFieldContainer[RankEvent]
     ago_s: float
     yields: bool
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., turn_base: _Optional[int] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., yields: _Optional[bool] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., yields: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("grant", "policy", "lease", "error", "share", "alive")
@@ -186,18 +184,6 @@ class PolicyUpdate(_message.Message):
     policy: str
     policy_blocks: bool
     def __init__(self, policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
-
-class TurnFloorRequest(_message.Message):
-    __slots__ = ("session_id",)
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
-
-class TurnFloorResponse(_message.Message):
-    __slots__ = ("floor",)
-    FLOOR_FIELD_NUMBER: _ClassVar[int]
-    floor: int
-    def __init__(self, floor: _Optional[int] = ...) -> None: ...
 
 class RankState(_message.Message):
     __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s")

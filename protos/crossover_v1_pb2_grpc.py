@@ -44,11 +44,6 @@ class SchedulerStub:
                 request_serializer=crossover__v1__pb2.RankEvent.SerializeToString,
                 response_deserializer=crossover__v1__pb2.Directive.FromString,
                 _registered_method=True)
-        self.TurnFloor = channel.unary_unary(
-                '/crossover.v1.Scheduler/TurnFloor',
-                request_serializer=crossover__v1__pb2.TurnFloorRequest.SerializeToString,
-                response_deserializer=crossover__v1__pb2.TurnFloorResponse.FromString,
-                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -66,12 +61,6 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def TurnFloor(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -84,11 +73,6 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=crossover__v1__pb2.RankEvent.FromString,
                     response_serializer=crossover__v1__pb2.Directive.SerializeToString,
-            ),
-            'TurnFloor': grpc.unary_unary_rpc_method_handler(
-                    servicer.TurnFloor,
-                    request_deserializer=crossover__v1__pb2.TurnFloorRequest.FromString,
-                    response_serializer=crossover__v1__pb2.TurnFloorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -145,33 +129,6 @@ class Scheduler:
             '/crossover.v1.Scheduler/Session',
             crossover__v1__pb2.RankEvent.SerializeToString,
             crossover__v1__pb2.Directive.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def TurnFloor(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/crossover.v1.Scheduler/TurnFloor',
-            crossover__v1__pb2.TurnFloorRequest.SerializeToString,
-            crossover__v1__pb2.TurnFloorResponse.FromString,
             options,
             channel_credentials,
             insecure,

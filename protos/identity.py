@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2 as pb
 
 __all__ = ["RankIdentity"]
 

@@ -8,9 +8,10 @@ node, train side by side. They are measured the way the benchmark measures them
 policy every few seconds, so unscheduled (`passthrough`) and scheduled
 (`crossover`, and the other policies) segments interleave and see the same machine.
 
-It ends with both jobs' samples/s unscheduled and scheduled, the ratio, and two
-timeline pictures drawn by `crossover timeline` from the daemons' event logs: a
-few seconds of each mode, side by side in time on every node's device.
+It ends with both jobs' samples/s unscheduled, under plain FIFO (`exclusive`) and
+under `crossover`, crossover's ratio to each, and two timeline pictures drawn by
+`crossover timeline` from the daemons' event logs: a few seconds of each mode, side
+by side in time on every node's device.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from crossover.client.event_intervals import merge_logs, policy_changes
-from crossover.daemon.event_log import read_jsonl
+from crossover.protos.event_file import read_jsonl
 from tools.cluster import preflight
 from tools.harness.daemon import BIN
 
@@ -48,6 +49,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cycles", type=int, default=2, help="interleaved cycles through the modes (more: steadier)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "demo", help="folder for the results")
+    p.add_argument("--device", choices=("core", "model"), default="core",
+                   help="core: a CPU core is each node's device; model: a GPU-like emulated device "
+                        "(docs/emulated-cluster.md)")
     args = p.parse_args()
     reasons = preflight()
     if reasons:
@@ -57,7 +61,7 @@ def main() -> int:
     work, result = args.out / "work", args.out / "emulated.json"
     console.rule("[bold]Crossover demo[/]: two co-located jobs on two emulated nodes")
     bench = [sys.executable, "-m", "bench.emulated", "--quick", "--cycles", str(args.cycles), "--out", str(result),
-             "--timeline", str(args.out / "bench_timeline.png"), "--workdir", str(work)]
+             "--timeline", str(args.out / "bench_timeline.png"), "--workdir", str(work), "--device", args.device]
     console.print("$ python " + " ".join(bench[1:]))
     if subprocess.run(bench, cwd=ROOT).returncode != 0:
         console.print(f"[red]the run failed; logs are under {work}[/]")
@@ -78,14 +82,18 @@ def main() -> int:
             pictures.append(png)
     unscheduled = modes["unscheduled"]["aggregate_samples_per_s"]
     scheduled = modes["crossover"]["aggregate_samples_per_s"]
+    fifo = modes["exclusive"]["aggregate_samples_per_s"]
     console.rule("[bold]Result[/]")
     console.print(f"event logs: {' '.join(map(str, logs))}")
     for png in pictures:
         console.print(f"timeline:   {png}")
     console.print(f"unscheduled: {unscheduled:8.0f} samples/s (both jobs)")
+    console.print(f"FIFO:        {fifo:8.0f} samples/s (both jobs, policy exclusive)")
     console.print(f"crossover:   {scheduled:8.0f} samples/s (both jobs)")
-    console.print(f"ratio:       {scheduled / unscheduled:8.2f}x  (medians of {args.cycles} interleaved cycles; "
-                  f"{100 * modes['crossover']['of_bound']:.0f}% of the pipeline bound)")
+    console.print(f"crossover vs unscheduled: {modes['crossover']['vs_unscheduled']:.2f}x, vs FIFO: "
+                  f"{modes['crossover']['vs_unscheduled'] / modes['exclusive']['vs_unscheduled']:.2f}x "
+                  f"(medians of {args.cycles} interleaved cycles; {100 * modes['crossover']['of_bound']:.0f}% of "
+                  f"the pipeline bound; device: {'a CPU core' if args.device == 'core' else 'the GPU-like model'})")
     return 0
 
 

@@ -3,20 +3,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..api import NotFound, Policy
-from .crossover import CrossoverPolicy, CrossoverSettings
-from .exclusive import ExclusivePolicy
-from .passthrough import PassthroughPolicy
-from .turns import TurnsPolicy, TurnsSettings
+from crossover.daemon.api import NotFound, Policy
+from crossover.daemon.policies.crossover import CrossoverPolicy, CrossoverSettings
+from crossover.daemon.policies.exclusive import ExclusivePolicy
+from crossover.daemon.policies.passthrough import PassthroughPolicy
 
-__all__ = ["available", "create", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy", "PassthroughPolicy",
-           "TurnsPolicy", "TurnsSettings"]
+__all__ = ["available", "create", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy", "PassthroughPolicy"]
 
 _FACTORIES: dict[str, Callable[[], Policy]] = {
     "passthrough": PassthroughPolicy,
     "exclusive": ExclusivePolicy,
     "crossover": CrossoverPolicy,
-    "turns": TurnsPolicy,
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
+from crossover.daemon.api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
 
 
 @dataclass
@@ -102,9 +102,6 @@ class QueuePolicy:
 
     def next_deadline(self) -> float | None:
         return None  # order-free policies wait for no deadline
-
-    def turn_floor(self, device: int, job_id: str) -> int:
-        return 0  # order-free policies: turns mean nothing
 
     def view(self, device: int) -> DeviceView:
         dev = self._q.devices.get(device)

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..api import RankKey
-from ._queues import DispatchPolicy, _Device
+from crossover.daemon.api import RankKey
+from crossover.daemon.policies._queues import DispatchPolicy, _Device
 
 __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 

@@ -1,8 +1,8 @@
 """`exclusive`: first come, first served; at most one compute grant per device."""
 from __future__ import annotations
 
-from ..api import RankKey
-from ._queues import DispatchPolicy, _Device
+from crossover.daemon.api import RankKey
+from crossover.daemon.policies._queues import DispatchPolicy, _Device
 
 
 class ExclusivePolicy(DispatchPolicy):

@@ -1,8 +1,8 @@
 """`passthrough`: observe and record only; every request is granted at once."""
 from __future__ import annotations
 
-from ..api import RankKey, RankRef
-from ._queues import QueuePolicy
+from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies._queues import QueuePolicy
 
 
 class PassthroughPolicy(QueuePolicy):

@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..selection import AggregationError
+from crossover.plugins.selection import AggregationError
 
 __all__ = ["HorovodCollectives"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ...client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS
-from ..selection import AggregationError
-from .algorithms import AdasumAlgorithm
+from crossover.client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS
+from crossover.plugins.adasum.algorithms import AdasumAlgorithm
+from crossover.plugins.selection import AggregationError
 
 __all__ = ["AdasumDecision", "AdasumFacts", "adasum_path", "resolve_algorithm"]
 

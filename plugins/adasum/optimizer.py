@@ -7,10 +7,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..composed_optimizer import ComposedOptimizer
-from ..selection import AggregationError
-from .algorithms import AdasumAlgorithm, adasum_allreduce_tensors
-from .collectives import HorovodCollectives
+from crossover.plugins.adasum.algorithms import AdasumAlgorithm, adasum_allreduce_tensors
+from crossover.plugins.adasum.collectives import HorovodCollectives
+from crossover.plugins.composed_optimizer import ComposedOptimizer
+from crossover.plugins.selection import AggregationError
 
 __all__ = ["AdasumOptimizer"]
 

@@ -22,8 +22,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .codec import Codec, decode
-from .wire import WireError, recv_frame, send_frame
+from crossover.plugins.group_async.codec import Codec, decode
+from crossover.plugins.group_async.wire import WireError, recv_frame, send_frame
 
 __all__ = ["ServiceLink", "ServiceProcess", "ServiceError"]
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..composed_optimizer import ComposedOptimizer
-from ..selection import AggregationError
-from .runtime import GroupRuntime
+from crossover.plugins.composed_optimizer import ComposedOptimizer
+from crossover.plugins.group_async.runtime import GroupRuntime
+from crossover.plugins.selection import AggregationError
 
 __all__ = ["GroupAsyncOptimizer"]
 

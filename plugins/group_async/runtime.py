@@ -29,11 +29,11 @@ from typing import Any, Optional
 
 import torch
 
-from ...client.settings import AggregationSettings
-from .codec import Codec
-from .grouping import Groups, parse_groups, speed_groups, steps_per_group
-from .link import ServiceLink, ServiceProcess
-from .schedule import Schedule, Stage
+from crossover.client.settings import AggregationSettings
+from crossover.plugins.group_async.codec import Codec
+from crossover.plugins.group_async.grouping import Groups, parse_groups, speed_groups, steps_per_group
+from crossover.plugins.group_async.link import ServiceLink, ServiceProcess
+from crossover.plugins.group_async.schedule import Schedule, Stage
 
 __all__ = ["GroupRuntime"]
 

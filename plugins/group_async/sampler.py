@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .runtime import GroupRuntime
+from crossover.plugins.group_async.runtime import GroupRuntime
 
 __all__ = ["GroupSampler"]
 

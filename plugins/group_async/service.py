@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from .clock import SSPClock
-from .codec import decode
-from .wire import WireError, recv_frame, send_frame
+from crossover.plugins.group_async.clock import SSPClock
+from crossover.plugins.group_async.codec import decode
+from crossover.plugins.group_async.wire import WireError, recv_frame, send_frame
 
 __all__ = ["GlobalModel", "ParameterService", "main"]
 

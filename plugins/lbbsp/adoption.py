@@ -16,21 +16,33 @@ applies the hysteresis alone (``min_gain=None``); the weighted optimizer and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
-if TYPE_CHECKING:
-    from .controller import BatchSizeController
+from crossover.plugins.lbbsp.config import BatchSizeConfig
 
 __all__ = ["adopt", "decide"]
 
 
-def decide(controller: BatchSizeController, current: Sequence[int], min_gain: float) -> Optional[list[int]]:
+class _Controller(Protocol):
+    """What the rule reads of a controller (`crossover.plugins.lbbsp.controller.BatchSizeController`)."""
+
+    @property
+    def config(self) -> BatchSizeConfig: ...
+
+    def propose(self) -> Optional[list[int]]: ...
+
+    def predicted_times(self, sizes: Sequence[int]) -> Optional[list[float]]: ...
+
+    def prediction_errors(self) -> Optional[list[float]]: ...
+
+
+def decide(controller: _Controller, current: Sequence[int], min_gain: float) -> Optional[list[int]]:
     """The sizes to adopt at a period boundary, or ``None`` to keep ``current``: the controller's
     proposal judged by :func:`adopt` with both tests."""
     return adopt(controller, controller.propose(), current, min_gain)
 
 
-def adopt(controller: BatchSizeController, proposal: Optional[Sequence[int]], current: Sequence[int],
+def adopt(controller: _Controller, proposal: Optional[Sequence[int]], current: Sequence[int],
           min_gain: Optional[float]) -> Optional[list[int]]:
     """``proposal`` as a list when it is adopted over ``current``, else ``None``.
 
@@ -65,7 +77,7 @@ def adopt(controller: BatchSizeController, proposal: Optional[Sequence[int]], cu
     return list(proposal)
 
 
-def _promises_gain(controller: BatchSizeController, proposal: Sequence[int], current: Sequence[int],
+def _promises_gain(controller: _Controller, proposal: Sequence[int], current: Sequence[int],
                    min_gain: float) -> bool:
     now, then = controller.predicted_times(current), controller.predicted_times(proposal)
     errors = controller.prediction_errors()

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-from .config import BatchSizeError, is_int
+from crossover.plugins.lbbsp.config import BatchSizeError, is_int
 
 __all__ = ["aggregation_weights", "apportion", "equal_time_shares", "round_shares"]
 

@@ -51,10 +51,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Optional
 
-from .adoption import adopt
-from .apportion import apportion, equal_time_shares, round_shares
-from .config import BatchSizeConfig, BatchSizeConfigError, Measurement, MeasurementError, is_int
-from .estimators import AffineFit, Scatter, SizeRun, TimeCurve
+from crossover.plugins.lbbsp.adoption import adopt
+from crossover.plugins.lbbsp.apportion import apportion, equal_time_shares, round_shares
+from crossover.plugins.lbbsp.config import BatchSizeConfig, BatchSizeConfigError, Measurement, MeasurementError, is_int
+from crossover.plugins.lbbsp.estimators import AffineFit, Scatter, SizeRun, TimeCurve
 
 __all__ = ["BatchSizeController"]
 

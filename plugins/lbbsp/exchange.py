@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
-from .config import Measurement
-from .controller import BatchSizeController
+from crossover.plugins.lbbsp.config import Measurement
+from crossover.plugins.lbbsp.controller import BatchSizeController
 
 __all__ = ["SHARE_LAG", "apply_measurements", "guard_shutdown", "observe_steps", "share_read_after",
            "share_starts", "steps_of"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
-from .adoption import decide
-from .config import BatchSizeConfig
-from .controller import BatchSizeController
-from .exchange import observe_steps, share_read_after, share_starts
+from crossover.plugins.lbbsp.adoption import decide
+from crossover.plugins.lbbsp.config import BatchSizeConfig
+from crossover.plugins.lbbsp.controller import BatchSizeController
+from crossover.plugins.lbbsp.exchange import observe_steps, share_read_after, share_starts
 
 __all__ = ["replay_decisions"]
 

@@ -26,9 +26,9 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Callable, Protocol, Union, runtime_checkable
 
-from .apportion import apportion
-from .controller import BatchSizeController
-from .state import LBBSPState
+from crossover.plugins.lbbsp.apportion import apportion
+from crossover.plugins.lbbsp.controller import BatchSizeController
+from crossover.plugins.lbbsp.state import LBBSPState
 
 __all__ = ["LBBSPSampler", "SamplerError", "SizeSource", "SupportsSizes", "WeightedBatchSampler"]
 

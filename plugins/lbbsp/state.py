@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .controller import BatchSizeController
+from crossover.plugins.lbbsp.controller import BatchSizeController
 
 __all__ = ["LBBSPState", "SamplerLink", "TRACE_STEPS"]
 

@@ -24,11 +24,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..optimizer_hooks import HookChain, OptimizerHook, hooks_of
-from ..selection import AggregationError
-from .adoption import decide
-from .exchange import guard_shutdown, observe_steps, share_read_after, share_starts, steps_of
-from .state import TRACE_STEPS, LBBSPState, SamplerLink
+from crossover.plugins.lbbsp.adoption import decide
+from crossover.plugins.lbbsp.exchange import guard_shutdown, observe_steps, share_read_after, share_starts, steps_of
+from crossover.plugins.lbbsp.state import TRACE_STEPS, LBBSPState, SamplerLink
+from crossover.plugins.optimizer_hooks import HookChain, OptimizerHook, hooks_of
+from crossover.plugins.selection import AggregationError
 
 __all__ = ["WeightingHook", "weight_scale"]
 

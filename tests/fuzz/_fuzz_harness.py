@@ -23,6 +23,7 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
+from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos import framing
@@ -109,7 +110,8 @@ class Fuzzd:
         n = next(self._ids)
         ident = pb.RankIdentity(job_id=f"fuzz-{n}", job_name=f"fuzz-{n}", rank=0, local_rank=0, world_size=1,
                                 local_size=1, device=n % 2, pid=os.getpid())
-        return self.sched.Register(pb.RegisterRequest(protocol_version=1, identity=ident, accepts_leases=n % 3 == 0),
+        return self.sched.Register(pb.RegisterRequest(protocol_version=VERSION, identity=ident,
+                                                      accepts_leases=n % 3 == 0),
                                    timeout=5).session_id
 
     def connect(self) -> socket.socket:
@@ -197,7 +199,7 @@ class Fuzzd:
 
     def set_policy(self, data: st.DataObject) -> None:
         """Fuzzed streams meet every policy's code, not only the default one's."""
-        self.admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name=data.draw(st.sampled_from(POLICIES))),
+        self.admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name=data.draw(st.sampled_from(POLICIES))),
                              timeout=5)
 
     def example(self) -> None:
@@ -220,14 +222,14 @@ class Fuzzd:
     def check(self) -> None:
         """The daemon is whole: it answers, its threads live, nothing escaped, and a well-behaved client
         is served over either transport (after the operator state a batch may have changed is restored)."""
-        q = self.admin.GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=5)
+        q = self.admin.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1), timeout=5)
         assert [dev.index for dev in q.devices] == [0, 1]
         # private, but nothing public says whether the loop and the reaper still run
         assert self.daemon._loop_thread.is_alive() and self.daemon._reaper.is_alive()
         self.assert_nothing_escaped()
-        self.admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="exclusive"), timeout=5)
+        self.admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name="exclusive"), timeout=5)
         for device in (0, 1):
-            self.admin.Resume(pb.DeviceRequest(protocol_version=1, device=device), timeout=5)
+            self.admin.Resume(pb.DeviceRequest(protocol_version=VERSION, device=device), timeout=5)
         for transport in ("auto", "grpc"):
             self.good_client(transport)
         self.assert_nothing_escaped()
@@ -265,13 +267,12 @@ def _huge_calls(fuzzd: Fuzzd, big: str) -> dict[str, Callable[[], Any]]:
 
     a, s = fuzzd.admin, fuzzd.sched
     return {
-        "SetPolicy name": lambda: a.SetPolicy(pb.PolicyRequest(protocol_version=1, name=big), timeout=5),
-        "TurnFloor session_id": lambda: s.TurnFloor(pb.TurnFloorRequest(session_id=big), timeout=5),
+        "SetPolicy name": lambda: a.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name=big), timeout=5),
         "Session OPEN session_id": lambda: list(s.Session(iter([pb.RankEvent(kind=pb.OPEN, session_id=big)]),
                                                           timeout=5)),
-        "Register job_id": lambda: s.Register(pb.RegisterRequest(protocol_version=1, identity=ident(job_id=big)),
+        "Register job_id": lambda: s.Register(pb.RegisterRequest(protocol_version=VERSION, identity=ident(job_id=big)),
                                               timeout=5),
-        "Register job_name": lambda: s.Register(pb.RegisterRequest(protocol_version=1,
+        "Register job_name": lambda: s.Register(pb.RegisterRequest(protocol_version=VERSION,
                                                                    identity=ident(job_name=big)), timeout=5),
     }
 

@@ -7,6 +7,7 @@ import os
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 
 EXAMPLES = int(os.environ.get("CROSSOVER_FUZZ_EXAMPLES", "250"))
@@ -44,7 +45,8 @@ INT64 = st.one_of(st.integers(-2, 20), st.sampled_from([2**31, 2**53, 2**53 + 1,
 UINT64 = st.one_of(st.integers(0, 20), st.sampled_from([2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
 
 
-VERSION = st.one_of(st.just(1), st.just(1), st.sampled_from([0, 2, 2**32 - 1]), st.integers(0, 2**32 - 1))
+VERSION = st.one_of(st.just(PROTOCOL_VERSION), st.just(PROTOCOL_VERSION), st.sampled_from([0, 1, 3, 2**32 - 1]),
+                  st.integers(0, 2**32 - 1))
 
 
 SECONDS = st.one_of(st.just(0.0), st.floats(0.0, 0.01),
@@ -70,7 +72,7 @@ VALID_KINDS = st.sampled_from([pb.COMPUTE_REQUEST, pb.COMPUTE_DONE, pb.COMM_BEGI
 def _events(kinds: st.SearchStrategy[int], batch: st.SearchStrategy[list] = st.just([])) -> st.SearchStrategy:
     """RankEvents whose every field may be absurd (`kinds` decides how often the kind itself is)."""
     return st.builds(pb.RankEvent, kind=kinds, session_id=st.one_of(st.just(""), st.text(max_size=20)),
-                     iteration=INT64, seq=UINT64, duration_s=SECONDS, turn_base=INT64, comm_begins=st.booleans(),
+                     iteration=INT64, seq=UINT64, duration_s=SECONDS, comm_begins=st.booleans(),
                      no_wait=st.booleans(), requested=st.booleans(), comm_s=SECONDS, ago_s=SECONDS,
                      yields=st.booleans(), batch=batch)
 
@@ -126,7 +128,6 @@ ADMIN_CALLS = st.one_of(
     st.tuples(st.sampled_from(["GetQueue", "Drain", "Resume"]), VERSION, INT32),
     st.tuples(st.sampled_from(["SetPolicy", "GetPolicy"]), VERSION, NAMES),
     st.tuples(st.just("ListJobs"), VERSION, st.none()),
-    st.tuples(st.just("TurnFloor"), st.none(), STRINGS),
 )
 
 

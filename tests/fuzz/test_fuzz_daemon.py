@@ -110,9 +110,9 @@ def test_session_streams_of_hostile_events_end_with_deliberate_statuses(fuzzd: F
 
 
 def test_admin_calls_with_bad_devices_and_names_get_deliberate_statuses(fuzzd: Fuzzd) -> None:
-    """Every Admin call, and TurnFloor, with absurd devices, names, session ids and versions, on the rank
+    """Every Admin call with absurd devices, names, session ids and versions, on the rank
     socket and (where the daemon has one) the admin socket."""
-    adm, sch = pb_grpc.AdminStub, pb_grpc.SchedulerStub
+    adm = pb_grpc.AdminStub
     calls: dict[str, Callable[[grpc.Channel, Any, Any], Any]] = {
         "GetQueue": lambda c, v, x: adm(c).GetQueue(pb.QueueRequest(protocol_version=v, device=x), timeout=5),
         "Drain": lambda c, v, x: adm(c).Drain(pb.DeviceRequest(protocol_version=v, device=x), timeout=5),
@@ -120,7 +120,6 @@ def test_admin_calls_with_bad_devices_and_names_get_deliberate_statuses(fuzzd: F
         "SetPolicy": lambda c, v, x: adm(c).SetPolicy(pb.PolicyRequest(protocol_version=v, name=x), timeout=5),
         "GetPolicy": lambda c, v, x: adm(c).GetPolicy(pb.PolicyRequest(protocol_version=v, name=x), timeout=5),
         "ListJobs": lambda c, v, x: adm(c).ListJobs(pb.JobsRequest(protocol_version=v), timeout=5),
-        "TurnFloor": lambda c, v, x: sch(c).TurnFloor(pb.TurnFloorRequest(session_id=x), timeout=5),
     }
 
     @FUZZ

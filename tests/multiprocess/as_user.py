@@ -22,6 +22,7 @@ import rich.text  # noqa: F401
 from crossover.client import cli
 from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
+from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
@@ -45,7 +46,7 @@ def _rank(socket: str) -> int:
 def _raw_drain(socket: str) -> int:
     with grpc.insecure_channel(f"unix://{socket}") as ch:
         try:
-            pb_grpc.AdminStub(ch).Drain(pb.DeviceRequest(protocol_version=1, device=0), timeout=5)
+            pb_grpc.AdminStub(ch).Drain(pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=0), timeout=5)
         except grpc.RpcError as exc:
             print(exc.code().name)
             return 0

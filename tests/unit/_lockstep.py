@@ -6,7 +6,7 @@ import random
 from typing import Callable
 
 from crossover.daemon.api import Policy, RankKey, RankRef
-from crossover.daemon.policies import TurnsPolicy, TurnsSettings
+from tools.simulator.turns import TurnsPolicy, TurnsSettings
 
 S = TurnsSettings()
 
@@ -57,7 +57,8 @@ def lockstep(n_nodes: int, jobs: list[tuple[str, float, float]], join_at: dict[t
 
     def request_all(job: str, now: float) -> None:
         if job not in base:  # the plugin's agreement before the first request: the largest floor
-            base[job] = max(pols[n].turn_floor(0, job) for n in range(n_nodes))
+            floors = [getattr(pols[n], "turn_floor", None) for n in range(n_nodes)]
+            base[job] = max((f(0, job) for f in floors if f), default=0)
         for n in range(n_nodes):
             push(now + rng.uniform(0, jitter), "request", job, n)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from crossover.daemon.api import RankKey, RankRef
-from crossover.daemon.policies import TurnsPolicy, TurnsSettings
+from tools.simulator.turns import TurnsPolicy, TurnsSettings
 
 S = TurnsSettings()
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import time
 
-from crossover.daemon.event_log import EventLog, read_jsonl
+from crossover.daemon.event_log import EventLog
+from crossover.protos.event_file import read_jsonl
 
 
 def test_file_follows_memory_within_the_flush_interval_and_close_writes_the_rest(tmp_path):

@@ -5,7 +5,8 @@ import errno
 import logging
 import shutil
 
-from crossover.daemon.event_log import EventLog, read_jsonl
+from crossover.daemon.event_log import EventLog
+from crossover.protos.event_file import read_jsonl
 
 
 class _FullDisk:

@@ -15,8 +15,7 @@ class Clock:
 
 
 class Session:
-    def __init__(self, turn_agreed: bool = True) -> None:
-        self.turn_agreed = turn_agreed
+    def __init__(self) -> None:
         self.shares_device = True
         self.calls: list[tuple] = []
 
@@ -64,18 +63,17 @@ def test_settle_runs_before_every_release_and_only_then():
     assert [call[0] for call in session.calls] == ["acquire", "release", "acquire", "release"]
 
 
-def test_the_turn_is_agreed_once_before_the_first_request_and_phase_starts_are_announced():
-    session = Session(turn_agreed=False)
-    agreed: list[object] = []
+def test_phase_starts_are_announced_with_the_iteration_they_begin():
+    session = Session()
     starts: list[int] = []
-    reporter = PhaseReporter(session, agree=agreed.append)
+    reporter = PhaseReporter(session)
     reporter.on_phase_start.append(lambda: starts.append(reporter.iteration))
     reporter.ensure_holding()
     reporter.compute_done()
     reporter.comm_begin()
     reporter.comm_end(0.1)
-    assert agreed == [session] and session.turn_agreed
     assert starts == [0, 1]
+    assert [call[0] for call in session.calls][:1] == ["acquire"]  # no collective or extra call before it
 
 
 def test_a_failing_session_never_reaches_training(caplog):

@@ -8,7 +8,6 @@ from crossover.client.phase_reporter import PhaseReporter as RankPhases
 
 class RecordingSession:
     def __init__(self) -> None:
-        self.turn_agreed = True
         self.calls: list[tuple] = []
 
     def acquire(self, iteration: int, comm_s: float | None = None) -> bool:

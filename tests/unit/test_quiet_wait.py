@@ -12,7 +12,6 @@ from crossover.plugins import phase_tracking as ht  # noqa: E402
 class FakeSession:
     def __init__(self, shares_device: bool) -> None:
         self.shares_device = shares_device
-        self.turn_agreed = True
         self.calls: list[str] = []
 
     def comm_begin(self, iteration: int) -> None:

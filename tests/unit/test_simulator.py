@@ -11,7 +11,7 @@ import pytest
 
 from crossover.daemon import policies
 from crossover.daemon.api import RankKey
-from crossover.daemon.policies import ExclusivePolicy, TurnsPolicy
+from crossover.daemon.policies import ExclusivePolicy
 from tools.simulator import (
     POLICIES,
     SMALL_POLICIES,
@@ -22,6 +22,7 @@ from tools.simulator import (
     simulate,
     simulate_small,
 )
+from tools.simulator.turns import TurnsPolicy
 
 C = M = 0.05
 TWO_NODES = ((0, 0), (1, 0))
@@ -260,7 +261,7 @@ def test_policy_without_deadlines_gets_periodic_ticks():
 
 
 def test_the_simulator_runs_the_daemons_policies_and_turns_without_synchronization():
-    assert set(POLICIES) == {*policies.available(), "turns-nosync"}
+    assert set(POLICIES) == {*policies.available(), "turns", "turns-nosync"}
     nosync = POLICIES["turns-nosync"]()
     assert isinstance(nosync, TurnsPolicy) and nosync.settings.tiebreak == "join_order"
     assert nosync.name == "turns-nosync"

@@ -291,7 +291,7 @@ class Cluster:
 
     def events(self, node: int) -> list[dict[str, Any]]:
         """That node's daemon event log (JSON lines) as it stands now; still readable after teardown."""
-        from crossover.daemon.event_log import read_jsonl
+        from crossover.protos.event_file import read_jsonl
 
         if self.state is None:
             raise ClusterError("the cluster was never built")

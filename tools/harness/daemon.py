@@ -87,7 +87,7 @@ class DaemonProc:
             self.proc.wait()
 
     def events(self) -> list[dict[str, Any]]:
-        from crossover.daemon.event_log import read_jsonl
+        from crossover.protos.event_file import read_jsonl
 
         return read_jsonl(self.event_log) if self.event_log.exists() else []
 

@@ -31,7 +31,8 @@ deadlines. Only the world around the policies is modelled:
   Only while some device has waiting ranks and no holder: the only state in
   which a tick can change anything.
 
-`turns-nosync` is `turns` without crossover synchronization
+`turns` is the rotation the daemon retired (`tools.simulator.turns`), kept
+for comparison; `turns-nosync` is `turns` without crossover synchronization
 (`TurnsSettings(tiebreak="join_order")`): identical keys, backfilling and
 bounded waits, but ties are broken by the order jobs joined *that node*, so
 nodes may disagree. `reference` searches fixed serve orders offline.
@@ -41,13 +42,15 @@ Everything is seeded: the same inputs give the same result, event for event.
 Modules: `spec` (what to simulate: jobs, the world's settings, the policies by
 name), `state` and `world` (the simulated ranks, jobs, devices and nodes, and
 the event loop), `metrics` (what a run measured), `run` (`simulate`,
-`simulate_small`), `reference` (the best fixed cyclic orders of a small instance).
+`simulate_small`), `reference` (the best fixed cyclic orders of a small instance),
+`turns` (the retired rotation policy).
 """
 from __future__ import annotations
 
-from .metrics import ComputeSpan, JobResult, SimResult, alone_iteration_s
+from .metrics import JobResult, SimResult, alone_iteration_s
 from .run import simulate, simulate_small
 from .spec import LINK_SHARING, POLICIES, SMALL_POLICIES, JobSpec, PolicyFactory, SimConfig, SimulationError
+from .state import ComputeSpan
 
 __all__ = [
     "JobSpec",

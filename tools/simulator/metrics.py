@@ -8,20 +8,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .spec import JobSpec
+from .state import ComputeSpan
 
 if TYPE_CHECKING:
     from .world import World
-
-
-@dataclass(frozen=True)
-class ComputeSpan:
-    node: int
-    device: int
-    job: str
-    rank: int
-    iteration: int
-    start: float
-    end: float
 
 
 @dataclass

@@ -7,7 +7,8 @@ from typing import Callable
 
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError, Policy
-from crossover.daemon.policies import TurnsPolicy, TurnsSettings
+
+from .turns import TurnsPolicy, TurnsSettings
 
 LINK_SHARING = ("fair", "fifo")
 
@@ -24,9 +25,11 @@ _TABLE_ORDER = ("passthrough", "exclusive", "turns-nosync", "turns", "crossover"
 
 
 def _registry() -> dict[str, PolicyFactory]:
-    """The daemon's policies (`policies.create`) and `turns` without synchronization, in table order."""
+    """The daemon's policies (`policies.create`), the retired `turns` and `turns` without synchronization,
+    in table order."""
     factories: dict[str, PolicyFactory] = {name: functools.partial(policies.create, name)
                                            for name in policies.available()}
+    factories["turns"] = TurnsPolicy
     factories["turns-nosync"] = functools.partial(TurnsPolicy, TurnsSettings(tiebreak="join_order"))
     rank = {name: i for i, name in enumerate(_TABLE_ORDER)}
     return {name: factories[name] for name in sorted(factories, key=lambda n: (rank.get(n, len(rank)), n))}

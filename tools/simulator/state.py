@@ -1,6 +1,7 @@
 """The simulated ranks, jobs, devices and nodes: mutable records that `world.World` updates as events happen."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from crossover.daemon.api import Policy, RankKey, RankRef
@@ -8,6 +9,17 @@ from crossover.daemon.api import Policy, RankKey, RankRef
 from .spec import JobSpec
 
 JOINING, IDLE, WAITING, COMPUTE, COMM, GONE = range(6)  # a rank's state
+
+
+@dataclass(frozen=True)
+class ComputeSpan:
+    node: int
+    device: int
+    job: str
+    rank: int
+    iteration: int
+    start: float
+    end: float
 
 
 class RankState:

@@ -15,9 +15,20 @@ from typing import Any, Callable
 from crossover.daemon.api import RankKey, RankRef
 from tools.device_model.model import compute_rate
 
-from .metrics import ComputeSpan
 from .spec import JobSpec, PolicyFactory, SimConfig, SimulationError
-from .state import COMM, COMPUTE, GONE, IDLE, JOINING, WAITING, DeviceState, JobState, NodeState, RankState
+from .state import (
+    COMM,
+    COMPUTE,
+    GONE,
+    IDLE,
+    JOINING,
+    WAITING,
+    ComputeSpan,
+    DeviceState,
+    JobState,
+    NodeState,
+    RankState,
+)
 
 _ARRIVE, _JOIN, _LEAVE, _COMPUTE_DONE, _COMM_DONE, _TICK = range(6)  # event kinds
 
@@ -117,8 +128,9 @@ class World:
         if job.joined == len(job.ranks):  # Horovod's init is a barrier: iteration 0 starts together
             job.started_at = self.now
             job.pending = len(job.ranks)
-            # what the plugin does before the first request: the largest floor over the job's ranks
-            job.turn_base = max(self.nodes[r.node].policy.turn_floor(r.device, job.id) for r in job.ranks)
+            # what the retired `turns` needed before the first request: the largest floor over the job's ranks
+            floors = [getattr(self.nodes[r.node].policy, "turn_floor", None) for r in job.ranks]
+            job.turn_base = max((f(r.device, job.id) for f, r in zip(floors, job.ranks) if f), default=0)
             for r in job.ranks:
                 self.request(r)
 

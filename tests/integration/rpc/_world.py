@@ -14,6 +14,7 @@ import pytest
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
+from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
@@ -33,7 +34,7 @@ def identity(job: str = "job-x", rank: int = 0, world: int = 2, device: int = 0,
 
 
 def register(stub: pb_grpc.SchedulerStub, metadata=None, **kw) -> pb.RegisterResponse:
-    return stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(**kw)), timeout=5,
+    return stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity(**kw)), timeout=5,
                          metadata=metadata)
 
 

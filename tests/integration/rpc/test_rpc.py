@@ -13,6 +13,7 @@ import pytest
 
 from crossover.daemon.api import FailedPrecondition, InvalidRequest
 from crossover.daemon.server import Daemon
+from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import TOKEN_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -26,11 +27,11 @@ def test_bad_requests_get_clear_statuses_and_the_daemon_keeps_serving(serve, cha
     target = f"unix://{d.socket_path}"
     stub = pb_grpc.SchedulerStub(channels(target))
 
-    err = rpc_error(stub.Register, pb.RegisterRequest(protocol_version=2, identity=identity()), timeout=5)
-    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
-    assert "protocol_version=2" in err.details() and "speaks 1" in err.details()
+    err = rpc_error(stub.Register, pb.RegisterRequest(protocol_version=1, identity=identity()), timeout=5)
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION  # a plugin from before protocol 2
+    assert "protocol_version=1" in err.details() and f"speaks {VERSION}" in err.details()
 
-    err = rpc_error(stub.Register, pb.RegisterRequest(protocol_version=1), timeout=5)
+    err = rpc_error(stub.Register, pb.RegisterRequest(protocol_version=VERSION), timeout=5)
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "identity" in err.details()
 
     err = rpc_error(register, stub, rank=5, world=2)
@@ -84,17 +85,17 @@ def test_admin_rpcs_check_version_and_device(serve, channels):
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
     err = rpc_error(admin.GetQueue, pb.QueueRequest(protocol_version=0, device=-1), timeout=5)
     assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "protocol_version=0" in err.details()
-    err = rpc_error(admin.GetQueue, pb.QueueRequest(protocol_version=1, device=3), timeout=5)
+    err = rpc_error(admin.GetQueue, pb.QueueRequest(protocol_version=VERSION, device=3), timeout=5)
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
-    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=1, name=""), timeout=5)
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=VERSION, name=""), timeout=5)
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "name" in err.details()
-    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=1, name="bogus"), timeout=5)
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=VERSION, name="bogus"), timeout=5)
     assert err.code() is grpc.StatusCode.NOT_FOUND and "exclusive" in err.details()
-    err = rpc_error(admin.Drain, pb.DeviceRequest(protocol_version=1, device=9), timeout=5)
+    err = rpc_error(admin.Drain, pb.DeviceRequest(protocol_version=VERSION, device=9), timeout=5)
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
-    q = admin.GetQueue(pb.QueueRequest(protocol_version=1, device=1), timeout=5)
+    q = admin.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=1), timeout=5)
     assert [dev.index for dev in q.devices] == [1] and q.node == "node-rpc" and q.policy == "exclusive"
-    info = admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5)
+    info = admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name="passthrough"), timeout=5)
     assert info.name == "passthrough" and "exclusive" in info.available
 
 
@@ -126,7 +127,7 @@ def test_stale_socket_is_replaced(serve, tmp_path, channels):
     first.stop(grace=0.1)
     d = serve(socket=tmp_path / "s.sock")
     admin = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
-    assert admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5).name == "exclusive"
+    assert admin.GetPolicy(pb.PolicyRequest(protocol_version=VERSION), timeout=5).name == "exclusive"
 
 
 def test_tcp_needs_the_token(serve, channels, tmp_path):
@@ -134,7 +135,7 @@ def test_tcp_needs_the_token(serve, channels, tmp_path):
     assert d.port
     tcp = channels(f"127.0.0.1:{d.port}")
     admin = pb_grpc.AdminStub(tcp)
-    req = pb.QueueRequest(protocol_version=1, device=-1)
+    req = pb.QueueRequest(protocol_version=VERSION, device=-1)
 
     err = rpc_error(admin.GetQueue, req, timeout=5)
     assert err.code() is grpc.StatusCode.UNAUTHENTICATED and TOKEN_METADATA_KEY in err.details()
@@ -162,15 +163,15 @@ def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_p
     admin, sched = pb_grpc.AdminStub(tcp), pb_grpc.SchedulerStub(tcp)
     md = [(TOKEN_METADATA_KEY, token)] if token is not None else []
     calls = {
-        "SetPolicy": lambda: admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"),
+        "SetPolicy": lambda: admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name="passthrough"),
                                              timeout=5, metadata=md),
-        "Drain": lambda: admin.Drain(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=md),
-        "Resume": lambda: admin.Resume(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=md),
-        "GetQueue": lambda: admin.GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=5, metadata=md),
-        "ListJobs": lambda: admin.ListJobs(pb.JobsRequest(protocol_version=1), timeout=5, metadata=md),
-        "GetPolicy": lambda: admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5, metadata=md),
+        "Drain": lambda: admin.Drain(pb.DeviceRequest(protocol_version=VERSION, device=1), timeout=5, metadata=md),
+        "Resume": lambda: admin.Resume(pb.DeviceRequest(protocol_version=VERSION, device=1), timeout=5, metadata=md),
+        "GetQueue": lambda: admin.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1), timeout=5,
+                                           metadata=md),
+        "ListJobs": lambda: admin.ListJobs(pb.JobsRequest(protocol_version=VERSION), timeout=5, metadata=md),
+        "GetPolicy": lambda: admin.GetPolicy(pb.PolicyRequest(protocol_version=VERSION), timeout=5, metadata=md),
         "Register": lambda: register(sched, job="intruder", metadata=md),
-        "TurnFloor": lambda: sched.TurnFloor(pb.TurnFloorRequest(session_id="x"), timeout=5, metadata=md),
         "Session": lambda: list(sched.Session(iter([pb.RankEvent(kind=pb.OPEN, session_id="x")]), timeout=5,
                                               metadata=md)),
     }
@@ -179,24 +180,26 @@ def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_p
         assert err.code() is grpc.StatusCode.UNAUTHENTICATED, f"{name}: {err.code()}"
     assert d.core.policy_name == "exclusive"
     unix = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
-    state = unix.GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=5)
+    state = unix.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1), timeout=5)
     assert [dev.draining for dev in state.devices] == [False, False]
-    assert unix.ListJobs(pb.JobsRequest(protocol_version=1), timeout=5).jobs == []
+    assert unix.ListJobs(pb.JobsRequest(protocol_version=VERSION), timeout=5).jobs == []
     assert not any(e["event"] in ("register", "policy", "drain", "resume") for e in d.core.events.snapshot())
     rank_token = [(TOKEN_METADATA_KEY, "s3cret")]  # every rank holds it: it may look, not steer
-    err = rpc_error(admin.Drain, pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=rank_token)
+    err = rpc_error(admin.Drain, pb.DeviceRequest(protocol_version=VERSION, device=1), timeout=5, metadata=rank_token)
     assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "admin token" in err.details()
-    assert admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5, metadata=rank_token).name == "exclusive"
+    policy = admin.GetPolicy(pb.PolicyRequest(protocol_version=VERSION), timeout=5, metadata=rank_token)
+    assert policy.name == "exclusive"
     assert not d.core.is_draining(1)
-    admin.Drain(pb.DeviceRequest(protocol_version=1, device=1), timeout=5, metadata=[(TOKEN_METADATA_KEY, "4dmin")])
-    assert [dev.draining for dev in unix.GetQueue(pb.QueueRequest(protocol_version=1, device=-1),
+    admin.Drain(pb.DeviceRequest(protocol_version=VERSION, device=1), timeout=5,
+                metadata=[(TOKEN_METADATA_KEY, "4dmin")])
+    assert [dev.draining for dev in unix.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1),
                                                   timeout=5).devices] == [False, True]
 
 
 def test_over_tcp_without_an_admin_token_nobody_steers(serve, channels, tmp_path):
     d = serve(listen="127.0.0.1:0", token="s3cret")
     admin = pb_grpc.AdminStub(channels(f"127.0.0.1:{d.port}"))
-    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5,
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=VERSION, name="passthrough"), timeout=5,
                     metadata=[(TOKEN_METADATA_KEY, "s3cret")])
     assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "--admin-token-file" in err.details()
     assert d.core.policy_name == "exclusive"
@@ -207,23 +210,25 @@ def test_the_rank_socket_refuses_admin_calls_and_the_admin_socket_is_the_owners_
     assert stat.S_IMODE(os.stat(d.admin_socket).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(d.socket_path).st_mode) == 0o660
     rank_side = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
-    for call, req in ((rank_side.SetPolicy, pb.PolicyRequest(protocol_version=1, name="passthrough")),
-                      (rank_side.Drain, pb.DeviceRequest(protocol_version=1, device=0)),
-                      (rank_side.Resume, pb.DeviceRequest(protocol_version=1, device=0))):
+    for call, req in ((rank_side.SetPolicy, pb.PolicyRequest(protocol_version=VERSION, name="passthrough")),
+                      (rank_side.Drain, pb.DeviceRequest(protocol_version=VERSION, device=0)),
+                      (rank_side.Resume, pb.DeviceRequest(protocol_version=VERSION, device=0))):
         err = rpc_error(call, req, timeout=5)
         assert err.code() is grpc.StatusCode.PERMISSION_DENIED and d.admin_socket in err.details()
-    assert rank_side.GetQueue(pb.QueueRequest(protocol_version=1, device=-1), timeout=5).policy == "exclusive"
+    assert rank_side.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1), timeout=5).policy == "exclusive"
     assert d.core.policy_name == "exclusive" and not d.core.is_draining(0)
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
-    assert admin.Drain(pb.DeviceRequest(protocol_version=1, device=0), timeout=5).draining
-    assert admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5).name == "passthrough"
+    assert admin.Drain(pb.DeviceRequest(protocol_version=VERSION, device=0), timeout=5).draining
+    reply = admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name="passthrough"), timeout=5)
+    assert reply.name == "passthrough"
 
 
 def test_tcp_only_daemon_with_token(serve, channels):
     d = serve(listen="127.0.0.1:0", token="s3cret")
     assert d.socket_path is None
     admin = pb_grpc.AdminStub(channels(f"127.0.0.1:{d.port}"))
-    info = admin.GetPolicy(pb.PolicyRequest(protocol_version=1), timeout=5, metadata=[(TOKEN_METADATA_KEY, "s3cret")])
+    info = admin.GetPolicy(pb.PolicyRequest(protocol_version=VERSION), timeout=5,
+                           metadata=[(TOKEN_METADATA_KEY, "s3cret")])
     assert info.name == "exclusive"
 
 

@@ -17,6 +17,7 @@ import pytest
 from crossover.daemon.api import FailedPrecondition
 from crossover.daemon.limits import StreamLimits
 from crossover.daemon.server import Daemon
+from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import TOKEN_METADATA_KEY, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -142,7 +143,7 @@ def test_a_rank_killed_mid_frame_or_silent_on_the_session_socket_frees_its_grant
 def test_register_over_tcp_offers_no_session_socket(serve, channels, tmp_path):
     d = serve(socket=tmp_path / "both.sock", listen="127.0.0.1:0", token="s3cret")
     tcp = pb_grpc.SchedulerStub(channels(f"127.0.0.1:{d.port}"))
-    reg = tcp.Register(pb.RegisterRequest(protocol_version=1, identity=identity(job="remote")), timeout=5,
+    reg = tcp.Register(pb.RegisterRequest(protocol_version=VERSION, identity=identity(job="remote")), timeout=5,
                        metadata=[(TOKEN_METADATA_KEY, "s3cret")])
     assert reg.session_socket == ""  # a path on this node means nothing to a remote peer
     local = register(pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}")), job="local")
@@ -254,11 +255,11 @@ def test_connections_are_capped_counted_and_their_threads_end(serve, channels, s
     third = frame_client(d.session_socket)
     refusal = read_directive(third)
     assert refusal.error.code == "RESOURCE_EXHAUSTED" and "--max-connections" in refusal.error.message
-    state = admin.GetQueue(pb.QueueRequest(protocol_version=1, device=-1))
+    state = admin.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1))
     assert (state.connections, state.max_connections) == (2, 2)
     for c in (first, second, third):
         c.close()
-    wait_for(lambda: admin.GetQueue(pb.QueueRequest(protocol_version=1, device=-1)).connections == 0)
+    wait_for(lambda: admin.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1)).connections == 0)
     wait_for(lambda: _session_threads() == baseline)
     rank = sessions(f"unix://{d.socket_path}", "after")
     assert rank.acquire(0) is True
@@ -289,7 +290,7 @@ def test_errors_do_not_echo_unbounded_client_input(serve, channels):
     d = serve(policy="exclusive")
     channel = channels(f"unix://{d.admin_socket}")
     huge = "x" * 100_000
-    err = rpc_error(pb_grpc.AdminStub(channel).SetPolicy, pb.PolicyRequest(protocol_version=1, name=huge))
+    err = rpc_error(pb_grpc.AdminStub(channel).SetPolicy, pb.PolicyRequest(protocol_version=VERSION, name=huge))
     assert err.code() == grpc.StatusCode.NOT_FOUND or err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(err.details()) < 400, len(err.details())
     c = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=huge))

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from crossover.client.session import Session
+from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from tests.integration.rpc._world import _END, first_directive, holding_stream, identity, register, rpc_error, wait_for
@@ -97,7 +98,7 @@ def test_policy_switch_reaches_connected_sessions(serve, channels, sessions, cap
     assert s.registration.policy_blocks is True
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
     with caplog.at_level(logging.INFO, logger="crossover.client.session"):
-        admin.SetPolicy(pb.PolicyRequest(protocol_version=1, name="passthrough"), timeout=5)
+        admin.SetPolicy(pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name="passthrough"), timeout=5)
         wait_for(lambda: "switched policy to passthrough" in caplog.text)
     assert s.acquire(0) is True
     s.release(0)
@@ -139,33 +140,6 @@ def test_close_delivers_every_event_still_queued(serve, sessions, tmp_path):
             break
         time.sleep(0.05)
     assert len(releases) == 300, f"the daemon saw {len(releases)} of 300 compute phases"
-
-
-def test_turn_floor_places_a_new_job_where_the_others_are(serve, channels, streams, sessions):
-    d = serve(policy="turns")
-    target = f"unix://{d.socket_path}"
-    stub = pb_grpc.SchedulerStub(channels(target))
-    reg = register(stub, job="veteran", world=1)
-    _q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
-                       pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=40, seq=1, turn_base=2))
-    assert first_directive(call).grant.seq == 1
-    newcomer = sessions(target, "newcomer")
-    assert newcomer.turn_floor() == 43  # the veteran holds turn 42; its next request is 43
-    request = wait_for(lambda: [e for e in d.core.events.snapshot() if e["event"] == "request"])
-    assert request[0]["iteration"] == 40 and request[0]["turn"] == 42
-    assert rpc_error(stub.TurnFloor, pb.TurnFloorRequest(session_id="nope"), timeout=5).code() \
-        == grpc.StatusCode.NOT_FOUND
-    assert rpc_error(stub.TurnFloor, pb.TurnFloorRequest(), timeout=5).code() == grpc.StatusCode.INVALID_ARGUMENT
-
-
-def test_a_negative_turn_base_is_refused(serve, channels):
-    d = serve(policy="turns")
-    stub = pb_grpc.SchedulerStub(channels(f"unix://{d.socket_path}"))
-    reg = register(stub, job="bad", world=1)
-    events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
-              pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1, turn_base=-5)]
-    err = rpc_error(lambda: list(stub.Session(iter(events), timeout=5)))
-    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "turn_base" in err.details()
 
 
 def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sessions):
@@ -280,7 +254,7 @@ def test_a_newcomer_is_not_granted_before_the_holder_gives_up_its_lease(serve, c
     d = serve(policy="exclusive")
     target = f"unix://{d.socket_path}"
     stub = pb_grpc.SchedulerStub(channels(target))
-    reg = stub.Register(pb.RegisterRequest(protocol_version=1, identity=identity(job="holder", world=1),
+    reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity(job="holder", world=1),
                                            accepts_leases=True), timeout=5)
     q, call = streams(stub, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id),
                       pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=0, seq=1))
@@ -333,3 +307,20 @@ def test_a_batch_may_not_nest_or_open_or_date_into_the_future(serve, channels):
         events = [pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), pb.RankEvent(kind=pb.BATCH, batch=[inner])]
         err = rpc_error(lambda ev=events: list(stub.Session(iter(ev), timeout=5)))
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and words in err.details()
+
+
+def test_a_plugin_of_another_protocol_is_refused_plainly_and_trains_unscheduled(serve, sessions, caplog,
+                                                                                 monkeypatch):
+    """Daemon and plugin ship together; a mismatched pair (here a protocol-1 plugin, which still sent
+    turn_base and called TurnFloor) is told which versions differ at registration, and never waits."""
+    import crossover.client.session as client_session
+
+    d = serve(policy="exclusive")
+    monkeypatch.setattr(client_session, "PROTOCOL_VERSION", 1)
+    with caplog.at_level(logging.WARNING, logger="crossover.client.session"):
+        s = sessions(f"unix://{d.socket_path}", "old-plugin")
+        wait_for(lambda: "protocol_version=1 is not supported" in caplog.text)
+        t0 = time.monotonic()
+        assert s.acquire(0) is False  # not attached: the rank trains unscheduled at once
+        assert time.monotonic() - t0 < 0.5
+    assert f"it speaks {PROTOCOL_VERSION}" in caplog.text and "upgrade the client or the daemon" in caplog.text

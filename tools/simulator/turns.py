@@ -1,4 +1,10 @@
-"""`turns`: co-located jobs interleave on each device in one cluster-wide order.
+"""`turns`, a retired policy the simulator keeps for comparison: one cluster-wide rotation by iteration.
+
+The daemon ran it until protocol 2; it lost to `crossover` on every measured
+bed (docs/policies.md, "Why the turn rotation lost"), and its start-up
+agreement (a job-wide collective and a TurnFloor call before every job's first
+request) cost the default path. The simulator calls `turn_floor` itself and
+hands every request `base + iteration`, as the plugin used to.
 
 While job A computes, job B runs its allreduce; then they swap (CrossoverScheduler,
 Luo et al. 2021). Generalized to N jobs with unequal phase times:
@@ -54,8 +60,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..api import RankKey, RankRef
-from ._queues import QueuePolicy, _Device
+from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies._queues import QueuePolicy, _Device
 
 __all__ = ["TurnsPolicy", "TurnsSettings"]
 
