@@ -43,9 +43,8 @@ C_S = 0.15  # compute phase alone, as on the emulated bed (--iter-ms 300 at 1:1)
 
 def point(switch: float, interference: float, ratio: float, jobs: int, iters: int) -> dict[str, Any]:
     """Throughput of each mode at one point, and crossover's and exclusive's ratio to unscheduled."""
-    world = {"switch_penalty": switch, "interference": interference, "comm_interference": 0.0,
-             "link_sharing": "fifo", "iterations": iters}
-    it = {mode: simulate_small(C_S, C_S * ratio, jobs, policy, **world)["throughput_iter_s"]
+    it = {mode: simulate_small(C_S, C_S * ratio, jobs, policy, switch_penalty=switch, interference=interference,
+                               comm_interference=0.0, link_sharing="fifo", iterations=iters)["throughput_iter_s"]
           for mode, policy in (("unscheduled", "passthrough"), ("exclusive", "exclusive"),
                                ("crossover", "crossover"))}
     return {"switch_penalty": switch, "interference": interference, "ratio": ratio, "jobs": jobs, "iter_s": it,
