@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from rich.text import Text
 
 from crossover.client import event_intervals, event_views, formatting
 from crossover.client.transport import channel_for, untrusted_socket
-from crossover.protos import PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, default_socket_path
+from crossover.protos import POLICIES, PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, default_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import read_jsonl
@@ -237,16 +238,14 @@ def jobs(**kw: Any) -> None:
     ctx.emit("jobs", ctx.call("ListJobs", pb.JobsRequest(protocol_version=PROTOCOL_VERSION)), formatting.jobs_table)
 
 
-@main.command()
+_POLICY_HELP = "Show the policy, or switch to NAME (ranks waiting are re-queued under it).\n\n\b\n" + "\n".join(
+    textwrap.fill(what, 76, initial_indent=f"{name:<12} ", subsequent_indent=" " * 13) for name, what in POLICIES.items())
+
+
+@main.command(help=_POLICY_HELP)
 @_with_common
 @click.argument("name", required=False)
 def policy(name: str | None, **kw: Any) -> None:
-    """Show the policy, or switch to NAME (ranks waiting are re-queued under it).
-
-    \b
-    passthrough  observe and record only; never blocks
-    exclusive    FIFO; at most one compute phase per device
-    """
     ctx = _ctx(kw)
     req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "")
     reply = ctx.call("SetPolicy" if name else "GetPolicy", req)
@@ -370,6 +369,9 @@ def timeline(files: tuple[Path, ...], since: float | None, until: float | None, 
     lines mark policy switches. Needs matplotlib
     (pip install 'horovod-crossover[plots]').
     """
+    if not output.parent.is_dir():
+        raise click.BadParameter(f"folder {output.parent} does not exist (create it, or write elsewhere)",
+                                 param_hint="'-o' / '--output'")
     sel = _Selection(files, since, until, job_names)
     if title is None:
         title = (f"{', '.join(p.name for p in files)}: {sel.since - sel.log.first:.1f} s to "

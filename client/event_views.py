@@ -138,6 +138,5 @@ def draw_timeline(intervals: Sequence[Interval], since: float, until: float, pat
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=8, frameon=False)
     if title:
         ax.set_title(_label(title, 200), fontsize=10, loc="left")
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return path

@@ -9,6 +9,13 @@ from pathlib import Path
 PROTOCOL_VERSION = 2  # RegisterRequest and every Admin request carry it; the daemon refuses another
 STEERING_CALLS = ("SetPolicy", "Drain", "Resume", "Evict")  # Admin calls that change the daemon: its admin socket only
 TOKEN_METADATA_KEY = "x-crossover-token"
+POLICIES = {
+    "crossover": "the default: one compute phase per device, served in the order jobs' allreduces ended "
+                 "(one order on every node), clearly shorter computes first",
+    "exclusive": "FIFO: one compute phase per device, in the order ranks asked",
+    "passthrough": "observe and record only; never blocks",
+}
+"""The names `SetPolicy` takes (`crossoverd --policy`, `crossover policy NAME`), each with what it does."""
 MAX_BATCH_EVENTS = 256  # events one BATCH may carry; the daemon refuses a larger one (INVALID_ARGUMENT)
 
 

@@ -105,8 +105,27 @@ def test_stats_table(logs):
     assert re.search(r"n1\s.*\s95%\s.*\s20\s.*alpha/1, beta/1", res.stdout)
 
 
+def test_timeline_refuses_a_folder_that_does_not_exist_and_creates_none(logs, tmp_path):
+    out = tmp_path / "nonexistent" / "x.png"
+    res = _run("timeline", *logs, "-o", str(out))
+    assert res.exit_code == 2 and "does not exist" in res.stderr
+    assert not out.parent.exists()
+
+
+def test_policy_help_lists_every_policy_the_daemon_has():
+    from crossover.daemon import policies
+    from crossover.protos import POLICIES
+
+    assert sorted(POLICIES) == policies.available()
+    res = _run("policy", "--help")
+    assert res.exit_code == 0
+    assert all(f"\n  {name} " in res.stdout for name in POLICIES), res.stdout
+    assert max(map(len, res.stdout.splitlines())) <= 80
+
+
 def test_timeline_writes_a_png_and_prints_its_path(logs, tmp_path):
     out = tmp_path / "pics" / "t.png"
+    out.parent.mkdir()
     res = _run("timeline", *logs, "-o", str(out), "--since", "1", "--until", "6", "--title", "two jobs")
     assert res.exit_code == 0, res.output
     assert res.stdout.strip() == str(out)
