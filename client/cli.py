@@ -239,7 +239,8 @@ def jobs(**kw: Any) -> None:
 
 
 _POLICY_HELP = "Show the policy, or switch to NAME (ranks waiting are re-queued under it).\n\n\b\n" + "\n".join(
-    textwrap.fill(what, 76, initial_indent=f"{name:<12} ", subsequent_indent=" " * 13) for name, what in POLICIES.items())
+    textwrap.fill(what, 76, initial_indent=f"{name:<12} ", subsequent_indent=" " * 13)
+    for name, what in POLICIES.items())
 
 
 @main.command(help=_POLICY_HELP)
