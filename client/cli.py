@@ -194,7 +194,8 @@ def main() -> None:
 @main.command()
 @_with_common
 @click.option("--device", type=click.IntRange(-1, _MAX_DEVICE), default=-1, help="Only this device (-1: all).")
-@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
+@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C; piped, print one snapshot per refresh "
+              "(with --json, one JSON object per line).")
 @click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0, show_default=True, callback=_finite,
               help="Seconds between refreshes with --watch.")
 def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
@@ -221,6 +222,13 @@ def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
         if ctx.as_json:
             while True:
                 click.echo(json.dumps(formatting.to_json("queue", ctx.call("GetQueue", req)), sort_keys=True))
+                time.sleep(interval)
+        if not sys.stdout.isatty():  # a pipe or a file: a frame drawn in place would only show at the end
+            console = Console(width=140)
+            while True:
+                console.print(render(formatting.to_json("queue", ctx.call("GetQueue", req))))
+                console.print()
+                sys.stdout.flush()
                 time.sleep(interval)
         with Live(render(formatting.to_json("queue", ctx.call("GetQueue", req))), auto_refresh=False) as live:
             while True:

@@ -81,7 +81,7 @@ class JobStats:
     start of its first phase to the end of its last).
     """
 
-    job: str
+    job_id: str
     job_name: str
     ranks: tuple[int, ...]
     iterations: int
@@ -356,7 +356,7 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
             spans[iv.rank] = (min(a, iv.start), max(b, iv.end))
         active = sum(b - a for a, b in spans.values())
         job_rows.append(JobStats(
-            job=job, job_name=log.jobs[job], ranks=tuple(sorted({iv.rank for iv in ivs})),
+            job_id=job, job_name=log.jobs[job], ranks=tuple(sorted({iv.rank for iv in ivs})),
             iterations=max(Counter(iv.rank for iv in ivs if iv.phase == "compute" and iv.complete).values(),
                            default=0),
             compute_total_s=sum(comp), compute_mean_s=_mean(comp), comm_total_s=sum(comm), comm_mean_s=_mean(comm),

@@ -44,7 +44,7 @@ def stats_tables(stats: Stats, log: PhaseLog) -> list[Table]:
                 "max ms", "share"):
         jobs.add_column(col, justify="right", no_wrap=True)
     for j in stats.jobs:
-        jobs.add_row(shown(j.job_name), shown(j.job[:12]), ",".join(map(str, j.ranks)), str(j.iterations),
+        jobs.add_row(shown(j.job_name), shown(j.job_id[:12]), ",".join(map(str, j.ranks)), str(j.iterations),
                      f"{j.compute_total_s:.2f}", _ms(j.compute_mean_s), f"{j.comm_total_s:.2f}", _ms(j.comm_mean_s),
                      f"{j.wait_total_s:.2f}", _ms(j.wait_mean_s), _ms(j.wait_p95_s), _ms(j.wait_max_s),
                      f"{100 * j.compute_share:.0f}%")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 from rich.text import Text
@@ -18,10 +19,35 @@ _PHASE_STYLE = {"COMPUTE": "bold green", "WAITING": "yellow", "COMM": "cyan", "O
                 "SUSPENDED": "bold red", "OVERDUE": "bold red"}
 
 
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+_UNKNOWN_WHEN_NEGATIVE = {"utilization", "cpu_percent"}  # -1 on the wire: not measured (a CPU device, a first read)
+
+
 def to_json(kind: str, message: Any) -> dict[str, Any]:
-    """`{"version": 1, "kind": ..., <message fields>}`; defaults included so keys are stable."""
+    """`{"version": 1, "kind": ..., <message fields>}`; defaults included so keys are stable.
+
+    Numbers stay numbers (protobuf's JSON mapping writes 64-bit integers as strings), and a
+    figure the daemon could not measure is null, not -1.
+    """
     body = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _plain_numbers(message, body)
     return {"version": JSON_VERSION, "kind": kind, **body}
+
+
+def _plain_numbers(message: Any, body: dict[str, Any]) -> None:
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in body:
+            continue
+        value, repeated = body[field.name], field.is_repeated
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for sub, sub_body in zip(getattr(message, field.name) if repeated else [getattr(message, field.name)],
+                                     value if repeated else [value]):
+                _plain_numbers(sub, sub_body)
+        elif field.type in _INT64:
+            body[field.name] = [int(v) for v in value] if repeated else int(value)
+        elif field.name in _UNKNOWN_WHEN_NEGATIVE and not repeated and value < 0:
+            body[field.name] = None
 
 
 def _ms(seconds: float) -> str:
@@ -62,8 +88,9 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
         extras = []
         if dev.get("draining"):
             extras.append("DRAINING")
-        if dev.get("utilization", -1) >= 0:
-            extras.append(f"util {dev['utilization']:.0f}%")
+        util = dev.get("utilization")
+        if util is not None and util >= 0:
+            extras.append(f"util {util:.0f}%")
         if int(dev.get("memory_total_bytes", 0)):
             extras.append(f"mem {_bytes(int(dev['memory_used_bytes']))}/{_bytes(int(dev['memory_total_bytes']))}")
         if dev.get("order"):
@@ -75,7 +102,7 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
         rows += [("", r) for r in dev.get("others", [])]
         gpu = any(int(r.get("gpu_memory_bytes", 0)) for _, r in rows)
         t = Table(title=title, title_justify="left", expand=False, pad_edge=False)
-        t.add_column("", no_wrap=True)
+        t.add_column("", no_wrap=True, min_width=5)  # "holds", "#12": one width from frame to frame
         t.add_column("job", no_wrap=True, min_width=6)
         for col in ("rank", "pid"):
             t.add_column(col, justify="right", no_wrap=True)
@@ -83,7 +110,8 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
         for col in ("iter", "comp ms", "comm ms", "wait", "cpu%", "rss") + (("gpu mem",) if gpu else ()):
             t.add_column(col, justify="right", no_wrap=True)
         for mark, r in rows:
-            cpu = r.get("cpu_percent", -1)
+            cpu = r.get("cpu_percent")
+            cpu = -1 if cpu is None else cpu
             t.add_row(mark, shown(r.get("job_name", "")), str(r.get("rank", 0)), str(r.get("pid", 0)), _phase(r),
                       str(r.get("iteration", 0)), _ms(r.get("mean_compute_s", 0.0)), _ms(r.get("mean_comm_s", 0.0)),
                       f"{100 * r.get('wait_fraction', 0.0):.0f}%", f"{cpu:.0f}" if cpu >= 0 else "-",

@@ -258,3 +258,17 @@ def test_the_cli_talks_to_a_tls_daemon_with_tls_ca(tmp_path):
             rank.close()
     finally:
         d.stop(grace=0.5)
+
+
+def test_queue_watch_streams_snapshots_into_a_pipe(daemon):
+    """Piped, --watch prints a snapshot per refresh as it goes (a frame drawn in place would show only at
+    the end), and the first column keeps its width from frame to frame."""
+    proc = subprocess.Popen([str(BIN / "crossover"), "queue", "--watch", "--interval", "0.2", "--socket",
+                             daemon.socket_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(40)]  # type: ignore[union-attr]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    heads = [line for line in lines if line.startswith("node node-cli")]
+    assert len(heads) >= 2, "".join(lines)

@@ -67,7 +67,7 @@ def test_stats_json_has_each_job_and_device(logs):
     assert data["window"] == {"since_s": 0.0, "until_s": 10.5, "log_s": 10.5}
     jobs = {j["job_name"]: j for j in data["jobs"]}
     alpha, beta = jobs["alpha"], jobs["beta"]
-    assert alpha["job"] == ALPHA and alpha["ranks"] == [0, 1]
+    assert alpha["job_id"] == ALPHA and alpha["ranks"] == [0, 1]
     assert alpha["iterations"] == beta["iterations"] == 10
     assert alpha["compute_total_s"] == pytest.approx(10.0) and alpha["compute_mean_s"] == pytest.approx(0.5)
     assert alpha["comm_mean_s"] == pytest.approx(0.5) and beta["comm_mean_s"] == pytest.approx(0.25)

@@ -28,3 +28,19 @@ def test_a_name_is_never_markup_nor_a_terminal_escape():
 def test_a_long_name_is_cut():
     assert len(shown("x" * 5000).plain) == 80
     assert shown("résumé-β").plain == "résumé-β"
+
+
+def test_json_keeps_numbers_numbers_and_unmeasured_figures_null():
+    from crossover.client.formatting import to_json
+    from crossover.protos import crossover_v1_pb2 as pb
+
+    state = pb.QueueState()
+    dev = state.devices.add(index=0, kind="cpu", name="core 0", utilization=-1.0)
+    dev.holders.add(job_name="a", rank=1, pid=42, iteration=283, rss_bytes=359_493_632, cpu_percent=-1.0)
+    out = to_json("queue", state)
+    d = out["devices"][0]
+    r = d["holders"][0]
+    assert r["iteration"] == 283 and r["rss_bytes"] == 359_493_632 and r["pid"] == 42
+    assert d["utilization"] is None and r["cpu_percent"] is None
+    assert "job_id" in r
+    assert queue_tables(out)  # the tables read the same dict
