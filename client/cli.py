@@ -9,6 +9,7 @@ import enum
 import json
 import math
 import os
+import socket
 import sys
 import textwrap
 import time
@@ -51,11 +52,34 @@ class _Fail(click.ClickException):
         click.echo(f"crossover: {self.format_message()}", err=True)
 
 
-def _rpc_error(exc: grpc.RpcError, target: str) -> NoReturn:
+def _unreachable(target: str, code: grpc.StatusCode, timeout: float) -> str:
+    """One line: which daemon was tried, what is wrong with it (not running, or answering not at all), what next."""
+    where = "set CROSSOVER_SOCKET or pass --socket (or --address HOST:PORT)"
+    if not target.startswith("unix://"):
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"crossoverd at {target} did not answer within {timeout:g} s (frozen, overloaded or filtered)"
+        return f"no crossoverd answers at {target} (not running, or unreachable from here); check --address"
+    path = target[len("unix://"):]
+    if not os.path.exists(path):
+        return f"no daemon socket at {path}: crossoverd is not running there; start it, or {where}"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return f"{path} is a stale socket (nobody listens): crossoverd is not running; start it, or {where}"
+    except OSError as exc:
+        return f"cannot connect to {path}: {exc.strerror or exc}; {where}"
+    finally:
+        probe.close()
+    return (f"crossoverd at {path} accepts connections but did not answer within {timeout:g} s: it is frozen "
+            "(stopped: `ps -o stat` of its pid shows T) or overloaded")
+
+
+def _rpc_error(exc: grpc.RpcError, target: str, timeout: float = 5.0) -> NoReturn:
     code = exc.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        raise _Fail(f"no crossoverd answers at {target} ({exc.details()}); is it running? "
-                    "(start it with `crossoverd`, or pass --socket/--address)", ExitCode.UNREACHABLE)
+        raise _Fail(_unreachable(target, code, timeout), ExitCode.UNREACHABLE)
     if code is grpc.StatusCode.UNAUTHENTICATED:
         raise _Fail(f"daemon refused the token: {exc.details()}", ExitCode.UNAUTHENTICATED)
     if code is grpc.StatusCode.PERMISSION_DENIED:
@@ -89,7 +113,7 @@ class _Ctx:
         try:
             return getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)
         except grpc.RpcError as exc:
-            _rpc_error(exc, self.target)
+            _rpc_error(exc, self.target, self.timeout)
 
     def _use_admin_socket(self, method: str) -> None:
         assert self.socket is not None

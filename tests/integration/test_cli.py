@@ -175,8 +175,31 @@ def test_unreachable_daemon(run, tmp_path):
     res = run("queue", "--json", socket=str(tmp_path / "nobody.sock"))
     assert res.exit_code == ExitCode.UNREACHABLE == 3
     line = one_line(res.stderr)
-    assert "no crossoverd answers" in line and "nobody.sock" in line
-    assert res.stdout == ""
+    assert "no daemon socket at" in line and "nobody.sock" in line and "CROSSOVER_SOCKET" in line
+    assert len(line) - len(str(tmp_path)) < 160 and res.stdout == ""
+
+
+def test_a_stale_socket_and_a_frozen_daemon_are_told_apart(tmp_path):
+    import socket as sockets
+
+    runner = CliRunner(env={"CROSSOVER_ADDRESS": None, "CROSSOVER_TOKEN": None})
+    stale = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    stale.bind(str(tmp_path / "stale.sock"))
+    stale.close()  # the file stays, nobody listens: what a killed daemon leaves
+    res = runner.invoke(main, ["queue", "--socket", str(tmp_path / "stale.sock"), "--timeout", "2"])
+    assert res.exit_code == ExitCode.UNREACHABLE
+    assert "stale socket" in one_line(res.stderr) and "not running" in res.stderr
+
+    frozen = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    frozen.bind(str(tmp_path / "frozen.sock"))
+    frozen.listen(8)  # connections are accepted by the kernel, nothing ever answers: a SIGSTOPped daemon
+    try:
+        res = runner.invoke(main, ["queue", "--socket", str(tmp_path / "frozen.sock"), "--timeout", "1"])
+    finally:
+        frozen.close()
+    assert res.exit_code == ExitCode.UNREACHABLE
+    line = one_line(res.stderr)
+    assert "accepts connections but did not answer within 1 s" in line and "frozen" in line
 
 
 @pytest.mark.parametrize("args, words", [
