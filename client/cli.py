@@ -9,6 +9,7 @@ import enum
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import textwrap
@@ -222,14 +223,17 @@ def main() -> None:
               "(with --json, one JSON object per line).")
 @click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0, show_default=True, callback=_finite,
               help="Seconds between refreshes with --watch.")
-def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
+def queue(device: int, watch: bool, interval: float, wide: bool, **kw: Any) -> None:
     """Show each device's holder, waiting ranks, phases and timings.
 
     \b
-    Columns: phase (compute/waiting/comm/other; suspended: silent past the
-    heartbeat timeout, out of the rotation until it speaks), iter (the rank's iteration),
-    compute/comm ms (mean phase length), waiting (share of the rank's time
-    spent waiting for grants), cpu % and rss (psutil), gpu mem (NVML).
+    Columns: phase (compute, waiting, comm, other; suspended: silent past
+    the heartbeat timeout, out of the order until it speaks), iter (the
+    rank's iteration), comp ms / comm ms (mean phase lengths), wait (share
+    of the rank's time spent waiting for grants), cpu% and rss (psutil),
+    gpu mem (NVML). A terminal too narrow for all of them loses pid, rss,
+    gpu mem, cpu%, comm ms and iter, in that order (--wide keeps them).
     """
     ctx = _ctx(kw)
     req = pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=device)
@@ -237,7 +241,8 @@ def queue(device: int, watch: bool, interval: float, **kw: Any) -> None:
     def render(d: dict[str, Any]) -> Group:
         head = Text.assemble("node ", formatting.shown(d["node"]), f"  policy {d['policy']}  up {d['uptime_s']:.0f}s  "
                              f"streams {d['connections']}/{d['max_connections']}")
-        return Group(head, *formatting.queue_tables(d))
+        width = None if wide or not sys.stdout.isatty() else shutil.get_terminal_size().columns
+        return Group(head, *formatting.queue_tables(d, width))
 
     if not watch:
         ctx.emit("queue", ctx.call("GetQueue", req), render)

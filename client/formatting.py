@@ -80,8 +80,31 @@ def _phase(rank: dict[str, Any]) -> Text:
     return Text(phase.lower(), style=_PHASE_STYLE.get(phase, ""))
 
 
-def queue_tables(state: dict[str, Any]) -> list[Table]:
-    """One table per device: holder first, then waiting ranks in grant order, then the rest."""
+_QUEUE_COLUMNS = ("", "job", "rank", "pid", "phase", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem")
+_DROP_FIRST = ("pid", "rss", "gpu mem", "cpu%", "comm ms", "iter")  # what a narrow terminal loses, in this order
+_RIGHT = {"rank", "pid", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem"}
+
+
+def _fit(columns: list[str], rows: list[dict[str, Text]], width: int | None) -> list[str]:
+    """The columns that fit `width` (None: all), dropping the least needed first."""
+    def need(cols: list[str]) -> int:  # a cell's text, one space each side, one rule between columns
+        return sum(max([len(c), *(len(r[c].plain) for r in rows)]) + 3 for c in cols) + 1
+
+    kept = list(columns)
+    for name in _DROP_FIRST:
+        if width is None or need(kept) <= width:
+            break
+        if name in kept:
+            kept.remove(name)
+    return kept
+
+
+def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]:
+    """One table per device: holder first, then waiting ranks in grant order, then the rest.
+
+    With a `width` (the terminal's), columns are dropped until the table fits: pid, rss,
+    gpu mem, cpu%, comm ms, iter, in that order (`crossover queue --wide` keeps them all).
+    """
     tables = []
     for dev in state.get("devices", []):
         title = Text(f"device {dev['index']} (") + shown(dev["kind"]) + " " + shown(dev["name"]) + ")"
@@ -97,28 +120,32 @@ def queue_tables(state: dict[str, Any]) -> list[Table]:
             extras.append("order " + " → ".join(shown(o, 40).plain for o in dev["order"]))
         if extras:
             title += Text("  " + "  ".join(extras))
-        rows = [("holds", r) for r in dev.get("holders", [])]
-        rows += [(f"#{i + 1}", r) for i, r in enumerate(dev.get("waiting", []))]
-        rows += [("", r) for r in dev.get("others", [])]
-        gpu = any(int(r.get("gpu_memory_bytes", 0)) for _, r in rows)
-        t = Table(title=title, title_justify="left", expand=False, pad_edge=False)
-        t.add_column("", no_wrap=True, min_width=5)  # "holds", "#12": one width from frame to frame
-        t.add_column("job", no_wrap=True, min_width=6)
-        for col in ("rank", "pid"):
-            t.add_column(col, justify="right", no_wrap=True)
-        t.add_column("phase", no_wrap=True, min_width=7)
-        for col in ("iter", "comp ms", "comm ms", "wait", "cpu%", "rss") + (("gpu mem",) if gpu else ()):
-            t.add_column(col, justify="right", no_wrap=True)
-        for mark, r in rows:
+        marked = [("holds", r) for r in dev.get("holders", [])]
+        marked += [(f"#{i + 1}", r) for i, r in enumerate(dev.get("waiting", []))]
+        marked += [("", r) for r in dev.get("others", [])]
+        gpu = any(int(r.get("gpu_memory_bytes", 0)) for _, r in marked)
+        rows = []
+        for mark, r in marked:
             cpu = r.get("cpu_percent")
-            cpu = -1 if cpu is None else cpu
-            t.add_row(mark, shown(r.get("job_name", "")), str(r.get("rank", 0)), str(r.get("pid", 0)), _phase(r),
-                      str(r.get("iteration", 0)), _ms(r.get("mean_compute_s", 0.0)), _ms(r.get("mean_comm_s", 0.0)),
-                      f"{100 * r.get('wait_fraction', 0.0):.0f}%", f"{cpu:.0f}" if cpu >= 0 else "-",
-                      _bytes(int(r.get("rss_bytes", 0))),
-                      *((_bytes(int(r.get("gpu_memory_bytes", 0))),) if gpu else ()))
+            rows.append({"": Text(mark), "job": shown(r.get("job_name", "")), "rank": Text(str(r.get("rank", 0))),
+                         "pid": Text(str(r.get("pid", 0))), "phase": _phase(r),
+                         "iter": Text(str(r.get("iteration", 0))),
+                         "comp ms": Text(_ms(r.get("mean_compute_s", 0.0))),
+                         "comm ms": Text(_ms(r.get("mean_comm_s", 0.0))),
+                         "wait": Text(f"{100 * r.get('wait_fraction', 0.0):.0f}%"),
+                         "cpu%": Text("-" if cpu is None or cpu < 0 else f"{cpu:.0f}"),
+                         "rss": Text(_bytes(int(r.get("rss_bytes", 0)))),
+                         "gpu mem": Text(_bytes(int(r.get("gpu_memory_bytes", 0))))})
+        columns = _fit([c for c in _QUEUE_COLUMNS if gpu or c != "gpu mem"], rows, width)
+        t = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+        for col in columns:
+            # "holds", "#12": the first column keeps one width from frame to frame
+            t.add_column(col, justify="right" if col in _RIGHT else "left", no_wrap=True,
+                         min_width={"": 5, "job": 6, "phase": 7}.get(col))
+        for row in rows:
+            t.add_row(*(row[c] for c in columns))
         if not rows:
-            t.add_row("", Text("idle: no ranks", style="dim"), *[""] * 9)
+            t.add_row("", Text("idle: no ranks", style="dim"), *[""] * (len(columns) - 2))
         tables.append(t)
     return tables
 

@@ -44,3 +44,29 @@ def test_json_keeps_numbers_numbers_and_unmeasured_figures_null():
     assert d["utilization"] is None and r["cpu_percent"] is None
     assert "job_id" in r
     assert queue_tables(out)  # the tables read the same dict
+
+
+def test_an_80_column_queue_drops_columns_by_priority_instead_of_cutting_values():
+    from crossover.client.formatting import to_json
+    from crossover.protos import crossover_v1_pb2 as pb
+
+    state = pb.QueueState()
+    dev = state.devices.add(index=0, kind="gpu", name="NVIDIA H100 80GB HBM3", utilization=93.0)
+    for k in range(3):
+        dev.waiting.add(job_name=f"resnet50-imagenet-{k}", rank=12, pid=1234567, iteration=123456, phase=pb.WAITING,
+                        mean_compute_s=0.1234, mean_comm_s=0.2345, wait_fraction=0.5, cpu_percent=99.0,
+                        rss_bytes=3_600_000_000, gpu_memory_bytes=42_000_000_000)
+    data = to_json("queue", state)
+    console = Console(record=True, width=80, force_terminal=False)
+    for t in queue_tables(data, 80):
+        console.print(t)
+    text = console.export_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert max(map(len, lines)) <= 80
+    assert "…" not in "".join(lines[1:])  # no header or value cut (the title may be)
+    assert "resnet50-imagenet-2" in text and "comp ms" in text and "pid" not in text
+    wide = Console(record=True, width=200)
+    for t in queue_tables(data):
+        wide.print(t)
+    shown = wide.export_text()
+    assert all(col in shown for col in ("pid", "rss", "gpu mem", "cpu%", "comm ms", "iter")), shown
