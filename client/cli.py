@@ -361,6 +361,7 @@ class _Selection:
         events = event_intervals.merge_logs(logs)
         self.log = event_intervals.read_phases(events)
         self.policy_changes = event_intervals.policy_changes(events)
+        self.operator_marks = event_intervals.operator_marks(events)
         try:
             self.jobs = event_intervals.select_jobs(self.log, job_names)
         except event_intervals.UnknownJob as exc:
@@ -403,8 +404,9 @@ def timeline(files: tuple[Path, ...], since: float | None, until: float | None, 
 
     FILES are crossoverd --event-log files, one per node; their clocks are
     aligned by wall time. One band per node and device, one row per rank on
-    it: compute solid, allreduce hatched, waiting for a grant pale; dashed
-    lines mark policy switches. Needs matplotlib
+    it: compute solid, allreduce hatched, waiting for a grant pale, a rank
+    suspended (silent) dotted red; dashed lines mark policy switches,
+    drains, resumes and evictions. Needs matplotlib
     (pip install 'horovod-crossover[plots]').
     """
     if not output.parent.is_dir():
@@ -416,7 +418,8 @@ def timeline(files: tuple[Path, ...], since: float | None, until: float | None, 
                  f"{sel.until - sel.log.first:.1f} s" + (f", jobs {', '.join(job_names)}" if job_names else ""))
     try:
         path = event_views.draw_timeline(sel.intervals, sel.since, sel.until, output, devices=sel.devices,
-                                         marks=[(t, f"policy {p}") for t, p in sel.policy_changes],
+                                         marks=[(t, f"policy {p}") for t, p in sel.policy_changes]
+                                         + sel.operator_marks,
                                          title=title, origin=sel.log.first)
     except ImportError as exc:
         raise _Fail(f"timeline needs matplotlib ({exc}): pip install 'horovod-crossover[plots]' "

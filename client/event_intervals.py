@@ -18,13 +18,13 @@ from typing import Any, Literal
 
 __all__ = [
     "DeviceKey", "DeviceStats", "Interval", "JobStats", "PhaseKind", "PhaseLog", "Stats", "UnknownJob",
-    "clip", "compute_stats", "covered_length", "job_labels", "merge_logs", "policy_changes", "read_phases",
-    "select_jobs", "union_length", "window",
+    "clip", "compute_stats", "covered_length", "job_labels", "merge_logs", "operator_marks", "policy_changes",
+    "read_phases", "select_jobs", "union_length", "window",
 ]
 
 _log = logging.getLogger(__name__)
 
-PhaseKind = Literal["compute", "comm", "wait", "overdue"]
+PhaseKind = Literal["compute", "comm", "wait", "overdue", "suspended"]
 DeviceKey = tuple[str, int]  # (node, device index)
 
 _HOLDS: frozenset[str] = frozenset({"compute", "overdue"})  # the rank's compute runs on the device
@@ -228,8 +228,14 @@ def _replay(r: _Rank, e: Mapping[str, Any]) -> None:
         r.begin("overdue", t, device)
     elif ev == "overdue_done":
         r.end("overdue", t, complete=True)
-    elif ev in ("cancel", "suspend"):
+    elif ev == "cancel":
         r.end("wait", t, complete=False)
+    elif ev == "suspend":  # silent past the heartbeat timeout: nothing it does is known until it speaks
+        for phase in ("wait", "comm", "compute"):
+            r.end(phase, t, complete=False)
+        r.begin("suspended", t, device)
+    elif ev == "resume":
+        r.end("suspended", t, complete=True)
     elif ev == "comm_begin":
         r.begin("comm", t, device)
     elif ev == "comm_end":
@@ -372,6 +378,17 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
                                     busy_fraction=union_length(holding) / length if length > 0 else 0.0,
                                     grants=grants, holders=tuple(f"{name}/{rank}" for name, rank in holders)))
     return Stats(since, until, tuple(job_rows), tuple(dev_rows))
+
+
+def operator_marks(events: Iterable[Mapping[str, Any]]) -> list[tuple[float, str]]:
+    """(t, text) of each drain, resume and eviction of a device or job, in time order, with its node."""
+    out = []
+    for e in events:
+        if not _is_event(e) or "rank" in e or e["event"] not in ("drain", "resume", "evict"):
+            continue
+        what = f"job {e['job']}"[:20] if e["event"] == "evict" and e.get("job") else f"dev{_int(e.get('device'))}"
+        out.append((float(e["t"]), f"{e['event']} {what} @{e.get('node', '?')}"))
+    return sorted(out)
 
 
 def policy_changes(events: Iterable[Mapping[str, Any]], within_s: float = 1.0) -> list[tuple[float, str]]:

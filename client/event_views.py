@@ -112,15 +112,21 @@ def draw_timeline(intervals: Sequence[Interval], since: float, until: float, pat
             ax.broken_barh(bars.get("compute", []), (y + 0.1, 0.8), facecolors=c, linewidth=0)
             ax.broken_barh(bars.get("overdue", []), (y + 0.1, 0.8), facecolors=c, hatch="xx", edgecolor="red",
                            linewidth=0.8)
+            ax.broken_barh(bars.get("suspended", []), (y + 0.25, 0.5), facecolors="none", edgecolor="red",
+                           linestyle=":", linewidth=1.0)
             labels.append(f"{where}  {_label(names[job])} r{rank}")
             ticks.append(y + 0.5)
             y += 1
         ax.axhline(y + 0.2, color="0.8", linewidth=0.6)
         y += 0.4
-    for t, text in marks:
+    level_free_at = [float("-inf")] * 4  # marks closer than a label's width go one line lower
+    for t, text in sorted(marks):
         if since <= t <= until:
-            ax.axvline(t - origin, color="0.3", linestyle="--", linewidth=0.8)
-            ax.text(t - origin, 0.995, f" {_label(text)}", fontsize=7, va="top", ha="left", color="0.2",
+            x = t - origin
+            level = next((k for k, free in enumerate(level_free_at) if x >= free), 0)
+            level_free_at[level] = x + (until - since) * 0.012 * (len(text) + 2)
+            ax.axvline(x, color="0.3", linestyle="--", linewidth=0.8)
+            ax.text(x, 0.995 - 0.05 * level, f" {_label(text)}", fontsize=7, va="top", ha="left", color="0.2",
                     transform=ax.get_xaxis_transform(),
                     bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0, "pad": 1})
     ax.set_yticks(ticks)
@@ -135,6 +141,8 @@ def draw_timeline(intervals: Sequence[Interval], since: float, until: float, pat
                 Patch(facecolor="0.4", alpha=0.3, label="waiting for a grant")]
     if any(iv.phase == "overdue" for iv in intervals):
         handles.append(Patch(facecolor="0.4", hatch="xx", edgecolor="red", label="overdue (served past)"))
+    if any(iv.phase == "suspended" for iv in intervals):
+        handles.append(Patch(facecolor="none", edgecolor="red", linestyle=":", label="suspended (silent)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=8, frameon=False)
     if title:
         ax.set_title(_label(title, 200), fontsize=10, loc="left")

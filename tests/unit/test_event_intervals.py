@@ -12,6 +12,7 @@ from crossover.client.event_intervals import (
     compute_stats,
     job_labels,
     merge_logs,
+    operator_marks,
     policy_changes,
     read_phases,
     select_jobs,
@@ -206,3 +207,21 @@ def test_a_policy_switch_logged_by_every_node_is_one_change():
               {"t": 9.0, "event": "policy", "old": "exclusive", "new": "turns"},
               {"t": 20.0, "event": "policy", "old": "turns", "new": "exclusive"}]
     assert policy_changes(events) == [(5.0, "exclusive"), (9.0, "turns"), (20.0, "exclusive")]
+
+
+def test_a_suspended_rank_is_silent_not_in_an_allreduce_until_it_speaks():
+    events = [ev(0.0, "request"), ev(0.0, "grant", waited_s=0.0), ev(0.1, "release", held_s=0.1),
+              ev(0.1, "comm_begin"), ev(0.5, "suspend", phase="comm"), ev(6.5, "resume", silent_s=6.2),
+              ev(6.6, "comm_end", duration_s=0.05)]
+    log = read_phases(events)
+    assert spans(list(log.intervals), "suspended") == [(0.5, 6.5)]
+    assert all(b <= 0.5 or a >= 6.5 for a, b in spans(list(log.intervals), "comm"))
+
+
+def test_drains_resumes_and_evictions_are_marks_with_their_node():
+    events = [{"t": 1.0, "event": "drain", "device": 0, "node": "n0"},
+              {"t": 2.0, "event": "evict", "device": -1, "job": "resnet", "node": "n1"},
+              {"t": 3.0, "event": "resume", "device": 0, "node": "n0"},
+              ev(4.0, "resume", silent_s=1.0)]  # a rank that speaks again is no operator's mark
+    assert operator_marks(events) == [(1.0, "drain dev0 @n0"), (2.0, "evict job resnet @n1"),
+                                      (3.0, "resume dev0 @n0")]
