@@ -124,7 +124,7 @@ def _group(name: str | None, flag: str) -> int | None:
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
 @click.option("--metrics-address", metavar="HOST:PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (a bare PORT: loopback only). "
-              "Off by default; docs/operating.md lists the metrics.")
+              "Off by default; docs/metrics.md lists the metrics.")
 @click.option("--health-address", metavar="HOST:PORT",
               help="Serve the standard gRPC health service (grpc.health.v1) alone, in plain text and without a "
               "token, for liveness and readiness probes. The sockets and --listen serve it too.")

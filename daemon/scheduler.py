@@ -40,11 +40,17 @@ _log = logging.getLogger(__name__)
 
 
 def _process(pid: int) -> psutil.Process | None:
-    """The process `pid` names, for its CPU and memory figures; None when this daemon cannot see it."""
+    """The process `pid` names, for its CPU and memory figures; None when this daemon cannot see it.
+
+    Its CPU counter is read once here: psutil measures CPU use between two reads, so the
+    first `crossover queue` then shows the rank's use since it registered, not 0.
+    """
     if pid <= 0:
         return None
     try:
-        return psutil.Process(pid)
+        process = psutil.Process(pid)
+        process.cpu_percent(None)
+        return process
     except (psutil.Error, ValueError):
         return None
 

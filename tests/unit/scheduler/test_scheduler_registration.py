@@ -208,3 +208,19 @@ def test_registrations_past_the_cap_are_refused(make):
         join(s, job=f"j{i}", device=0)
     with pytest.raises(ResourceExhausted, match="3 registered ranks"):
         join(s, job="j3", device=0)
+
+
+def test_cpu_percent_is_measured_on_the_first_read(make):
+    """psutil measures CPU between two reads: the daemon reads once at registration, so the first
+    `crossover queue` shows the rank's use since then (not 0, as a first psutil read would)."""
+    import os
+    import time
+
+    s = make()
+    sid, _ = join(s, pid=os.getpid())
+    end = time.process_time() + 0.2
+    while time.process_time() < end:  # the "rank" (this process) computes
+        pass
+    _, ranks = s.snapshot()
+    me = next(r for r in ranks if r.ident.pid == os.getpid())
+    assert me.cpu_percent > 10, me.cpu_percent
