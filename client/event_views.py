@@ -24,7 +24,7 @@ def stats_json(stats: Stats, log: PhaseLog) -> dict[str, Any]:
     return {"version": JSON_VERSION, "kind": "stats",
             "window": {"since_s": stats.since - log.first, "until_s": stats.until - log.first,
                        "log_s": log.last - log.first},
-            "jobs": [dataclasses.asdict(j) for j in stats.jobs],
+            "jobs": [dataclasses.asdict(j) for j in stats.jobs], "sharing_gain": stats.sharing_gain,
             "devices": [dataclasses.asdict(d) for d in stats.devices]}
 
 
@@ -48,6 +48,18 @@ def stats_tables(stats: Stats, log: PhaseLog) -> list[Table]:
                      f"{j.compute_total_s:.2f}", _ms(j.compute_mean_s), f"{j.comm_total_s:.2f}", _ms(j.comm_mean_s),
                      f"{j.wait_total_s:.2f}", _ms(j.wait_mean_s), _ms(j.wait_p95_s), _ms(j.wait_max_s),
                      f"{100 * j.compute_share:.0f}%")
+    sharing = Table(title=f"what sharing cost each job, and bought: {stats.sharing_gain:.2f} jobs' worth of "
+                          "iterations in all", title_justify="left",
+                    caption="iter ms: per iteration here; alone ms: mean compute + mean comm, an estimate of the "
+                            "job with its devices to itself; slower: iter / alone; jobs' worth: the jobs' speeds "
+                            "against alone, added up (over 1: sharing beat running them one after another)",
+                    caption_justify="left")
+    sharing.add_column("job", no_wrap=True)
+    for col in ("iter ms", "alone ms", "slower"):
+        sharing.add_column(col, justify="right", no_wrap=True)
+    for j in stats.jobs:
+        sharing.add_row(shown(j.job_name), _ms(j.iteration_s), _ms(j.alone_s),
+                        f"{j.slowdown:.2f}x" if j.slowdown else "-")
     devices = Table(title="devices", title_justify="left",
                     caption="busy: time some rank computed on it / the window", caption_justify="left")
     devices.add_column("node", no_wrap=True)
@@ -57,7 +69,7 @@ def stats_tables(stats: Stats, log: PhaseLog) -> list[Table]:
     for d in stats.devices:
         devices.add_row(shown(d.node), str(d.device), f"{100 * d.busy_fraction:.0f}%", str(d.grants),
                         shown(", ".join(d.holders), 200) if d.holders else Text("none", style="dim"))
-    return [jobs, devices]
+    return [jobs, sharing, devices]
 
 
 def _label(value: str, limit: int = 40) -> str:

@@ -225,3 +225,20 @@ def test_drains_resumes_and_evictions_are_marks_with_their_node():
               ev(4.0, "resume", silent_s=1.0)]  # a rank that speaks again is no operator's mark
     assert operator_marks(events) == [(1.0, "drain dev0 @n0"), (2.0, "evict job resnet @n1"),
                                       (3.0, "resume dev0 @n0")]
+
+
+def test_stats_say_what_sharing_cost_each_job_and_bought_the_node():
+    # two jobs alternating on one device: each computes 0.1 s and communicates 0.1 s, and waits
+    # 0.1 s for the other; alone an iteration would take 0.2 s, shared it takes 0.3 s
+    events = []
+    for i in range(10):
+        t = 0.3 * i
+        events += step(t, 0.1, 0.1, 0.1, job=JOB_A)
+        events += step(t + 0.1, 0.1, 0.1, 0.1, job=JOB_B, rank=0)
+    log = read_phases(events)
+    st = compute_stats(log, log.first, log.last)
+    a = next(j for j in st.jobs if j.job_id == JOB_A)
+    assert a.alone_s == pytest.approx(0.2)
+    assert a.iteration_s == pytest.approx(0.3, rel=0.05)
+    assert a.slowdown == pytest.approx(1.5, rel=0.05)
+    assert st.sharing_gain == pytest.approx(2 / 1.5, rel=0.05)  # 1.33 jobs' worth from one device
