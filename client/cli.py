@@ -9,6 +9,7 @@ import enum
 import json
 import math
 import os
+import pwd
 import shutil
 import socket
 import sys
@@ -26,7 +27,14 @@ from rich.text import Text
 
 from crossover.client import event_intervals, event_views, formatting
 from crossover.client.transport import channel_for, untrusted_socket
-from crossover.protos import POLICIES, PROTOCOL_VERSION, STEERING_CALLS, admin_socket_path, default_socket_path
+from crossover.protos import (
+    POLICIES,
+    PROTOCOL_VERSION,
+    STEERING_CALLS,
+    USER_METADATA_KEY,
+    admin_socket_path,
+    default_socket_path,
+)
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import read_jsonl
@@ -88,6 +96,14 @@ def _rpc_error(exc: grpc.RpcError, target: str, timeout: float = 5.0) -> NoRetur
     raise _Fail(f"{exc.details()} ({code.name})", ExitCode.REFUSED)
 
 
+def _user() -> str:
+    """This process's user name, for the daemon's record of a steering call."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
 class _Ctx:
     def __init__(self, socket: str, address: str | None, token: str | None, as_json: bool, timeout: float,
                  tls_ca: str | None = None) -> None:
@@ -111,8 +127,11 @@ class _Ctx:
             except OSError as exc:
                 raise _Fail(f"cannot read --tls-ca {self.tls_ca}: {exc.strerror}", ExitCode.USAGE) from None
         stub = pb_grpc.AdminStub(self._channel)
+        metadata = list(self._md)
+        if method in STEERING_CALLS:
+            metadata.append((USER_METADATA_KEY, _user()))
         try:
-            return getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)
+            return getattr(stub, method)(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             _rpc_error(exc, self.target, self.timeout)
 
@@ -232,8 +251,9 @@ def queue(device: int, watch: bool, interval: float, wide: bool, **kw: Any) -> N
     the heartbeat timeout, out of the order until it speaks), iter (the
     rank's iteration), comp ms / comm ms (mean phase lengths), wait (share
     of the rank's time spent waiting for grants), cpu% and rss (psutil),
-    gpu mem (NVML). A terminal too narrow for all of them loses pid, rss,
-    gpu mem, cpu%, comm ms and iter, in that order (--wide keeps them).
+    gpu mem (NVML), user (the rank's, as the kernel names it; - when not
+    known). A terminal too narrow for all of them loses pid, rss, gpu mem,
+    cpu%, user, comm ms and iter, in that order (--wide keeps them).
     """
     ctx = _ctx(kw)
     req = pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=device)

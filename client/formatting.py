@@ -80,8 +80,9 @@ def _phase(rank: dict[str, Any]) -> Text:
     return Text(phase.lower(), style=_PHASE_STYLE.get(phase, ""))
 
 
-_QUEUE_COLUMNS = ("", "job", "rank", "pid", "phase", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem")
-_DROP_FIRST = ("pid", "rss", "gpu mem", "cpu%", "comm ms", "iter")  # what a narrow terminal loses, in this order
+_QUEUE_COLUMNS = ("", "job", "user", "rank", "pid", "phase", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss",
+                  "gpu mem")
+_DROP_FIRST = ("pid", "rss", "gpu mem", "cpu%", "user", "comm ms", "iter")  # what a narrow terminal loses, in order
 _RIGHT = {"rank", "pid", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem"}
 
 
@@ -103,14 +104,16 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
     """One table per device: holder first, then waiting ranks in grant order, then the rest.
 
     With a `width` (the terminal's), columns are dropped until the table fits: pid, rss,
-    gpu mem, cpu%, comm ms, iter, in that order (`crossover queue --wide` keeps them all).
+    gpu mem, cpu%, user, comm ms, iter, in that order (`crossover queue --wide` keeps them all).
     """
     tables = []
     for dev in state.get("devices", []):
         title = Text(f"device {dev['index']} (") + shown(dev["kind"]) + " " + shown(dev["name"]) + ")"
         extras = []
         if dev.get("draining"):
-            extras.append("DRAINING")
+            refused = int(dev.get("refused_while_draining", 0))
+            extras.append("DRAINING" + (f" ({refused} new rank{'s' * (refused != 1)} refused, unscheduled)"
+                                        if refused else ""))
         util = dev.get("utilization")
         if util is not None and util >= 0:
             extras.append(f"util {util:.0f}%")
@@ -127,7 +130,8 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
         rows = []
         for mark, r in marked:
             cpu = r.get("cpu_percent")
-            rows.append({"": Text(mark), "job": shown(r.get("job_name", "")), "rank": Text(str(r.get("rank", 0))),
+            rows.append({"": Text(mark), "job": shown(r.get("job_name", "")), "user": shown(r.get("user") or "-", 16),
+                         "rank": Text(str(r.get("rank", 0))),
                          "pid": Text(str(r.get("pid", 0))), "phase": _phase(r),
                          "iter": Text(str(r.get("iteration", 0))),
                          "comp ms": Text(_ms(r.get("mean_compute_s", 0.0))),
@@ -152,14 +156,16 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
 
 def jobs_table(state: dict[str, Any]) -> Table:
     t = Table(title="jobs on this node", title_justify="left")
-    for col in ("job", "id", "world", "ranks here", "phases", "iter", "registered s"):
+    for col in ("job", "user", "id", "world", "ranks here", "phases", "iter", "registered s"):
         t.add_column(col)
     for job in state.get("jobs", []):
         ranks = job.get("ranks", [])
         phases = ", ".join(f"{r['rank']}:{r.get('phase', 'IDLE').lower()}" for r in ranks)
         iters = max((int(r.get("iteration", 0)) for r in ranks), default=0)
-        t.add_row(shown(job["job_name"]), shown(job["job_id"][:12]), str(job["world_size"]), str(len(ranks)), phases,
+        users = sorted({r.get("user") for r in ranks if r.get("user")})
+        t.add_row(shown(job["job_name"]), shown(",".join(users) or "-", 24), shown(job["job_id"][:12]),
+                  str(job["world_size"]), str(len(ranks)), phases,
                   str(iters), f"{job.get('registered_s', 0.0):.0f}")
     if not state.get("jobs"):
-        t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "")
+        t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "", "")
     return t

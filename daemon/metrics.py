@@ -73,6 +73,8 @@ class DaemonMetrics:
         self.overdue = Counter("crossover_overdue_holders", "Holders treated as stalled (held far past their "
                                "compute time) so the next rank was served.", ("device",), registry=r)
         self.policy_switches = Counter("crossover_policy_switches", "Policy changes (SetPolicy).", registry=r)
+        self.drain_refusals = Counter("crossover_drain_refusals", "New ranks refused on a drained device (they "
+                                      "train there unscheduled).", ("device",), registry=r)
         ProcessCollector(registry=r)
         self._state = _StateCollector(core, version)
         r.register(self._state)
@@ -87,6 +89,9 @@ class DaemonMetrics:
         event = entry["event"]
         if event == "policy":
             self.policy_switches.inc()
+            return
+        if event == "drain_refused":
+            self.drain_refusals.labels(str(entry.get("device", ""))).inc()
             return
         if "job" not in entry:
             return

@@ -25,7 +25,7 @@ from crossover.daemon import policies
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision, EventKind, RankEvent, record_rank
-from crossover.daemon.inventory import Inventory
+from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.leases import Leases
 from crossover.daemon.liveness import Liveness
 from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PolicyMsg
@@ -102,6 +102,7 @@ class Scheduler:
         self._started = clock()
         self._closed = False
         self._ids = itertools.count()
+        self._drain_refused: dict[int, int] = {}  # device -> ranks refused since its drain began
 
     # ---- liveness settings ---------------------------------------------
 
@@ -170,9 +171,8 @@ class Scheduler:
                     f"(pid {known.ident.pid})"
                 )
             if device.index in self._leases.draining:
-                raise FailedPrecondition(
-                    f"device {device.index} is draining and takes no new ranks; `crossover resume {device.index}`"
-                )
+                device = self._instead_of_drained(device, ident)
+
             sid = f"{uuid.uuid4().hex}{next(self._ids):x}"
             ref = RankRef(key, ident.job_name, device.index, ident.world_size, now)
             ident = replace(ident, node=self.node, device=device.index)
@@ -355,8 +355,9 @@ class Scheduler:
         with self._lock:
             return dict(self._phases.policy.decisions())
 
-    def set_policy(self, name: str) -> str:
-        """Switch policy at once; ranks computing or waiting are re-queued under the new one."""
+    def set_policy(self, name: str, caller: str = "") -> str:
+        """Switch policy at once; ranks computing or waiting are re-queued under the new one.
+        `caller` says who asked, as the event log and the daemon log record it."""
         new = policies.create(name)
         d = Decision()
         with self._lock:
@@ -383,11 +384,38 @@ class Scheduler:
             for sess in self._sessions:
                 d.post(sess, PolicyMsg(new.name, new.blocks))
             self._commit(d, now)
-        self.events.record("policy", old=old.name, new=name)
-        _log.info("policy %s -> %s", old.name, name)
+        self.events.record("policy", old=old.name, new=name, caller=caller)
+        _log.warning("operator switched policy %s -> %s (%s)", old.name, name, caller or "?")
         return name
 
-    def drain(self, device: int, draining: bool) -> bool:
+    def _instead_of_drained(self, device: Device, ident: RankIdentity) -> Device:
+        """The device for a new rank whose device the operator drained (called with the lock held).
+
+        A rank on a CPU device computes on the cores the daemon names, so it goes to the free
+        device with the fewest ranks, if one is left. A GPU rank's script picks its GPU itself:
+        it is refused, trains unscheduled there, and is counted (`crossover queue`, metrics)."""
+        if device.kind == "cpu" and ident.device < 0:
+            load = {d.index: 0 for d in self.inventory.devices if d.index not in self._leases.draining}
+            for sess in self._sessions:
+                if sess.ref.device in load:
+                    load[sess.ref.device] += 1
+            if load:
+                other = self.inventory.by_index(min(load, key=lambda i: (load[i], i)))
+                _log.info("%s rank %d: device %d is drained; placed on device %d", ident.job_name, ident.rank,
+                          device.index, other.index)
+                return other
+        self._drain_refused[device.index] = self._drain_refused.get(device.index, 0) + 1
+        self.events.record("drain_refused", device=device.index, job=ident.job_id, job_name=ident.job_name,
+                           rank_refused=ident.rank)
+        _log.warning("%s rank %d refused: device %d is drained; it trains unscheduled there", ident.job_name,
+                     ident.rank, device.index)
+        raise FailedPrecondition(
+            f"device {device.index} was drained by this node's operator and takes no new ranks "
+            f"(`crossover resume {device.index}` reopens it); this rank trains on it unscheduled")
+
+    def drain(self, device: int, draining: bool, caller: str = "") -> bool:
+        """The operator's `crossover drain` / `resume`: new ranks go elsewhere (or are refused), those
+        on the device stay. `caller` says who asked, as the event log and the daemon log record it."""
         self.inventory.by_index(device)
         d = Decision()
         with self._lock:
@@ -395,11 +423,18 @@ class Scheduler:
             (self._leases.draining.add if draining else self._leases.draining.discard)(device)
             if draining:
                 self._leases.revoke(device, "device draining", d)
+            self._drain_refused.pop(device, None)
             self._commit(d, now)
-        self.events.record("drain" if draining else "resume", device=device)
+        self.events.record("drain" if draining else "resume", device=device, caller=caller)
+        _log.warning("operator %s device %d (%s)", "drained" if draining else "resumed", device, caller or "?")
         return draining
 
-    def evict(self, device: int = -1, job: str = "") -> list[str]:
+    def drain_refusals(self, device: int) -> int:
+        """Ranks refused on `device` since its drain began (they train unscheduled there)."""
+        with self._lock:
+            return self._drain_refused.get(device, 0)
+
+    def evict(self, device: int = -1, job: str = "", caller: str = "") -> list[str]:
         """The operator's `crossover evict`: take `device` back from its holders now (each is treated
         as overdue and the next rank is served), and/or close every session of `job` (id or name) on
         this node. Returns a line per rank touched; an empty list when nothing matched."""
@@ -422,9 +457,9 @@ class Scheduler:
             self._commit(d, now)
         for sid in doomed:
             self.close(sid, "evicted by the operator", evicted=True)
-        self.events.record("evict", device=device, job=job, touched=len(done))
-        _log.warning("operator evict (device %s, job %r): %s", device if device >= 0 else "-", job,
-                     "; ".join(done) or "nothing matched")
+        self.events.record("evict", device=device, job=job, touched=len(done), caller=caller)
+        _log.warning("operator evict (device %s, job %r; %s): %s", device if device >= 0 else "-", job,
+                     caller or "?", "; ".join(done) or "nothing matched")
         return done
 
     def sessions_by_uid(self) -> dict[str, int]:

@@ -17,6 +17,7 @@ from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
 from crossover.daemon.session_stream import refusal
 from crossover.daemon.snapshots import RankSnapshot
+from crossover.protos import USER_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
@@ -32,6 +33,17 @@ _PHASES = {
     Phase.SUSPENDED: pb.SUSPENDED,
     Phase.OVERDUE: pb.OVERDUE,
 }
+
+
+def _caller(context: grpc.ServicerContext) -> str:
+    """Who made a steering call, for the record: the way in (only the daemon's user or its admin group
+    reach the admin socket; over TCP, the admin token's holder) and the user the CLI says it runs as,
+    which nothing checks."""
+    peer = context.peer() or "?"
+    way = "admin socket" if peer.startswith("unix:") else f"{peer} with the admin token"
+    claimed = next((v for k, v in context.invocation_metadata() or () if k == USER_METADATA_KEY), "")
+    claimed = "".join(c for c in str(claimed)[:64] if c.isprintable())
+    return f"{way}, user {claimed} (as the client says)" if claimed else way
 
 
 def _check_version(version: int) -> None:
@@ -101,7 +113,7 @@ def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
         job_id=i.job_id, job_name=i.job_name, rank=i.rank, local_rank=i.local_rank, pid=i.pid,
         phase=_PHASES[r.phase], iteration=r.iteration, mean_compute_s=r.mean_compute_s,
         mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
-        rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s,
+        rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s, user=r.user,
     )
 
 
@@ -127,6 +139,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
                 holders=[_rank_state(r, mem) for r in holders], waiting=[_rank_state(r, mem) for r in waiting],
                 others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
                 memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total, order=list(order),
+                refused_while_draining=self._core.drain_refusals(dev.index),
             ))
         return out
 
@@ -152,24 +165,25 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         _check_version(request.protocol_version)
         if not request.name:
             raise InvalidRequest("name is empty; give the policy to switch to")
-        self._core.set_policy(request.name)
+        self._core.set_policy(request.name, caller=_caller(context))
         return pb.PolicyInfo(name=self._core.policy_name, available=policies.available())
 
     @_unary
     def Drain(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
         _check_version(request.protocol_version)
-        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, True))
+        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, True, _caller(context)))
 
     @_unary
     def Resume(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
         _check_version(request.protocol_version)
-        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, False))
+        return pb.DeviceAck(device=request.device,
+                            draining=self._core.drain(request.device, False, _caller(context)))
 
     @_unary
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
         _check_version(request.protocol_version)
         if request.device < 0 and not request.job:
             raise InvalidRequest("name a device or a job to evict")
-        return pb.EvictReply(done=self._core.evict(request.device, request.job))
+        return pb.EvictReply(done=self._core.evict(request.device, request.job, _caller(context)))
 
 

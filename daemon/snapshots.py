@@ -1,6 +1,7 @@
 """What the admin calls show of the scheduler: ranks and devices at one instant."""
 from __future__ import annotations
 
+import pwd
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ class RankSnapshot:
     registered_s: float
     cpu_percent: float
     rss_bytes: int
+    user: str = ""  # the kernel's uid of its session socket peer, as a name; "" when not known
 
 
 class DeviceSnapshot(NamedTuple):
@@ -50,7 +52,15 @@ def rank_snapshot(s: Session, now: float) -> RankSnapshot:
         registered_s=alive,
         cpu_percent=-1.0,
         rss_bytes=0,
+        user="" if s.uid is None else _user_name(s.uid),
     )
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def with_process_usage(snap: RankSnapshot, process: psutil.Process) -> RankSnapshot:

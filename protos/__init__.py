@@ -9,6 +9,7 @@ from pathlib import Path
 PROTOCOL_VERSION = 2  # RegisterRequest and every Admin request carry it; the daemon refuses another
 STEERING_CALLS = ("SetPolicy", "Drain", "Resume", "Evict")  # Admin calls that change the daemon: its admin socket only
 TOKEN_METADATA_KEY = "x-crossover-token"
+USER_METADATA_KEY = "x-crossover-user"  # who the CLI says runs it: recorded with every steering call, not trusted
 POLICIES = {
     "crossover": "the default: one compute phase per device, served in the order jobs' allreduces ended "
                  "(one order on every node), clearly shorter computes first",

@@ -186,7 +186,7 @@ class PolicyUpdate(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s")
+    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class RankState(_message.Message):
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SINCE_S_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     rank: int
@@ -215,10 +216,11 @@ class RankState(_message.Message):
     rss_bytes: int
     gpu_memory_bytes: int
     since_s: float
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ...) -> None: ...
+    user: str
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ...) -> None: ...
 
 class DeviceState(_message.Message):
-    __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order")
+    __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order", "refused_while_draining")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +232,7 @@ class DeviceState(_message.Message):
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_WHILE_DRAINING_FIELD_NUMBER: _ClassVar[int]
     index: int
     kind: str
     name: str
@@ -241,7 +244,8 @@ class DeviceState(_message.Message):
     memory_used_bytes: int
     memory_total_bytes: int
     order: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ...) -> None: ...
+    refused_while_draining: int
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ..., refused_while_draining: _Optional[int] = ...) -> None: ...
 
 class QueueRequest(_message.Message):
     __slots__ = ("protocol_version", "device")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 from crossover.client.cli import ExitCode, main
 from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
+from crossover.daemon.api import FailedPrecondition
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
@@ -150,6 +152,17 @@ def test_drain_and_resume(run, daemon):
     q = json.loads(run("queue", "--json").stdout)
     assert [d["draining"] for d in q["devices"]] == [True, False]
     assert "DRAINING" in run("queue").stdout
+
+    me = pwd.getpwuid(os.getuid()).pw_name
+    drains = [e for e in daemon.core.events.snapshot() if e["event"] == "drain"]
+    assert drains and f"user {me} (as the client says)" in drains[-1]["caller"]
+    assert drains[-1]["caller"].startswith("admin socket")
+    # a GPU-less test daemon: a CPU rank that lets the daemon choose goes around the drained device,
+    # one that insists on it is refused, counted and shown
+    with pytest.raises(FailedPrecondition, match="drained by this node's operator"):
+        daemon.core.register(RankIdentity(job_id="late", job_name="late", rank=0, local_rank=0, world_size=1,
+                                          local_size=1, device=0, pid=os.getpid()))
+    assert "DRAINING (1 new rank refused, unscheduled)" in run("queue").stdout
 
     res = run("resume", "0", "--json")
     assert res.exit_code == 0, res.output

@@ -234,7 +234,7 @@ def test_drain_refuses_new_ranks_and_resume_accepts_them(make):
     s.register(ident(job="before", device=0))
     assert s.drain(0, True) is True
     assert s.is_draining(0) and not s.is_draining(1)
-    with pytest.raises(FailedPrecondition, match="draining"):
+    with pytest.raises(FailedPrecondition, match="drained"):
         s.register(ident(job="during", device=0))
     s.register(ident(job="other-device", device=1))
     assert s.drain(0, False) is False
@@ -301,3 +301,26 @@ def test_uptime_follows_the_clock(make, clock):
     s = make()
     clock.advance(12.5)
     assert s.uptime() == pytest.approx(12.5)
+
+
+def test_a_new_cpu_rank_goes_around_a_drained_device_and_a_gpu_rank_is_refused_plainly(make, pids):
+    s = make(n_devices=3)
+    s.drain(0, True, caller="admin socket, user ops (as the client says)")
+    assert s.register(ident(job="a", rank=0, world=1, local_rank=0, device=-1)).device == 1  # fewest ranks
+    s.drain(1, True)
+    s.drain(2, True)
+    with pytest.raises(FailedPrecondition, match="drained by this node's operator.*trains on it unscheduled"):
+        s.register(ident(job="b", rank=0, world=1, local_rank=0, device=-1))
+    assert s.drain_refusals(0) == 1 and s.drain_refusals(1) == 0
+    refused = [e for e in s.events.snapshot() if e["event"] == "drain_refused"]
+    assert [(e["device"], e["job_name"]) for e in refused] == [(0, "name-b")]
+    drains = [e for e in s.events.snapshot() if e["event"] == "drain"]
+    assert drains[0]["caller"] == "admin socket, user ops (as the client says)"
+    s.drain(0, False)
+    assert s.drain_refusals(0) == 0  # a resume starts the count again
+
+    gpus = Scheduler(Inventory([Device(0, "gpu", "gpu0", ()), Device(1, "gpu", "gpu1", ())]), "exclusive",
+                     node="n", event_log=EventLog(), pid_alive=pids)
+    gpus.drain(0, True)
+    with pytest.raises(FailedPrecondition, match="drained"):  # its script picks GPU 0 itself: no moving it
+        gpus.register(ident(job="c", rank=0, world=1, local_rank=0, device=-1))
