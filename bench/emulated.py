@@ -406,6 +406,10 @@ def main() -> int:
     try:
         args.device_cores, args.job_env = host_cores_plan(args.host_cores, os.sched_getaffinity(0),
                                                           max(s.nodes for s in scenarios))
+        # A rank that does not wait for grants (alone under a lease, or passthrough) would send its
+        # phase reports a few at a time, and the daemon takes a phase no longer than it saw it:
+        # batched, the alone compute phases the simulator is given came out up to 16 % short.
+        args.job_env["CROSSOVER_REPORT_INTERVAL"] = "0"
     except (ValueError, SettingError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2

@@ -144,6 +144,7 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
                        for j in jobs}
         med["wait_ms_worst"] = max((r["wait_ms_max"] for r in rows), default=None)
         med["vs_unscheduled_spread"] = spread([r["vs_unscheduled"] for r in rows])
+        med["samples_spread"] = spread([r["aggregate_samples_per_s"] for r in rows])  # the mode's own steadiness
         med["cycles"] = len(rows)
         modes[mode] = med
     for mode in MODES:
