@@ -418,8 +418,10 @@ def _read_log(path: Path) -> list[dict[str, Any]]:
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default="timeline.png",
               show_default=True, help="PNG file to write.")
 @click.option("--title", help="Title above the picture (default: the files and the window).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was drawn as versioned JSON (the PNG's path, the "
+              "window, the devices and the marks) instead of the path alone.")
 def timeline(files: tuple[Path, ...], since: float | None, until: float | None, job_names: tuple[str, ...],
-             output: Path, title: str | None) -> None:
+             output: Path, title: str | None, as_json: bool) -> None:
     """Draw who computed, communicated and waited on each device, from event logs.
 
     FILES are crossoverd --event-log files, one per node; their clocks are
@@ -446,6 +448,14 @@ def timeline(files: tuple[Path, ...], since: float | None, until: float | None, 
                     "or pip install matplotlib", ExitCode.ERROR) from None
     except OSError as exc:
         raise _Fail(f"cannot write {output}: {exc.strerror or exc}", ExitCode.ERROR) from None
+    if as_json:
+        marks = [{"t_s": t - sel.log.first, "what": f"policy {p}"} for t, p in sel.policy_changes]
+        marks += [{"t_s": t - sel.log.first, "what": what} for t, what in sel.operator_marks]
+        click.echo(json.dumps({"version": formatting.JSON_VERSION, "kind": "timeline", "path": str(path),
+                               "window": {"since_s": sel.since - sel.log.first, "until_s": sel.until - sel.log.first},
+                               "devices": [{"node": n, "device": d} for n, d in sel.devices],
+                               "marks": sorted(marks, key=lambda m: m["t_s"])}, indent=2, sort_keys=True))
+        return
     click.echo(str(path))
 
 

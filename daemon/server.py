@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from concurrent import futures
@@ -85,21 +86,28 @@ def _clear_socket_path(path: Path) -> None:
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FailedPrecondition(f"{path} exists and is not a socket; refusing to replace it")
-        if _answers(path):
-            raise FailedPrecondition(f"another crossoverd serves {path}; stop it first, or give this one "
+        serving = _answers(path)
+        if serving is not None:
+            who = f" (pid {serving})" if serving > 0 else ""
+            raise FailedPrecondition(f"another crossoverd{who} serves {path}; stop it first, or give this one "
                                      "another --socket")
         path.unlink()
 
 
-def _answers(path: Path) -> bool:
-    """Whether something accepts connections on a Unix socket (a live daemon), or it is stale."""
+def _answers(path: Path) -> int | None:
+    """The pid of whatever accepts connections on a Unix socket (a live daemon; 0 when the kernel does
+    not say), or None when nothing does (a stale socket)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(str(path))
-        return True
     except OSError:
-        return False
+        return None
+    try:
+        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[0])
+    except OSError:
+        return 0
     finally:
         probe.close()
 

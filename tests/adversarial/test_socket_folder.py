@@ -93,7 +93,8 @@ def test_a_second_daemon_does_not_take_a_live_daemons_socket(daemon_factory, tmp
     first = daemon_factory("--cpu-devices", "1", name="first")
     second = subprocess.run([str(BIN / "crossoverd"), "--socket", str(first.socket), "--cpu-devices", "1"],
                             capture_output=True, text=True, timeout=30)
-    assert second.returncode != 0 and "another crossoverd serves" in second.stderr, second.stderr[-2000:]
+    assert second.returncode != 0 and f"another crossoverd (pid {first.pid}) serves" in second.stderr, \
+        second.stderr[-2000:]
     assert answers_within(first, 1.0) < 1.0  # the first still serves its socket
     first.proc.kill()  # a daemon SIGKILLed leaves its socket behind: stale, and taken over
     first.proc.wait()

@@ -203,3 +203,13 @@ def test_version_of_a_checkout_that_is_not_installed(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
     assert _run("--version").stdout == f"crossover {crossover.__version__}\n"
+
+
+def test_timeline_json_says_what_was_drawn(logs, tmp_path):
+    out = tmp_path / "t.png"
+    res = _run("timeline", *logs, "-o", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["version"] == 1 and data["kind"] == "timeline" and data["path"] == str(out)
+    assert data["window"]["until_s"] > data["window"]["since_s"] and data["devices"]
+    assert out.read_bytes().startswith(PNG_MAGIC)
