@@ -438,23 +438,21 @@ def timeline(files: tuple[Path, ...], since: float | None, until: float | None, 
     if title is None:
         title = (f"{', '.join(p.name for p in files)}: {sel.since - sel.log.first:.1f} s to "
                  f"{sel.until - sel.log.first:.1f} s" + (f", jobs {', '.join(job_names)}" if job_names else ""))
+    marks = sorted([(t, f"policy {p}") for t, p in sel.policy_changes] + sel.operator_marks)
     try:
         path = event_views.draw_timeline(sel.intervals, sel.since, sel.until, output, devices=sel.devices,
-                                         marks=[(t, f"policy {p}") for t, p in sel.policy_changes]
-                                         + sel.operator_marks,
-                                         title=title, origin=sel.log.first)
+                                         marks=marks, title=title, origin=sel.log.first)
     except ImportError as exc:
         raise _Fail(f"timeline needs matplotlib ({exc}): pip install 'horovod-crossover[plots]' "
                     "or pip install matplotlib", ExitCode.ERROR) from None
     except OSError as exc:
         raise _Fail(f"cannot write {output}: {exc.strerror or exc}", ExitCode.ERROR) from None
     if as_json:
-        marks = [{"t_s": t - sel.log.first, "what": f"policy {p}"} for t, p in sel.policy_changes]
-        marks += [{"t_s": t - sel.log.first, "what": what} for t, what in sel.operator_marks]
         click.echo(json.dumps({"version": formatting.JSON_VERSION, "kind": "timeline", "path": str(path),
                                "window": {"since_s": sel.since - sel.log.first, "until_s": sel.until - sel.log.first},
                                "devices": [{"node": n, "device": d} for n, d in sel.devices],
-                               "marks": sorted(marks, key=lambda m: m["t_s"])}, indent=2, sort_keys=True))
+                               "marks": [{"t_s": t - sel.log.first, "what": what} for t, what in marks]},
+                              indent=2, sort_keys=True))
         return
     click.echo(str(path))
 

@@ -172,7 +172,6 @@ class Scheduler:
                 )
             if device.index in self._leases.draining:
                 device = self._instead_of_drained(device, ident)
-
             sid = f"{uuid.uuid4().hex}{next(self._ids):x}"
             ref = RankRef(key, ident.job_name, device.index, ident.world_size, now)
             ident = replace(ident, node=self.node, device=device.index)
@@ -216,8 +215,7 @@ class Scheduler:
         `comm_end`, `heartbeat`, `lease_released`) and fields; see `RankEvent` and `apply`."""
         self.apply(session_id, RankEvent.named(
             kind, iteration=iteration, seq=seq, duration_s=duration_s, comm_begins=comm_begins, no_wait=no_wait,
-            requested=requested, comm_s=comm_s, ago_s=ago_s,
-            yields=yields))
+            requested=requested, comm_s=comm_s, ago_s=ago_s, yields=yields))
 
     def apply(self, session_id: str, ev: RankEvent) -> None:
         """Apply one rank event: a message of the rank's stream that carries one (see `apply_message`)."""
