@@ -27,7 +27,7 @@ demo: bootstrap
 lint: bootstrap
 	.venv/bin/ruff check .
 
-# The source tree itself: `crossover/` links the product folders in, so paths are import paths.
+# The source tree itself: the product lives in `crossover/`, so paths are import paths.
 typecheck: bootstrap
 	.venv/bin/mypy
 

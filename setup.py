@@ -1,12 +1,11 @@
 """Distribution `horovod-crossover`: the package `crossover` and nothing else.
 
 One rule maps folders to imports: a path from the repository root is the import
-path. `crossover/` is the package root (`auto.py` and the version); the product
-folders the design card keeps at the top, `client/`, `daemon/`, `plugins/` and
-`protos/`, are linked into it, so `daemon/scheduler.py` is reachable as
-`crossover/daemon/scheduler.py`, the module `crossover.daemon.scheduler`.
-Tools (mypy, pytest, `python -m`) follow the links without configuration; the
-wheel holds copies, so an install needs no links.
+path. The product lives in `crossover/`: `crossover/daemon/scheduler.py` is the
+module `crossover.daemon.scheduler`. The folders the design card keeps at the
+top, `client/`, `daemon/`, `plugins/` and `protos/`, are links to
+`crossover/client` and the rest, so both paths open the same files; imports
+name only the real one.
 """
 from setuptools import find_packages, setup
 

@@ -261,7 +261,8 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     names = [f"job{k}" for k in range(scn.jobs)]
     segments: list[dict[str, Any]] = []
     # The policy is edited while we measure: record which source the daemons loaded.
-    policy_sha = hashlib.sha256((ROOT / "daemon" / "policies" / "crossover.py").read_bytes()).hexdigest()[:12]
+    policy_src = ROOT / "crossover" / "daemon" / "policies" / "crossover.py"
+    policy_sha = hashlib.sha256(policy_src.read_bytes()).hexdigest()[:12]
     batches = [scn.batch(k, batch) for k in range(scn.jobs)]
     mixed = bool(scn.batch_scale)
     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batches}: {names[0]} alone")

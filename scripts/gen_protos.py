@@ -1,9 +1,9 @@
-"""Regenerate the checked-in gRPC stubs from protos/*.proto.
+"""Regenerate the checked-in gRPC stubs from crossover/protos/*.proto.
 
-Usage: python scripts/gen_protos.py [OUTPUT_DIR]   (default: protos/)
+Usage: python scripts/gen_protos.py [OUTPUT_DIR]   (default: crossover/protos/)
 
 grpc_tools emits `import crossover_v1_pb2`, a top-level import that would only
-work with protos/ on sys.path; we rewrite it to a package-relative import so
+work with crossover/protos/ on sys.path; we rewrite it to a package-relative import so
 the stubs live inside `crossover.protos`.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTOS = ROOT / "protos"
+PROTOS = ROOT / "crossover" / "protos"
 
 
 def generate(out_dir: Path) -> list[Path]:

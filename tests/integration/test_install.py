@@ -1,4 +1,4 @@
-"""A regular (non-editable) install holds what the checkout's `crossover/` shows, and nothing else.
+"""A regular (non-editable) install holds what the checkout's `crossover/` holds, and nothing else.
 
 The build runs on a copy of the working tree, so it never writes `build/` or
 `*.egg-info` into the checkout; pip runs offline (`--no-index`, no build isolation).
@@ -40,14 +40,14 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _source_view() -> set[str]:
-    """Every file the checkout's `crossover/` shows, following its links into client/, daemon/, ..."""
+    """Every file the checkout's `crossover/` holds."""
     root = ROOT / "crossover"
     return {str((Path(d) / f).relative_to(root)) for d, _, files in os.walk(root, followlinks=True)
             for f in files if "__pycache__" not in d}
 
 
 def test_the_install_holds_exactly_what_the_source_view_shows(installed):
-    """The one rule: what `crossover/` shows in the checkout (links followed) is what a node installs."""
+    """The one rule: what `crossover/` holds in the checkout is what a node installs."""
     pkg = installed / "crossover"
     got = {str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert got == _source_view()

@@ -6,7 +6,7 @@ from pathlib import Path
 from scripts import gen_protos
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOS = ROOT / "protos"
+PROTOS = ROOT / "crossover" / "protos"
 
 
 def test_checked_in_stubs_match_the_proto(tmp_path):
@@ -15,10 +15,10 @@ def test_checked_in_stubs_match_the_proto(tmp_path):
     assert names, "gen_protos.generate() wrote nothing"
     checked_in = sorted(p.name for p in PROTOS.iterdir() if p.suffix in (".py", ".pyi") and "_pb2" in p.name)
     assert names == checked_in, (
-        f"generated {names} but protos/ holds {checked_in}; run `make protos` and commit the result"
+        f"generated {names} but crossover/protos/ holds {checked_in}; run `make protos` and commit the result"
     )
     stale = [n for n in names if (tmp_path / "out" / n).read_bytes() != (PROTOS / n).read_bytes()]
-    assert not stale, f"protos/{', protos/'.join(stale)} differ from the .proto sources; run `make protos`"
+    assert not stale, f"{', '.join(stale)} in crossover/protos/ differ from the .proto sources; run `make protos`"
 
 
 def test_stubs_use_package_relative_imports():
