@@ -6,7 +6,7 @@ one device (a CPU core its ranks are pinned to) and a tc-shaped link; three in
 only node 1's device (on a 2-core machine nodes 0 and 2 share a core, which no
 daemon schedules: see docs/emulated-cluster.md). Every
 job is a real PyTorch MLP classifier trained data-parallel under Horovod
-(bench/workloads/train_bench.py with `import crossover.auto` prepended), one
+(tools/workloads/train_bench.py with `import crossover.auto` prepended), one
 rank per node. A calibration measures compute time per sample and allreduce
 time per link rate; each scenario picks the rate and batch that give the wanted
 comm:compute ratio at about --iter-ms per iteration.
@@ -73,9 +73,9 @@ from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import read_jsonl
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.device_model import DeviceParams
-from tools.harness.jobs import rank_summaries, with_import
+from tools.harness.jobs import WORKLOADS, rank_summaries, with_import
 
-WORKLOAD = Path(__file__).resolve().parent / "workloads" / "train_bench.py"
+WORKLOAD = WORKLOADS / "train_bench.py"
 console = Console(stderr=True)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conformance.judge import PLACEMENTS, judge_colocated_run, record_conformance
-from tools.harness.jobs import horovodrun, with_import
+from tools.harness.jobs import WORKLOADS, horovodrun, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -43,7 +43,7 @@ def _run_pair(daemon_factory, jobs, tmp: Path, pair: str, policy: str, devices: 
     flags_a, flags_b, (env_a, env_b) = PAIRS[pair]
     tmp.mkdir(exist_ok=True)
     d = daemon_factory("--cpu-devices", devices, "--policy", policy, name=f"{policy}")
-    script = with_import(tmp, Path(__file__).resolve().parents[1] / "workloads" / "patterns.py")
+    script = with_import(tmp, WORKLOADS / "patterns.py")
     started = time.monotonic()
     mine = []
     for name, flags, env in (("A", flags_a, env_a), ("B", flags_b, env_b)):

@@ -10,7 +10,7 @@ same names and shapes. Its optimizer never updates its copy: only the GPU
 rank's model is trained, and the GPU sees exactly one node's share of a
 two-node job, comm phases included.
 
-Each rank writes the JSON summary of `bench/workloads/train_bench.py` to --out.
+Each rank writes the JSON summary of `tools/workloads/train_bench.py` to --out.
 """
 import argparse
 import os

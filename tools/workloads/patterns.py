@@ -6,6 +6,7 @@ the loop; the conformance tier runs pairs of these as co-located jobs.
 Each rank writes a JSON summary (digest, accuracy, steps) to --out.
 """
 import argparse
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -43,6 +44,7 @@ def main() -> None:
     y_all = torch.tensor(y_all, dtype=torch.int64)
     x, y, x_val, y_val = x_all[:1400], y_all[:1400], x_all[1400:], y_all[1400:]
     data = torch.utils.data.TensorDataset(x, y)
+    sampler: Any  # either has set_epoch
     if args.lbbsp:
         from crossover.plugins import aggregation
 

@@ -1,1 +1,0 @@
-"""Training scripts only the benchmarks run, by path under `horovodrun`."""
