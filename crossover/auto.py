@@ -1,7 +1,9 @@
 """`import crossover.auto` as a script's first line schedules it through crossoverd.
 
 Importing this module hooks `horovod.torch.DistributedOptimizer`; nothing
-else changes in the script. Settings come from `CROSSOVER_*` variables (see
+else changes in the script. `crossover.auto.waiting()` is the one call a
+script may add: around a wait outside Horovod (a file, a queue, a service),
+it frees the device for the wait's length. Settings come from `CROSSOVER_*` variables (see
 the README table); without a daemon the import is a quiet no-op apart from
 one warning.
 """
@@ -11,6 +13,9 @@ import os as _os
 from crossover.client.settings import PluginSettings as _PluginSettings
 from crossover.client.settings import SettingError as _SettingError
 from crossover.plugins import horovod_torch as _hook
+from crossover.plugins.horovod_torch import waiting
+
+__all__ = ["waiting"]
 
 _logger = _logging.getLogger("crossover")
 if not _logger.handlers:

@@ -12,6 +12,7 @@ swallows its own errors (logged) so Crossover can never break training.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import logging
@@ -20,7 +21,7 @@ import threading
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from crossover.client.phase_reporter import PhaseReporter
 from crossover.client.session import Session
@@ -29,7 +30,7 @@ from crossover.plugins import horovod_waits
 from crossover.plugins.phase_tracking import track_phases
 from crossover.protos.identity import RankIdentity
 
-__all__ = ["install", "uninstall", "current_session"]
+__all__ = ["install", "uninstall", "current_session", "waiting"]
 
 _log = logging.getLogger(__name__)
 
@@ -39,6 +40,22 @@ _state: dict[str, Any] = {"original": None, "session": None, "settings": None, "
 def current_session() -> Session | None:
     """The rank's session once the first DistributedOptimizer exists (None before, or when disabled)."""
     return _state["session"]
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Around a wait outside Horovod (a file, a queue, a remote service): the device is free during it.
+
+    Horovod's own waits free it already; a rank that holds its device while it waits
+    for something else keeps every co-located job from computing, and past the
+    daemon's overdue floor it is passed over. Without a session this does nothing.
+    """
+    phases: PhaseReporter | None = _state["phases"]
+    if phases is None:
+        yield
+        return
+    with phases.waiting_for_peers():
+        yield
 
 
 def install(settings: PluginSettings | None = None) -> bool:

@@ -6,6 +6,13 @@ once, by bound methods (``types.MethodType``, so ``torch.optim.lr_scheduler``
 can still wrap ``step``: it needs ``step.__func__``), and registers one
 gradient hook per parameter for the hooks that want gradients.
 
+The end of a backward pass costs one hook, not one per parameter: the chain
+watches every parameter's accumulation until one pass has reached them all,
+then keeps a hook on the parameter accumulated last only (the sentinel), whose
+pass ends when autograd's current graph task does. A ``step()`` that comes
+without the sentinel having fired since the last one (the graph changed, or no
+backward ran) sends the chain back to watching every parameter.
+
 Order: a hook added later wraps the ones added before it, as a wrapper put
 on the method later would. Before a call, every hook's ``before_*`` runs from
 the outermost in; after it, every ``after_*`` runs from the innermost out,
@@ -53,8 +60,8 @@ class OptimizerHook:
         """
         return None
 
-    def on_gradient_accumulated(self, param: torch.Tensor) -> None:
-        """A parameter's gradient has been accumulated into ``param.grad`` (autograd's thread)."""
+    def on_backward_done(self) -> None:
+        """A backward pass has accumulated this optimizer's gradients into ``.grad`` (autograd's thread)."""
 
 
 def _overrides(hook: OptimizerHook, name: str) -> bool:
@@ -70,7 +77,11 @@ class HookChain:
         self.steps = 0  # completed step() calls: the optimizer's iteration index
         self.params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
         self._gradient_hooks: list[OptimizerHook] = []  # the hooks that override on_gradient, in the order added
-        self._accumulated_hooks: list[OptimizerHook] = []
+        self._backward_hooks: list[OptimizerHook] = []
+        self._watched: list[Any] = []  # handles of the post-accumulate hooks now registered
+        self._unfired: set[int] = set()  # watching all: the parameters (ids) this pass has not reached yet
+        self._sentinel: Optional[torch.Tensor] = None  # the parameter whose accumulation ends a pass
+        self._sentinel_fired = False  # since the last step()
         self._wrap()
 
     def add(self, hook: OptimizerHook) -> None:
@@ -81,17 +92,18 @@ class HookChain:
                 for index, param in enumerate(self.params):
                     param.register_hook(functools.partial(self._on_gradient, index))
             self._gradient_hooks.append(hook)
-        if _overrides(hook, "on_gradient_accumulated"):
-            if not self._accumulated_hooks:
-                for param in self.params:
-                    param.register_post_accumulate_grad_hook(self._on_accumulated)
-            self._accumulated_hooks.append(hook)
+        if _overrides(hook, "on_backward_done"):
+            if not self._backward_hooks and self.params:
+                self._watch_all()
+            self._backward_hooks.append(hook)
 
     def _wrap(self) -> None:
         opt, chain = self.opt, self
         original_step, original_sync, original_zero_grad = opt.step, opt.synchronize, opt.zero_grad
 
         def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
+            if chain._backward_hooks:
+                chain._next_iteration()
             out = chain._around("step", original_step, args, kwargs)
             chain.steps += 1
             return out
@@ -139,9 +151,48 @@ class HookChain:
                 replaced = out
         return replaced
 
-    def _on_accumulated(self, param: torch.Tensor) -> None:
-        for hook in self._accumulated_hooks:
-            hook.on_gradient_accumulated(param)
+    def _next_iteration(self) -> None:
+        """Between passes (hooks are changed here, never inside one): learn, keep or drop the sentinel."""
+        if self._sentinel is None:
+            self._unfired = {id(p) for p in self.params}
+        elif not self._sentinel_fired:
+            self._watch_all()
+        elif len(self._watched) > 1:
+            self._unwatch()
+            self._watched = [self._sentinel.register_post_accumulate_grad_hook(self._on_sentinel_accumulated)]
+        self._sentinel_fired = False
+
+    def _unwatch(self) -> None:
+        for handle in self._watched:
+            handle.remove()
+        self._watched = []
+
+    def _watch_all(self) -> None:
+        self._unwatch()
+        self._sentinel = None
+        self._unfired = {id(p) for p in self.params}
+        self._watched = [p.register_post_accumulate_grad_hook(self._on_any_accumulated) for p in self.params]
+
+    def _on_any_accumulated(self, param: torch.Tensor) -> None:
+        if self._sentinel is not None:  # learned in this step; the other hooks go at the next step()
+            if param is self._sentinel:
+                self._on_sentinel_accumulated(param)
+            return
+        self._unfired.discard(id(param))
+        if self._unfired:
+            return
+        self._sentinel = param
+        self._sentinel_fired = True
+        self._backward_done()
+
+    def _on_sentinel_accumulated(self, param: torch.Tensor) -> None:
+        self._sentinel_fired = True
+        # Should another parameter come later in this pass (another graph order), the graph task's end is later still.
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        for hook in self._backward_hooks:
+            hook.on_backward_done()
 
 
 def hooks_of(opt: Any) -> HookChain:

@@ -88,10 +88,10 @@ class _PhaseTracker(OptimizerHook):
         self.opt = opt
         self.phases = phases
         self.quiet_wait = quiet_wait
-        self.hooks_fired = 0
+        self.passes = 0  # backward passes done in this compute phase
         self._comm_start = 0.0
         self._chain = hooks_of(opt)
-        self.expected = len(self._chain.params) * max(1, int(getattr(opt, "backward_passes_per_step", 1)))
+        self.expected = max(1, int(getattr(opt, "backward_passes_per_step", 1)))
         if any(p.is_cuda for p in self._chain.params):
             phases.settle = _wait_for_device
         # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
@@ -133,9 +133,9 @@ class _PhaseTracker(OptimizerHook):
         self.phases.ensure_holding()
 
     def _new_phase(self) -> None:
-        self.hooks_fired = 0
+        self.passes = 0
 
-    def on_gradient_accumulated(self, param: Any) -> None:
-        self.hooks_fired += 1
-        if self.hooks_fired >= self.expected:
+    def on_backward_done(self) -> None:
+        self.passes += 1
+        if self.passes >= self.expected:
             self.phases.compute_done()

@@ -1,12 +1,18 @@
 """What the conformance tier shares: Horovod's own suite beside the checkout, the placements a
-2-rank job is run in, and how a co-located run is judged and recorded."""
+2-rank job is run in, the policy rounds a co-located pair runs through, and how a run is judged and recorded."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from tools.harness.jobs import CHECKOUT
+from tools.harness.daemon import DaemonProc, cli, set_policy
+from tools.harness.jobs import CHECKOUT, Job
 from tools.harness.oracles import compute_intervals, overlaps
 
 CONFORMANCE_RESULTS = CHECKOUT / "results" / "conformance.json"
@@ -15,6 +21,122 @@ PEER = CHECKOUT.parent / "shared" / "peer" / "horovod-0.28.1"
 WITH_CROSSOVER = CHECKOUT / "tests" / "conformance" / "with_crossover.py"  # runs a script with the import added
 # The two placements of a 2-rank job: crossoverd --cpu-devices per placement.
 PLACEMENTS = {"rank-per-device": "2", "ranks-share-device": "1"}
+
+
+# A co-located pair runs its script once per round, in this order, in the same rank processes
+# (`with_crossover.py --rounds`): a warm-up, unjudged (what a script's first run alone pays: lazy
+# imports, data, Gloo's connections, Horovod's caches), the unscheduled baseline, then side by side
+# the blocking policies.
+ROUNDS = ("passthrough", "passthrough", "exclusive", "crossover")
+_BASE = 1  # the baseline's round
+
+
+def rounds_flags(folder: Path) -> tuple[str, ...]:
+    """`with_crossover.py`'s flags that make a rank run its script once per round, synchronised through `folder`."""
+    return ("--rounds", str(len(ROUNDS)), "--round-dir", str(folder))
+
+
+def _await_ranks(folder: Path, prefix: str, ranks: int, jobs: list[Job], label: str, timeout: float) -> None:
+    """Until every rank of every job has written `folder/PREFIX-JOB-RANK` (`ranks` per job)."""
+    deadline = time.monotonic() + timeout
+
+    def arrived(job: Job) -> bool:
+        return len(list(folder.glob(f"{prefix}{job.name}-*"))) >= ranks
+
+    while True:
+        behind = [j for j in jobs if not arrived(j)]
+        if not behind:
+            return
+        for job in behind:
+            if job.proc.poll() is not None and not arrived(job):
+                raise AssertionError(f"{label}: job {job.name} exited {job.proc.returncode} before its ranks "
+                                     f"reached {prefix.rstrip('-')}:\n{job.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{label}: not every rank reached {prefix.rstrip('-')} in {timeout:.0f}s:\n"
+                                 + "\n".join(f"--- {j.name}\n{j.output()[-1500:]}" for j in jobs))
+        time.sleep(0.05)
+
+
+def drive_rounds(daemon: DaemonProc, jobs: list[Job], folder: Path, ranks: int, label: str,
+                 timeout: float = 240) -> list[float]:
+    """Take co-located jobs through ROUNDS; the wall time of each round, from its start to its last rank's end.
+
+    `ranks` is each job's. Before each round every rank waits, its device free, until all have arrived; the daemon
+    (started under ``ROUNDS[0]``) is then switched to the round's policy by the operator's
+    command, `crossover policy`, and the round starts for all at once.
+    """
+    walls = []
+    for k, policy in enumerate(ROUNDS):
+        _await_ranks(folder, f"ready-{k}-", ranks, jobs, label, timeout)
+        if k and policy != ROUNDS[k - 1]:
+            cli("policy", policy, socket=daemon.socket)
+        started = time.monotonic()
+        (folder / f"go-{k}").touch()
+        _await_ranks(folder, f"done-{k}-", ranks, jobs, label, timeout)
+        walls.append(time.monotonic() - started)
+    for job in jobs:
+        rc = job.wait(30)
+        assert rc == 0, f"{label}: job {job.name} exited {rc}:\n{job.output()[-3000:]}"
+    return walls
+
+
+def events_by_policy(events: list[dict[str, Any]], first: str = ROUNDS[0]) -> dict[str, list[dict[str, Any]]]:
+    """The event log cut at each policy switch: what happened under each policy, the daemon started
+    under `first`. (Between rounds every rank waits, its device free, so no grant spans a cut.)"""
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in ROUNDS}  # the warm-up's are passthrough's
+    current = first
+    for e in events:
+        if e["event"] == "policy":
+            current = e["new"]
+        else:
+            out.setdefault(current, []).append(e)
+    return out
+
+
+def judge_rounds(label: str, walls: list[float], events: list[dict[str, Any]], row: dict[str, Any]) -> None:
+    """Every blocking round of a co-located pair, against its unscheduled round (`judge_colocated_run`)."""
+    cut = events_by_policy(events)
+    base = {"wall_s": walls[_BASE]}
+    row["warm_up_s"] = round(walls[0], 2)
+    row["passthrough_s"] = round(walls[_BASE], 2)
+    for policy, wall in zip(ROUNDS[_BASE + 1:], walls[_BASE + 1:]):
+        run = {"wall_s": wall, "events": cut[policy],
+               "yields": sum(1 for e in cut[policy] if e["event"] == "release" and e.get("yields"))}
+        judge_colocated_run(f"{label} under {policy}", policy, run, base, row)
+
+
+# One run of a long job serves both blocking policies: the daemon is switched between them every
+# two seconds, as an operator's `crossover policy` does, so every switch lands on a live job.
+ALTERNATE = ("exclusive", "crossover")
+_SWITCH_EVERY_S = 2.0
+
+
+@contextlib.contextmanager
+def alternating_policies(socket: Path, label: str) -> Iterator[list[str]]:
+    """Switch the daemon on `socket` between ALTERNATE's policies (it starts under the first) while the
+    block runs; yields the switches made, and fails after it if one failed or fewer than four were made."""
+    stop, switches = threading.Event(), []
+
+    def switch() -> None:
+        k = 0
+        while not stop.wait(_SWITCH_EVERY_S):
+            k += 1
+            try:
+                set_policy(socket, ALTERNATE[k % 2])
+            except Exception as exc:  # the daemon gone: the caller's own checks say why
+                switches.append(f"failed: {exc}")
+                return
+            switches.append(ALTERNATE[k % 2])
+
+    switcher = threading.Thread(target=switch, daemon=True)
+    switcher.start()
+    try:
+        yield switches
+    finally:
+        stop.set()
+        switcher.join(10)
+    assert not [s for s in switches if s.startswith("failed")], f"{label}: a policy switch failed: {switches}"
+    assert len(switches) >= 4, f"{label}: the job outran the policy switches ({switches})"
 
 
 def record_conformance(row: dict[str, Any]) -> None:

@@ -1,23 +1,32 @@
 """Conformance: real scripts as two co-located jobs must finish, as fast as unscheduled within 2x, never overlapping.
 
-Every pair runs under `passthrough` first (the baseline, measured side by side
-in the same test), then under `exclusive` and `crossover`, with one rank of
-each job per device (`--cpu-devices 2`) and with both ranks of a job on one
-device (`--cpu-devices 1`). The scripts are plain Horovod (`patterns.py`)
-with `import crossover.auto` added; each pair exercises Horovod calls outside
-the optimizer somewhere in its loop. A hang fails as a timeout with the logs.
-Wall times go to `results/conformance.json` for the closing table.
+Each pair (two 2-rank jobs) runs its script three times in the same rank
+processes (`with_crossover.py --rounds`): under `passthrough` first (the
+baseline, measured side by side in the same test), then under `exclusive` and
+`crossover`, the daemon switched between rounds by `crossover policy` while
+every rank waits with its device free. Placements: one rank of each job per
+device (`--cpu-devices 2`), and both ranks of a job on one device
+(`--cpu-devices 1`). The scripts are plain Horovod (`patterns.py`); each pair
+exercises Horovod calls outside the optimizer somewhere in its loop. A hang
+fails as a timeout with the logs. Wall times go to `results/conformance.json`
+for the closing table.
 """
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conformance.judge import PLACEMENTS, judge_colocated_run, record_conformance
-from tools.harness.jobs import WORKLOADS, horovodrun, with_import
+from tests.conformance.judge import (
+    PLACEMENTS,
+    ROUNDS,
+    WITH_CROSSOVER,
+    drive_rounds,
+    judge_rounds,
+    record_conformance,
+    rounds_flags,
+)
+from tools.harness.jobs import WORKLOADS, horovodrun, rank_summaries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -39,39 +48,33 @@ PAIRS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[dict[str, str], d
 }
 
 
-def _run_pair(daemon_factory, jobs, tmp: Path, pair: str, policy: str, devices: str) -> dict:
+def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tuple[list[float], list[dict]]:
     flags_a, flags_b, (env_a, env_b) = PAIRS[pair]
-    tmp.mkdir(exist_ok=True)
-    d = daemon_factory("--cpu-devices", devices, "--policy", policy, name=f"{policy}")
-    script = with_import(tmp, WORKLOADS / "patterns.py")
-    started = time.monotonic()
+    d = daemon_factory("--cpu-devices", devices, "--policy", ROUNDS[0], name="rounds")
+    folder = tmp / "rounds"
+    folder.mkdir()
     mine = []
     for name, flags, env in (("A", flags_a, env_a), ("B", flags_b, env_b)):
-        job = horovodrun(f"{policy}-{name}", script, tmp, np=2, args=flags,
-                         env={"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60",
-                              "CROSSOVER_STATS_FILE": str(tmp / f"stats-{policy}-{name}-{{rank}}.json"), **env})
+        job = horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False,
+                         args=(*rounds_flags(folder), str(WORKLOADS / "patterns.py"),
+                               "--out", str(tmp / f"out_{name}" / "round{round}"), *flags),
+                         env={"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60", **env})
         jobs.append(job)
         mine.append(job)
+    walls = drive_rounds(d, mine, folder, ranks=2, label=pair)
     for job in mine:
-        rc = job.wait(240)
-        assert rc == 0, f"{pair}/{policy}: job {job.name} exited {rc}:\n{job.output()[-3000:]}"
-        digests = {s["digest"] for s in job.summaries()}
-        assert len(job.summaries()) == 2 and len(digests) == 1, f"{pair}/{policy}: ranks of {job.name} diverged"
-    wall = time.monotonic() - started
+        for k, policy in enumerate(ROUNDS):
+            summaries = rank_summaries(job.out / f"round{k}")
+            digests = {s["digest"] for s in summaries}
+            assert len(summaries) == 2 and len(digests) == 1, f"{pair}/{policy}: ranks of {job.name} diverged"
     d.stop()
-    events = d.events()
-    yields = sum(json.loads(p.read_text()).get("yields", 0) for p in tmp.glob(f"stats-{policy}-*.json"))
-    return {"wall_s": wall, "events": events, "yields": yields}
+    return walls, d.events()
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_colocated_pair_finishes_without_overlap(daemon_factory, jobs, tmp_path, pair, placement):
-    devices = PLACEMENTS[placement]
     row: dict[str, float | int | str] = {"pair": pair, "placement": placement}
-    base = _run_pair(daemon_factory, jobs, tmp_path / "passthrough", pair, "passthrough", devices)
-    row["passthrough_s"] = round(base["wall_s"], 2)
-    for policy in ("exclusive", "crossover"):
-        run = _run_pair(daemon_factory, jobs, tmp_path / policy, pair, policy, devices)
-        judge_colocated_run(f"{pair}/{policy} on {placement}", policy, run, base, row)
+    walls, events = _run_pairs(daemon_factory, jobs, tmp_path, pair, PLACEMENTS[placement])
+    judge_rounds(f"{pair} on {placement}", walls, events, row)
     record_conformance(row)

@@ -6,8 +6,10 @@ with `horovodrun --min-np 2 --max-np 3 --host-discovery-script`. Once it trains,
 the discovery script offers a third slot: Horovod resets, the new worker joins
 and builds its optimizer while the others synchronise state. Once it trains
 with three, the slot goes away again: the third worker is removed and the job
-goes on with two. The job must exit 0, and the daemon's log must show the
-third rank registered, the others registered anew for the new world, the
+goes on with two. Meanwhile the daemon is switched between `exclusive` and
+`crossover` every two seconds (`judge.alternating_policies`), so both serve the
+growing and the shrinking. The job must exit 0, and the daemon's log must show
+the third rank registered, the others registered anew for the new world, the
 third rank gone after the shrink, and no overlapping compute phases.
 
 What the environment forces: one host, so `--network-interface lo` (Horovod's
@@ -25,7 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conformance.judge import PEER, WITH_CROSSOVER, record_conformance
+from tests.conformance.judge import (
+    ALTERNATE,
+    PEER,
+    WITH_CROSSOVER,
+    alternating_policies,
+    events_by_policy,
+    record_conformance,
+)
 from tools.harness.daemon import BIN, kill_group
 from tools.harness.oracles import compute_intervals, overlaps
 
@@ -49,11 +58,29 @@ def _registered(d) -> list[tuple[str, int]]:
     return [(e["event"], e["rank"]) for e in d.events() if e["event"] in ("register", "leave")]
 
 
-@pytest.mark.parametrize("policy", ["exclusive", "crossover"])
-def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tmp_path, policy):
+def _grow_and_shrink(proc: subprocess.Popen, log: Path, hosts: Path, d) -> int:
+    """Offer a third slot once it trains, take it away once it trains with three; its exit code."""
+    try:
+        iters = lambda: log.read_text(errors="replace").count("Iter #")  # noqa: E731
+        _wait_for("training with two workers", lambda: iters() >= 2, proc, log)
+        hosts.write_text("localhost:3\n")
+        _wait_for("a third rank registered", lambda: ("register", 2) in _registered(d), proc, log)
+        grown = iters()
+        _wait_for("training with three workers", lambda: iters() >= grown + 3, proc, log)
+        hosts.write_text("localhost:2\n")
+        return proc.wait(240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the elastic job did not finish:\n{log.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+            proc.wait()
+
+
+def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tmp_path):
     if not EXAMPLE.exists():
         pytest.fail(f"{EXAMPLE} is missing: CI and `make test` need ../shared beside the checkout")
-    d = daemon_factory("--cpu-devices", "2", "--policy", policy, name=policy)
+    d = daemon_factory("--cpu-devices", "2", "--policy", ALTERNATE[0], name="elastic")
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -65,36 +92,25 @@ def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tm
            sys.executable, str(WITH_CROSSOVER), str(EXAMPLE), "--model", "squeezenet1_1", "--batch-size", "1",
            "--num-iters", "60", "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--no-cuda"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CROSSOVER_SOCKET": str(d.socket),
-           "CROSSOVER_JOB_NAME": f"elastic-{policy}", "CROSSOVER_GRANT_TIMEOUT": "60"}
+           "CROSSOVER_JOB_NAME": "elastic", "CROSSOVER_GRANT_TIMEOUT": "60"}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
-    try:
-        iters = lambda: log.read_text(errors="replace").count("Iter #")  # noqa: E731
-        _wait_for("training with two workers", lambda: iters() >= 2, proc, log)
-        hosts.write_text("localhost:3\n")
-        _wait_for("a third rank registered", lambda: ("register", 2) in _registered(d), proc, log)
-        grown = iters()
-        _wait_for("training with three workers", lambda: iters() >= grown + 3, proc, log)
-        hosts.write_text("localhost:2\n")
-        rc = proc.wait(240)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the elastic job did not finish:\n{log.read_text()[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            kill_group(proc)
-            proc.wait()
+    with alternating_policies(d.socket, "elastic") as switches:
+        rc = _grow_and_shrink(proc, log, hosts, d)
     wall = time.monotonic() - started
     text = log.read_text(errors="replace")
-    assert rc == 0, f"{policy}: the elastic job exited {rc}:\n{text[-3000:]}"
-    assert "Total img/sec on 2 CPU(s)" in text, f"{policy}: the job did not end with two workers:\n{text[-2000:]}"
+    assert rc == 0, f"the elastic job exited {rc}:\n{text[-3000:]}"
+    assert "Total img/sec on 2 CPU(s)" in text, f"the job did not end with two workers:\n{text[-2000:]}"
     d.stop()
-    worlds = {r: [e["world_size"] for e in d.events() if e["event"] == "register" and e["rank"] == r] for r in (0, 1)}
-    assert worlds == {0: [2, 3, 2], 1: [2, 3, 2]}, f"{policy}: the daemon saw these worlds per rank: {worlds}"
-    assert ("leave", 2) in _registered(d), f"{policy}: the removed rank never left the daemon"
     events = d.events()
+    worlds = {r: [e["world_size"] for e in events if e["event"] == "register" and e["rank"] == r] for r in (0, 1)}
+    assert worlds == {0: [2, 3, 2], 1: [2, 3, 2]}, f"the daemon saw these worlds per rank: {worlds}"
+    assert ("leave", 2) in _registered(d), "the removed rank never left the daemon"
     for dev, intervals in compute_intervals(events).items():
-        assert overlaps(intervals) == [], f"{policy}: compute phases overlap on device {dev}"
-    record_conformance({"pair": f"peer:elastic:{policy}", "placement": "2 -> 3 -> 2 workers on 2 devices",
-                        f"{policy}_s": round(wall, 2),
-                        "grants": sum(e["event"] == "grant" for e in events)})
+        assert overlaps(intervals) == [], f"compute phases overlap on device {dev}"
+    cut = events_by_policy(events, first=ALTERNATE[0])
+    grants = {policy: sum(e["event"] == "grant" for e in cut[policy]) for policy in ALTERNATE}
+    assert all(grants.values()), f"a policy granted nothing while the job ran: {grants}"
+    record_conformance({"pair": "peer:elastic", "placement": "2 -> 3 -> 2 workers on 2 devices",
+                        "scheduled_s": round(wall, 2), "policy_switches": len(switches), "grants": grants})

@@ -4,9 +4,11 @@ The scripts are run unmodified from `../shared/peer/horovod-0.28.1/examples/pyto
 (CI has `shared/` beside the checkout; nothing is copied into the project), each
 rank through `with_crossover.py`, which imports `crossover.auto` first, as a user
 adds it. As in `test_colocated_scripts.py`, every pair (two 2-rank jobs running
-the same script) runs under `passthrough` first (the baseline), then under
-`exclusive` and `crossover`, with one rank of each job per device
-(`--cpu-devices 2`) and with both ranks of a job on one device (`--cpu-devices 1`).
+the same script) runs it once per round in the same rank processes: a warm-up,
+then under `passthrough` (the baseline), `exclusive` and `crossover`, with one
+rank of each job per device (`--cpu-devices 2`) and with both ranks of a job on
+one device (`--cpu-devices 1`). Each round has folders of its own (`{round}` in
+the flags): a job finding an earlier round's checkpoint would resume from it.
 
 - `pytorch_imagenet_resnet50.py`: ResNet-50, a metric `hvd.allreduce` after every
   sub-batch (`Metric.update`), the resume epoch broadcast, `--batches-per-allreduce 2`
@@ -28,8 +30,8 @@ scripts' defaults:
   its default resnet50 (the ImageNet example keeps its hard-coded ResNet-50).
 - `--no-cuda` everywhere: the daemon manages CPU cores here (`--cpu-devices`).
 - Paths: `--log-dir`, `--checkpoint-format` and `--data-dir` point into temp folders,
-  and each job runs in its own temp folder (a job finding the other's checkpoint
-  would resume from it and skip training).
+  each job's and each round's its own (a job finding another's checkpoint would
+  resume from it and skip training).
 - torchvision's CPU ops, missing in the only build the index has: see `with_crossover.py`.
 
 Each job must exit 0, the daemon must grant devices under `exclusive` and
@@ -39,15 +41,22 @@ Each job must exit 0, the daemon must grant devices under `exclusive` and
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conformance.judge import PEER, PLACEMENTS, WITH_CROSSOVER, judge_colocated_run, record_conformance
+from tests.conformance.judge import (
+    PEER,
+    PLACEMENTS,
+    ROUNDS,
+    WITH_CROSSOVER,
+    drive_rounds,
+    judge_rounds,
+    record_conformance,
+    rounds_flags,
+)
 from tools.harness.jobs import horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
@@ -58,7 +67,7 @@ EXAMPLES = PEER / "examples" / "pytorch"
 SCRIPTS: dict[str, Callable[[Path, Path], tuple[str, ...]]] = {
     "pytorch_imagenet_resnet50.py": lambda data, run: (
         "--train-dir", str(data / "imagenet" / "train"), "--val-dir", str(data / "imagenet" / "val"),
-        "--log-dir", str(run / "logs"), "--checkpoint-format", str(run / "checkpoint-{epoch}.pth.tar"),
+        "--log-dir", str(run / "logs-{round}"), "--checkpoint-format", str(run / "checkpoint-{round}-{epoch}.pth.tar"),
         "--epochs", "1", "--batch-size", "1", "--val-batch-size", "2", "--batches-per-allreduce", "2",
         "--no-cuda"),
     "pytorch_mnist.py": lambda data, run: (
@@ -119,37 +128,28 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-def _run_pair(daemon_factory, jobs, data: Path, tmp: Path, script: str, policy: str, devices: str) -> dict:
-    tmp.mkdir(exist_ok=True)
-    d = daemon_factory("--cpu-devices", devices, "--policy", policy, name=policy)
-    started = time.monotonic()
+def _run_pairs(daemon_factory, jobs, data: Path, tmp: Path, script: str, devices: str) -> tuple[list[float], list]:
+    d = daemon_factory("--cpu-devices", devices, "--policy", ROUNDS[0], name="rounds")
+    folder = tmp / "rounds"
+    folder.mkdir()
     mine = []
     for name in ("A", "B"):
         run = tmp / name
         run.mkdir()
-        job = horovodrun(f"{policy}-{name}", WITH_CROSSOVER, tmp, np=2, out_flag=False, cwd=run,
-                         args=(str(EXAMPLES / script), *SCRIPTS[script](data, run)),
-                         env={"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60",
-                              "CROSSOVER_STATS_FILE": str(tmp / f"stats-{policy}-{name}-{{rank}}.json")})
+        job = horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False, cwd=run,
+                         args=(*rounds_flags(folder), str(EXAMPLES / script), *SCRIPTS[script](data, run)),
+                         env={"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60"})
         jobs.append(job)
         mine.append(job)
-    for job in mine:
-        rc = job.wait(240)
-        assert rc == 0, f"{script}/{policy}: job {job.name} exited {rc}:\n{job.output()[-3000:]}"
-    wall = time.monotonic() - started
+    walls = drive_rounds(d, mine, folder, ranks=2, label=script)
     d.stop()
-    yields = sum(json.loads(p.read_text()).get("yields", 0) for p in tmp.glob(f"stats-{policy}-*.json"))
-    return {"wall_s": wall, "events": d.events(), "yields": yields}
+    return walls, d.events()
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_peer_example_pair_finishes_without_overlap(daemon_factory, jobs, data, tmp_path, script, placement):
-    devices = PLACEMENTS[placement]
     row: dict[str, float | int | str] = {"pair": f"peer:{os.path.splitext(script)[0]}", "placement": placement}
-    base = _run_pair(daemon_factory, jobs, data, tmp_path / "passthrough", script, "passthrough", devices)
-    row["passthrough_s"] = round(base["wall_s"], 2)
-    for policy in ("exclusive", "crossover"):
-        run = _run_pair(daemon_factory, jobs, data, tmp_path / policy, script, policy, devices)
-        judge_colocated_run(f"{script}/{policy} on {placement}", policy, run, base, row)
+    walls, events = _run_pairs(daemon_factory, jobs, data, tmp_path, script, PLACEMENTS[placement])
+    judge_rounds(f"{script} on {placement}", walls, events, row)
     record_conformance(row)

@@ -2,15 +2,26 @@
 
     python with_crossover.py SCRIPT [ARGS ...]     # a script, as `python SCRIPT ARGS`
     python with_crossover.py -m MODULE [ARGS ...]  # a module, as `python -m MODULE ARGS`
+    python with_crossover.py --rounds N --round-dir DIR SCRIPT [ARGS ...]
 
 The conformance tier launches Horovod's own examples and test suite from
 `../shared/peer/` this way under `horovodrun`. One thing the machine forces:
 torchvision's CPU import needs two op schemas declared (`tools.workloads.vision`).
+
+With `--rounds N` the script runs N times in this one process, so a rank starts
+(Python, torch, Horovod, the session with the daemon) once for all of them;
+`{round}` in ARGS becomes the round's number. Before round k the rank writes
+`DIR/ready-k-JOB-RANK` and waits for `DIR/go-k`, with its device free
+(`crossover.auto.waiting()`); after it, it writes `DIR/done-k-JOB-RANK`. The test
+that drives the rounds switches the daemon's policy between them
+(`tests/conformance/judge.py`).
 """
 from __future__ import annotations
 
+import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 import crossover.auto  # noqa: F401  (first, as a user adds it)
@@ -26,16 +37,37 @@ def _import_torchvision() -> None:
         return
 
 
-def main(argv: list[str]) -> None:
-    if not argv or argv[0] in ("-h", "--help"):
-        sys.exit(__doc__)
-    _import_torchvision()
+def _run(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = argv
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def _rounds(count: int, folder: Path, argv: list[str]) -> None:
+    me = f"{os.environ.get('CROSSOVER_JOB_NAME', 'job')}-{os.environ.get('HOROVOD_RANK', '0')}"
+    for k in range(count):
+        (folder / f"ready-{k}-{me}").touch()
+        with crossover.auto.waiting():
+            while not (folder / f"go-{k}").exists():
+                time.sleep(0.05)
+        _run([a.replace("{round}", str(k)) for a in argv])
+        (folder / f"done-{k}-{me}").touch()
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.exit(__doc__)
+    _import_torchvision()
+    if argv[0] == "--rounds":
+        count, folder = int(argv[1]), Path(argv[3])
+        if argv[2] != "--round-dir":
+            sys.exit(__doc__)
+        _rounds(count, folder, argv[4:])
+    else:
+        _run(argv)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def test_gradient_hooks_run_in_the_order_added_and_may_replace_the_gradient():
         def __init__(self) -> None:
             self.grads: list[torch.Tensor] = []
 
-        def on_gradient_accumulated(self, param: torch.Tensor) -> None:
+        def on_backward_done(self) -> None:
             self.grads.append(param.grad.clone())
 
     param = torch.nn.Parameter(torch.ones(2))
@@ -111,3 +111,83 @@ def test_gradient_hooks_run_in_the_order_added_and_may_replace_the_gradient():
     (param * 1.0).sum().backward()
     torch.testing.assert_close(param.grad, torch.full((2,), 6.0))
     torch.testing.assert_close(seen.grads[0], torch.full((2,), 6.0))
+
+
+class PassCounter(OptimizerHook):
+    """Notes, at each backward_done, how many of the model's parameters already have a gradient."""
+
+    def __init__(self, params: list) -> None:
+        self.params, self.seen = params, []
+
+    def on_backward_done(self) -> None:
+        self.seen.append(sum(p.grad is not None for p in self.params))
+
+
+def _mlp(layers: int = 5):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+
+
+def _watched(chain) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in chain.params)
+
+
+def test_backward_done_comes_once_per_pass_after_every_gradient_and_then_costs_one_hook():
+    model = _mlp()
+    opt = SyncSGD(model.parameters(), lr=0.01)
+    params = list(model.parameters())
+    counter = PassCounter(params)
+    chain = hooks_of(opt)
+    chain.add(counter)
+    assert _watched(chain) == len(params)  # learning: every parameter
+    for it in range(4):
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        assert counter.seen == [len(params)] * (it + 1)
+        opt.step()
+        assert _watched(chain) == 1  # from the first step on: the sentinel alone
+
+
+def test_a_step_without_the_sentinel_goes_back_to_watching_every_parameter():
+    model = _mlp()
+    opt = SyncSGD(model.parameters(), lr=0.01)
+    params = list(model.parameters())
+    counter = PassCounter(params)
+    chain = hooks_of(opt)
+    chain.add(counter)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+    assert _watched(chain) == 1
+    opt.zero_grad()
+    opt.step()  # no backward: the sentinel did not fire
+    assert _watched(chain) == len(params)
+    # The graph changes: the last layer is skipped, so the old sentinel would never fire again.
+    partial = torch.nn.Sequential(*list(model)[:-1])
+    for _ in range(2):
+        opt.zero_grad()
+        partial(torch.ones(3, 4)).sum().backward()
+        opt.step()
+    # Learning never completes while a parameter gets no gradient: no pass end is reported (the
+    # grant then goes back on entering comm, as the phase tracker's fallback), and all stay watched.
+    assert counter.seen == [len(params)] * 2
+    assert _watched(chain) == len(params)
+    opt.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()  # the whole graph again: learned anew
+    assert counter.seen == [len(params)] * 3
+    opt.step()
+    assert _watched(chain) == 1
+
+
+def test_several_passes_per_step_each_end_once():
+    model = _mlp(3)
+    opt = SyncSGD(model.parameters(), lr=0.01)
+    counter = PassCounter(list(model.parameters()))
+    hooks_of(opt).add(counter)
+    for _ in range(3):
+        opt.zero_grad()
+        for _ in range(2):  # backward_passes_per_step = 2
+            model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+    assert len(counter.seen) == 6

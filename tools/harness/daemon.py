@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BIN", "DaemonProc", "cli", "kill_group", "queue_state"]
+__all__ = ["BIN", "DaemonProc", "cli", "kill_group", "queue_state", "set_policy"]
 
 BIN = Path(sys.executable).parent  # the virtualenv's console scripts: crossoverd, crossover, horovodrun
 
@@ -123,3 +123,16 @@ def queue_state(socket: Path, timeout: float = 5.0) -> dict[str, Any]:
         reply = pb_grpc.AdminStub(ch).GetQueue(pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=-1),
                                                timeout=timeout)
     return to_json("queue", reply)
+
+
+def set_policy(socket: Path, name: str, timeout: float = 5.0) -> None:
+    """Switch the daemon's policy as `crossover policy NAME` does (on its admin socket), in-process: cheap
+    enough to repeat every second or two while a job runs."""
+    import grpc
+
+    from crossover.protos import PROTOCOL_VERSION, admin_socket_path
+    from crossover.protos import crossover_v1_pb2 as pb
+    from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix://{admin_socket_path(str(socket))}") as ch:
+        pb_grpc.AdminStub(ch).SetPolicy(pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name), timeout=timeout)
