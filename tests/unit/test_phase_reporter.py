@@ -86,3 +86,4 @@ def test_a_failing_session_never_reaches_training(caplog):
         assert reporter.ensure_holding() is None
     assert "continuing unscheduled" in caplog.text
     assert not reporter.holding
+

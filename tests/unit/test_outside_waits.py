@@ -1,0 +1,37 @@
+"""`crossover.auto.waiting()`: a wait outside Horovod frees the device, and the rank's turn is kept."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("horovod.torch")
+from crossover.client.phase_reporter import PhaseReporter  # noqa: E402
+from crossover.plugins import horovod_torch  # noqa: E402
+from tests.unit.test_phase_reporter import Clock, Session  # noqa: E402
+
+
+def test_without_a_session_the_block_just_runs():
+    ran = []
+    with horovod_torch.waiting():
+        ran.append(1)
+    assert ran == [1]
+
+
+def test_a_holder_hands_the_device_back_for_the_wait_and_asks_again_with_the_same_iteration(monkeypatch):
+    clock, session = Clock(), Session()
+    reporter = PhaseReporter(session, clock=clock)
+    reporter.ensure_holding()
+    monkeypatch.setitem(horovod_torch._state, "phases", reporter)
+    with horovod_torch.waiting():
+        assert not reporter.holding
+        clock.now += 2.0
+    assert reporter.holding
+    assert session.calls == [("acquire", 0, None), ("release", 0, 0.0, False, True), ("acquire", 0, None)]
+
+
+def test_a_rank_that_does_not_hold_asks_for_nothing(monkeypatch):
+    session = Session()
+    monkeypatch.setitem(horovod_torch._state, "phases", PhaseReporter(session, clock=Clock()))
+    with horovod_torch.waiting():
+        pass
+    assert session.calls == []
