@@ -86,4 +86,3 @@ def test_a_failing_session_never_reaches_training(caplog):
         assert reporter.ensure_holding() is None
     assert "continuing unscheduled" in caplog.text
     assert not reporter.holding
-
