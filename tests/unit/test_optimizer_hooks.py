@@ -132,13 +132,19 @@ def _watched(chain) -> int:
     return sum(len(p._post_accumulate_grad_hooks or {}) for p in chain.params)
 
 
-def test_backward_done_comes_once_per_pass_after_every_gradient_and_then_costs_one_hook():
-    model = _mlp()
+def _counted(model):
+    """An optimizer over `model` whose chain counts passes; (optimizer, its parameters, counter, chain)."""
     opt = SyncSGD(model.parameters(), lr=0.01)
     params = list(model.parameters())
     counter = PassCounter(params)
     chain = hooks_of(opt)
     chain.add(counter)
+    return opt, params, counter, chain
+
+
+def test_backward_done_comes_once_per_pass_after_every_gradient_and_then_costs_one_hook():
+    model = _mlp()
+    opt, params, counter, chain = _counted(model)
     assert _watched(chain) == len(params)  # learning: every parameter
     for it in range(4):
         opt.zero_grad()
@@ -150,11 +156,7 @@ def test_backward_done_comes_once_per_pass_after_every_gradient_and_then_costs_o
 
 def test_a_step_without_the_sentinel_goes_back_to_watching_every_parameter():
     model = _mlp()
-    opt = SyncSGD(model.parameters(), lr=0.01)
-    params = list(model.parameters())
-    counter = PassCounter(params)
-    chain = hooks_of(opt)
-    chain.add(counter)
+    opt, params, counter, chain = _counted(model)
     for _ in range(2):
         opt.zero_grad()
         model(torch.ones(3, 4)).sum().backward()
@@ -182,9 +184,7 @@ def test_a_step_without_the_sentinel_goes_back_to_watching_every_parameter():
 
 def test_several_passes_per_step_each_end_once():
     model = _mlp(3)
-    opt = SyncSGD(model.parameters(), lr=0.01)
-    counter = PassCounter(list(model.parameters()))
-    hooks_of(opt).add(counter)
+    opt, _, counter, _ = _counted(model)
     for _ in range(3):
         opt.zero_grad()
         for _ in range(2):  # backward_passes_per_step = 2
