@@ -19,7 +19,7 @@ import pytest
 
 from tests.conformance.judge import (
     PLACEMENTS,
-    ROUNDS,
+    POLICY_ROUNDS,
     WITH_CROSSOVER,
     drive_rounds,
     judge_rounds,
@@ -48,9 +48,9 @@ PAIRS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[dict[str, str], d
 }
 
 
-def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tuple[list[float], list[dict]]:
+def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tuple[dict[str, float], list[dict]]:
     flags_a, flags_b, (env_a, env_b) = PAIRS[pair]
-    d = daemon_factory("--cpu-devices", devices, "--policy", ROUNDS[0], name="rounds")
+    d = daemon_factory("--cpu-devices", devices, "--policy", POLICY_ROUNDS[0], name="rounds")
     folder = tmp / "rounds"
     folder.mkdir()
     mine = []
@@ -63,7 +63,7 @@ def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tupl
         mine.append(job)
     walls = drive_rounds(d, mine, folder, ranks=2, label=pair)
     for job in mine:
-        for k, policy in enumerate(ROUNDS):
+        for k, policy in enumerate(walls):
             summaries = rank_summaries(job.out / f"round{k}")
             digests = {s["digest"] for s in summaries}
             assert len(summaries) == 2 and len(digests) == 1, f"{pair}/{policy}: ranks of {job.name} diverged"
@@ -76,5 +76,5 @@ def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tupl
 def test_colocated_pair_finishes_without_overlap(daemon_factory, jobs, tmp_path, pair, placement):
     row: dict[str, float | int | str] = {"pair": pair, "placement": placement}
     walls, events = _run_pairs(daemon_factory, jobs, tmp_path, pair, PLACEMENTS[placement])
-    judge_rounds(f"{pair} on {placement}", walls, events, row)
+    judge_rounds(f"{pair} on {placement}", placement, walls, events, row)
     record_conformance(row)

@@ -180,7 +180,7 @@ def test_colocated_jobs_never_overlap_and_take_turns_in_the_same_order(cluster_f
 def test_a_device_model_serves_the_ranks_compute_and_shares_it_when_unscheduled(cluster_factory, tmp_path):
     from tools.device_model import DeviceParams
 
-    bench = Path(__file__).resolve().parents[2] / "bench" / "workloads" / "train_bench.py"
+    bench = WORKLOADS / "train_bench.py"
     c = cluster_factory(nodes=2, link=Link(rate_mbit=400), policy="passthrough",
                         device_model=DeviceParams(slice_us=1000, switch_us=100, interference=0.0))
     script = with_import(tmp_path, bench)
