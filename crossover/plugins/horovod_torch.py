@@ -43,18 +43,25 @@ def current_session() -> Session | None:
 
 
 @contextlib.contextmanager
-def waiting() -> Iterator[None]:
+def waiting(resume: bool = True) -> Iterator[None]:
     """Around a wait outside Horovod (a file, a queue, a remote service): the device is free during it.
 
     Horovod's own waits free it already; a rank that holds its device while it waits
     for something else keeps every co-located job from computing, and past the
-    daemon's overdue floor it is passed over. Without a session this does nothing.
+    daemon's overdue floor it is passed over. A holder asks for the device again as
+    the block ends, with the same iteration; with ``resume=False`` only at its next
+    phase point (``zero_grad``, an allreduce's end), for a wait after which the script
+    does other work first (building a model, writing a checkpoint). Without a session
+    this does nothing.
     """
     phases: PhaseReporter | None = _state["phases"]
     if phases is None:
         yield
-        return
-    with phases.waiting_for_peers():
+    elif resume:
+        with phases.waiting_for_peers():
+            yield
+    else:
+        phases.pause()
         yield
 
 

@@ -11,8 +11,9 @@ torchvision's CPU import needs two op schemas declared (`tools.workloads.vision`
 With `--rounds N` the script runs N times in this one process, so a rank starts
 (Python, torch, Horovod, the session with the daemon) once for all of them;
 `{round}` in ARGS becomes the round's number. Before round k the rank writes
-`DIR/ready-k-JOB-RANK` and waits for `DIR/go-k`, with its device free
-(`crossover.auto.waiting()`); after it, it writes `DIR/done-k-JOB-RANK`. The test
+`DIR/ready-k-JOB-RANK` and waits for `DIR/go-k`, with its device free until
+the round's first phase point, as at a fresh start (`crossover.auto.waiting(resume=False)`);
+after it, it writes `DIR/done-k-JOB-RANK`. The test
 that drives the rounds switches the daemon's policy between them
 (`tests/conformance/judge.py`).
 """
@@ -50,7 +51,7 @@ def _rounds(count: int, folder: Path, argv: list[str]) -> None:
     me = f"{os.environ.get('CROSSOVER_JOB_NAME', 'job')}-{os.environ.get('HOROVOD_RANK', '0')}"
     for k in range(count):
         (folder / f"ready-{k}-{me}").touch()
-        with crossover.auto.waiting():
+        with crossover.auto.waiting(resume=False):
             while not (folder / f"go-{k}").exists():
                 time.sleep(0.05)
         _run([a.replace("{round}", str(k)) for a in argv])

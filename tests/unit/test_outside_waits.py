@@ -35,3 +35,16 @@ def test_a_rank_that_does_not_hold_asks_for_nothing(monkeypatch):
     with horovod_torch.waiting():
         pass
     assert session.calls == []
+
+
+def test_without_resume_the_device_is_asked_for_again_only_at_the_next_phase_point(monkeypatch):
+    clock, session = Clock(), Session()
+    reporter = PhaseReporter(session, clock=clock)
+    reporter.ensure_holding()
+    monkeypatch.setitem(horovod_torch._state, "phases", reporter)
+    with horovod_torch.waiting(resume=False):
+        pass
+    assert not reporter.holding
+    assert session.calls[-1] == ("release", 0, 0.0, False, True)
+    reporter.ensure_holding()  # zero_grad of the next piece of work
+    assert reporter.holding and session.calls[-1] == ("acquire", 0, None)
