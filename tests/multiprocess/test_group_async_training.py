@@ -49,7 +49,8 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
     assert len({s["runs"][1]["final_acc"] for s in summaries}) == 1
     stats = grouped["group_async"]
     service = stats["service"]
-    assert service["exchanges"] >= 8, service
+    # The exchange period is in seconds (0.25 s), so the count follows the run's length: 7 to 12 here.
+    assert service["exchanges"] >= 5, service
     assert max(int(gap) for gap in service["gaps"]) <= 2, service  # never above CROSSOVER_STALENESS
     # Each epoch is used up by both groups together. The straggler's group (led by rank 2) takes less of
     # the run, and never more of an epoch: in an epoch where the two happen to move in step, both take

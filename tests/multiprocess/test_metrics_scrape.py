@@ -68,7 +68,8 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
     script = with_import(tmp_path)
     env = {"CROSSOVER_SOCKET": str(d.socket)}
     for name in ("alpha", "beta"):
-        jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", "300"), env=env))
+        # Long enough that the first job still runs 2 s after the second has started (300 were not, once).
+        jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", "600"), env=env))
 
     both, later = None, None
     deadline = time.monotonic() + 120
