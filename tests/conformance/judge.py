@@ -7,7 +7,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,27 @@ def _rounds(warm_up: bool) -> tuple[str, ...]:
     return ((WARM_UP,) if warm_up else ()) + POLICY_ROUNDS
 
 
-def rounds_flags(folder: Path, warm_up: bool = True) -> tuple[str, ...]:
-    """`with_crossover.py`'s flags that make a rank run its script once per round, synchronised through `folder`."""
-    return ("--rounds", str(len(_rounds(warm_up))), "--round-dir", str(folder))
+def run_pair_in_rounds(daemon_factory: Callable[..., DaemonProc], jobs: list[Job], tmp: Path, devices: str,
+                       label: str, start_job: Callable[[str, tuple[str, ...], dict[str, str]], Job],
+                       warm_up: bool = True) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Two co-located 2-rank jobs, A and B, through their rounds on a daemon of `devices` CPU devices.
+
+    `start_job(name, flags, env)` starts job NAME through `with_crossover.py` with `flags` (the round
+    flags) first and `env` (the daemon's socket and grant timeout) added. Returns each round's wall
+    time by round name and the daemon's event log.
+    """
+    d = daemon_factory("--cpu-devices", devices, "--policy", POLICY_ROUNDS[0], name="rounds")
+    folder = tmp / "rounds"
+    folder.mkdir()
+    flags = ("--rounds", str(len(_rounds(warm_up))), "--round-dir", str(folder))
+    env = {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60"}
+    mine = []
+    for name in ("A", "B"):
+        jobs.append(start_job(name, flags, env))  # the caller's list: its teardown kills what is left
+        mine.append(jobs[-1])
+    walls = _drive_rounds(d, mine, folder, ranks=2, label=label, warm_up=warm_up)
+    d.stop()
+    return walls, d.events()
 
 
 def _await_ranks(folder: Path, prefix: str, ranks: int, jobs: list[Job], label: str, timeout: float) -> None:
@@ -69,9 +87,9 @@ def _await_ranks(folder: Path, prefix: str, ranks: int, jobs: list[Job], label: 
         time.sleep(0.05)
 
 
-def drive_rounds(daemon: DaemonProc, jobs: list[Job], folder: Path, ranks: int, label: str,
-                 warm_up: bool = True, timeout: float = 240) -> dict[str, float]:
-    """Take co-located jobs (started with `rounds_flags`, the daemon under `passthrough`) through their
+def _drive_rounds(daemon: DaemonProc, jobs: list[Job], folder: Path, ranks: int, label: str,
+                  warm_up: bool = True, timeout: float = 240) -> dict[str, float]:
+    """Take co-located jobs (started with the round flags, the daemon under `passthrough`) through their
     rounds; each round's wall time, from its start to its last rank's end, by round name.
 
     `ranks` is each job's. Before each round every rank waits, its device free, until all have arrived;
@@ -110,16 +128,31 @@ def events_by_policy(events: list[dict[str, Any]], first: str = POLICY_ROUNDS[0]
 
 def judge_rounds(label: str, placement: str, walls: dict[str, float], events: list[dict[str, Any]],
                  row: dict[str, Any]) -> None:
-    """Every blocking round of a co-located pair, against its unscheduled round (`judge_colocated_run`)."""
+    """Every blocking round of a co-located pair, against its unscheduled round.
+
+    Under each blocking policy the daemon granted devices, no compute phases overlapped on a device,
+    no holder was `overdue`, and the round took at most the placement's `RATIO_LIMIT` times the
+    `passthrough` round. Adds each round's wall time, and each policy's ratio and yields, to `row`
+    (a `results/conformance.json` row).
+    """
     cut = events_by_policy(events)
     if WARM_UP in walls:
         row["warm_up_s"] = round(walls[WARM_UP], 2)
-    base = {"wall_s": walls["passthrough"]}
-    row["passthrough_s"] = round(walls["passthrough"], 2)
+    base_s = walls["passthrough"]
+    row["passthrough_s"] = round(base_s, 2)
     for policy in POLICY_ROUNDS[1:]:
-        run = {"wall_s": walls[policy], "events": cut[policy],
-               "yields": sum(1 for e in cut[policy] if e["event"] == "release" and e.get("yields"))}
-        judge_colocated_run(f"{label} under {policy}", policy, run, base, row, RATIO_LIMIT[placement])
+        what, wall_s, mine = f"{label} under {policy}", walls[policy], cut[policy]
+        per_dev = compute_intervals(mine)
+        assert per_dev, f"{what}: the daemon granted nothing"
+        for dev, intervals in per_dev.items():
+            assert overlaps(intervals) == [], f"{what}: compute phases overlap on device {dev}"
+        overdue = [e for e in mine if e["event"] == "overdue"]
+        assert overdue == [], f"{what}: a holder stalled while holding its device: {overdue[:3]}"
+        ratio, limit = wall_s / base_s, RATIO_LIMIT[placement]
+        row[f"{policy}_s"] = round(wall_s, 2)
+        row[f"{policy}_ratio"] = round(ratio, 2)
+        row[f"{policy}_yields"] = sum(1 for e in mine if e["event"] == "release" and e.get("yields"))
+        assert ratio <= limit, f"{what}: {wall_s:.1f}s against {base_s:.1f}s unscheduled ({ratio:.2f}x, limit {limit}x)"
 
 
 # One run of a long job serves both blocking policies: the daemon is switched between them every
@@ -163,25 +196,3 @@ def record_conformance(row: dict[str, Any]) -> None:
     rows = [r for r in rows if (r["pair"], r["placement"]) != (row["pair"], row["placement"])] + [row]
     CONFORMANCE_RESULTS.write_text(json.dumps(rows, indent=1) + os.linesep)
 
-
-def judge_colocated_run(label: str, policy: str, run: dict[str, Any], base: dict[str, Any],
-                        row: dict[str, Any], limit: float = 2.0) -> None:
-    """A co-located pair under a blocking policy, against the same pair under `passthrough`.
-
-    The daemon granted devices, no compute phases overlapped on a device, no holder was
-    `overdue`, and the pair took at most `limit` times its unscheduled time. Adds the policy's wall
-    time, ratio and yields to `row` (a `results/conformance.json` row).
-    """
-    events = run["events"]
-    per_dev = compute_intervals(events)
-    assert per_dev, f"{label}: the daemon granted nothing"
-    for dev, intervals in per_dev.items():
-        assert overlaps(intervals) == [], f"{label}: compute phases overlap on device {dev}"
-    overdue = [e for e in events if e["event"] == "overdue"]
-    assert overdue == [], f"{label}: a holder stalled while holding its device: {overdue[:3]}"
-    ratio = run["wall_s"] / base["wall_s"]
-    row[f"{policy}_s"] = round(run["wall_s"], 2)
-    row[f"{policy}_ratio"] = round(ratio, 2)
-    row[f"{policy}_yields"] = run["yields"]
-    assert ratio <= limit, (f"{label}: {run['wall_s']:.1f}s against {base['wall_s']:.1f}s unscheduled "
-                            f"({ratio:.2f}x, limit {limit}x)")

@@ -19,14 +19,12 @@ import pytest
 
 from tests.conformance.judge import (
     PLACEMENTS,
-    POLICY_ROUNDS,
     WITH_CROSSOVER,
-    drive_rounds,
     judge_rounds,
     record_conformance,
-    rounds_flags,
+    run_pair_in_rounds,
 )
-from tools.harness.jobs import WORKLOADS, horovodrun, rank_summaries
+from tools.harness.jobs import WORKLOADS, Job, horovodrun, rank_summaries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -50,25 +48,21 @@ PAIRS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[dict[str, str], d
 
 def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tuple[dict[str, float], list[dict]]:
     flags_a, flags_b, (env_a, env_b) = PAIRS[pair]
-    d = daemon_factory("--cpu-devices", devices, "--policy", POLICY_ROUNDS[0], name="rounds")
-    folder = tmp / "rounds"
-    folder.mkdir()
-    mine = []
-    for name, flags, env in (("A", flags_a, env_a), ("B", flags_b, env_b)):
-        job = horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False,
-                         args=(*rounds_flags(folder), str(WORKLOADS / "patterns.py"),
-                               "--out", str(tmp / f"out_{name}" / "round{round}"), *flags),
-                         env={"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60", **env})
-        jobs.append(job)
-        mine.append(job)
-    walls = drive_rounds(d, mine, folder, ranks=2, label=pair)
-    for job in mine:
+    per_job = {"A": (flags_a, env_a), "B": (flags_b, env_b)}
+
+    def start(name: str, round_flags: tuple[str, ...], env: dict[str, str]) -> Job:
+        flags, own_env = per_job[name]
+        return horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False, env={**env, **own_env},
+                          args=(*round_flags, str(WORKLOADS / "patterns.py"),
+                                "--out", str(tmp / f"out_{name}" / "round{round}"), *flags))
+
+    walls, events = run_pair_in_rounds(daemon_factory, jobs, tmp, devices, pair, start)
+    for name in per_job:
         for k, policy in enumerate(walls):
-            summaries = rank_summaries(job.out / f"round{k}")
+            summaries = rank_summaries(tmp / f"out_{name}" / f"round{k}")
             digests = {s["digest"] for s in summaries}
-            assert len(summaries) == 2 and len(digests) == 1, f"{pair}/{policy}: ranks of {job.name} diverged"
-    d.stop()
-    return walls, d.events()
+            assert len(summaries) == 2 and len(digests) == 1, f"{pair}/{policy}: ranks of {name} diverged"
+    return walls, events
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))

@@ -50,14 +50,12 @@ import pytest
 from tests.conformance.judge import (
     PEER,
     PLACEMENTS,
-    POLICY_ROUNDS,
     WITH_CROSSOVER,
-    drive_rounds,
     judge_rounds,
     record_conformance,
-    rounds_flags,
+    run_pair_in_rounds,
 )
-from tools.harness.jobs import horovodrun
+from tools.harness.jobs import Job, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -134,22 +132,13 @@ _WARM_UP = {"pytorch_imagenet_resnet50.py": False}
 
 
 def _run_pairs(daemon_factory, jobs, data: Path, tmp: Path, script: str, devices: str) -> tuple[dict[str, float], list]:
-    d = daemon_factory("--cpu-devices", devices, "--policy", POLICY_ROUNDS[0], name="rounds")
-    folder = tmp / "rounds"
-    folder.mkdir()
-    warm_up = _WARM_UP.get(script, True)
-    mine = []
-    for name in ("A", "B"):
+    def start(name: str, round_flags: tuple[str, ...], env: dict[str, str]) -> Job:
         run = tmp / name
         run.mkdir()
-        job = horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False, cwd=run,
-                         args=(*rounds_flags(folder, warm_up), str(EXAMPLES / script), *SCRIPTS[script](data, run)),
-                         env={"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_GRANT_TIMEOUT": "60"})
-        jobs.append(job)
-        mine.append(job)
-    walls = drive_rounds(d, mine, folder, ranks=2, label=script, warm_up=warm_up)
-    d.stop()
-    return walls, d.events()
+        return horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False, cwd=run, env=env,
+                          args=(*round_flags, str(EXAMPLES / script), *SCRIPTS[script](data, run)))
+
+    return run_pair_in_rounds(daemon_factory, jobs, tmp, devices, script, start, warm_up=_WARM_UP.get(script, True))
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
