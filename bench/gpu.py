@@ -316,11 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-rate", type=float, default=50.0)
     p.add_argument("--max-rate", type=float, default=40000.0)
     p.add_argument("--cycles", type=int, default=None, help="cycles through the three modes (default 3; dry 1)")
-    p.add_argument("--segment-s", type=float, default=None, help="measured seconds per segment (default 8; dry 3)")
-    p.add_argument("--settle-s", type=float, default=None, help="seconds after a switch (default 2; dry 1)")
-    p.add_argument("--warmup", type=int, default=None, help="iterations before measuring (default 10; dry 3)")
-    p.add_argument("--calibration-iters", type=int, default=None, help="default 20; dry 5")
-    p.add_argument("--solo-iters", type=int, default=None, help="measured iterations alone (default 40; dry 5)")
+    p.add_argument("--segment-s", type=float, default=None, help="measured seconds per segment (default 8; dry 1.5)")
+    p.add_argument("--settle-s", type=float, default=None, help="seconds after a switch (default 2; dry 0.5)")
+    p.add_argument("--warmup", type=int, default=None, help="iterations before measuring (default 10; dry 2)")
+    p.add_argument("--calibration-iters", type=int, default=None, help="default 20; dry 3")
+    p.add_argument("--solo-iters", type=int, default=None, help="measured iterations alone (default 40; dry 3)")
     p.add_argument("--sleep-ms", type=float, default=200.0, help="GPU work queued after the last gradient "
                    "in the release check")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop adding cycles when this much time has "
@@ -332,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dry = args.dry_run
     for key, full, small in (("model", "resnet18", "resnet18"), ("batch", 128, 8), ("image_size", 224, 32),
-                             ("ref_rate", 10000.0, 1000.0), ("cycles", 3, 1), ("segment_s", 8.0, 3.0),
-                             ("settle_s", 2.0, 1.0), ("warmup", 10, 3), ("calibration_iters", 20, 5),
-                             ("solo_iters", 40, 5), ("timeline_seconds", 1.0, 3.0)):
+                             ("ref_rate", 10000.0, 1000.0), ("cycles", 3, 1), ("segment_s", 8.0, 1.5),
+                             ("settle_s", 2.0, 0.5), ("warmup", 10, 2), ("calibration_iters", 20, 3),
+                             ("solo_iters", 40, 3), ("timeline_seconds", 1.0, 1.5)):
         if getattr(args, key) is None:
             setattr(args, key, small if dry else full)
     if dry:

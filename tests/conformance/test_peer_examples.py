@@ -136,7 +136,7 @@ def _run_pairs(daemon_factory, jobs, data: Path, tmp: Path, script: str, devices
         run = tmp / name
         run.mkdir()
         return horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False, cwd=run, env=env,
-                          args=(*round_flags, str(EXAMPLES / script), *SCRIPTS[script](data, run)))
+                          args=("--torchvision", *round_flags, str(EXAMPLES / script), *SCRIPTS[script](data, run)))
 
     return run_pair_in_rounds(daemon_factory, jobs, tmp, devices, script, start, warm_up=_WARM_UP.get(script, True))
 

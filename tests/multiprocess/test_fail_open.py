@@ -64,13 +64,17 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
     script = with_import(tmp_path)
     env = {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_RECONNECT_INTERVAL": "60"}
+    stop = tmp_path / "stop"
     for name in ("one", "two"):  # long enough that neither finishes before the other starts (start-up spread)
-        jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "4000"), env=env))
+        jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "4000", "--stop-file", str(stop)),
+                               env=env))
     _wait_for(lambda: {e["job_name"] for e in d.events() if e["event"] == "grant"} == {"one", "two"}, 60,
               "both jobs scheduled")
     t0 = time.monotonic()  # CLOCK_MONOTONIC, the event log's clock
     assert d.stop(signal.SIGTERM, timeout=10) == 0
     assert time.monotonic() - t0 < 5, "daemon took too long to stop"
+    time.sleep(1.0)  # released, both train on unscheduled; then they may stop early
+    stop.touch()
     for j in jobs:
         assert j.wait(120) == 0, j.output()[-3000:]
     events = d.events()

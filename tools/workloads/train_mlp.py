@@ -34,6 +34,8 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="")
+    p.add_argument("--stop-file", default="", help="stop before --iters once this file exists (one-rank jobs only: "
+                   "the ranks of a larger job would stop at different steps)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -67,6 +69,8 @@ def main():
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
     times, loss = [], None
     for _ in range(args.iters):
+        if args.stop_file and os.path.exists(args.stop_file):
+            break
         t0 = time.perf_counter()
         opt.zero_grad()
         for _ in range(args.bpps):
