@@ -18,8 +18,8 @@ time without evaluation), final accuracy (for group_async, of the one model
 the groups mix into at the end), and the staleness histogram the parameter
 service measured (how many exchanges the pushing group was ahead of the
 slowest when its answer left; never above the bound). ``--exchange-cost``
-times one exchange with a real service process over loopback against model
-size and codec.
+times one exchange with a real service process (as rank 0 starts it) over
+loopback TCP with each codec and through shared memory, against model size.
 
     python -m bench.group_async [--quick] [--datasets digits,mnist1d] [--out results/group_async]
     python -m bench.group_async --exchange-cost
@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -206,49 +204,52 @@ def plot(dataset: str, data: dict[str, Any], stem: Path) -> str:
     return str(path)
 
 
-def exchange_cost(console: Console) -> list[dict[str, Any]]:
-    """One leader's exchange with a real service process over loopback, by model size and codec."""
+EXCHANGE_SIZES = (1_000_000, 10_000_000, 25_000_000)
+# (label, codec, shared memory): TCP with each codec, and a leader on the service's node
+EXCHANGE_PATHS = (("tcp fp32", "fp32", False), ("tcp fp16", "fp16", False), ("tcp topk 1%", "topk", False),
+                  ("shared memory", "fp32", True))
+
+
+def exchange_cost(console: Console, sizes: tuple[int, ...] = EXCHANGE_SIZES) -> list[dict[str, Any]]:
+    """One leader's exchange with the service process rank 0 would start (its default state directory),
+    over loopback TCP with each codec and through shared memory, by model size. A leader pushes a model
+    that moved since its last answer and waits for the new one: the figure is the whole call."""
     import torch
 
     from crossover.plugins.group_async.codec import Codec
-    from crossover.plugins.group_async.link import ServiceLink
+    from crossover.plugins.group_async.link import ServiceLink, ServiceProcess
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        token = Path(tmp) / "token"
-        token.write_text("bench")
-        for state in ("", "state"):
-            for numel in (10_000, 100_000, 1_000_000, 10_000_000):
-                port_file = Path(tmp) / f"port{state}{numel}"
-                cmd = [sys.executable, "-m", "crossover.plugins.group_async.service", "--port", "0", "--bound", "4",
-                       "--token-file", str(token), "--port-file", str(port_file), "--log-level", "WARNING"]
-                if state:
-                    cmd += ["--state-dir", str(Path(tmp) / f"{state}{numel}")]
-                proc = subprocess.Popen(cmd, env={**os.environ,
-                                                  "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-                try:
-                    while not port_file.exists():
-                        time.sleep(0.05)
-                    port = int(port_file.read_text())
-                    for group, kind in enumerate(("fp32", "fp16", "topk")):
-                        link = ServiceLink(("127.0.0.1", port), "bench", group=group, codec=Codec(kind, 0.01))
-                        model = torch.zeros(numel)
-                        link.start(model)
-                        times = []
-                        for _ in range(5 if numel >= 10_000_000 else 20):
-                            model = model + 0.001
-                            started = time.perf_counter()
-                            link.exchange(model, wait=False)
-                            times.append(time.perf_counter() - started)
-                        link.close()
-                        times.sort()
-                        rows.append({"params": numel, "mb_fp32": numel * 4 / 1e6, "codec": kind,
-                                     "persisted": bool(state), "exchange_ms_p50": 1e3 * times[len(times) // 2]})
-                        console.print(f"  {numel:>10,} params {kind:>4} {'persisted' if state else 'in memory':>9}: "
-                                      f"{rows[-1]['exchange_ms_p50']:.2f} ms")
-                finally:
-                    proc.terminate()
-                    proc.wait(10)
+    for numel in sizes:
+        for group, (label, kind, shared) in enumerate(EXCHANGE_PATHS):
+            service = ServiceProcess("127.0.0.1", 4)
+            try:
+                _, port = service.start()
+                link = ServiceLink(("127.0.0.1", port), service.token, group=group, codec=Codec(kind, 0.01),
+                                   **({"shared_memory": True} if shared else {}))
+                model = torch.zeros(numel)
+                link.start(model)
+                if shared and not getattr(link, "local", False):
+                    console.print(f"  {label}: not available here; skipped")
+                    link.close()
+                    continue
+                times = []
+                for _ in range(3 + (4 if numel >= 10_000_000 else 12)):
+                    model.add_(0.001)
+                    started = time.perf_counter()
+                    link.exchange(model, wait=True)
+                    times.append(time.perf_counter() - started)
+                link.close()
+            finally:
+                service.stop()
+            times = sorted(times[3:])  # the first three map fresh pages
+            p50 = times[len(times) // 2]
+            rows.append({"params": numel, "mb_fp32": numel * 4 / 1e6, "path": label, "codec": kind,
+                         "shared_memory": shared, "exchange_ms_p50": 1e3 * p50,
+                         "exchange_ms_min": 1e3 * times[0], "exchange_ms_max": 1e3 * times[-1],
+                         "model_gb_per_s": numel * 4 / p50 / 1e9, "repeats": len(times)})
+            console.print(f"  {numel:>11,} params {label:>14}: {1e3 * p50:8.2f} ms "
+                          f"({numel * 4 / p50 / 1e9:.2f} GB/s of model)")
     return rows
 
 

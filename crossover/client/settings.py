@@ -88,6 +88,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                  "global model's change per epoch halves)."),
     "CROSSOVER_EXCHANGE_CODEC": ("fp32", "group_async: how updates travel to the service: fp32, fp16 or topk "
                                  "(largest entries only, the rest kept for later: error feedback)."),
+    "CROSSOVER_EXCHANGE_SHM": ("1", "group_async: a leader on the parameter service's node exchanges through "
+                               "shared memory (/dev/shm) instead of TCP; 0: always TCP."),
     "CROSSOVER_GROUP_WEIGHT": ("size", "group_async: how much of a group's update the global model takes: size "
                                "(its share of the ranks; groups in lockstep make synchronous SGD's step) or sum "
                                "(all of it, as Basu et al.; faster, noisier)."),
@@ -214,6 +216,7 @@ class AggregationSettings:
     grouping: str = "static"
     group_schedule: str = "fixed"
     exchange_codec: str = "fp32"
+    exchange_shared_memory: bool = True
     topk_fraction: float = 0.01
     group_weight: str = "size"
     profile_steps: int = 5
@@ -238,6 +241,7 @@ class AggregationSettings:
             grouping=_choice("CROSSOVER_GROUPING", cls.grouping, GROUPINGS),
             group_schedule=_choice("CROSSOVER_GROUP_SCHEDULE", cls.group_schedule, GROUP_SCHEDULES),
             exchange_codec=_choice("CROSSOVER_EXCHANGE_CODEC", cls.exchange_codec, EXCHANGE_CODECS),
+            exchange_shared_memory=_bool("CROSSOVER_EXCHANGE_SHM", cls.exchange_shared_memory),
             topk_fraction=_float("CROSSOVER_TOPK_FRACTION", cls.topk_fraction, 1e-6, 1.0),
             group_weight=_choice("CROSSOVER_GROUP_WEIGHT", cls.group_weight, GROUP_WEIGHTS),
             profile_steps=_int("CROSSOVER_PROFILE_STEPS", cls.profile_steps, 0, 1_000_000),

@@ -2,6 +2,7 @@
 the multi-process behaviour is in tests/multiprocess/test_group_async_training.py)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -90,7 +91,82 @@ def test_a_restarted_service_resumes_from_the_newest_model(tmp_path: Path):
     again = GlobalModel(bound=4, state_dir=tmp_path)
     assert again.resumed_from == 3 and again.model is not None
     assert np.allclose(again.model, [3.0, 6.0, 9.0])
-    assert list(tmp_path.glob("model-*.npy")) == [tmp_path / "model-3.npy"]
+    # two files used in turn, whatever the number of exchanges
+    assert sorted(p.name for p in tmp_path.glob("model-*")) == ["model-a.f32", "model-b.f32"]
+
+
+def test_a_service_resumes_from_the_one_file_an_older_service_kept(tmp_path: Path):
+    np.save(tmp_path / "model-7.npy", np.array([1.0, 2.0], dtype=np.float32))
+    (tmp_path / "global.json").write_text(json.dumps({"model": "model-7.npy", "version": 7, "last_seq": {"0": 6},
+                                                      "clocks": {"0": 7}}))
+    state = GlobalModel(bound=4, state_dir=tmp_path)
+    assert state.version == 7 and np.allclose(state.model, [1.0, 2.0])
+    state.exchange(0, 7, "fp32", np.ones(2, dtype=np.float32).tobytes(), 2, wait=False)
+    assert np.allclose(GlobalModel(bound=4, state_dir=tmp_path).model, [2.0, 3.0])
+
+
+@pytest.mark.parametrize("persisted", [False, True])
+def test_a_leader_on_the_services_node_exchanges_through_shared_memory(tmp_path: Path, persisted: bool):
+    state = GlobalModel(bound=4, state_dir=tmp_path if persisted else None)
+    with serving(state) as address:
+        local = ServiceLink(address, TOKEN, 0, Codec("fp32"), timeout_s=20.0, shared_memory=True)
+        local.start(torch.zeros(5))
+        remote = _link(address, 2, torch.zeros(5))
+        assert local.local and not remote.local
+        params = [torch.ones(2, 2), torch.full((1,), 2.0)]  # a model's parameters, not one flat tensor
+        model = local.exchange(params, scale=0.5)
+        assert model is not None and model.tolist() == [0.5] * 4 + [1.0]
+        model = remote.exchange(torch.full((5,), 4.0))
+        assert model is not None and model.tolist() == [4.5] * 4 + [5.0]
+        # counted from the answer (0.5, 1): half of 2.5 and 5 more
+        again = local.exchange([p * 3 for p in params], scale=0.5)
+        assert again is not None and again.tolist() == [5.75] * 4 + [7.5]
+        assert local.pull() is not None and local.base.tolist() == [5.75] * 4 + [7.5]
+        local.rebase(torch.zeros(5))
+        assert local.exchange(torch.ones(5)).tolist() == [6.75] * 4 + [8.5]
+        assert state.version == 4
+
+
+def test_shared_buffers_leave_no_file_behind_and_a_lost_answer_is_counted_once(tmp_path: Path):
+    before = set(Path("/dev/shm").glob("crossover-slot-*"))
+    state = GlobalModel(bound=4)
+    with serving(state) as address:
+        link = ServiceLink(address, TOKEN, 0, Codec("fp32"), timeout_s=20.0, shared_memory=True)
+        link.start(torch.zeros(3))
+        assert link.local and set(Path("/dev/shm").glob("crossover-slot-*")) == before
+        assert link.exchange(torch.ones(3)).tolist() == [1.0] * 3
+        # The next update reaches the service and is applied, then the answer is lost.
+        real_call = link._call
+
+        def lose_the_answer(header, payload=b""):
+            reply = real_call(header, payload)
+            if header["op"] == "exchange":
+                raise ConnectionResetError("answer lost")
+            return reply
+
+        link._call = lose_the_answer  # type: ignore[method-assign]
+        assert link.exchange(torch.full((3,), 3.0)) is None and state.version == 2
+        link._call = real_call  # type: ignore[method-assign]
+        model = link.exchange(torch.full((3,), 6.0))  # learned 5 since its base of 1: 2 of it was applied
+        assert model is not None and model.tolist() == [6.0] * 3 and state.version == 3
+        assert link.outages == 1 and link.local
+
+
+def test_a_service_that_cannot_map_the_buffers_keeps_the_leader_on_tcp(tmp_path: Path):
+    state = GlobalModel(bound=4)
+    with serving(state) as address:
+        link = ServiceLink(address, TOKEN, 0, Codec("fp32"), timeout_s=20.0, shared_memory=True)
+        real_call = link._call
+
+        def forged(header, payload=b""):
+            if header["op"] == "slots":
+                header = {**header, "slots": [{**slot, "ino": slot["ino"] + 1} for slot in header["slots"]]}
+            return real_call(header, payload)
+
+        link._call = forged  # type: ignore[method-assign]
+        link.start(torch.zeros(2))
+        assert not link.local
+        assert link.exchange(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
 def test_an_update_whose_answer_was_lost_is_counted_once(tmp_path: Path):
@@ -127,3 +203,23 @@ def test_groups_report_running_totals_so_an_epoch_is_counted_once(tmp_path: Path
         assert state.stats()["samples"] == {"0": {"0": 128, "2": 32}, "1": {"0": 64}}
     again = GlobalModel(bound=4, state_dir=tmp_path)  # what the last exchange saved survives a restart
     assert again.taken[0] == {0: 128, 2: 32}
+
+
+@pytest.mark.parametrize("kind", ["fp16", "topk"])
+def test_a_remote_leader_with_a_lossy_codec_is_answered_with_differences_that_lose_nothing(kind: str):
+    state = GlobalModel(bound=8)
+    with serving(state) as address:
+        writer = _link(address, 0, torch.zeros(1000))
+        reader = ServiceLink(address, TOKEN, 2, Codec(kind, 0.1), timeout_s=20.0)
+        reader.start(torch.zeros(1000))
+        assert reader.exchange(reader.base) is not None and reader.answer_bytes == [4000]  # first: whole
+        writer.exchange(torch.randn(1000, generator=torch.Generator().manual_seed(3)))
+        writer.park()  # done: the reader's exchanges need not wait for it
+        truth = torch.from_numpy(state.model.copy())
+        errors = []
+        for _ in range(12):  # the reader learns nothing itself: its model is its base
+            model = reader.exchange(reader.base.clone())
+            assert model is not None
+            errors.append(float((model - truth).abs().max()))
+        assert max(reader.answer_bytes[1:]) == (2000 if kind == "fp16" else 800)  # fp16, or 10 % as index+value
+        assert errors[-1] <= 1e-6 < errors[0], errors  # what one answer left out, a later one carried

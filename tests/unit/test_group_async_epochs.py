@@ -91,11 +91,13 @@ class _SlowLink:
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
 
-    def exchange(self, flat, wait=True, scale=1.0, epoch=-1, taken=0):  # type: ignore[no-untyped-def]
+    def exchange(self, params, wait=True, scale=1.0, epoch=-1, taken=0):  # type: ignore[no-untyped-def]
         import time
 
+        import torch
+
         time.sleep(self.hold_s)
-        return flat.clone()
+        return torch.cat([p.reshape(-1) for p in params])
 
 
 def test_the_exchange_period_counts_from_the_answer_so_a_held_group_works_a_period_before_asking_again():

@@ -1,10 +1,13 @@
-"""How a group's update travels to the parameter service: ``fp32``, ``fp16`` or ``topk`` with error feedback.
+"""How updates and answers travel over TCP: ``fp32``, ``fp16`` or ``topk`` with error feedback.
 
 Whole tensors, never per-element Python: an update is one flat float32
 tensor turned into bytes. ``topk`` sends the largest ``fraction`` of entries
 by magnitude (int32 indices, float32 values) and keeps what it did not send
 in a residual that is added to the next update, so nothing is dropped, only
-delayed.
+delayed. The service answers a leader that pushes ``fp16`` or ``topk`` the
+same way (:func:`encode_answer`): only how the global model differs from what
+that leader already holds, so what it was not sent stays in the next
+difference, the same error feedback in the other direction.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import numpy as np
 if TYPE_CHECKING:  # the service decodes with numpy alone and never pays for importing torch
     import torch
 
-__all__ = ["CODECS", "Codec", "decode"]
+__all__ = ["CODECS", "Codec", "decode", "encode_answer"]
 
 CODECS = ("fp32", "fp16", "topk")
 
@@ -35,13 +38,14 @@ class Codec:
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"top-k fraction must be in (0, 1], not {self.fraction}")
 
-    def encode(self, update: torch.Tensor) -> bytes:
-        """Bytes for ``update`` (flat float32); ``decode(kind, bytes, update.numel())`` reads them."""
+    def encode(self, update: torch.Tensor) -> bytes | memoryview:
+        """Bytes for ``update`` (flat float32); ``decode(kind, bytes, update.numel())`` reads them.
+        ``fp32`` returns a view of ``update``'s own memory: no copy, valid while ``update`` is unchanged."""
         import torch
 
         flat = update.detach().to(torch.float32).reshape(-1)
         if self.kind == "fp32":
-            return flat.cpu().numpy().tobytes()
+            return flat.cpu().contiguous().numpy().data.cast("B")
         if self.kind == "fp16":
             return flat.cpu().to(torch.float16).numpy().tobytes()
         if self.residual is None or self.residual.numel() != flat.numel():
@@ -55,7 +59,7 @@ class Codec:
         return index.to(torch.int32).cpu().numpy().tobytes() + values.cpu().numpy().tobytes()
 
 
-def decode(kind: str, payload: bytes, numel: int) -> np.ndarray:
+def decode(kind: str, payload: bytes | bytearray | memoryview | np.ndarray, numel: int) -> np.ndarray:
     """The flat float32 update ``payload`` holds (dense, length ``numel``)."""
     if kind == "fp32":
         return np.frombuffer(payload, dtype=np.float32, count=numel)
@@ -68,4 +72,17 @@ def decode(kind: str, payload: bytes, numel: int) -> np.ndarray:
         dense = np.zeros(numel, dtype=np.float32)
         dense[index] = values
         return dense
+    raise ValueError(f"unknown exchange codec {kind!r}")
+
+
+def encode_answer(kind: str, delta: np.ndarray, fraction: float) -> bytes:
+    """The service's side of a codec (numpy alone): bytes for ``delta`` that :func:`decode` reads."""
+    if kind == "fp32":
+        return delta.astype(np.float32, copy=False).tobytes()
+    if kind == "fp16":
+        return delta.astype(np.float16).tobytes()
+    if kind == "topk":
+        k = max(1, min(delta.size, int(fraction * delta.size)))
+        index = np.argpartition(np.abs(delta), delta.size - k)[delta.size - k:].astype(np.int32)
+        return index.tobytes() + delta[index].astype(np.float32).tobytes()
     raise ValueError(f"unknown exchange codec {kind!r}")

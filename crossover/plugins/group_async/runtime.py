@@ -186,7 +186,7 @@ class GroupRuntime:
             if self.service is not None:
                 self.service.ensure_running()
             counted = self.counted
-            model = self.link.exchange(self._flat(), wait=True, scale=self._weight(),
+            model = self.link.exchange(self.params, wait=True, scale=self._weight(),
                                        epoch=self.epoch if counted else -1, taken=self._taken)
             if model is not None:
                 self.exchanges += 1
@@ -264,7 +264,8 @@ class GroupRuntime:
             if self.link is None:
                 host, port, token = self._address
                 self.link = ServiceLink((host, port), token, group=self.rank,
-                                        codec=Codec(self.config.exchange_codec, self.config.topk_fraction))
+                                        codec=Codec(self.config.exchange_codec, self.config.topk_fraction),
+                                        shared_memory=self.config.exchange_shared_memory)
                 self.link.start(self._flat())
 
     def _mix(self) -> Optional[float]:
@@ -274,7 +275,7 @@ class GroupRuntime:
         if self.is_leader and self.link is not None:
             if self.service is not None:
                 self.service.ensure_running()
-            self.link.exchange(self._flat(), wait=False, scale=self._weight())
+            self.link.exchange(self.params, wait=False, scale=self._weight())
         hvd.allreduce(torch.zeros(1), name="crossover.group_async.pushed")  # every push is in
         packet = torch.zeros(sum(p.numel() for p in self.params) + 1)
         if self.rank == 0 and self.link is not None:
@@ -287,7 +288,7 @@ class GroupRuntime:
         model = packet[1:]
         self._load(model)
         if self.link is not None:
-            self.link.base = model.clone()
+            self.link.rebase(model)
         change = None if self._global_before is None else float(torch.linalg.vector_norm(model -
                                                                                           self._global_before))
         self._global_before = model.clone()

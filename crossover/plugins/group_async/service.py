@@ -14,7 +14,14 @@ group is within the staleness bound of the slowest active group. With
 exchange of every group are written (atomically) before the answer, so a
 restarted service resumes from the newest model and loses no acknowledged
 update; an exchange a leader retries after losing the answer is recognised
-by its sequence number and not applied twice.
+by its sequence number and not applied twice. The model lives there in two
+memory-mapped files used in turn (the add writes the spare, then the small
+JSON record names it), so keeping it costs one pass of the add, not a
+file write per exchange; rank 0 puts a job's state in ``/dev/shm``.
+
+A leader on the same node hands the service three shared-memory buffers
+(``slots``, see :mod:`.link`): its updates and the answers then move
+through them, and the TCP stream carries only headers.
 
 Run by hand: ``python -m crossover.plugins.group_async.service --port 7070
 --bound 4 --state-dir /var/tmp/job --token-file token``.
@@ -25,20 +32,22 @@ import argparse
 import hmac
 import json
 import logging
+import mmap
 import os
+import shutil
 import socket
 import socketserver
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from crossover.plugins.group_async.clock import SSPClock
-from crossover.plugins.group_async.codec import decode
-from crossover.plugins.group_async.wire import WireError, recv_frame, send_frame
+from crossover.plugins.group_async.codec import decode, encode_answer
+from crossover.plugins.group_async.wire import WireError, node_identity, recv_frame, send_frame
 
 __all__ = ["GlobalModel", "ParameterService", "main"]
 
@@ -62,6 +71,8 @@ class GlobalModel:
         self.waits_s: list[float] = []
         self.taken: dict[int, dict[int, int]] = {}  # samples taken by epoch and group (running totals)
         self.resumed_from: int | None = None
+        self._current = self._FILES[0]
+        self._spare: np.ndarray | None = None
         self._cond = threading.Condition()
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -69,13 +80,38 @@ class GlobalModel:
 
     # ---- persistence ---------------------------------------------------
 
+    _FILES = ("model-a.f32", "model-b.f32")
+
+    def _mapped(self, name: str, numel: int) -> np.ndarray:
+        assert self.state_dir is not None
+        path = self.state_dir / name
+        with open(path, "a+b") as f:
+            if os.fstat(f.fileno()).st_size != numel * 4:
+                f.truncate(numel * 4)
+            mm = mmap.mmap(f.fileno(), max(1, numel * 4))
+        return np.frombuffer(mm, dtype=np.float32, count=numel)
+
+    def _keep(self, model: np.ndarray, current: str) -> None:
+        """Hold ``model`` in the state directory's file ``current``, the other one spare."""
+        self._current = current
+        spare = next(n for n in self._FILES if n != current)
+        target = self._mapped(current, model.size)
+        if target is not model:
+            np.copyto(target, model)
+        self.model = target
+        self._spare = self._mapped(spare, model.size)
+
     def _load(self) -> None:
         assert self.state_dir is not None
         meta_path = self.state_dir / "global.json"
         if not meta_path.exists():
             return
         meta = json.loads(meta_path.read_text())
-        self.model = np.load(self.state_dir / meta["model"])
+        if meta["model"].endswith(".npy"):  # written by an older service: one file per version
+            self._keep(np.load(self.state_dir / meta["model"]), self._FILES[0])
+        else:
+            self._keep(self._mapped(meta["model"], int(meta["numel"])), meta["model"])
+        assert self.model is not None
         self.version = int(meta["version"])
         self.last_seq = {int(g): int(s) for g, s in meta["last_seq"].items()}
         self.clock.clocks = {int(g): int(c) for g, c in meta["clocks"].items()}
@@ -86,18 +122,25 @@ class GlobalModel:
                      self.model.size, self.state_dir)
 
     def _save(self) -> None:
+        """Name the file now holding the model, with the version, clocks and sequence numbers."""
         if self.state_dir is None or self.model is None:
             return
-        name = f"model-{self.version}.npy"
-        np.save(self.state_dir / name, self.model)
-        meta = {"model": name, "version": self.version, "last_seq": self.last_seq, "clocks": self.clock.clocks,
-                "taken": self.taken}
+        meta = {"model": self._current, "numel": int(self.model.size), "version": self.version,
+                "last_seq": self.last_seq, "clocks": self.clock.clocks, "taken": self.taken}
         tmp = self.state_dir / "global.json.tmp"
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, self.state_dir / "global.json")
-        for old in self.state_dir.glob("model-*.npy"):
-            if old.name != name:
-                old.unlink(missing_ok=True)
+
+    def _add(self, update: np.ndarray) -> None:
+        """The model plus ``update``: in place, or (kept on disk) into the spare file, which the saved
+        record then names, so a crash in between leaves the last saved model whole."""
+        assert self.model is not None
+        if self.state_dir is None:
+            np.add(self.model, update, out=self.model)
+            return
+        np.add(self.model, update, out=self._spare)
+        self.model, self._spare = self._spare, self.model
+        self._current = next(n for n in self._FILES if n != self._current)
 
     # ---- operations ----------------------------------------------------
 
@@ -106,15 +149,19 @@ class GlobalModel:
             if self.model is None:
                 if not init:
                     raise ValueError("the service holds no model yet: the first leader must send it")
-                self.model = np.frombuffer(init, dtype=np.float32, count=numel).copy()
+                model = np.frombuffer(init, dtype=np.float32, count=numel).copy()
+                if self.state_dir is not None:
+                    self._keep(model, self._FILES[0])
+                else:
+                    self.model = model
                 self._save()
             elif self.model.size != numel:
                 raise ValueError(f"the service's model has {self.model.size} parameters, the group's {numel}")
             self.last_seen[group] = time.monotonic()
             self.clock.activate(group)
-            return {"version": self.version, "last_seq": self.last_seq.get(group, -1)}
+            return {"version": self.version, "last_seq": self.last_seq.get(group, -1), "node": node_identity()}
 
-    def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray, numel: int,
+    def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray | np.ndarray, numel: int,
                  wait: bool, epoch: int = -1, taken: int = 0) -> dict[str, Any]:
         """Apply a group's update (once per ``seq``), then wait until the group is within the bound.
         ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does."""
@@ -124,7 +171,7 @@ class GlobalModel:
             consumed = self._count(group, epoch, taken)
             duplicate = seq <= self.last_seq.get(group, -1)
             if not duplicate:
-                self.model += decode(kind, bytes(payload), numel)
+                self._add(decode(kind, payload, numel))
                 self.version += 1
                 self.last_seq[group] = seq
                 self.clock.tick(group)
@@ -196,10 +243,16 @@ class GlobalModel:
                 self.last_seen[g] = now
             self._cond.notify_all()
 
-    def snapshot(self) -> bytes:
+    def snapshot(self, into: Optional[np.ndarray] = None) -> bytes:
+        """The global model's bytes; with ``into`` (a leader's shared buffer), copied there instead."""
         with self._cond:
             if self.model is None:
                 raise ValueError("the service holds no model yet")
+            if into is not None:
+                if into.size != self.model.size:
+                    raise ValueError(f"a buffer of {into.size} values for a model of {self.model.size}")
+                np.copyto(into, self.model)
+                return b""
             return self.model.tobytes()
 
     def stats(self) -> dict[str, Any]:
@@ -212,8 +265,25 @@ class GlobalModel:
                                 for e, by in sorted(self.taken.items())}}
 
 
+def _map_slots(slots: list[dict[str, Any]], numel: int) -> list[np.ndarray]:
+    """A leader's shared buffers, each checked to be the very file the leader made (device and inode)."""
+    arrays = []
+    for slot in slots:
+        path = str(slot["path"])
+        with open(path, "r+b") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_dev, st.st_ino) != (int(slot["dev"]), int(slot["ino"])) or st.st_size < numel * 4:
+                raise ValueError(f"{path} is not the leader's buffer")
+            mm = mmap.mmap(f.fileno(), max(1, numel * 4))
+        arrays.append(np.frombuffer(mm, dtype=np.float32, count=numel))
+    return arrays
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: ParameterService
+    slots: tuple[np.ndarray, ...] = ()  # this connection's leader's shared buffers, once it offered them
+    # What this connection's leader holds of the global model, as far as the answers sent it (fp16, topk)
+    held: Optional[np.ndarray] = None
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -230,22 +300,48 @@ class _Handler(socketserver.BaseRequestHandler):
                 header, payload = recv_frame(sock)
                 try:
                     reply, body = self._one(state, header, payload)
-                except (ValueError, KeyError, TypeError) as exc:
+                except (ValueError, KeyError, TypeError, OSError) as exc:
                     reply, body = {"error": str(exc)}, b""
                 send_frame(sock, reply, body)
         except (WireError, OSError):
             return
 
-    @staticmethod
-    def _one(state: GlobalModel, header: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _slot(self, header: dict[str, Any], key: str) -> Optional[np.ndarray]:
+        if key not in header:
+            return None
+        if not self.slots:
+            raise ValueError("no shared buffers on this connection: send `slots` first")
+        return self.slots[int(header[key])]
+
+    def _difference(self, state: GlobalModel, reply: dict[str, Any], kind: str,
+                    fraction: float) -> tuple[dict[str, Any], bytes]:
+        """The answer to a leader that pushes with a lossy codec: the whole model the first time on a
+        connection, then only how the model differs from what the leader holds, in the same codec."""
+        model = np.frombuffer(state.snapshot(), dtype=np.float32)
+        if self.held is None or self.held.size != model.size:
+            self.held = model.copy()
+            return {**reply, "answer": "full"}, model.tobytes()
+        body = encode_answer(kind, model - self.held, fraction)
+        self.held += decode(kind, body, model.size)
+        return {**reply, "answer": kind}, body
+
+    def _one(self, state: GlobalModel, header: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
         op = header["op"]
         if op == "hello":
             return state.hello(int(header["group"]), bytes(payload), int(header["numel"])), b""
+        if op == "slots":
+            self.slots = tuple(_map_slots(list(header["slots"]), int(header["numel"])))
+            return {"ok": True}, b""
         if op == "exchange":
-            reply = state.exchange(int(header["group"]), int(header["seq"]), str(header["codec"]), payload,
+            update = self._slot(header, "slot")
+            reply = state.exchange(int(header["group"]), int(header["seq"]), str(header["codec"]),
+                                   payload if update is None else update,
                                    int(header["numel"]), bool(header.get("wait", True)),
                                    int(header.get("epoch", -1)), int(header.get("taken", 0)))
-            return reply, state.snapshot()
+            answer = self._slot(header, "answer")
+            if answer is None and header["codec"] in ("fp16", "topk"):
+                return self._difference(state, reply, str(header["codec"]), float(header.get("fraction", 0.01)))
+            return reply, state.snapshot(into=answer)
         if op == "progress":
             return state.progress(int(header["group"]), int(header["epoch"]), int(header["taken"])), b""
         if op == "park":
@@ -254,7 +350,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == "pull":
             if header.get("level"):
                 state.level()
-            return {"version": state.version}, state.snapshot()
+            return {"version": state.version}, state.snapshot(into=self._slot(header, "answer"))
         if op == "regroup":
             state.regroup([int(g) for g in header["leaders"]])
             return {"ok": True}, b""
@@ -275,11 +371,14 @@ class ParameterService(socketserver.ThreadingTCPServer):
         self.token = token
 
 
-def _exit_with(parent: int, server: ParameterService) -> None:
-    """A service whose rank 0 is gone has nobody to serve: stop (a job killed hard leaves no orphan)."""
+def _exit_with(parent: int, server: ParameterService, remove: Optional[Path]) -> None:
+    """A service whose rank 0 is gone has nobody to serve: stop (a job killed hard leaves no orphan),
+    and remove the job's temporary state, which nobody will resume from."""
     while os.getppid() == parent:
         time.sleep(1.0)
     _log.warning("rank 0 (pid %d) is gone; stopping", parent)
+    if remove is not None:
+        shutil.rmtree(remove, ignore_errors=True)
     server.shutdown()
 
 
@@ -294,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token-file", required=True, help="file holding the job's token")
     p.add_argument("--port-file", default="", help="write the port listened on here once listening")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (rank 0) is gone")
+    p.add_argument("--remove-state-with-parent", action="store_true",
+                   help="the state directory is the job's temporary one: remove it when --parent-pid is gone")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s param-service %(levelname)s %(message)s")
@@ -307,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
             os.replace(tmp, args.port_file)
         _log.info("listening on %s:%d (bound %d, pid %d)", args.host, port, args.bound, os.getpid())
         if args.parent_pid:
-            threading.Thread(target=_exit_with, args=(args.parent_pid, server), daemon=True).start()
+            remove = Path(args.state_dir) if args.remove_state_with_parent and args.state_dir else None
+            threading.Thread(target=_exit_with, args=(args.parent_pid, server, remove), daemon=True).start()
         server.serve_forever(poll_interval=0.2)
 
 

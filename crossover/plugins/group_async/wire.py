@@ -8,11 +8,13 @@ nothing is converted element by element.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_HEADER", "WireError", "recv_frame", "send_frame"]
+__all__ = ["MAX_HEADER", "WireError", "node_identity", "recv_frame", "send_frame"]
 
 MAX_HEADER = 1 << 20
 _LEN = struct.Struct(">I")
@@ -51,3 +53,14 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     if not isinstance(header, dict) or not isinstance(header.get("bytes"), int) or header["bytes"] < 0:
         raise WireError("a frame header without its payload length")
     return header, _exactly(sock, header["bytes"]) if header["bytes"] else bytearray()
+
+
+def node_identity() -> dict[str, Any]:
+    """What a leader and the service compare to know they may share memory: the same kernel boot and
+    network namespace (an emulated cluster's nodes share a filesystem, not a network namespace)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return {}
+    return {"boot": boot, "netns": netns}
