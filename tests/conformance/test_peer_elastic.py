@@ -89,7 +89,7 @@ def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tm
     log = tmp_path / "job.log"
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3", "--network-interface", "lo",
            "--elastic-timeout", "60", "--host-discovery-script", str(discover), "--gloo",
-           sys.executable, str(WITH_CROSSOVER), "--torchvision", str(EXAMPLE), "--model", "squeezenet1_1",
+           sys.executable, str(WITH_CROSSOVER), str(EXAMPLE), "--model", "squeezenet1_1",
            "--batch-size", "1", "--num-iters", "60", "--num-batches-per-iter", "2", "--num-warmup-batches", "1",
            "--no-cuda"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CROSSOVER_SOCKET": str(d.socket),

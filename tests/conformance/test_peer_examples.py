@@ -9,6 +9,9 @@ then under `passthrough` (the baseline), `exclusive` and `crossover`, with one
 rank of each job per device (`--cpu-devices 2`) and with both ranks of a job on
 one device (`--cpu-devices 1`). Each round has folders of its own (`{round}` in
 the flags): a job finding an earlier round's checkpoint would resume from it.
+The ImageNet example's rounds are long (8-22 s blocking), so it runs one blocking
+round, the daemon switched between `exclusive` and `crossover` every second, and
+the event log cut at each switch shows what each policy did.
 
 - `pytorch_imagenet_resnet50.py`: ResNet-50, a metric `hvd.allreduce` after every
   sub-batch (`Metric.update`), the resume epoch broadcast, `--batches-per-allreduce 2`
@@ -48,8 +51,10 @@ from pathlib import Path
 import pytest
 
 from tests.conformance.judge import (
+    ALTERNATING_ROUNDS,
     PEER,
     PLACEMENTS,
+    POLICY_ROUNDS,
     WITH_CROSSOVER,
     judge_rounds,
     record_conformance,
@@ -129,6 +134,8 @@ def data(tmp_path_factory) -> Path:
 # The ImageNet example's round is ResNet-50's compute: its first run pays nothing a warm-up would take off
 # (measured: a warm-up round no longer than the baseline's), so it starts with the baseline.
 _WARM_UP = {"pytorch_imagenet_resnet50.py": False}
+# Its blocking rounds last 8-22 s: one round serves both policies, switched every second (judge.ALTERNATING).
+_BLOCKING = {"pytorch_imagenet_resnet50.py": ALTERNATING_ROUNDS}
 
 
 def _run_pairs(daemon_factory, jobs, data: Path, tmp: Path, script: str, devices: str) -> tuple[dict[str, float], list]:
@@ -136,9 +143,10 @@ def _run_pairs(daemon_factory, jobs, data: Path, tmp: Path, script: str, devices
         run = tmp / name
         run.mkdir()
         return horovodrun(name, WITH_CROSSOVER, tmp, np=2, out_flag=False, cwd=run, env=env,
-                          args=("--torchvision", *round_flags, str(EXAMPLES / script), *SCRIPTS[script](data, run)))
+                          args=(*round_flags, str(EXAMPLES / script), *SCRIPTS[script](data, run)))
 
-    return run_pair_in_rounds(daemon_factory, jobs, tmp, devices, script, start, warm_up=_WARM_UP.get(script, True))
+    return run_pair_in_rounds(daemon_factory, jobs, tmp, devices, script, start, warm_up=_WARM_UP.get(script, True),
+                              blocking=_BLOCKING.get(script, POLICY_ROUNDS))
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))

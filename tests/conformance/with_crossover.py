@@ -3,13 +3,13 @@
     python with_crossover.py SCRIPT [ARGS ...]     # a script, as `python SCRIPT ARGS`
     python with_crossover.py -m MODULE [ARGS ...]  # a module, as `python -m MODULE ARGS`
     python with_crossover.py --rounds N --round-dir DIR SCRIPT [ARGS ...]
-    python with_crossover.py --torchvision [--rounds ...] SCRIPT [ARGS ...]
 
 The conformance tier launches Horovod's own examples and test suite from
 `../shared/peer/` this way under `horovodrun`. One thing the machine forces:
-torchvision's CPU import needs two op schemas declared (`tools.workloads.vision`);
-`--torchvision` does that import first, for the scripts that use it (it costs
-each rank about a second of CPU, so the others go without).
+torchvision's CPU import needs two op schemas declared (`tools.workloads.vision`).
+Every rank imports it first, whether its script needs it or not: what the import
+loads (about a second of CPU), torch would load in the script's first step anyway
+(measured: left out, the first round grew by as much).
 
 With `--rounds N` the script runs N times in this one process, so a rank starts
 (Python, torch, Horovod, the session with the daemon) once for all of them;
@@ -64,9 +64,7 @@ def _rounds(count: int, folder: Path, argv: list[str]) -> None:
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         sys.exit(__doc__)
-    if argv[0] == "--torchvision":
-        _import_torchvision()
-        argv = argv[1:]
+    _import_torchvision()
     if argv[0] == "--rounds":
         count, folder = int(argv[1]), Path(argv[3])
         if argv[2] != "--round-dir":
