@@ -186,3 +186,16 @@ def test_topk_sends_a_fraction_and_error_feedback_loses_nothing():
         total_sent += decode("topk", payload, 500)
     assert codec.residual is not None
     assert np.allclose(total_sent + codec.residual.numpy(), total.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("values", ["random", "all equal", "two values"])
+@pytest.mark.parametrize("k", [1, 7, 500, 9_999, 10_000])
+def test_the_services_topk_picks_the_k_largest_entries_even_among_ties(values: str, k: int):
+    from crossover.plugins.group_async.codec import _largest
+
+    rng = np.random.default_rng(k)
+    magnitude = {"random": np.abs(rng.standard_normal(10_000)), "all equal": np.full(10_000, 0.5),
+                 "two values": np.where(rng.random(10_000) < 0.3, 2.0, 1.0)}[values].astype(np.float32)
+    index = _largest(magnitude, k)
+    assert index.size == k and np.unique(index).size == k
+    assert np.array_equal(np.sort(magnitude[index]), np.sort(magnitude)[-k:])
