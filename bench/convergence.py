@@ -100,7 +100,7 @@ def main() -> None:
                         "(reported as lbbsp-METHOD, ratios against the same repeat's sync run)")
     p.add_argument("--ema-alpha", type=float, default=0.1,
                    help="LB-BSP speed smoothing (timings on a loaded shared machine are noisy)")
-    p.add_argument("--repeats", type=int, default=0, help="straggler-scenario repeats (default: 1 quick, 2 full)")
+    p.add_argument("--repeats", type=int, default=0, help="straggler-scenario repeats (default: 3 quick, 2 full)")
     p.add_argument("--rejudge", type=Path, metavar="RESULTS_JSON",
                    help="run nothing: apply the current checks to a saved run's results and print them")
     args = p.parse_args()
@@ -126,7 +126,7 @@ def main() -> None:
                           if {f"straggler:{pair(e)}", f"no_straggler:{pair(e)}"} & wanted],
             "large_batch": [e for e in config["large_batch"] if f"large_batch:{pair(e)}" in wanted],
         }
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.repeats = args.repeats or (3 if args.quick else 2)
     jobs = plan(config, args)
     load_before = loadavg()
     started = time.monotonic()
