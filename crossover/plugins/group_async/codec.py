@@ -19,7 +19,7 @@ import numpy as np
 if TYPE_CHECKING:  # the service decodes with numpy alone and never pays for importing torch
     import torch
 
-__all__ = ["CODECS", "Codec", "decode", "encode_answer"]
+__all__ = ["CODECS", "Codec", "as_bytes", "decode", "encode_answer"]
 
 CODECS = ("fp32", "fp16", "topk")
 
@@ -45,7 +45,7 @@ class Codec:
 
         flat = update.detach().to(torch.float32).reshape(-1)
         if self.kind == "fp32":
-            return flat.cpu().contiguous().numpy().data.cast("B")
+            return as_bytes(flat.cpu())
         if self.kind == "fp16":
             return flat.cpu().to(torch.float16).numpy().tobytes()
         if self.residual is None or self.residual.numel() != flat.numel():
@@ -57,6 +57,11 @@ class Codec:
         self.residual = full.clone()
         self.residual[index] = 0.0
         return index.to(torch.int32).cpu().numpy().tobytes() + values.cpu().numpy().tobytes()
+
+
+def as_bytes(flat: torch.Tensor) -> memoryview:
+    """The bytes of a flat float32 CPU tensor, without copying them (valid while it is unchanged)."""
+    return flat.contiguous().numpy().data.cast("B")
 
 
 def decode(kind: str, payload: bytes | bytearray | memoryview | np.ndarray, numel: int) -> np.ndarray:

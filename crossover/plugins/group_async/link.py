@@ -33,7 +33,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from crossover.plugins.group_async.codec import Codec, decode
+from crossover.plugins.group_async.codec import Codec, as_bytes, decode
 from crossover.plugins.group_async.wire import WireError, node_identity, recv_frame, send_frame
 
 __all__ = ["ServiceLink", "ServiceProcess", "ServiceError"]
@@ -61,7 +61,6 @@ class _Slots:
     COUNT = 3
 
     def __init__(self, numel: int) -> None:
-        self.numel = numel
         self.paths: list[str] = []
         self.tensors: list[torch.Tensor] = []
         self._maps: list[mmap.mmap] = []
@@ -146,6 +145,14 @@ class ServiceLink:
         return reply, body
 
     @property
+    def _update_slot(self) -> int:
+        return (self._base_slot + 1) % _Slots.COUNT
+
+    @property
+    def _answer_slot(self) -> int:
+        return (self._base_slot + 2) % _Slots.COUNT
+
+    @property
     def local(self) -> bool:
         """Whether models move through shared memory (the service is on this node and mapped them)."""
         return self._slots is not None
@@ -166,13 +173,13 @@ class ServiceLink:
     def _attach(self, flat: torch.Tensor) -> None:
         """``hello``; the first leader ever seeds the service's model with its own parameters."""
         reply, _ = self._call({"op": "hello", "group": self.group, "numel": flat.numel()},
-                              _as_bytes(flat.detach().to("cpu", torch.float32).reshape(-1)))
+                              as_bytes(flat.detach().to("cpu", torch.float32).reshape(-1)))
         base = self.base
         if self.in_flight is not None and reply["last_seq"] >= self.in_flight[0] and base is not None:
             # the service applied it before the answer was lost
             applied = self.in_flight[1]
             if applied is None and self._slots is not None:
-                applied = self._slots.tensors[(self._base_slot + 1) % _Slots.COUNT]
+                applied = self._slots.tensors[self._update_slot]
             if applied is not None:
                 base = base + applied
             self.seq = self.in_flight[0] + 1
@@ -230,12 +237,11 @@ class ServiceLink:
         """``scale * (model - base)`` as one flat float32 tensor (into ``out`` when given), one pass
         over each parameter, no flat copy of the model first."""
         assert self.base is not None
-        parts = [model] if isinstance(model, torch.Tensor) else list(model)
         if out is None:
             out = torch.empty(self.base.numel(), dtype=torch.float32)
         offset = 0
         with torch.no_grad():
-            for p in parts:
+            for p in _parts(model):
                 src = p.detach().reshape(-1)
                 if src.dtype != torch.float32 or src.device.type != "cpu":
                     src = src.to("cpu", torch.float32)
@@ -266,8 +272,7 @@ class ServiceLink:
                 self._attach(_flat(model))
                 header["seq"] = self.seq
             if self._slots is not None:
-                update_slot = (self._base_slot + 1) % _Slots.COUNT
-                answer_slot = (self._base_slot + 2) % _Slots.COUNT
+                update_slot, answer_slot = self._update_slot, self._answer_slot
                 self._update(model, scale, out=self._slots.tensors[update_slot])
                 self.in_flight = (self.seq, None)
                 reply, body = self._call({**header, "codec": "fp32", "slot": update_slot, "answer": answer_slot})
@@ -331,7 +336,7 @@ class ServiceLink:
             if self._sock is None and self.base is not None:
                 self._attach(self.base)
             if self._slots is not None:
-                answer_slot = (self._base_slot + 2) % _Slots.COUNT
+                answer_slot = self._answer_slot
                 self._call({"op": "pull", "level": level, "answer": answer_slot})
                 self._base_slot = answer_slot
                 self.base = self._slots.tensors[answer_slot]
@@ -367,14 +372,12 @@ class ServiceLink:
         self._slots = None
 
 
+def _parts(model: Model) -> list[torch.Tensor]:
+    return [model] if isinstance(model, torch.Tensor) else list(model)
+
+
 def _flat(model: Model) -> torch.Tensor:
-    parts = [model] if isinstance(model, torch.Tensor) else list(model)
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in parts])
-
-
-def _as_bytes(flat: torch.Tensor) -> memoryview:
-    """The bytes of a flat float32 CPU tensor, without copying them."""
-    return flat.contiguous().numpy().data.cast("B")
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in _parts(model)])
 
 
 class ServiceProcess:
