@@ -91,15 +91,14 @@ class GlobalModel:
             mm = mmap.mmap(f.fileno(), max(1, numel * 4))
         return np.frombuffer(mm, dtype=np.float32, count=numel)
 
-    def _keep(self, model: np.ndarray, current: str) -> None:
-        """Hold ``model`` in the state directory's file ``current``, the other one spare."""
+    def _keep(self, current: str, numel: int, model: Optional[np.ndarray] = None) -> None:
+        """Hold the model in the state directory's file ``current`` (``model`` copied in when given; else
+        the file already holds it), the other file spare."""
         self._current = current
-        spare = next(n for n in self._FILES if n != current)
-        target = self._mapped(current, model.size)
-        if target is not model:
-            np.copyto(target, model)
-        self.model = target
-        self._spare = self._mapped(spare, model.size)
+        self.model = self._mapped(current, numel)
+        if model is not None:
+            np.copyto(self.model, model)
+        self._spare = self._mapped(next(n for n in self._FILES if n != current), numel)
 
     def _load(self) -> None:
         assert self.state_dir is not None
@@ -108,9 +107,10 @@ class GlobalModel:
             return
         meta = json.loads(meta_path.read_text())
         if meta["model"].endswith(".npy"):  # written by an older service: one file per version
-            self._keep(np.load(self.state_dir / meta["model"]), self._FILES[0])
+            old = np.load(self.state_dir / meta["model"])
+            self._keep(self._FILES[0], old.size, old)
         else:
-            self._keep(self._mapped(meta["model"], int(meta["numel"])), meta["model"])
+            self._keep(meta["model"], int(meta["numel"]))
         assert self.model is not None
         self.version = int(meta["version"])
         self.last_seq = {int(g): int(s) for g, s in meta["last_seq"].items()}
@@ -151,7 +151,7 @@ class GlobalModel:
                     raise ValueError("the service holds no model yet: the first leader must send it")
                 model = np.frombuffer(init, dtype=np.float32, count=numel).copy()
                 if self.state_dir is not None:
-                    self._keep(model, self._FILES[0])
+                    self._keep(self._FILES[0], numel, model)
                 else:
                     self.model = model
                 self._save()
