@@ -37,9 +37,10 @@ RATIO_LIMIT = {"rank-per-device": 2.0, "ranks-share-device": 4.0}
 # blocking policies.
 WARM_UP = "warm-up"
 POLICY_ROUNDS = ("passthrough", "exclusive", "crossover")
-# A pair whose round lasts many seconds (the ImageNet example: 8-22 s under a blocking policy) runs
-# one blocking round instead of two, the daemon switched between the blocking policies every second
-# while it runs; the event log, cut at each switch, still tells what each policy did.
+# A pair may run one blocking round instead of two, the daemon switched between the blocking policies
+# every `switch_every_s` while it runs (every second for the ImageNet example's 8-22 s rounds, a
+# quarter second for the script pairs' 1.5-4 s ones); the event log, cut at each switch, still tells
+# what each policy did.
 ALTERNATING = "alternating"
 ALTERNATING_ROUNDS = ("passthrough", ALTERNATING)
 
@@ -50,14 +51,14 @@ def _rounds(warm_up: bool, blocking: tuple[str, ...]) -> tuple[str, ...]:
 
 def run_pair_in_rounds(daemon_factory: Callable[..., DaemonProc], jobs: list[Job], tmp: Path, devices: str,
                        label: str, start_job: Callable[[str, tuple[str, ...], dict[str, str]], Job],
-                       warm_up: bool = True, blocking: tuple[str, ...] = POLICY_ROUNDS
-                       ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                       warm_up: bool = True, blocking: tuple[str, ...] = POLICY_ROUNDS,
+                       switch_every_s: float = 1.0) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Two co-located 2-rank jobs, A and B, through their rounds on a daemon of `devices` CPU devices.
 
     `start_job(name, flags, env)` starts job NAME through `with_crossover.py` with `flags` (the round
     flags) first and `env` (the daemon's socket and grant timeout) added. `blocking`: `POLICY_ROUNDS`,
-    or `ALTERNATING_ROUNDS` for a pair whose rounds are long. Returns each round's wall time by round
-    name and the daemon's event log.
+    or `ALTERNATING_ROUNDS` (the policy switched every `switch_every_s`). Returns each round's wall
+    time by round name and the daemon's event log.
     """
     d = daemon_factory("--cpu-devices", devices, "--policy", POLICY_ROUNDS[0], name="rounds")
     folder = tmp / "rounds"
@@ -69,7 +70,7 @@ def run_pair_in_rounds(daemon_factory: Callable[..., DaemonProc], jobs: list[Job
     for name in ("A", "B"):
         jobs.append(start_job(name, flags, env))  # the caller's list: its teardown kills what is left
         mine.append(jobs[-1])
-    walls = _drive_rounds(d, mine, folder, ranks=2, label=label, rounds=rounds)
+    walls = _drive_rounds(d, mine, folder, ranks=2, label=label, rounds=rounds, switch_every_s=switch_every_s)
     d.stop()
     return walls, d.events()
 
@@ -96,13 +97,14 @@ def _await_ranks(folder: Path, prefix: str, ranks: int, jobs: list[Job], label: 
 
 
 def _drive_rounds(daemon: DaemonProc, jobs: list[Job], folder: Path, ranks: int, label: str,
-                  rounds: tuple[str, ...], timeout: float = 240) -> dict[str, float]:
+                  rounds: tuple[str, ...], switch_every_s: float = 1.0, timeout: float = 240) -> dict[str, float]:
     """Take co-located jobs (started with the round flags, the daemon under `passthrough`) through
     `rounds`; each round's wall time, from its start to its last rank's end, by round name.
 
     `ranks` is each job's. Before each round every rank waits, its device free, until all have arrived;
     the daemon is then switched to the round's policy by the operator's call, `crossover policy`, and
-    the round starts for all at once. An `alternating` round starts under the first of `ALTERNATE`.
+    the round starts for all at once. An `alternating` round starts under the first of `ALTERNATE` and
+    switches every `switch_every_s`.
     """
     walls: dict[str, float] = {}
     policy = POLICY_ROUNDS[0]
@@ -112,7 +114,7 @@ def _drive_rounds(daemon: DaemonProc, jobs: list[Job], folder: Path, ranks: int,
         if name != WARM_UP and wanted != policy:
             cli("policy", wanted, socket=daemon.socket)
             policy = wanted
-        alternating = (alternating_policies(daemon.socket, f"{label}, {name} round", every_s=1.0)
+        alternating = (alternating_policies(daemon.socket, f"{label}, {name} round", every_s=switch_every_s)
                        if name == ALTERNATING else contextlib.nullcontext([]))
         with alternating:
             started = time.monotonic()

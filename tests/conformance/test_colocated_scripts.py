@@ -1,10 +1,12 @@
 """Conformance: real scripts as two co-located jobs must finish, as fast as unscheduled within 2x, never overlapping.
 
 Each pair (two 2-rank jobs) runs its script three times in the same rank
-processes (`with_crossover.py --rounds`): under `passthrough` first (the
-baseline, measured side by side in the same test), then under `exclusive` and
-`crossover`, the daemon switched between rounds by `crossover policy` while
-every rank waits with its device free. Placements: one rank of each job per
+processes (`with_crossover.py --rounds`): a warm-up, unjudged; under
+`passthrough` (the baseline, measured side by side in the same test); then one
+round under both blocking policies, the daemon switched between `exclusive` and
+`crossover` every quarter second (`judge.ALTERNATING_ROUNDS`), so each serves
+six to sixteen stretches of it and every switch lands on running jobs. Between
+rounds every rank waits with its device free. Placements: one rank of each job per
 device (`--cpu-devices 2`), and both ranks of a job on one device
 (`--cpu-devices 1`). The scripts are plain Horovod (`patterns.py`); each pair
 exercises Horovod calls outside the optimizer somewhere in its loop. A hang
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conformance.judge import (
+    ALTERNATING_ROUNDS,
     PLACEMENTS,
     WITH_CROSSOVER,
     judge_rounds,
@@ -46,6 +49,10 @@ PAIRS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[dict[str, str], d
 }
 
 
+# Their blocking rounds last 1.5-4 s: a quarter second gives each policy several stretches of every round.
+_SWITCH_EVERY_S = 0.25
+
+
 def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tuple[dict[str, float], list[dict]]:
     flags_a, flags_b, (env_a, env_b) = PAIRS[pair]
     per_job = {"A": (flags_a, env_a), "B": (flags_b, env_b)}
@@ -56,7 +63,8 @@ def _run_pairs(daemon_factory, jobs, tmp: Path, pair: str, devices: str) -> tupl
                           args=(*round_flags, str(WORKLOADS / "patterns.py"),
                                 "--out", str(tmp / f"out_{name}" / "round{round}"), *flags))
 
-    walls, events = run_pair_in_rounds(daemon_factory, jobs, tmp, devices, pair, start)
+    walls, events = run_pair_in_rounds(daemon_factory, jobs, tmp, devices, pair, start, blocking=ALTERNATING_ROUNDS,
+                                       switch_every_s=_SWITCH_EVERY_S)
     for name in per_job:
         for k, policy in enumerate(walls):
             summaries = rank_summaries(tmp / f"out_{name}" / f"round{k}")
