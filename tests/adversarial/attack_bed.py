@@ -41,9 +41,18 @@ def remove(folder: Path) -> None:
 
 
 def start_victim(d: DaemonProc, tmp: Path, name: str = "victim", iters: str = VICTIM_ITERS) -> Job:
-    """A two-rank job of the shared MLP workload, scheduled by `d`."""
+    """A two-rank job of the shared MLP workload, scheduled by `d`; `Job.stop()` may end it before `iters`."""
     script = with_import(tmp)
-    return horovodrun(name, script, tmp, np=2, args=("--iters", iters), env={"CROSSOVER_SOCKET": str(d.socket)})
+    return horovodrun(name, script, tmp, np=2, args=("--iters", iters), env={"CROSSOVER_SOCKET": str(d.socket)},
+                      stoppable=True)
+
+
+def stop_after_grants(d: DaemonProc, victim: Job, grants: int, timeout: float = 60) -> None:
+    """Let the victim run until the daemon logged `grants` of its grants, then have it stop."""
+    deadline = time.monotonic() + timeout
+    while len(grant_waits(d, victim.name)) < grants and victim.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    victim.stop()
 
 
 def answers_within(d: DaemonProc, seconds: float) -> float:

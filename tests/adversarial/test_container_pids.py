@@ -16,7 +16,7 @@ import subprocess
 import time
 
 import pytest
-from attack_bed import grant_waits, start_victim
+from attack_bed import grant_waits, start_victim, stop_after_grants
 
 from tools.harness.daemon import BIN, DaemonProc, queue_state
 
@@ -43,7 +43,7 @@ def namespaced_daemon(tmp_path):
 
 def test_ranks_the_daemon_cannot_see_are_served_not_evicted(namespaced_daemon, jobs, tmp_path):
     d = namespaced_daemon
-    victim = start_victim(d, tmp_path, iters="300")
+    victim = start_victim(d, tmp_path, iters="3000")
     jobs.append(victim)
     deadline = time.monotonic() + 60
     pids = []
@@ -52,6 +52,7 @@ def test_ranks_the_daemon_cannot_see_are_served_not_evicted(namespaced_daemon, j
                  for r in dev.get(key, [])]
         pids = [int(r["pid"]) for r in ranks if r.get("job_name") == "victim"]
         time.sleep(0.1)
+    stop_after_grants(d, victim, 120)
     assert victim.wait(120) == 0, victim.output()[-3000:]
     leaves = [e for e in d.events() if e["event"] == "leave" and e.get("job_name") == "victim"]
     assert leaves and not any("gone" in e.get("reason", "") for e in leaves), leaves

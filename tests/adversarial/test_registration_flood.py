@@ -16,7 +16,7 @@ import time
 
 import grpc
 import pytest
-from attack_bed import answers_within, grant_waits, start_victim
+from attack_bed import answers_within, grant_waits, start_victim, stop_after_grants
 
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.tim
 
 def test_registrations_past_the_cap_are_refused_and_the_victim_keeps_its_grants(daemon_factory, jobs, tmp_path):
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--max-connections", "32")
-    victim = start_victim(d, tmp_path, iters="300")
+    victim = start_victim(d, tmp_path, iters="3000")
     jobs.append(victim)
     deadline = time.monotonic() + 60
     while not grant_waits(d, "victim"):
@@ -53,6 +53,7 @@ def test_registrations_past_the_cap_are_refused_and_the_victim_keeps_its_grants(
     assert accepted <= 64 - 2 and refused >= 400 - 64, (accepted, refused)
     assert slowest < 1.0
     assert len(queue_state(d.socket)["devices"][0]["others"]) <= 64
+    stop_after_grants(d, victim, 220)
     assert victim.wait(150) == 0, victim.output()[-3000:]
     waits = grant_waits(d, "victim")
     assert len(waits) > 200 and max(waits) < 2.0, (len(waits), max(waits))

@@ -84,21 +84,30 @@ for _ in range(n):
     else:
         held.append(s)
 print(len(held), refused, flush=True)
-time.sleep(3)
+sys.stdin.read()  # holds its connections until the test closes our stdin
 """
 
 
 def test_one_user_cannot_take_every_slot_and_refusals_do_not_flood_the_log(daemon_factory, jobs, base, tmp_path):
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--socket-group", str(NOGROUP),
                        "--max-connections-per-user", "4", socket=base / "run" / "d.sock")
-    hold = subprocess.run([sys.executable, "-c", _HOLD.format(uid=NOBODY, gid=NOGROUP), f"{d.socket}.session", "40"],
-                          capture_output=True, text=True, timeout=60)
-    held, refused = map(int, hold.stdout.split())
-    assert (held, refused) == (4, 36), hold.stderr
-    victim = start_victim(d, tmp_path)  # root's ranks still find slots
-    jobs.append(victim)
-    assert victim.wait(120) == 0, victim.output()[-3000:]
-    assert grant_waits(d, "victim")
+    hold = subprocess.Popen([sys.executable, "-c", _HOLD.format(uid=NOBODY, gid=NOGROUP), f"{d.socket}.session", "40"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout is not None and hold.stdin is not None
+        counts = hold.stdout.readline().split()
+        assert len(counts) == 2, hold.stderr.read() if hold.stderr else ""
+        held, refused = map(int, counts)
+        assert (held, refused) == (4, 36)
+        victim = start_victim(d, tmp_path)  # root's ranks still find slots while nobody holds its share
+        jobs.append(victim)
+        assert victim.wait(120) == 0, victim.output()[-3000:]
+        assert grant_waits(d, "victim")
+        hold.stdin.close()
+        hold.wait(10)
+    finally:
+        hold.kill()
+        hold.wait()
     refusal_lines = [line for line in d.log.read_text().splitlines() if "refused" in line and "session socket" in line]
     assert 1 <= len(refusal_lines) <= 2, refusal_lines  # one summary line, not 36
     assert stops_on_sigterm(d) < 5.0

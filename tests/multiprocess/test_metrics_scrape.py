@@ -68,8 +68,8 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
     script = with_import(tmp_path)
     env = {"CROSSOVER_SOCKET": str(d.socket)}
     for name in ("alpha", "beta"):
-        # Long enough that the first job still runs 2 s after the second has started (300 were not, once).
-        jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", "600"), env=env))
+        # Both run until the scrapes below have seen them together for 2 s, then stop.
+        jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", "5000"), env=env, stoppable=True))
 
     both, later = None, None
     deadline = time.monotonic() + 120
@@ -83,6 +83,8 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
             break
         time.sleep(0.2)
     assert both is not None and later is not None, f"never saw both jobs run for 2 s: {jobs[0].output()[-2000:]}"
+    for j in jobs:
+        j.stop()
 
     assert sum(v for _l, v in both["crossover_device_ranks"]) == 4
     me = str(os.geteuid())  # the ranks' user, as the kernel names their session socket connections

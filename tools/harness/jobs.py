@@ -26,6 +26,21 @@ class Job:
     out: Path
     log: Path
     started: float = field(default_factory=time.monotonic)
+    stop_file: Path | None = None  # `horovodrun(stoppable=True)`: the workload's --stop-file
+
+    def stop(self, ahead: int = 20) -> int:
+        """Have a stoppable job's ranks stop before iteration N, `ahead` past the last progress rank 0
+        published (every 10 iterations), so every rank reads the file before it gets there and all
+        stop at the same step; returns N. A job that has not published yet stops before `ahead`."""
+        assert self.stop_file is not None, f"job {self.name} was not started stoppable"
+        try:
+            at = int((self.stop_file.parent / f"{self.stop_file.name}.at").read_text())
+        except (FileNotFoundError, ValueError):
+            at = 0
+        tmp = self.stop_file.with_suffix(".tmp")
+        tmp.write_text(str(at + ahead))
+        tmp.replace(self.stop_file)
+        return at + ahead
 
     def wait(self, timeout: float) -> int:
         """Its exit code; a job still running after `timeout` has its group killed and the wait fails."""
@@ -56,12 +71,13 @@ def rank_summaries(out: Path) -> list[dict[str, Any]]:
 
 def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str, ...] | list[str] = (),
                env: dict[str, str] | None = None, mpi: bool = False, out_flag: bool = True,
-               cwd: Path | None = None) -> Job:
+               cwd: Path | None = None, stoppable: bool = False) -> Job:
     """Start `horovodrun -np N` on localhost with Gloo (or MPI) running `script`.
 
     `--out OUT` comes before `args` for our workloads; `out_flag=False` leaves it off for scripts
     that do not take it (someone else's, run through a launcher given as `script`). The checkout
     is on the ranks' PYTHONPATH because the shared workloads import `tools`, which is never installed.
+    `stoppable`: `--stop-file` goes after `args` (our workloads), so `Job.stop()` can end the run early.
     """
     out = tmp / f"out_{name}"
     log = tmp / f"{name}.log"
@@ -72,11 +88,13 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
     cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi" if mpi else "--gloo"]
     if mpi:
         cmd += ["--mpi-args=--oversubscribe"]
-    cmd += [sys.executable, str(script), *(["--out", str(out)] if out_flag else []), *args]
+    stop = tmp / f"stop_{name}" if stoppable else None
+    cmd += [sys.executable, str(script), *(["--out", str(out)] if out_flag else []), *args,
+            *(["--stop-file", str(stop)] if stop else [])]
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
                                 cwd=cwd)
-    return Job(name, proc, out, log)
+    return Job(name, proc, out, log, stop_file=stop)
 
 
 def with_import(tmp: Path, script: str | Path = "train_mlp.py", prelude: str = "") -> Path:

@@ -15,6 +15,22 @@ import torch.nn as nn
 from tools.workloads.summary import model_digest, write_rank_summary
 
 
+def _stop_before(path: str, it: int) -> bool:
+    """Whether the stop file says to stop before iteration `it` (empty: at once)."""
+    try:
+        text = open(path).read().strip()
+    except FileNotFoundError:
+        return False
+    return it >= int(text) if text else True
+
+
+def _publish(path: str, it: int) -> None:
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(it))
+    os.replace(tmp, path)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
@@ -34,8 +50,10 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="")
-    p.add_argument("--stop-file", default="", help="stop before --iters once this file exists (one-rank jobs only: "
-                   "the ranks of a larger job would stop at different steps)")
+    p.add_argument("--stop-file", default="",
+                   help="stop before --iters once this file exists: before the iteration it names, or at once if "
+                        "it is empty (one-rank jobs only: a larger job's ranks would stop at different steps). "
+                        "Rank 0 writes how far it got to FILE.at every 10 iterations (`tools.harness.jobs.stop_job`)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -68,9 +86,12 @@ def main():
     gen = torch.Generator().manual_seed(args.seed + hvd.rank())
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
     times, loss = [], None
-    for _ in range(args.iters):
-        if args.stop_file and os.path.exists(args.stop_file):
-            break
+    for it in range(args.iters):
+        if args.stop_file:
+            if _stop_before(args.stop_file, it):
+                break
+            if hvd.rank() == 0 and it % 10 == 0:
+                _publish(args.stop_file + ".at", it)
         t0 = time.perf_counter()
         opt.zero_grad()
         for _ in range(args.bpps):
