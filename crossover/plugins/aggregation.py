@@ -40,7 +40,9 @@ from typing import Any, Callable, Optional
 from crossover.client.settings import LBBSP_METHODS, AggregationSettings
 from crossover.plugins.adasum.collectives import HorovodCollectives
 from crossover.plugins.adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
+from crossover.plugins import optimizer_state
 from crossover.plugins.adasum.optimizer import AdasumOptimizer
+from crossover.plugins.composed_optimizer import ComposedOptimizer
 from crossover.plugins.group_async.optimizer import GroupAsyncOptimizer
 from crossover.plugins.group_async.runtime import GroupRuntime
 from crossover.plugins.group_async.sampler import GroupSampler
@@ -177,9 +179,12 @@ def distributed_optimizer(
         return factory(optimizer, *args, **kwargs)
     _reentry.active = True
     try:
-        return _build(hvd, factory, optimizer, args, kwargs, chosen)
+        built = _build(hvd, factory, optimizer, args, kwargs, chosen)
     finally:
         _reentry.active = False
+    if isinstance(built, ComposedOptimizer):
+        optimizer_state.install()  # its state must be broadcast without stepping it on some ranks only
+    return built
 
 
 def _build(hvd: Any, factory: Callable[..., Any], optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any],

@@ -1,6 +1,7 @@
 """group_async in real 4-rank `horovodrun` jobs on real data (scikit-learn's digits): it trains as well as
 synchronous SGD with a straggler, keeps staleness within its bound, lets the slow group take less of each
-epoch, and survives losing its parameter service mid-run. Thresholds in accuracy and counts, not seconds."""
+epoch, survives losing its parameter service mid-run, and resumes from a checkpoint after the whole job
+is killed. Thresholds in accuracy and counts, not seconds."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools.harness.jobs import WORKLOADS, horovodrun
 
@@ -96,3 +98,42 @@ def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(j
     assert run["final_acc"] >= 0.85, run["curve"]
     log = job.output()
     assert "unreachable" in log and "re-attached" in log, log[-3000:]
+
+
+def test_a_job_killed_mid_epoch_resumes_from_its_checkpoint_where_group_training_stood(jobs, tmp_path):
+    # Horovod's resume: rank 0 loads the checkpoint, broadcast_parameters and broadcast_optimizer_state give
+    # every rank its start. The optimizer's state carries the global model's version and the groups.
+    ckpt = tmp_path / "ckpt"
+    runs = json.dumps([{**COMMON, "name": "ga", "rule": "group_async", "epochs": 6, "straggler": ""}])
+    args = ("--dataset", "digits", "--model", "mlp", "--width", "256", "--runs", runs, "--checkpoint", str(ckpt))
+    env = {"CROSSOVER_EXCHANGE_PERIOD": "0.02", "CROSSOVER_GROUPS": "2"}
+    # Two ranks, a group each: the start-up is most of this test. The killed run's service keeps its state in
+    # tmp_path (a SIGKILL leaves nothing in /dev/shm); the resumed run has none, so it starts from the
+    # checkpoint alone.
+    first = horovodrun("first", TRAIN, tmp_path, np=2, args=args, env={**env, "CROSSOVER_PARAM_STATE": str(tmp_path)})
+    jobs.append(first)
+    saved = ckpt / "ga.pt"
+    deadline = time.monotonic() + 120
+    while not (saved.exists() and torch.load(saved, weights_only=False)["epoch"] >= 2):
+        assert first.proc.poll() is None and time.monotonic() < deadline, first.output()[-3000:]
+        time.sleep(0.02)
+    first.kill()  # rank 0 went on into the next epoch after saving; the other group is anywhere
+    assert not first.summaries(), "the first run finished before it was killed"
+    checkpoint = torch.load(saved, weights_only=False)
+    state = checkpoint["optimizer"]["group_async"]
+    assert 2 <= checkpoint["epoch"] < 6 and state["version"] > 0 and state["groups"] == [[0], [1]], state
+
+    second = horovodrun("second", TRAIN, tmp_path, np=2, args=args, env=env)
+    jobs.append(second)
+    assert second.wait(240) == 0, second.output()[-4000:]
+    summaries = second.summaries()
+    assert len(summaries) == 2, second.output()[-4000:]
+    run = summaries[0]["runs"][0]
+    assert run["resumed_at_epoch"] == checkpoint["epoch"] and run["resumed_state"] == state
+    assert run["curve"][:len(checkpoint["curve"])] == checkpoint["curve"]  # the run goes on from where it stood
+    service = run["group_async"]["service"]
+    assert service["start_version"] == state["version"] and service["resumed_from"] is None, service  # counts on
+    assert service["version"] > state["version"]
+    assert run["group_async"]["history"][0]["groups"] == [[0], [1]]
+    assert run["final_acc"] >= 0.85, run["curve"]
+    assert len({s["runs"][0]["final_acc"] for s in summaries}) == 1  # one final model on every rank

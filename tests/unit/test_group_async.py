@@ -162,6 +162,21 @@ def test_fixed_keeps_its_period_and_bound():
         Schedule("sometimes", 1.0, 1)
 
 
+def test_a_restored_schedule_keeps_its_stage_and_the_plateau_it_measured_against():
+    schedule = Schedule("staged", period_s=0.5, bound=2)
+    schedule.after_profile()
+    schedule.at_epoch(10.0)
+    saved = schedule.state()
+    resumed = Schedule("staged", period_s=0.5, bound=2)
+    assert resumed.restore(saved).name == "coarse"  # no second profiling
+    assert resumed.at_epoch(6.0).name == "coarse"  # still against the 10.0 seen before the restart
+    assert resumed.at_epoch(4.9).name == "fine"
+    with pytest.raises(ValueError):
+        Schedule("fixed", 0.5, 2).restore(saved)  # another kind's stages mean something else
+    with pytest.raises(ValueError):
+        Schedule("staged", 0.5, 2).restore({**saved, "stage": "warp"})
+
+
 # ---- codecs ----------------------------------------------------------------
 
 

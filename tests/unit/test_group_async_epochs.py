@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import pytest
+
 from crossover.client.settings import AggregationSettings
 from crossover.plugins.group_async.runtime import GroupRuntime
+from crossover.plugins.selection import AggregationError
 
 
 class _Hvd:
@@ -111,3 +114,39 @@ def test_the_exchange_period_counts_from_the_answer_so_a_held_group_works_a_peri
     rt.link = _SlowLink(hold_s=0.2)  # type: ignore[assignment]
     rt.exchange()
     assert rt.step_flags() == (False, False)  # held 0.2 s, four periods: still no new exchange due
+
+
+class _Versioned:
+    version = 37
+
+
+def test_a_checkpointed_state_resumes_the_version_stage_groups_and_paces():
+    settings = AggregationSettings(rule="group_async", groups="2", group_schedule="staged", exchange_period_s=1.0)
+    rt = GroupRuntime(_Hvd(0), settings)
+    rt.schedule.after_profile()
+    rt.stage, rt.groups, rt._paces = rt.schedule.stage, ((0, 3), (1, 2)), [0.1, 0.2, 0.2, 0.1]
+    rt.link = _Versioned()  # type: ignore[assignment]
+    saved = rt.state_dict()
+    assert saved["version"] == 37 and saved["schedule"]["stage"] == "coarse"
+
+    resumed = GroupRuntime(_Hvd(0), settings)
+    assert resumed.stage.synchronous  # a fresh staged run would profile first
+    resumed.load_state_dict(saved)
+    assert (resumed.stage.name, resumed.groups, resumed._paces) == ("coarse", ((0, 3), (1, 2)), [0.1, 0.2, 0.2, 0.1])
+    assert resumed._start_version == 37
+
+    elsewhere = GroupRuntime(_Hvd(0, size=8), settings)
+    elsewhere.load_state_dict(saved)  # another world size: the stage stays, groups and paces are measured anew
+    assert (elsewhere.stage.name, elsewhere._paces, elsewhere.groups) == ("coarse", [], elsewhere.configured)
+    assert len(elsewhere.groups) == 2
+
+
+def test_a_state_that_is_not_one_is_refused_and_training_begun_accepts_only_its_own():
+    settings = AggregationSettings(rule="group_async", groups="2")
+    rt = GroupRuntime(_Hvd(0), settings)
+    with pytest.raises(AggregationError, match="not a state"):
+        rt.load_state_dict({"schedule": {"kind": "fixed", "stage": "fixed"}})
+    rt.started = True
+    rt.load_state_dict(rt.state_dict())  # Horovod's broadcast_optimizer_state hands a rank its own back
+    with pytest.raises(AggregationError, match="before training starts"):
+        rt.load_state_dict({**rt.state_dict(), "version": 5})

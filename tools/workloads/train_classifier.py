@@ -15,6 +15,11 @@ batch, learning rate, epochs, an optional straggler (`"3:3.0"`, see
 settings. Test accuracy is measured on every rank several times per epoch on
 a clock that excludes evaluation. Each rank writes `rank{r}.json` to --out.
 
+`--checkpoint DIR`: rank 0 saves each run at every epoch's end to `DIR/NAME.pt`
+(model, optimizer, curve), and a run whose file exists resumes from it the way
+Horovod's examples do: rank 0 loads it, then `broadcast_parameters` and
+`broadcast_optimizer_state` give every rank the same start.
+
 `--pace K` emulates one independent device per rank on a machine with fewer
 cores than ranks: a rank's compute phase (batch fetch, forward, backward) is stretched
 with a sleep to `K x` its CPU time, so its duration no longer depends on how
@@ -29,6 +34,7 @@ import math
 import os
 import time
 import warnings
+from pathlib import Path
 
 import horovod.torch as hvd
 import numpy as np
@@ -133,18 +139,24 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    saved_at = Path(args.checkpoint) / f"{spec['name']}.pt" if args.checkpoint else None
+    resumed = _resume(saved_at, model, opt)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
     straggler = straggler_for(spec)
     stall = Stall.for_rank(spec["stall"], hvd.rank(), seed=spec["seed"])
     steps_per_epoch = len(sampler)
     eval_every = max(1, steps_per_epoch // spec["evals_per_epoch"])
-    acc, loss = accuracy(model, xt, yt)
-    curve = [[0.0, 0, 0.0, acc, loss]]
-    train_s, step, compute_s, extra_s = 0.0, 0, 0.0, 0.0
+    if resumed is None:
+        acc, loss = accuracy(model, xt, yt)
+        curve = [[0.0, 0, 0.0, acc, loss]]
+        first_epoch, train_s, step = 0, 0.0, 0
+    else:
+        first_epoch, curve, train_s, step = resumed["epoch"], resumed["curve"], resumed["train_s"], resumed["step"]
+    compute_s, extra_s = 0.0, 0.0
     stop = False
     grouped = spec["rule"] == "group_async"  # groups hold different models: no shared stop decision
     pace = args.pace if spec["pace"] is None else spec["pace"]
-    for epoch in range(spec["epochs"]):
+    for epoch in range(first_epoch, spec["epochs"]):
         sampler.set_epoch(epoch)
         started = time.perf_counter()
         batches = iter(loader)
@@ -190,6 +202,9 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
             acc, loss = accuracy(model, xt, yt)
             curve.append([epoch + 1.0, step, train_s, acc, loss])
             started = time.perf_counter()
+        if saved_at is not None and hvd.rank() == 0:
+            _save(saved_at, {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "curve": curve, "train_s": train_s, "step": step})
     group_stats = aggregation.group_async_stats()
     if grouped:  # every rank now holds the one final model the groups' models mix into
         aggregation.end_group_async()
@@ -199,8 +214,33 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
         "name": spec["name"], "spec": spec, "aggregation": aggregation.aggregation_of(opt), "curve": curve,
         "final_acc": curve[-1][3], "train_s": train_s, "steps": step, "steps_per_epoch": steps_per_epoch,
         "compute_s": compute_s, "straggler_extra_s": extra_s, "lbbsp": aggregation.lbbsp_stats(),
-        "group_async": group_stats,
+        "group_async": group_stats, "resumed_at_epoch": first_epoch if resumed is not None else None,
+        "resumed_state": resumed["state"] if resumed is not None else None,
     }
+
+
+def _save(path: Path, checkpoint: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)  # a kill while saving leaves the last whole checkpoint
+
+
+def _resume(path, model: nn.Module, opt) -> dict | None:
+    """Horovod's resume: rank 0 loads the checkpoint, then every rank takes rank 0's model and optimizer
+    state. The epoch, curve and clock come back on every rank; None when there is nothing to resume."""
+    record = None
+    if path is not None and hvd.rank() == 0 and path.exists():
+        checkpoint = torch.load(path, weights_only=False)
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        record = {key: checkpoint[key] for key in ("epoch", "curve", "train_s", "step")}
+        record["state"] = checkpoint["optimizer"].get("group_async")
+    record = hvd.broadcast_object(record, root_rank=0, name="resume")
+    if record is not None:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return record
 
 
 def main() -> None:
@@ -213,6 +253,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--pace", type=float, default=0.0, help="stretch each compute phase to K x its CPU time")
     p.add_argument("--out", required=True)
+    p.add_argument("--checkpoint", default="", help="save each run at every epoch's end to DIR/NAME.pt, and "
+                   "resume a run whose file is there")
     args = p.parse_args()
 
     raw = open(args.runs[1:]).read() if args.runs.startswith("@") else args.runs

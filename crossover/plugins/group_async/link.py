@@ -117,6 +117,7 @@ class ServiceLink:
         self._slots: Optional[_Slots] = None
         self._base_slot = 0
         self.consumed: Optional[int] = None  # the last answer's count of samples all groups took from the epoch
+        self.version = -1  # the global model's version, as the service's last answer gave it
         self.lost_since: Optional[float] = None
         self.outages = 0
         self.gaps: list[int] = []
@@ -174,6 +175,7 @@ class ServiceLink:
         """``hello``; the first leader ever seeds the service's model with its own parameters."""
         reply, _ = self._call({"op": "hello", "group": self.group, "numel": flat.numel()},
                               as_bytes(flat.detach().to("cpu", torch.float32).reshape(-1)))
+        self.version = int(reply["version"])
         base = self.base
         if self.in_flight is not None and reply["last_seq"] >= self.in_flight[0] and base is not None:
             # the service applied it before the answer was lost
@@ -293,6 +295,7 @@ class ServiceLink:
             return None
         self.seq += 1
         self.consumed = reply.get("consumed")
+        self.version = int(reply.get("version", self.version))
         if wait:
             self.gaps.append(int(reply["gap"]))
         if self._slots is not None:
@@ -337,15 +340,16 @@ class ServiceLink:
                 self._attach(self.base)
             if self._slots is not None:
                 answer_slot = self._answer_slot
-                self._call({"op": "pull", "level": level, "answer": answer_slot})
+                reply, _ = self._call({"op": "pull", "level": level, "answer": answer_slot})
                 self._base_slot = answer_slot
                 self.base = self._slots.tensors[answer_slot]
-                return self.base
-            _, body = self._call({"op": "pull", "level": level})
+            else:
+                reply, body = self._call({"op": "pull", "level": level})
+                self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))
         except (OSError, WireError) as exc:
             self._drop(exc)
             return None
-        self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))
+        self.version = int(reply.get("version", self.version))
         return self.base
 
     def regroup(self, leaders: list[int]) -> None:
@@ -383,10 +387,11 @@ def _flat(model: Model) -> torch.Tensor:
 class ServiceProcess:
     """Rank 0's parameter service: started at the first boundary, restarted on the same port if it dies."""
 
-    def __init__(self, host: str, bound: int, state_dir: str = "", port: int = 0) -> None:
+    def __init__(self, host: str, bound: int, state_dir: str = "", port: int = 0, start_version: int = 0) -> None:
         self.host = host
         self.bound = bound
         self.port = port
+        self.start_version = start_version  # a resumed run's version (what its state directory holds wins)
         # Without a directory of the user's, the job's own in memory (the model is rewritten every exchange).
         self.owns_state = not state_dir
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="crossover-params-",
@@ -406,7 +411,8 @@ class ServiceProcess:
         cmd = [sys.executable, "-m", "crossover.plugins.group_async.service", "--host", self.host,
                "--port", str(self.port), "--bound", str(self.bound), "--state-dir", self.state_dir,
                "--token-file", str(self._dir / "token"), "--port-file", str(port_file),
-               "--parent-pid", str(os.getpid())] + (["--remove-state-with-parent"] if self.owns_state else [])
+               "--parent-pid", str(os.getpid()), "--start-version", str(self.start_version)] + \
+            (["--remove-state-with-parent"] if self.owns_state else [])
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # in the job's process group
         log.close()
         (Path(self.state_dir) / "service.pid").write_text(str(self.proc.pid))

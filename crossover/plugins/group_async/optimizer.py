@@ -89,6 +89,19 @@ class GroupAsyncOptimizer(ComposedOptimizer):
         if self._compute_from is None:
             self._compute_from = time.perf_counter()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, and under ``"group_async"`` where group training stands
+        (:meth:`GroupRuntime.state_dict`), so a checkpoint resumes both."""
+        return {**self._inner.state_dict(), "group_async": self.runtime.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A state from :meth:`state_dict`, or a plain optimizer's (group training then starts afresh)."""
+        state = dict(state_dict)
+        group_state = state.pop("group_async", None)
+        super().load_state_dict(state)
+        if group_state is not None:
+            self.runtime.load_state_dict(group_state)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_inner", None) is None:  # called from Optimizer.__init__
             super().add_param_group(param_group)

@@ -34,6 +34,7 @@ from crossover.plugins.group_async.codec import Codec
 from crossover.plugins.group_async.grouping import Groups, parse_groups, speed_groups, steps_per_group
 from crossover.plugins.group_async.link import ServiceLink, ServiceProcess
 from crossover.plugins.group_async.schedule import Schedule, Stage
+from crossover.plugins.selection import AggregationError
 
 __all__ = ["GroupRuntime"]
 
@@ -83,6 +84,7 @@ class GroupRuntime:
         self._share: Optional[float] = None  # leader: its group's share of the last epoch it finished
         self._last_exchange = time.monotonic()
         self._global_before: Optional[torch.Tensor] = None
+        self._start_version = 0  # the version a run resumed from a checkpoint continues from
 
     # ---- who I am ------------------------------------------------------
 
@@ -228,7 +230,8 @@ class GroupRuntime:
         if self.rank == 0:
             single_host = int(hvd.local_size()) == self.world
             host = "127.0.0.1" if single_host else "0.0.0.0"
-            self.service = ServiceProcess(host, self.config.staleness, self.config.param_state)
+            self.service = ServiceProcess(host, self.config.staleness, self.config.param_state,
+                                          start_version=self._start_version)
             try:
                 _, port = self.service.start()
                 reach = "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname())
@@ -352,6 +355,8 @@ class GroupRuntime:
         pace = statistics.fmean(self._compute) / batch if self._compute else math.nan
         self._compute.clear()
         paces = hvd.allgather_object(pace, name="crossover.group_async.pace")
+        if not any(math.isfinite(p) for p in paces) and len(self._paces) == len(paces):
+            paces = list(self._paces)  # nothing measured yet: a resumed run plans from the paces it saved
         decision = None
         if self.rank == 0:
             decision = self._decide(kind, paces, change, samples, batch)
@@ -401,6 +406,51 @@ class GroupRuntime:
         steps = self._nominal(groups, paces, samples, batch, stage.synchronous)
         return {"groups": [list(g) for g in groups], "steps": steps, "paces": paces, "change": change,
                 "stage": dataclasses.asdict(stage)}
+
+    # ---- checkpoints ---------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands, for a checkpoint: the global model's version as this rank last heard
+        it (a leader's; save rank 0's, which always leads group 0), the schedule's stage, and the groups with
+        the paces their steps were planned from. The model itself is the user's to save."""
+        version = self.link.version if self.link is not None and self.link.version >= 0 else self._start_version
+        return {"world": self.world, "version": version, "schedule": self.schedule.state(),
+                "groups": [list(g) for g in self.groups],
+                "paces": list(self._paces) if all(math.isfinite(p) for p in self._paces) else [],
+                "boundaries": self.boundaries, "exchanges": self.exchanges}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`'s record: the next run continues the version, keeps its stage
+        (no second profiling, no return to the coarse stage) and plans its first epoch from the saved
+        paces. Before training starts; after, the record must be this rank's own (Horovod's
+        ``broadcast_optimizer_state`` hands each rank its own back) or it is refused. Groups and paces
+        saved at another world size are dropped (the first boundary measures anew)."""
+        if self.started:
+            if state != self.state_dict():
+                raise AggregationError("group_async: load the optimizer's state before training starts")
+            return
+        try:
+            self.stage = self.schedule.restore(state["schedule"])
+            world = int(state["world"])
+            groups: Groups = tuple(tuple(int(r) for r in g) for g in state["groups"])
+            paces = [float(p) for p in state["paces"]]
+            version = int(state["version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AggregationError(f"group_async: not a state this optimizer saved ({exc})") from exc
+        if world == self.world:
+            if sorted(r for g in groups for r in g) != list(range(world)) or len(paces) not in (0, world):
+                raise AggregationError(f"group_async: the saved groups {groups} or paces do not fit {world} ranks")
+            self._paces = paces
+        else:
+            _log.warning("group_async: the checkpoint's %d ranks are %d now; its groups and paces are dropped",
+                         world, self.world)
+            groups = self.configured
+        self.groups = (tuple(range(self.world)),) if self.stage.synchronous else groups
+        self._start_version = max(0, version)
+        self.boundaries = int(state.get("boundaries", 0))
+        self.exchanges = int(state.get("exchanges", 0))
+        _log.info("group_async: resuming at version %d, stage %s, groups %s", self._start_version, self.stage.name,
+                  self.groups)
 
     # ---- what happened -------------------------------------------------
 

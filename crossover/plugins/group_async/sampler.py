@@ -62,7 +62,7 @@ class GroupSampler:
         rt, b = self.runtime, self.batch
         order = self._permutation()
         offset = 0
-        profile = rt.config.profile_steps if not rt.started and rt.schedule.kind == "staged" else 0
+        profile = rt.config.profile_steps if not rt.started and rt.schedule.stage is rt.schedule.profile else 0
         if profile and (profile + 1) * rt.world * b <= self.length:
             self._steps = rt.begin_epoch(self._epoch, self.length, b)
             for i in range(profile):

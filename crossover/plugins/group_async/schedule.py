@@ -13,6 +13,7 @@ Pure logic: the sampler feeds it and applies what it returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["SCHEDULES", "Stage", "Schedule"]
 
@@ -41,7 +42,8 @@ class Schedule:
         self.coarse = Stage("coarse", 4 * period_s, 2 * bound)
         self.plateau = plateau
         self._largest = 0.0
-        self.stage = Stage("profile", period_s, bound, synchronous=True) if kind == "staged" else self.fine
+        self.profile = Stage("profile", period_s, bound, synchronous=True)
+        self.stage = self.profile if kind == "staged" else self.fine
 
     def after_profile(self) -> Stage:
         """The profiling steps are over: the first asynchronous stage."""
@@ -55,4 +57,21 @@ class Schedule:
             self._largest = max(self._largest, global_change)
             if self._largest > 0 and global_change < self.plateau * self._largest:
                 self.stage = self.fine
+        return self.stage
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the stage reached and the largest change seen (the plateau's reference)."""
+        return {"kind": self.kind, "stage": self.stage.name, "largest_change": self._largest}
+
+    def restore(self, state: dict[str, Any]) -> Stage:
+        """Back to where :meth:`state` was taken, so a resumed run neither profiles again nor returns to
+        the coarse stage. A state from the other kind of schedule is refused (``ValueError``): its stages
+        mean something else."""
+        if state.get("kind") != self.kind:
+            raise ValueError(f"a {state.get('kind')!r} schedule's state cannot resume a {self.kind!r} schedule")
+        stages = {s.name: s for s in ((self.profile, self.coarse, self.fine) if self.kind == "staged" else (self.fine,))}
+        if state.get("stage") not in stages:
+            raise ValueError(f"stage {state.get('stage')!r}: a {self.kind!r} schedule has {', '.join(stages)}")
+        self.stage = stages[state["stage"]]
+        self._largest = float(state.get("largest_change", 0.0))
         return self.stage

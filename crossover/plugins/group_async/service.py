@@ -58,13 +58,14 @@ class GlobalModel:
     """The global model, its version, the SSP clocks and what the service has measured; thread-safe."""
 
     def __init__(self, bound: int, state_dir: Path | None = None, silent_after_s: float = 30.0,
-                 wait_limit_s: float = 120.0) -> None:
+                 wait_limit_s: float = 120.0, start_version: int = 0) -> None:
         self.clock = SSPClock(bound)
         self.state_dir = state_dir
         self.silent_after_s = silent_after_s
         self.wait_limit_s = wait_limit_s
         self.model: np.ndarray | None = None
-        self.version = 0
+        self.version = start_version  # a run resumed from a checkpoint counts on; a saved state wins
+        self.start_version = start_version
         self.last_seq: dict[int, int] = {}
         self.last_seen: dict[int, float] = {}
         self.gaps: Counter[int] = Counter()
@@ -261,7 +262,8 @@ class GlobalModel:
             return {"version": self.version, "bound": self.clock.bound, "clocks": dict(self.clock.clocks),
                     "gaps": {str(k): v for k, v in sorted(self.gaps.items())}, "exchanges": sum(self.gaps.values()),
                     "wait_p50_s": waits[len(waits) // 2] if waits else 0.0, "wait_max_s": waits[-1] if waits else 0.0,
-                    "resumed_from": self.resumed_from, "samples": {str(e): {str(g): n for g, n in sorted(by.items())}
+                    "resumed_from": self.resumed_from, "start_version": self.start_version,
+                    "samples": {str(e): {str(g): n for g, n in sorted(by.items())}
                                 for e, by in sorted(self.taken.items())}}
 
 
@@ -395,11 +397,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process (rank 0) is gone")
     p.add_argument("--remove-state-with-parent", action="store_true",
                    help="the state directory is the job's temporary one: remove it when --parent-pid is gone")
+    p.add_argument("--start-version", type=int, default=0,
+                   help="the first model's version when --state-dir holds none (a run resumed from a checkpoint)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s param-service %(levelname)s %(message)s")
     token = Path(args.token_file).read_text().strip()
-    state = GlobalModel(args.bound, Path(args.state_dir) if args.state_dir else None)
+    state = GlobalModel(args.bound, Path(args.state_dir) if args.state_dir else None,
+                        start_version=args.start_version)
     with ParameterService((args.host, args.port), state, token) as server:
         port = server.server_address[1]
         if args.port_file:
