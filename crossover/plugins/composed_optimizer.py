@@ -44,5 +44,10 @@ class ComposedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._inner.load_state_dict(state_dict)
+        self.share_inner_state()
+
+    def share_inner_state(self) -> None:
+        """Share the wrapped optimizer's ``param_groups`` and ``state`` again: loading a state into it
+        (here, or Horovod's ``broadcast_optimizer_state`` on it) replaces both objects."""
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state

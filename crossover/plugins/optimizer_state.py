@@ -49,9 +49,8 @@ def install() -> None:
 
 def _broadcast_composed(hvd: Any, original: Callable[..., Any], optimizer: ComposedOptimizer, root_rank: int,
                         *args: Any, **kwargs: Any) -> None:
-    inner = optimizer.optimizer
-    original(inner, root_rank, *args, **kwargs)
-    optimizer.param_groups, optimizer.state = inner.param_groups, inner.state  # Horovod loaded new ones
+    original(optimizer.optimizer, root_rank, *args, **kwargs)
+    optimizer.share_inner_state()
     runtime = getattr(optimizer, "runtime", None)
     if runtime is not None and not runtime.started:  # every rank knows the same: the start is a boundary
         state = hvd.broadcast_object(runtime.state_dict(), root_rank=root_rank,

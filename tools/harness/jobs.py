@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tools import CHECKOUT, checkout_on_path
+from tools.workloads.stop_file import request_stop
 
 from .daemon import BIN, kill_group
 
@@ -29,18 +30,10 @@ class Job:
     stop_file: Path | None = None  # `horovodrun(stoppable=True)`: the workload's --stop-file
 
     def stop(self, ahead: int = 20) -> int:
-        """Have a stoppable job's ranks stop before iteration N, `ahead` past the last progress rank 0
-        published (every 10 iterations), so every rank reads the file before it gets there and all
-        stop at the same step; returns N. A job that has not published yet stops before `ahead`."""
+        """Have a stoppable job's ranks all stop before iteration N, `ahead` past the last progress rank 0
+        published (`tools.workloads.stop_file`); returns N."""
         assert self.stop_file is not None, f"job {self.name} was not started stoppable"
-        try:
-            at = int((self.stop_file.parent / f"{self.stop_file.name}.at").read_text())
-        except (FileNotFoundError, ValueError):
-            at = 0
-        tmp = self.stop_file.with_suffix(".tmp")
-        tmp.write_text(str(at + ahead))
-        tmp.replace(self.stop_file)
-        return at + ahead
+        return request_stop(self.stop_file, ahead)
 
     def wait(self, timeout: float) -> int:
         """Its exit code; a job still running after `timeout` has its group killed and the wait fails."""

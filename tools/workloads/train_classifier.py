@@ -226,7 +226,7 @@ def _save(path: Path, checkpoint: dict) -> None:
     os.replace(tmp, path)  # a kill while saving leaves the last whole checkpoint
 
 
-def _resume(path, model: nn.Module, opt) -> dict | None:
+def _resume(path: Path | None, model: nn.Module, opt: torch.optim.Optimizer) -> dict | None:
     """Horovod's resume: rank 0 loads the checkpoint, then every rank takes rank 0's model and optimizer
     state. The epoch, curve and clock come back on every rank; None when there is nothing to resume."""
     record = None

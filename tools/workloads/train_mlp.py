@@ -12,23 +12,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
+from tools.workloads.stop_file import publish_progress, stop_before
 from tools.workloads.summary import model_digest, write_rank_summary
-
-
-def _stop_before(path: str, it: int) -> bool:
-    """Whether the stop file says to stop before iteration `it` (empty: at once)."""
-    try:
-        text = open(path).read().strip()
-    except FileNotFoundError:
-        return False
-    return it >= int(text) if text else True
-
-
-def _publish(path: str, it: int) -> None:
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(str(it))
-    os.replace(tmp, path)
 
 
 def main():
@@ -53,7 +38,7 @@ def main():
     p.add_argument("--stop-file", default="",
                    help="stop before --iters once this file exists: before the iteration it names, or at once if "
                         "it is empty (one-rank jobs only: a larger job's ranks would stop at different steps). "
-                        "Rank 0 writes how far it got to FILE.at every 10 iterations (`tools.harness.jobs.stop_job`)")
+                        "Rank 0 writes how far it got to FILE.at every 10 iterations (`tools.workloads.stop_file`)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -88,10 +73,10 @@ def main():
     times, loss = [], None
     for it in range(args.iters):
         if args.stop_file:
-            if _stop_before(args.stop_file, it):
+            if stop_before(args.stop_file, it):
                 break
-            if hvd.rank() == 0 and it % 10 == 0:
-                _publish(args.stop_file + ".at", it)
+            if hvd.rank() == 0:
+                publish_progress(args.stop_file, it)
         t0 = time.perf_counter()
         opt.zero_grad()
         for _ in range(args.bpps):

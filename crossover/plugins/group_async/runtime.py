@@ -422,9 +422,9 @@ class GroupRuntime:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`'s record: the next run continues the version, keeps its stage
         (no second profiling, no return to the coarse stage) and plans its first epoch from the saved
-        paces. Before training starts; after, the record must be this rank's own (Horovod's
-        ``broadcast_optimizer_state`` hands each rank its own back) or it is refused. Groups and paces
-        saved at another world size are dropped (the first boundary measures anew)."""
+        paces. Before training starts; after, only this rank's own record is taken (and changes nothing):
+        any other is refused. Groups and paces saved at another world size are dropped (the first
+        boundary measures anew)."""
         if self.started:
             if state != self.state_dict():
                 raise AggregationError("group_async: load the optimizer's state before training starts")
