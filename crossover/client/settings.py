@@ -93,6 +93,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_GROUP_WEIGHT": ("size", "group_async: how much of a group's update the global model takes: size "
                                "(its share of the ranks; groups in lockstep make synchronous SGD's step) or sum "
                                "(all of it, as Basu et al.; faster, noisier)."),
+    "CROSSOVER_GROUP_BALANCE": ("1", "group_async: inside a group, split its batch among its ranks by measured "
+                                "pace at each epoch start (LB-BSP inside the group), so a slow rank does not hold "
+                                "its group to its pace; 0: equal shares."),
     "CROSSOVER_TOPK_FRACTION": ("0.01", "group_async with topk: the fraction of entries sent per exchange."),
     "CROSSOVER_PROFILE_STEPS": ("5", "group_async with the staged schedule: the synchronous profiling steps "
                                 "every rank takes at the start of epoch 0, after which paces are measured "
@@ -219,6 +222,7 @@ class AggregationSettings:
     exchange_shared_memory: bool = True
     topk_fraction: float = 0.01
     group_weight: str = "size"
+    group_balance: bool = True
     profile_steps: int = 5
     param_state: str = ""
 
@@ -244,6 +248,7 @@ class AggregationSettings:
             exchange_shared_memory=_bool("CROSSOVER_EXCHANGE_SHM", cls.exchange_shared_memory),
             topk_fraction=_float("CROSSOVER_TOPK_FRACTION", cls.topk_fraction, 1e-6, 1.0),
             group_weight=_choice("CROSSOVER_GROUP_WEIGHT", cls.group_weight, GROUP_WEIGHTS),
+            group_balance=_bool("CROSSOVER_GROUP_BALANCE", cls.group_balance),
             profile_steps=_int("CROSSOVER_PROFILE_STEPS", cls.profile_steps, 0, 1_000_000),
             param_state=os.environ.get("CROSSOVER_PARAM_STATE", cls.param_state),
         )

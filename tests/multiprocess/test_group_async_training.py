@@ -63,6 +63,10 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
         assert by_group.get("2", 0) <= by_group["0"], samples
         assert 1408 <= sum(by_group.values()) <= 1408 + 4 * 128, samples  # 11 global batches, and a few more
     assert sum(by.get("2", 0) for by in samples.values()) < sum(by["0"] for by in samples.values()), samples
+    # Inside the straggler's group the batch is cut by pace: rank 3 takes the smaller share of 64 a step.
+    shares = [summary["runs"][1]["group_async"]["shares"] for summary in summaries]
+    assert shares[0] == shares[1] and min(shares[0]) > 0.75 * max(shares[0]), shares  # group 0's ranks are alike
+    assert shares[2] == shares[3] and sum(shares[3]) == 64 and shares[3][1] < 0.5 * shares[3][0], shares
 
 
 def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(jobs, tmp_path):

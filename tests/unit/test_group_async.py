@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crossover.plugins.group_async.balance import member_batches, step_time
 from crossover.plugins.group_async.clock import SSPClock
 from crossover.plugins.group_async.codec import Codec, decode
 from crossover.plugins.group_async.grouping import (
@@ -136,6 +138,48 @@ def test_steps_follow_each_groups_pace_and_never_overdraw_the_epoch():
     for paces in ([1.0, 1.0, 1.0, 1000.0], [1.0, 2.0, 3.0, 4.0]):
         steps = steps_per_group(groups, paces, samples=200, batch=16)
         assert min(steps) >= 1 and sum(s * 2 * 16 for s in steps) <= 200
+
+
+def test_a_balanced_group_plans_at_the_sum_of_its_members_speeds():
+    groups = ((0, 1), (2, 3))
+    # unbalanced, group 1 moves at its straggler's pace (2 per 4 s); balanced at 1 + 1/4 per second
+    assert steps_per_group(groups, [1.0, 1.0, 1.0, 4.0], samples=1000, batch=10) == [40, 10]
+    assert steps_per_group(groups, [1.0, 1.0, 1.0, 4.0], samples=1000, batch=10, balanced=True) == [30, 19]
+
+
+# ---- batch shares inside a group -------------------------------------------
+
+
+def test_a_group_cuts_its_batch_by_speed_so_a_four_times_slower_member_takes_a_fifth():
+    split = member_batches(64, [0.001, 0.004], (32, 32))
+    assert split == (51, 13)
+    assert step_time([0.001, 0.004], split) < 0.5 * step_time([0.001, 0.004], (32, 32))
+
+
+def test_a_split_is_kept_unless_the_new_one_is_clearly_shorter_and_returns_to_equal_when_paces_do():
+    assert member_batches(64, [0.001, 0.00105], (32, 32)) == (32, 32)  # 5 % apart: not worth a change
+    assert member_batches(64, [0.001, 0.001], (51, 13)) == (32, 32)  # the straggler recovered
+    assert member_batches(64, [0.001, 0.0], (32, 32)) == (32, 32)  # a member not measured yet
+    assert member_batches(64, [0.001, math.nan], (32, 32)) == (32, 32)
+    assert member_batches(2, [0.001, 0.1], (1, 1)) == (1, 1)  # every member keeps a sample
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(1e-5, 1.0), min_size=2, max_size=8), st.integers(0, 200))
+def test_a_split_always_sums_to_the_group_batch_and_gives_every_member_a_sample(paces, extra):
+    batch = len(paces) + extra
+    current = [batch // len(paces)] * len(paces)
+    current[0] += batch - sum(current)
+    split = member_batches(batch, paces, current)
+    assert sum(split) == batch and min(split) >= 1
+    assert step_time(paces, split) <= step_time(paces, current) + 1e-12
+
+
+def test_a_split_that_does_not_describe_the_group_is_refused():
+    with pytest.raises(ValueError):
+        member_batches(64, [0.001, 0.004], (32, 31))
+    with pytest.raises(ValueError):
+        member_batches(64, [0.001], (32, 32))
 
 
 # ---- schedule --------------------------------------------------------------

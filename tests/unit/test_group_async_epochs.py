@@ -2,6 +2,7 @@
 Horovod and a fake link: no processes, no sockets."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -150,3 +151,55 @@ def test_a_state_that_is_not_one_is_refused_and_training_begun_accepts_only_its_
     rt.load_state_dict(rt.state_dict())  # Horovod's broadcast_optimizer_state hands a rank its own back
     with pytest.raises(AggregationError, match="before training starts"):
         rt.load_state_dict({**rt.state_dict(), "version": 5})
+
+
+# ---- a group's batch cut by its members' paces -------------------------------
+
+
+def _member(rank: int, balance: bool = True) -> GroupRuntime:
+    config = AggregationSettings(rule="group_async", groups="2", exchange_period_s=3600.0, group_balance=balance)
+    rt = GroupRuntime(_Hvd(rank), config)
+    rt._address = ("127.0.0.1", 1, "token")
+    rt.started = True
+    return rt
+
+
+def test_a_group_re_splits_at_its_epoch_start_and_its_members_cover_its_region_exactly_once():
+    from crossover.plugins.group_async.sampler import GroupSampler
+
+    members = [_member(2), _member(3)]
+    batches = []
+    for rt in members:
+        sampler = GroupSampler(rt, dataset_length=1280, global_batch=128, shuffle=False)
+        iter(sampler).__next__()  # epoch 0: equal shares, nothing measured yet
+        assert rt.shares == (32, 32) and rt.grad_scale() == 1.0
+        rt.note_member_paces([0.001, 0.004])  # as the group's allreduce carried them
+        sampler.set_epoch(1)
+        batches.append(list(itertools.islice(iter(sampler), 3)))
+        assert rt.shares == (51, 13)
+    assert [len(b) for b in batches[0]] == [51] * 3 and [len(b) for b in batches[1]] == [13] * 3
+    # the group averages scale x mean gradient over 2 members: each member then counts by its samples
+    assert [rt.grad_scale() / 2 for rt in members] == [51 / 64, 13 / 64]
+    for step in range(3):  # each step takes the next 64 samples of group 1's region, cut 51 | 13
+        taken = batches[0][step] + batches[1][step]
+        start = 640 + 64 * step  # group 0's region comes first: 10 steps of 64
+        assert taken == list(range(start, start + 64))
+
+
+def test_a_measured_pace_is_per_sample_at_the_members_own_share():
+    rt = _member(3)
+    rt._batch = 32
+    rt._shares = (51, 13)
+    rt.observe(0.052)
+    assert math.isclose(rt.member_pace(), 0.004)
+
+
+def test_with_balance_off_shares_stay_equal():
+    from crossover.plugins.group_async.sampler import GroupSampler
+
+    rt = _member(3, balance=False)
+    sampler = GroupSampler(rt, dataset_length=1280, global_batch=128, shuffle=False)
+    iter(sampler).__next__()
+    rt.note_member_paces([0.001, 0.004])
+    sampler.set_epoch(1)
+    assert len(next(iter(sampler))) == 32 and rt.shares == (32, 32)

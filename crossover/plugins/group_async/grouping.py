@@ -106,15 +106,22 @@ def speed_groups(per_sample_s: Sequence[float], count: int, current: Groups | No
     return proposed if old - new > hysteresis * sum(per_sample_s) else current
 
 
-def steps_per_group(groups: Groups, per_sample_s: Sequence[float], samples: int, batch: int) -> list[int]:
+def steps_per_group(groups: Groups, per_sample_s: Sequence[float], samples: int, batch: int,
+                    balanced: bool = False) -> list[int]:
     """Steps each group takes in an epoch of ``samples``, in proportion to its pace, so groups finish together.
 
     A group of ``n`` ranks, each taking ``batch`` samples a step, moves at its
-    slowest member's pace: ``n`` samples per ``max(per_sample_s)`` seconds.
-    Every group takes at least one step; whole steps only (the rest of the
-    epoch is dropped, as ``drop_last`` does).
+    slowest member's pace: ``n`` samples per ``max(per_sample_s)`` seconds;
+    ``balanced`` (members' shares cut by pace, ``balance.py``) at the sum of
+    its members' speeds. Every group takes at least one step; whole steps only
+    (the rest of the epoch is dropped, as ``drop_last`` does).
     """
-    rates = [len(g) / max(max(per_sample_s[r] for r in g), 1e-12) for g in groups]
+    def rate(g: tuple[int, ...]) -> float:
+        if balanced:
+            return sum(1.0 / max(per_sample_s[r], 1e-12) for r in g)
+        return len(g) / max(max(per_sample_s[r] for r in g), 1e-12)
+
+    rates = [rate(g) for g in groups]
     total = sum(rates)
     if samples < sum(len(g) for g in groups) * batch:
         raise GroupingError(f"{samples} samples cannot give each of {len(groups)} groups one step of {batch}")

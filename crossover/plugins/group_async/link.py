@@ -36,7 +36,7 @@ import torch
 from crossover.plugins.group_async.codec import Codec, as_bytes, decode
 from crossover.plugins.group_async.wire import WireError, node_identity, recv_frame, send_frame
 
-__all__ = ["ServiceLink", "ServiceProcess", "ServiceError"]
+__all__ = ["ServiceLink", "ServiceProcess", "ServiceError", "flatten"]
 
 _log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class ServiceLink:
                   "numel": self.base.numel(), "wait": wait, "epoch": epoch, "taken": taken}
         try:
             if self._sock is None:
-                self._attach(_flat(model))
+                self._attach(flatten(model))
                 header["seq"] = self.seq
             if self._slots is not None:
                 update_slot, answer_slot = self._update_slot, self._answer_slot
@@ -380,7 +380,8 @@ def _parts(model: Model) -> list[torch.Tensor]:
     return [model] if isinstance(model, torch.Tensor) else list(model)
 
 
-def _flat(model: Model) -> torch.Tensor:
+def flatten(model: Model) -> torch.Tensor:
+    """The model's parameters as one contiguous fp32 vector on the CPU: what an exchange carries."""
     return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in _parts(model)])
 
 

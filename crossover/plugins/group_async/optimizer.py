@@ -1,8 +1,9 @@
 """The group_async optimizer: synchronous data-parallel SGD inside the group, exchanges between groups.
 
 ``step()`` = :meth:`synchronize` (average the gradients over the group's
-Horovod process set; the leader's flags, "exchange now" and "the epoch is
-used up", ride along in the same grouped allreduce, so the group agrees
+Horovod process set, weighted by each member's share of the group's batch;
+the leader's flags, "exchange now" and "the epoch is used up", and each
+member's pace ride along in the same grouped allreduce, so the group agrees
 without another round trip; then, if flagged, the exchange with the
 parameter service) followed by the wrapped
 optimizer's update. The exchange happens inside ``synchronize()``, which the
@@ -58,16 +59,27 @@ class GroupAsyncOptimizer(ComposedOptimizer):
             exchange, over = rt.step_flags()
         else:
             rt.count_step()
-        flag = torch.tensor([float(exchange) + 2.0 * float(over)])
-        if len(rt.group) > 1:
-            reduced = self._hvd.grouped_allreduce([p.grad for p in params] + [flag], op=self._hvd.Average,
+        members = len(rt.group)
+        if members > 1:
+            # the leader's flags, then each member's pace in its own slot: one allreduce carries all
+            extra = torch.zeros(1 + members)
+            extra[0] = float(exchange) + 2.0 * float(over)
+            extra[1 + rt.group.index(rt.rank)] = rt.member_pace()
+            scale = rt.grad_scale()
+            with torch.no_grad():
+                if scale != 1.0:  # unequal shares: the average then weighs every sample alike
+                    for p in params:
+                        assert p.grad is not None
+                        p.grad.mul_(scale)
+            reduced = self._hvd.grouped_allreduce([p.grad for p in params] + [extra], op=self._hvd.Average,
                                                   process_set=rt.process_set(), name="crossover.group_async.grads")
             with torch.no_grad():
                 for p, r in zip(params, reduced):
                     assert p.grad is not None
                     p.grad.copy_(r)
-            code = round(float(reduced[-1][0]) * len(rt.group))  # only the leader's flags are non-zero
+            code = round(float(reduced[-1][0]) * members)  # only the leader's flags are non-zero
             exchange, over = bool(code & 1), bool(code & 2)
+            rt.note_member_paces([float(v) * members for v in reduced[-1][1:]])
         rt.epoch_over = rt.epoch_over or over
         if exchange:
             rt.exchange()

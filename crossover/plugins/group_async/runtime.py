@@ -30,9 +30,10 @@ from typing import Any, Optional
 import torch
 
 from crossover.client.settings import AggregationSettings
+from crossover.plugins.group_async.balance import member_batches
 from crossover.plugins.group_async.codec import Codec
 from crossover.plugins.group_async.grouping import Groups, parse_groups, speed_groups, steps_per_group
-from crossover.plugins.group_async.link import ServiceLink, ServiceProcess
+from crossover.plugins.group_async.link import ServiceLink, ServiceProcess, flatten
 from crossover.plugins.group_async.schedule import Schedule, Stage
 from crossover.plugins.selection import AggregationError
 
@@ -68,8 +69,12 @@ class GroupRuntime:
         self.boundaries = 0
         self.history: list[dict[str, Any]] = []
         self.exchanges = 0
-        self._compute: deque[float] = deque(maxlen=1000)
+        self._compute: deque[float] = deque(maxlen=1000)  # this rank's compute seconds per sample, by step
         self._batch = 1
+        # inside the group: each member's share of the group's batch, and its pace as the group last heard it
+        self._shares: tuple[int, ...] = ()
+        self._member_paces: list[float] = []
+        self._recent: deque[float] = deque(maxlen=16)  # seconds per sample at the current share
         self._address: Any = None
         self.boundary_left = 0.0  # time.perf_counter() when this rank last left an epoch start
         self._paces: list[float] = []
@@ -119,7 +124,56 @@ class GroupRuntime:
     # ---- measurements (from the optimizer) -----------------------------
 
     def observe(self, compute_s: float) -> None:
-        self._compute.append(compute_s)
+        per_sample = compute_s / self.my_batch
+        self._compute.append(per_sample)
+        self._recent.append(per_sample)
+
+    # ---- inside the group: who takes how much of its batch -----------------
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """Each member's samples per step, in the group's rank order (equal until measured paces differ)."""
+        if len(self._shares) != len(self.group) or sum(self._shares) != len(self.group) * self._batch:
+            return (self._batch,) * len(self.group)
+        return self._shares
+
+    @property
+    def my_batch(self) -> int:
+        return self.shares[self.group.index(self.rank)]
+
+    def member_pace(self) -> float:
+        """This rank's seconds per sample at its current share (median of its recent steps; 0: none yet)."""
+        return statistics.median(self._recent) if self._recent else 0.0
+
+    def note_member_paces(self, paces: list[float]) -> None:
+        """The members' paces as they rode in the group's allreduce: the same list on every member."""
+        self._member_paces = paces
+
+    def grad_scale(self) -> float:
+        """What this rank's mean gradient is multiplied by before the group averages, so that the average
+        weighs every sample alike when members take unequal shares."""
+        shares = self.shares
+        return len(shares) * self.my_batch / sum(shares)
+
+    def _rebalance(self) -> None:
+        """At a group's epoch start: re-split its batch by its members' paces (LB-BSP inside the group). Every
+        member decides from the same allreduced paces, so every member takes the same split."""
+        current = self.shares
+        if (not self.config.group_balance or self.stage.synchronous or self.epoch_samples <= 0
+                or len(self._member_paces) != len(current)):
+            return
+        split = member_batches(sum(current), self._member_paces, current)
+        if split != current:
+            _log.info("group_async: group %s re-splits its batch %s -> %s (seconds per sample %s)", self.group,
+                      list(current), list(split), [round(p, 6) for p in self._member_paces])
+            self._shares = split
+            self._recent.clear()
+            self.history.append({"epoch": self.epoch, "at": "re-split", "group": list(self.group),
+                                 "shares": list(split)})
+
+    def _reset_shares(self) -> None:
+        self._shares, self._member_paces = (), []
+        self._recent.clear()
 
     @property
     def _taken(self) -> int:
@@ -166,9 +220,6 @@ class GroupRuntime:
         return not self.counted and steps >= self.nominal[self.group_index]
 
     # ---- flat parameters -----------------------------------------------
-
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).to(torch.float32).cpu() for p in self.params])
 
     def _load(self, flat: torch.Tensor) -> None:
         offset = 0
@@ -269,7 +320,7 @@ class GroupRuntime:
                 self.link = ServiceLink((host, port), token, group=self.rank,
                                         codec=Codec(self.config.exchange_codec, self.config.topk_fraction),
                                         shared_memory=self.config.exchange_shared_memory)
-                self.link.start(self._flat())
+                self.link.start(flatten(self.params))
 
     def _mix(self) -> Optional[float]:
         """Every leader pushes; then every rank takes the same global model. The change of the global
@@ -321,7 +372,7 @@ class GroupRuntime:
         if samples <= 0:
             return [0] * len(groups)
         if measured and not synchronous:
-            return steps_per_group(groups, paces, samples, batch)
+            return steps_per_group(groups, paces, samples, batch, balanced=self.config.group_balance)
         return [samples // (self.world * batch)] * len(groups)
 
     def _enter_epoch(self, epoch: int, samples: int) -> None:
@@ -338,6 +389,7 @@ class GroupRuntime:
             self._expected = self.nominal[self.group_index]
         self.epoch_over = False
         self.steps_in_epoch = self._consumed = 0
+        self._rebalance()
 
     def boundary(self, kind: str, epoch: int, samples: int, batch: int) -> list[int]:
         """A point every rank reaches (``start`` of an epoch, or ``profile`` end): mix, measure, regroup,
@@ -347,12 +399,12 @@ class GroupRuntime:
         if not self.started:
             self._start()
             change: Optional[float] = None
-            self._global_before = self._flat()
+            self._global_before = flatten(self.params)
         else:
             self.park()  # this group now waits for the others: nobody must wait on it
             change = self._mix()
         # seconds of compute per sample, stalls included: what sets a rank's share of the work
-        pace = statistics.fmean(self._compute) / batch if self._compute else math.nan
+        pace = statistics.fmean(self._compute) if self._compute else math.nan
         self._compute.clear()
         paces = hvd.allgather_object(pace, name="crossover.group_async.pace")
         if not any(math.isfinite(p) for p in paces) and len(self._paces) == len(paces):
@@ -375,6 +427,7 @@ class GroupRuntime:
         self._last_exchange = time.monotonic()
         if self.groups != before:
             self._share, self._consumed = None, 0  # new groups: no share carried over
+            self._reset_shares()
         self._enter_epoch(epoch, samples)
         self.boundaries += 1
         self.boundary_left = time.perf_counter()
@@ -459,7 +512,8 @@ class GroupRuntime:
         gaps = Counter(link.gaps) if link is not None else Counter()
         service = link.stats() if (link is not None and self.rank == 0) else None
         return {
-            "rank": self.rank, "groups": [list(g) for g in self.groups], "stage": self.stage.name,
+            "rank": self.rank, "groups": [list(g) for g in self.groups], "shares": list(self.shares),
+            "stage": self.stage.name,
             "bound": self.stage.bound, "exchanges": self.exchanges,
             "gaps": {str(k): v for k, v in sorted(gaps.items())},
             "exchange_s_p50": statistics.median(link.exchange_s) if link is not None and link.exchange_s else None,

@@ -4,8 +4,9 @@ Each rank takes batches of ``global_batch // world`` samples. At the start of
 every epoch, :meth:`GroupRuntime.begin_epoch` plans each group's steps from
 the ranks' measured paces (evenly before any were measured) and, while a
 decision may still change, regroups at a global boundary. The plan lays the
-epoch's permutation out in one region per group; inside a group, rank ``i``
-of ``n`` takes every ``n``-th batch of the region. A group then steps until
+epoch's permutation out in one region per group; inside a group, each step
+takes the next ``n * batch`` samples of the region, cut among the ``n``
+members by their shares (equal, or by measured pace: ``balance.py``). A group then steps until
 the parameter service says all groups together have used up the epoch, so a
 fast group runs on past its region (into the next one's, wrapping around)
 while a stalled one takes less; without the service, it stops at its plan.
@@ -74,11 +75,12 @@ class GroupSampler:
             self._steps = rt.begin_epoch(self._epoch, self.length, b)
         rest = order[offset:]
         index = rt.group_index
-        members = len(rt.group)
+        shares = rt.shares  # fixed for the epoch: every member laid out the same cut
         mine = rt.group.index(rt.rank)
+        size, within = shares[mine], sum(shares[:mine])
         start = sum(self._steps[g] * len(rt.groups[g]) * b for g in range(index))
         step = 0
         while not rt.epoch_done(step):
-            at = start + (step * members + mine) * b
-            yield [rest[(at + k) % len(rest)] for k in range(b)]
+            at = start + step * sum(shares) + within
+            yield [rest[(at + k) % len(rest)] for k in range(size)]
             step += 1
