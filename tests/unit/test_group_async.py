@@ -38,6 +38,19 @@ def test_a_group_more_than_the_bound_ahead_may_not_proceed_until_the_slowest_tic
     assert clock.may_proceed(0)
 
 
+def test_a_tick_counts_the_periods_a_group_worked_so_a_slow_stepper_keeps_pace_with_quick_ones():
+    clock = SSPClock(bound=2)
+    clock.activate(0)
+    clock.activate(1)
+    for _ in range(4):
+        clock.tick(0)  # a quick group: one exchange per period
+    assert not clock.may_proceed(0)
+    clock.tick(1, 4)  # one step of four periods
+    assert clock.may_proceed(0) and clock.gap(1) == 0
+    clock.tick(1, 0)  # never less than one
+    assert clock.clocks[1] == 5
+
+
 def test_a_parked_group_is_not_waited_for_and_comes_back_at_the_slowest_clock():
     clock = SSPClock(bound=1)
     for g in (0, 1, 2):

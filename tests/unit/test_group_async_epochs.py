@@ -95,11 +95,12 @@ class _SlowLink:
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
 
-    def exchange(self, params, wait=True, scale=1.0, epoch=-1, taken=0):  # type: ignore[no-untyped-def]
+    def exchange(self, params, wait=True, scale=1.0, epoch=-1, taken=0, ticks=1):  # type: ignore[no-untyped-def]
         import time
 
         import torch
 
+        self.ticks = ticks
         time.sleep(self.hold_s)
         return torch.cat([p.reshape(-1) for p in params])
 
@@ -115,6 +116,24 @@ def test_the_exchange_period_counts_from_the_answer_so_a_held_group_works_a_peri
     rt.link = _SlowLink(hold_s=0.2)  # type: ignore[assignment]
     rt.exchange()
     assert rt.step_flags() == (False, False)  # held 0.2 s, four periods: still no new exchange due
+
+
+def test_a_group_whose_step_outlasts_the_period_ticks_once_per_period_worked_not_once_per_exchange():
+    import torch
+
+    rt = GroupRuntime(_Hvd(0, size=1), AggregationSettings(rule="group_async", groups="1", exchange_period_s=0.1))
+    rt.params = [torch.zeros(3)]
+    rt._address = None
+    rt._enter_epoch(0, 0)
+    link = _SlowLink(hold_s=0.0)
+    rt.link = link  # type: ignore[assignment]
+    ticks = []
+    for worked in (0.25, 0.25, 0.12, 0.05):  # a slow step, another, then a quick one, then a very quick one
+        rt._last_exchange -= worked  # as if the group had worked that long since its last answer
+        rt.exchange()
+        ticks.append(link.ticks)
+    # 2.5 periods: 2, the half carried; 2.5 + 0.5: 3; 1.2: 1 with 0.2 carried; 0.7: still at least 1
+    assert ticks == [2, 3, 1, 1]
 
 
 class _Versioned:

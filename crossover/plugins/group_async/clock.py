@@ -1,9 +1,12 @@
 """The stale-synchronous-parallel (SSP) clock the parameter service keeps: who may exchange now.
 
-Each group's clock counts its exchanges. A group whose next exchange would put
-it more than ``bound`` exchanges ahead of the slowest active group waits; so
-the model a group pulls never lacks more than ``bound`` exchanges' worth of any
-active group's updates. A group that is parked (between epochs, finished,
+Each group's clock counts its exchange periods: one per exchange, or as many
+periods as the group worked since its last one when a step outlasts the period
+(a group whose steps take two periods exchanges once per step and ticks twice),
+so clocks of groups of every pace advance with wall time alike. A group whose
+next exchange would put it more than ``bound`` ticks ahead of the slowest active
+group waits; so the model a group pulls never lacks more than ``bound`` periods'
+worth of any active group's updates. A group that is parked (between epochs, finished,
 or silent past the service's limit) is not waited for; when it exchanges
 again its clock is lifted to the slowest active clock, so it cannot hold the
 others back by the exchanges it missed.
@@ -51,11 +54,11 @@ class SSPClock:
         elif slowest is not None and self.clocks[group] < slowest:
             self.clocks[group] = slowest
 
-    def tick(self, group: int) -> None:
-        """``group`` has exchanged once more."""
+    def tick(self, group: int, count: int = 1) -> None:
+        """``group`` has exchanged once more, after ``count`` periods of work (at least one)."""
         if group in self.parked or group not in self.clocks:
             self.activate(group)
-        self.clocks[group] += 1
+        self.clocks[group] += max(1, count)
 
     def may_proceed(self, group: int) -> bool:
         """Whether ``group`` is within the bound of the slowest active group."""

@@ -260,15 +260,16 @@ class ServiceLink:
     # ---- operations ----------------------------------------------------
 
     def exchange(self, model: Model, wait: bool = True, scale: float = 1.0, epoch: int = -1,
-                 taken: int = 0) -> Optional[torch.Tensor]:
+                 taken: int = 0, ticks: int = 1) -> Optional[torch.Tensor]:
         """Push ``scale * (model - base)``, return the global model (and make it the base); ``None`` if
-        unreachable. ``taken``: the samples the group has taken from ``epoch`` so far (see :meth:`progress`).
+        unreachable. ``taken``: the samples the group has taken from ``epoch`` so far (see :meth:`progress`);
+        ``ticks``: the exchange periods it worked since its last exchange (the service's clock counts them).
         The tensor returned is read-only to the caller and valid until the next call."""
         assert self.base is not None, "start() first"
         started = time.perf_counter()
         self.consumed = None
         header = {"op": "exchange", "group": self.group, "seq": self.seq, "codec": self.codec.kind,
-                  "numel": self.base.numel(), "wait": wait, "epoch": epoch, "taken": taken}
+                  "numel": self.base.numel(), "wait": wait, "epoch": epoch, "taken": taken, "ticks": ticks}
         try:
             if self._sock is None:
                 self._attach(flatten(model))

@@ -88,6 +88,7 @@ class GroupRuntime:
         self._consumed = 0  # leader: samples all groups took this epoch, as the last answer said
         self._share: Optional[float] = None  # leader: its group's share of the last epoch it finished
         self._last_exchange = time.monotonic()
+        self._tick_credit = 0.0  # periods worked since the last exchange, not yet ticked
         self._global_before: Optional[torch.Tensor] = None
         self._start_version = 0  # the version a run resumed from a checkpoint continues from
 
@@ -240,7 +241,7 @@ class GroupRuntime:
                 self.service.ensure_running()
             counted = self.counted
             model = self.link.exchange(self.params, wait=True, scale=self._weight(),
-                                       epoch=self.epoch if counted else -1, taken=self._taken)
+                                       epoch=self.epoch if counted else -1, taken=self._taken, ticks=self._ticks())
             if model is not None:
                 self.exchanges += 1
             over = counted and self._over(self.link.consumed if model is not None else None)
@@ -260,6 +261,15 @@ class GroupRuntime:
             self._load(model)
         # the period counts from the answer: a group held at the bound works a full period before asking again
         self._last_exchange = time.monotonic()
+
+    def _ticks(self) -> int:
+        """The exchange periods this group worked since its last exchange, whole ones, the rest carried to the
+        next: a group whose step outlasts the period ticks the service's clock as often as a quick group
+        does in the same time, so the staleness bound does not hold quick groups to a slow group's steps."""
+        self._tick_credit += (time.monotonic() - self._last_exchange) / max(self.stage.period_s, 1e-9)
+        ticks = max(1, int(self._tick_credit))
+        self._tick_credit -= ticks
+        return ticks
 
     def _weight(self) -> float:
         """How much of its own progress a group adds to the global model: ``size`` weighs a group by its

@@ -163,9 +163,10 @@ class GlobalModel:
             return {"version": self.version, "last_seq": self.last_seq.get(group, -1), "node": node_identity()}
 
     def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray | np.ndarray, numel: int,
-                 wait: bool, epoch: int = -1, taken: int = 0) -> dict[str, Any]:
+                 wait: bool, epoch: int = -1, taken: int = 0, ticks: int = 1) -> dict[str, Any]:
         """Apply a group's update (once per ``seq``), then wait until the group is within the bound.
-        ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does."""
+        ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does; ``ticks``, the
+        exchange periods the group worked since its last exchange (its clock advances by as many)."""
         with self._cond:
             if self.model is None:
                 raise ValueError("exchange before hello")
@@ -175,7 +176,7 @@ class GlobalModel:
                 self._add(decode(kind, payload, numel))
                 self.version += 1
                 self.last_seq[group] = seq
-                self.clock.tick(group)
+                self.clock.tick(group, ticks)
                 self._save()
             self.last_seen[group] = time.monotonic()
             self._cond.notify_all()
@@ -339,7 +340,8 @@ class _Handler(socketserver.BaseRequestHandler):
             reply = state.exchange(int(header["group"]), int(header["seq"]), str(header["codec"]),
                                    payload if update is None else update,
                                    int(header["numel"]), bool(header.get("wait", True)),
-                                   int(header.get("epoch", -1)), int(header.get("taken", 0)))
+                                   int(header.get("epoch", -1)), int(header.get("taken", 0)),
+                                   int(header.get("ticks", 1)))
             answer = self._slot(header, "answer")
             if answer is None and header["codec"] in ("fp16", "topk"):
                 return self._difference(state, reply, str(header["codec"]), float(header.get("fraction", 0.01)))
