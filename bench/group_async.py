@@ -282,7 +282,7 @@ def plot(dataset: str, data: dict[str, Any], stem: Path) -> str:
             axis.bar([g + i * width for g in gaps], [r["staleness"][g] / total for g in gaps], width=width,
                      label=name)
         axis.axvline(BOUND + 0.9, color="red", linewidth=0.8, linestyle=":", label=f"bound {BOUND}")
-        axis.set_xlabel("staleness: exchanges ahead of the slowest group")
+        axis.set_xlabel("staleness: exchange periods ahead of the slowest group")
         axis.set_ylabel("share of exchanges")
         axis.set_title("staleness histogram (parameter service)")
         axis.legend(fontsize=7)
