@@ -117,12 +117,16 @@ def plan(dataset: str, quick: bool, world: int = 4, only: Optional[set[str]] = N
     return runs
 
 
-def summarise(run: dict[str, Any], target: float) -> dict[str, Any]:
+def summarise(run: dict[str, Any], target: float, relative: Optional[float]) -> dict[str, Any]:
+    """One run's figures: times to the fixed and to the relative target (``None``: no reference run)."""
     hit = first_reaching(run["curve"], target)
+    hit_relative = None if relative is None else first_reaching(run["curve"], relative)
     stats = run.get("group_async") or {}
     service = stats.get("service") or {}
     return {
-        "time_to_target_s": hit[2] if hit else None, "final_acc": run["final_acc"], "train_s": run["train_s"],
+        "time_to_target_s": hit[2] if hit else None,
+        "time_to_relative_s": hit_relative[2] if hit_relative else None,
+        "final_acc": run["final_acc"], "train_s": run["train_s"],
         "steps": run["steps"], "aggregation": run["aggregation"], "curve": run["curve"],
         "staleness": {int(k): v for k, v in (service.get("gaps") or {}).items()},
         "exchanges": service.get("exchanges"), "bound": BOUND if stats else None,
@@ -169,10 +173,8 @@ def run_dataset(dataset: str, args: argparse.Namespace, console: Console, workdi
     by_name = {r["name"]: r for r in ranks[0]["runs"] if r["name"] != "warmup"}
     reference = by_name.get("no_straggler/sync")
     relative = None if reference is None else reference["final_acc"] - RELATIVE_PP / 100
-    results = {name: summarise(r, target) for name, r in by_name.items()}
+    results = {name: summarise(r, target, relative) for name, r in by_name.items()}
     for name, r in results.items():
-        hit = None if relative is None else first_reaching(r["curve"], relative)
-        r["time_to_relative_s"] = hit[2] if hit else None
         r["shares"] = [(run.get("group_async") or {}).get("shares") for rank in ranks for run in rank["runs"]
                        if run["name"] == name]  # each rank's samples per step as its run ended
     return {"pace": pace, "ranks": world, "target": target, "relative_target": relative, "epochs": runs[1]["epochs"],
@@ -235,7 +237,7 @@ def table(dataset: str, repeats: list[dict[str, Any]]) -> Table:
     """Medians over repeats, with the range: time to the fixed and to the relative target, each against
     the no-straggler sync run of the same job, the bound, the final accuracy against sync's."""
     first = repeats[0]
-    verdicts = [judged(data) for data in repeats]
+    verdicts = [data["judged"] for data in repeats]
     relative = ", ".join(f"{d['relative_target']:.3f}" for d in repeats if d["relative_target"] is not None)
     t = Table(title=f"{dataset}: {first['ranks']} ranks, {first['epochs']} epochs, {len(repeats)} repeat(s); "
                     f"fixed target {first['target']}, relative target {relative}")
@@ -371,8 +373,7 @@ def main() -> None:
             repeats = []
             for repeat in range(args.repeats):
                 repeats.append(run_dataset(dataset, args, console, Path(tmp), repeat))
-                for data in repeats[-1:]:
-                    data["judged"] = judged(data)
+                repeats[-1]["judged"] = judged(repeats[-1])
                 results["datasets"][dataset] = {"repeats": repeats}
                 Path(f"{out}.json").write_text(json.dumps(results, indent=1))  # after every job
             results["datasets"][dataset]["plot"] = plot(dataset, repeats[0], out)
