@@ -315,8 +315,9 @@ def lbbsp_stats() -> Optional[dict[str, Any]]:
 
     ``overhead_s`` is the time spent in the weighting hooks and at controller
     boundaries (measurement exchange and decision), ``step_s`` the wall time
-    of the steps it was measured over, so ``overhead_s / step_s`` is the
-    controller's share of training time. ``trace`` holds what the ranks
+    of the steps it was measured over (each from its ``zero_grad()``, so
+    evaluations and other pauses between steps are left out), so
+    ``overhead_s / step_s`` is the controller's share of training time. ``trace`` holds what the ranks
     shared of their first 5000 steps, ``[step][rank] = [batch, compute
     seconds]`` (seconds NaN where a step was not measured), in the order the
     controller saw them, for replaying a run offline.

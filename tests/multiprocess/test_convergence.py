@@ -52,9 +52,9 @@ def test_adasum_trains_at_eight_times_the_batch_where_averaging_lags(jobs, tmp_p
 def test_lbbsp_with_a_straggler_learns_as_well_as_synchronous_training(jobs, tmp_path):
     # Rank 3 three times slower. Weighted aggregation of unequal batches is the same update
     # as one batch of 256, so accuracy per epoch must match plain averaging's closely while
-    # the straggler's batch shrinks.
+    # the straggler's batch shrinks. The two runs train interleaved, as in the benchmark.
     common = {"global_batch": 128, "lr": 0.05, "epochs": 4, "evals_per_epoch": 1, "straggler": "3:3.0",
-              "straggler_work": "sleep", "period": 3}
+              "straggler_work": "sleep", "period": 3, "interleave": "pair", "interleave_order": [1, 0]}
     runs = _runs(jobs, tmp_path, "straggler", [{**common, "name": "sync", "rule": "average"},
                                                {**common, "name": "lbbsp", "rule": "weighted"}],
                  env={"CROSSOVER_LBBSP_WARMUP": "2"}, pace=4.0)
@@ -63,6 +63,7 @@ def test_lbbsp_with_a_straggler_learns_as_well_as_synchronous_training(jobs, tmp
     assert abs(sync["final_acc"] - lbbsp["final_acc"]) <= 0.02
     sizes = lbbsp["lbbsp"]["sizes"]
     assert sizes[3] < 0.6 * min(sizes[:3]), lbbsp["lbbsp"]["history"]
+    assert sync["lbbsp"]["sizes"] == [32, 32, 32, 32] and len(sync["lbbsp"]["history"]) == 1  # its own sampler's
     # What the ranks shared replays offline to the same decisions (bench/lbbsp_replay.py relies on it).
     stats = lbbsp["lbbsp"]
     replayed = replay_decisions(BatchSizeConfig.from_dict(stats["config"]), stats["trace"], stats["history"][0][1],

@@ -14,6 +14,9 @@ batch, learning rate, epochs, an optional straggler (`"3:3.0"`, see
 `tools.faults`; `straggler_work` `busy` or `sleep`), LB-BSP
 settings. Test accuracy is measured on every rank several times per epoch on
 a clock that excludes evaluation. Each rank writes `rank{r}.json` to --out.
+Consecutive runs with the same `interleave` key train together, a few steps
+of each in turn (evaluation to evaluation, `interleave_order`), each on its own clock: on a loaded machine
+two runs compared that way see its speed drift alike.
 
 `--checkpoint DIR`: rank 0 saves each run at every epoch's end to `DIR/NAME.pt`
 (model, optimizer, curve), and a run whose file exists resumes from it the way
@@ -42,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from crossover.plugins import aggregation
+from crossover.plugins.lbbsp.sampler import LBBSPSampler
 from tools.faults import Stall, Straggler
 from tools.workloads.summary import write_rank_summary
 
@@ -50,6 +54,7 @@ DEFAULT_RUN: dict = {
     "straggler": "", "straggler_work": "busy", "period": None, "hysteresis": None, "method": None,
     "evals_per_epoch": 4, "adasum_impl": None, "target": None, "stop_at_target": False, "max_train_s": None,
     "pace": None, "model": None, "width": None, "ema_alpha": None, "stall": "", "env": {},
+    "interleave": None, "interleave_order": None,
 }
 
 
@@ -118,7 +123,32 @@ def straggler_for(spec: dict) -> Straggler:
     return Straggler.for_rank(spec["straggler"], hvd.rank(), work=work)
 
 
-def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
+def interleaved(specs: list[dict], data: tuple, args: argparse.Namespace) -> list[dict]:
+    """Train several runs a few steps at a time in turn, each on its own clock.
+
+    Built in the order given (an LB-BSP run's weighting follows the newest sampler, so it must be
+    built last), then stepped from one evaluation to the next, in `interleave_order` (indices of
+    `specs`, default their order). Runs compared this way see the machine's speed as it drifts
+    alike, which back-to-back runs of a few seconds each do not on a loaded machine.
+    """
+    runs = [training(spec, data, args) for spec in specs]
+    for run in runs:
+        next(run)  # built, not yet trained
+    results: list[dict | None] = [None] * len(runs)
+    order = specs[0].get("interleave_order") or list(range(len(specs)))
+    while any(result is None for result in results):
+        for i in order:
+            if results[i] is None:
+                try:
+                    next(runs[i])
+                except StopIteration as done:
+                    results[i] = done.value
+    return [result for result in results if result is not None]
+
+
+def training(spec: dict, data: tuple, args: argparse.Namespace):  # noqa: ANN201 - a generator of the run
+    """One run as a generator: it yields once when built, after every evaluation (several per epoch) and at
+    every epoch's end, always off its clock, and returns its record."""
     x, y, xt, yt = data
     torch.manual_seed(spec["seed"])
     model = build_model(spec["model"] or args.model, args.dataset, spec["width"] or args.width)
@@ -154,7 +184,11 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
         first_epoch, curve, train_s, step = resumed["epoch"], resumed["curve"], resumed["train_s"], resumed["step"]
     compute_s, extra_s = 0.0, 0.0
     stop = False
+    yield
     grouped = spec["rule"] == "group_async"  # groups hold different models: no shared stop decision
+    # Interleaved: each stretch ends once every rank has finished its work (a straggler's extra time
+    # comes after its backward pass), so none of it is charged to the next run's clock.
+    together = spec["interleave"] is not None
     pace = args.pace if spec["pace"] is None else spec["pace"]
     for epoch in range(first_epoch, spec["epochs"]):
         sampler.set_epoch(epoch)
@@ -181,6 +215,8 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
             opt.step()
             step += 1
             if step % eval_every == 0:
+                if together:
+                    hvd.barrier()
                 train_s += time.perf_counter() - started
                 acc, loss = accuracy(model, xt, yt)
                 curve.append([step / steps_per_epoch, step, train_s, acc, loss])
@@ -194,17 +230,20 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
                 # every rank has the same parameters, hence the same accuracy and the same decision
                 if stop and not grouped:
                     break
+                yield
                 started = time.perf_counter()
         if stop and not grouped:
             break
+        if together:
+            hvd.barrier()
         train_s += time.perf_counter() - started
         if not curve or curve[-1][1] != step:  # the model as the epoch ends
             acc, loss = accuracy(model, xt, yt)
             curve.append([epoch + 1.0, step, train_s, acc, loss])
-            started = time.perf_counter()
         if saved_at is not None and hvd.rank() == 0:
             _save(saved_at, {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": opt.state_dict(),
                              "curve": curve, "train_s": train_s, "step": step})
+        yield
     group_stats = aggregation.group_async_stats()
     if grouped:  # every rank now holds the one final model the groups' models mix into
         aggregation.end_group_async()
@@ -213,7 +252,8 @@ def one_run(spec: dict, data: tuple, args: argparse.Namespace) -> dict:
     return {
         "name": spec["name"], "spec": spec, "aggregation": aggregation.aggregation_of(opt), "curve": curve,
         "final_acc": curve[-1][3], "train_s": train_s, "steps": step, "steps_per_epoch": steps_per_epoch,
-        "compute_s": compute_s, "straggler_extra_s": extra_s, "lbbsp": aggregation.lbbsp_stats(),
+        "compute_s": compute_s, "straggler_extra_s": extra_s,
+        "lbbsp": sampler.stats() if isinstance(sampler, LBBSPSampler) else None,
         "group_async": group_stats, "resumed_at_epoch": first_epoch if resumed is not None else None,
         "resumed_state": resumed["state"] if resumed is not None else None,
     }
@@ -243,6 +283,18 @@ def _resume(path: Path | None, model: nn.Module, opt: torch.optim.Optimizer) -> 
     return record
 
 
+def _batches(specs: list[dict]) -> list[list[dict]]:
+    """Consecutive specs with the same `interleave` key train together; the others one at a time."""
+    batches: list[list[dict]] = []
+    for spec in specs:
+        key = spec.get("interleave")
+        if key is not None and batches and batches[-1][0].get("interleave") == key:
+            batches[-1].append(spec)
+        else:
+            batches.append([spec])
+    return batches
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dataset", choices=["digits", "mnist1d"], default="digits")
@@ -266,12 +318,12 @@ def main() -> None:
     x, y, xt, yt = load_data(args.dataset, args.data)
     data = (torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt), torch.from_numpy(yt))
     results = []
-    for spec in specs:
-        results.append(one_run(spec, data, args))
-        if hvd.rank() == 0:
-            last = results[-1]
-            print(f"run {last['name']}: acc {last['final_acc']:.4f} in {last['train_s']:.1f}s "
-                  f"({last['steps']} steps, {last['aggregation']})", flush=True)
+    for batch in _batches(specs):
+        for last in interleaved(batch, data, args):
+            results.append(last)
+            if hvd.rank() == 0:
+                print(f"run {last['name']}: acc {last['final_acc']:.4f} in {last['train_s']:.1f}s "
+                      f"({last['steps']} steps, {last['aggregation']})", flush=True)
         summary = {"rank": hvd.rank(), "size": hvd.size(), "dataset": args.dataset, "model": args.model,
                    "width": args.width, "train_size": len(x), "test_size": len(xt), "runs": results}
         write_rank_summary(args.out, hvd.rank(), summary)  # after every run: a later failure keeps these

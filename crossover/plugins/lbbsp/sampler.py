@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterator, Sequence
-from typing import Callable, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Protocol, Union, runtime_checkable
 
 from crossover.plugins.lbbsp.apportion import apportion
 from crossover.plugins.lbbsp.controller import BatchSizeController
@@ -200,6 +200,10 @@ class LBBSPSampler:
     @property
     def controller(self) -> BatchSizeController:
         return self._state.controller
+
+    def stats(self) -> dict[str, Any]:
+        """This sampler's sizes, their history and the controller's cost (see ``aggregation.lbbsp_stats``)."""
+        return self._state.stats()
 
     @property
     def epoch(self) -> int:

@@ -169,7 +169,7 @@ class WeightingHook(OptimizerHook):
         if state is not None:
             state.steps += 1
             state.compute_s += 0.0 if math.isnan(seconds) else seconds
-            state.step_s += ended - self._last_step_end
+            state.step_s += ended - compute_start  # from zero_grad(): pauses between steps are no step
             state.overhead_s += (ended - started) + self._hook_seconds
         self._hook_seconds = 0.0
         self._last_step_end = ended
