@@ -27,8 +27,8 @@ FULL = {
 }
 QUICK = {
     "straggler": [
-        {"dataset": "digits", "model": "cnn", "width": 512, "global_batch": 128, "lr": 0.05, "epochs": 6,
-         "target": 0.92, "early_target": 0.80},
+        {"dataset": "digits", "model": "cnn", "width": 512, "global_batch": 128, "lr": 0.05, "epochs": 8,
+         "target": 0.98, "early_target": 0.95},
     ],
     "large_batch": [
         {"dataset": "digits", "model": "mlp", "width": 512, "base_batch": 32, "lr": 0.05, "epochs": 6,
@@ -55,19 +55,26 @@ def plan(config: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> d
         runs = jobs.setdefault(entry["dataset"], [])
         if not runs:
             runs.append({**common, "name": "warmup", "rule": "average", "epochs": 1, "scenario": "warmup"})
-        # Repeats rotate the order (sync, lbbsp), (lbbsp, sync), ... so that drifts of the machine's
-        # load over time hit every method alike.
+        # A repeat's sync and LB-BSP runs train interleaved, a few steps of each in turn (evaluation to
+        # evaluation), which goes first alternating between repeats, so the machine's load, which drifts
+        # by tens of percent within seconds here, hits both alike. With --also-method the straggler's
+        # three runs go back to back in a rotated order instead: two LB-BSP runs cannot share a
+        # process's newest-sampler link.
         for repeat in range(args.repeats):
             for scenario, straggler in (("straggler", STRAGGLER), ("no_straggler", "")):
                 if scenario not in entry.get("scenarios", ("straggler", "no_straggler")):
                     continue
                 order: list[tuple[str, str, dict[str, Any]]] = [("sync", "average", {}), ("lbbsp", "weighted", {})]
+                together: dict[str, Any] = {"interleave": f"{scenario}/{pair(entry)}#{repeat}",
+                                            "interleave_order": [repeat % 2, 1 - repeat % 2]}
                 if scenario == "straggler" and args.also_method:
                     order.append((f"lbbsp-{args.also_method}", "weighted", {"method": args.also_method}))
-                shift = repeat % len(order)
-                for method, rule, extra in order[shift:] + order[:shift]:
-                    runs.append({**common, **extra, "name": f"{scenario}/{pair(entry)}/{method}#{repeat}",
-                                 "rule": rule, "straggler": straggler, "scenario": scenario, "pair": pair(entry),
+                    shift = repeat % len(order)
+                    order, together = order[shift:] + order[:shift], {}
+                for method, rule, extra in order:
+                    runs.append({**common, **extra, **together,
+                                 "name": f"{scenario}/{pair(entry)}/{method}#{repeat}", "rule": rule,
+                                 "straggler": straggler, "scenario": scenario, "pair": pair(entry),
                                  "variant": method, "repeat": repeat})
     for entry in config["large_batch"]:
         common = {"model": entry["model"], "width": entry["width"], "lr": entry["lr"], "epochs": entry["epochs"],
