@@ -61,7 +61,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from bench.convergence_judge import compare, first_reaching, steady_curve, steady_train_s
+from bench.convergence_judge import compare, steady_time_to_target_s, steady_train_s
 from bench.convergence_plan import FULL, QUICK, STRAGGLER, pair, plan
 from bench.convergence_plot import plots
 from bench.convergence_run import loadavg, run_jobs
@@ -166,8 +166,7 @@ def rejudge(path: Path, console: Console) -> int:
             if "steady_train_s" not in run:
                 run["steady_train_s"] = steady_train_s(run["curve"])
             if "steady_time_to_target_s" not in run:
-                hit = first_reaching(steady_curve(run["curve"]), run["target"])
-                run["steady_time_to_target_s"] = hit[2] if hit else None
+                run["steady_time_to_target_s"] = steady_time_to_target_s(run["curve"], run["target"])
         checks = compare(results)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         console.print(f"error: {path} is not a bench/convergence.py results file: {exc!r}")

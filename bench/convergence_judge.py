@@ -62,6 +62,12 @@ def steady_train_s(curve: list[list[float]], cap: float = STALL_CAP) -> Optional
     return steady_curve(curve, cap)[-1][2] if len(curve) > 1 else None
 
 
+def steady_time_to_target_s(curve: list[list[float]], target: float) -> Optional[float]:
+    """Seconds to ``target`` on the clock with machine stalls capped (see `steady_curve`); None if never reached."""
+    hit = first_reaching(steady_curve(curve), target)
+    return hit[2] if hit else None
+
+
 def last_epoch_acc(curve: list[list[float]], epochs: float) -> float:
     """Mean test accuracy over the last epoch's evaluations: a single evaluation at the end of a
     run moves by 1-4 pp between neighbours on mnist1d, more than the methods differ."""
@@ -72,7 +78,6 @@ def last_epoch_acc(curve: list[list[float]], epochs: float) -> float:
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
     spec = run["spec"]
     hit = first_reaching(run["curve"], spec["target"])
-    steady_hit = first_reaching(steady_curve(run["curve"]), spec["target"])
     early = first_reaching(run["curve"], spec["early_target"]) if spec.get("early_target") is not None else None
     lbbsp = run.get("lbbsp") or {}
     step_s = lbbsp.get("step_s") or 0.0
@@ -84,7 +89,7 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
         "last_epoch_acc": last_epoch_acc(run["curve"], spec["epochs"]),
         "train_s": run["train_s"], "steps": run["steps"], "epochs": spec["epochs"],
         "time_to_target_s": hit[2] if hit else None, "epochs_to_target": hit[0] if hit else None,
-        "steady_time_to_target_s": steady_hit[2] if steady_hit else None,
+        "steady_time_to_target_s": steady_time_to_target_s(run["curve"], spec["target"]),
         "early_target": spec.get("early_target"), "time_to_early_target_s": early[2] if early else None,
         "settled_step_ms": settled_step_ms(run["curve"]),
         "steady_train_s": steady_train_s(run["curve"]),

@@ -135,7 +135,7 @@ def interleaved(specs: list[dict], data: tuple, args: argparse.Namespace) -> lis
     for run in runs:
         next(run)  # built, not yet trained
     results: list[dict | None] = [None] * len(runs)
-    order = specs[0].get("interleave_order") or list(range(len(specs)))
+    order = specs[0]["interleave_order"] or list(range(len(specs)))
     while any(result is None for result in results):
         for i in order:
             if results[i] is None:
@@ -287,8 +287,8 @@ def _batches(specs: list[dict]) -> list[list[dict]]:
     """Consecutive specs with the same `interleave` key train together; the others one at a time."""
     batches: list[list[dict]] = []
     for spec in specs:
-        key = spec.get("interleave")
-        if key is not None and batches and batches[-1][0].get("interleave") == key:
+        key = spec["interleave"]
+        if key is not None and batches and batches[-1][0]["interleave"] == key:
             batches[-1].append(spec)
         else:
             batches.append([spec])
