@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 
@@ -292,13 +293,17 @@ def test_a_rank_that_does_not_wait_reports_in_dated_batches(serve, sessions):
                                and e.get("job_name") == "batched"][11:] and
                       [e for e in d.core.events.snapshot() if e["event"] == "grant" and e.get("job_name") == "batched"])
     assert sent.count(pb.BATCH) <= 6 and pb.COMPUTE_REQUEST not in sent  # 12 iterations, a few messages
-    gaps = [b["t"] - a["t"] for a, b in zip(grants, grants[1:])]
     # Dated when they happened, not when their batch arrived (which would put a batch's grants within
-    # a millisecond): the daemon's gaps are the rank's own, measured here so that a loaded machine's
-    # longer sleeps count on both sides, to within the few milliseconds a rank's clock reading drifts.
-    own = [b - a for a, b in zip(asked, asked[1:])]
-    assert all(g > 0.010 and abs(g - o) < 0.015 for g, o in zip(gaps, own)), \
-        " ".join(f"{g:.4f}/{o:.4f}" for g, o in zip(gaps, own))
+    # a millisecond of each other): each grant sits where the rank's own clock put it, measured here so
+    # that a loaded machine's longer sleeps count on both sides, to within the few milliseconds a rank's
+    # clock reading drifts. The daemon never dates an event before the rank's previous message arrived
+    # (no backdating past what it saw), so a message the machine delays moves one date later: that one
+    # grant or two may sit late, never early; dated on arrival, most would be late.
+    offsets = [g["t"] - a for g, a in zip(grants, asked)]  # the daemon's clock against this one's
+    late = [o - statistics.median(offsets) for o in offsets]
+    shown = " ".join(f"{x * 1000:+.1f}ms" for x in late)
+    assert all(x > -0.015 for x in late), shown
+    assert sum(x >= 0.015 for x in late) <= 2, shown
     rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "batched")
     # The rank's 20 ms where the batch's dates agree; where the dates (ago_s) say less, the daemon's figure.
     assert rank.iteration == 11 and rank.mean_compute_s == pytest.approx(0.02, rel=0.15)
