@@ -13,6 +13,7 @@ the cost the node pays, less noisy than wall time on a saturated machine).
     python -m bench.overhead [--np 2] [--rounds 3] [--iters 80] [--target-ms 50] [--metric]
                              [--out results/overhead.json]
     python -m bench.overhead --hook-cost    # 1 rank, 160 parameter tensors, almost no compute
+    python -m bench.overhead --hook-cost --daemon-cpus 1    # crossoverd on CPU 1, the job on the others
 
 `--hook-cost` measures what the plugin adds per iteration where it shows most:
 one rank (nothing to wait for), an MLP of 79 hidden layers of width 16 (160
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -66,7 +68,7 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
         flags = ["--no-lease"] if "no-lease" in options else []
         transport = {"CROSSOVER_TRANSPORT": "grpc"} if options.endswith("grpc") else {}
         with DaemonProc.in_dir(workdir, "--cpu-devices", "2", "--policy", policy, "--log-level", "WARNING", *flags,
-                               name=name, nice=args.daemon_nice) as d:
+                               name=name, nice=args.daemon_nice, cpus=args.daemon_cpus) as d:
             before = psutil.Process(d.pid).cpu_times()  # the daemon's own start-up is not the job's cost
             stats = workdir / f"{name}.stats.{{rank}}.json"
             # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
@@ -106,6 +108,18 @@ def calibrate(workdir: Path, args: argparse.Namespace, progress: Progress) -> in
     return batch
 
 
+def _cpu_list(text: str) -> frozenset[int]:
+    """`1`, `0,2` or `2-3` as a set of CPU numbers."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, dash, high = part.partition("-")
+            cpus.update(range(int(low), int(high if dash else low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: CPUs as 1, 0,2 or 2-3") from None
+    return frozenset(cpus)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=2,
@@ -128,8 +142,17 @@ def main() -> None:
     p.add_argument("--target-ms", type=float, default=50.0, help="iteration time the calibration aims at")
     p.add_argument("--daemon-nice", type=int, default=0,
                    help="run crossoverd at this nice value (negative: ahead of the ranks when it wakes; needs root)")
+    p.add_argument("--daemon-cpus", type=_cpu_list, default=frozenset(),
+                   help="run crossoverd on these CPUs (e.g. 1 or 2-3) and the jobs on the others, as a node "
+                        "that keeps a core for its services does; default: both share every CPU")
     p.add_argument("--out", type=Path, default=Path("results/overhead.json"))
     args = p.parse_args()
+    if args.daemon_cpus:
+        others = os.sched_getaffinity(0) - args.daemon_cpus
+        if not others or not args.daemon_cpus <= os.sched_getaffinity(0):
+            p.error(f"--daemon-cpus {sorted(args.daemon_cpus)}: must be some of this process's CPUs "
+                    f"{sorted(os.sched_getaffinity(0))}, leaving at least one for the jobs")
+        os.sched_setaffinity(0, others)  # horovodrun and its ranks inherit it
     if args.hook_cost:
         args.np, args.depth, args.width, args.batch, args.iters, args.rounds, args.warmup = 1, 79, 16, 8, 300, 5, 30
 
@@ -184,7 +207,8 @@ def main() -> None:
     Console(width=None if sys.stdout.isatty() else 160).print(t)
     per_round = [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]
     write_json(args.out, {"benchmark": "overhead", "time": time.time(), "machine": machine(),
-                          "args": {**vars(args), "out": str(args.out)}, "summary": summary, "rounds": per_round})
+                          "args": {**vars(args), "out": str(args.out), "daemon_cpus": sorted(args.daemon_cpus)},
+                          "summary": summary, "rounds": per_round})
     print(f"wrote {args.out}")
 
 

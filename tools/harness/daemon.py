@@ -32,13 +32,15 @@ class DaemonProc:
     log: Path
     args: list[str]
     nice: int = 0
+    cpus: frozenset[int] = frozenset()  # run it on these CPUs only (empty: wherever its parent may run)
     proc: subprocess.Popen | None = None
 
     @classmethod
-    def in_dir(cls, workdir: Path, *args: str, name: str = "d", nice: int = 0) -> DaemonProc:
+    def in_dir(cls, workdir: Path, *args: str, name: str = "d", nice: int = 0,
+               cpus: frozenset[int] = frozenset()) -> DaemonProc:
         """A daemon whose socket, event log and log are `workdir/NAME.*`."""
         return cls(socket=workdir / f"{name}.sock", event_log=workdir / f"{name}.events.jsonl",
-                   log=workdir / f"{name}.log", args=list(args), nice=nice)
+                   log=workdir / f"{name}.log", args=list(args), nice=nice, cpus=cpus)
 
     def start(self, timeout: float = 15.0) -> DaemonProc:
         """Start it and return once it answers a queue request; raise with its log's tail if it does not."""
@@ -46,7 +48,10 @@ class DaemonProc:
         cmd = [*prefix, str(BIN / "crossoverd"), "--socket", str(self.socket), "--event-log", str(self.event_log),
                *self.args]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            # Set in the child before exec, so every thread the daemon starts inherits it.
+            pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=pin)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
