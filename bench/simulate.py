@@ -30,14 +30,19 @@ benchmark's set, 2 nodes x 1 device, 2 and 3 identical jobs, comm:compute 1:1,
 1:2, 2:1 with C = --compute-ms and M scaled from --comm-ms, through
 `simulate_small` (also: `alone` and `sequential`).
 
-    python -m bench.simulate [--small] [--iters 200] [--workers N] [--out results/simulate.json]
+    python -m bench.simulate [--small] [--iters 200] [--runs K] [--workers N] [--out results/simulate.json]
+    python -m bench.simulate --pool results/simulate_fifo_runs_seed*.json   # several seeds' runs, pooled
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 import random
+import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -101,9 +106,12 @@ def large_jobs(scenario: str, iters: int, seed: int) -> list[JobSpec]:
     return specs
 
 
-def run_large(scenario: str, policy: str, args: dict[str, Any]) -> dict[str, Any]:
+def run_large(scenario: str, policy: str, args: dict[str, Any], run: int = 0) -> dict[str, Any]:
+    """One policy on one large scenario. The jobs come from `--seed`; run r draws its own jitter, job ids and
+    start-up spread (simulator seed `seed + 1000 r`), so runs of one scenario differ only in the world's luck."""
     jobs = large_jobs(scenario, args["iters"], args["seed"])
-    cfg = SimConfig(seed=args["seed"], switch_penalty=args["switch_penalty"], startup_spread_s=args["spread"],
+    sim_seed = args["seed"] + 1000 * run
+    cfg = SimConfig(seed=sim_seed, switch_penalty=args["switch_penalty"], startup_spread_s=args["spread"],
                     grant_latency_s=args["grant_latency_ms"] / 1000, link_sharing=args["link_sharing"],
                     interference=args["interference"])
     t0, c0 = time.perf_counter(), time.process_time()
@@ -111,7 +119,8 @@ def run_large(scenario: str, policy: str, args: dict[str, Any]) -> dict[str, Any
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     waits = [j.grant_wait_max_s for j in res.jobs]
     rates = [j.iter_per_s for j in res.jobs if j.iter_per_s]
-    return {"kind": "large", "scenario": scenario, "policy": policy, "wall_s": wall, "cpu_s": cpu, "n_jobs": len(jobs),
+    return {"kind": "large", "scenario": scenario, "policy": policy, "run": run, "sim_seed": sim_seed,
+            "wall_s": wall, "cpu_s": cpu, "n_jobs": len(jobs),
             "job_iter_s_min": min(rates, default=None), "job_iter_s_max": max(rates, default=None),
             "n_ranks": sum(len(j.placement) for j in jobs), "grant_wait_max_s": max(waits, default=0.0),
             **res.to_dict(per_job=args["per_job"])}
@@ -190,6 +199,65 @@ def large_table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
+def runs_table(rows: list[dict[str, Any]], runs: int) -> Table:
+    """Each policy over `runs` runs of every large scenario, against exclusive: a cluster of 64 nodes falls into
+    different alternations from one run's luck to the next, so one run's ratio is one draw, not the policy's."""
+    t = Table(title=f"large scenarios over {runs} runs each (same jobs, the simulator's seed varied): "
+                    "sum of per-job iterations/s")
+    for c in ("scenario", "policy", "it/s median", "min-max", "x exclusive (medians)", "x exclusive, run by run",
+              "runs >= exclusive"):
+        t.add_column(c, justify="right")
+    for sc in LARGE:
+        by = {p: [r["throughput_iter_s"] for r in sorted(rows, key=lambda r: r["run"])
+                  if r["scenario"] == sc and r["policy"] == p] for p in POLICIES}
+        by = {p: v for p, v in by.items() if v}
+        excl = by.get("exclusive")
+        for p, v in by.items():
+            paired = [a / b for a, b in zip(v, excl)] if excl else []
+            t.add_row(sc, p, f"{statistics.median(v):.1f}", f"{min(v):.1f}-{max(v):.1f}",
+                      _f(statistics.median(v) / statistics.median(excl) if excl else None, ".3f"),
+                      f"{min(paired):.3f}-{max(paired):.3f}" if paired else "-",
+                      f"{sum(x >= 1.0 for x in paired)}/{len(paired)}" if paired else "-",
+                      end_section=p == list(by)[-1])
+    return t
+
+
+def pooled_table(files: list[Path]) -> Table:
+    """Every policy against exclusive over the runs of several result files (`--runs`, one `--seed` each).
+
+    Each run's it/s is divided by exclusive's mean over the runs of the same file and scenario, so placements
+    of different speeds pool; the table gives the mean of those ratios, less exclusive's own (1 by
+    construction) with two standard errors of the difference, which is the noise of runs this chaotic."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for path in files:
+        rows = json.loads(path.read_text())["large"]
+        for sc in LARGE:
+            excl = [r["throughput_iter_s"] for r in rows if r["scenario"] == sc and r["policy"] == "exclusive"]
+            if not excl:
+                continue
+            base = statistics.mean(excl)
+            for r in rows:
+                if r["scenario"] == sc:
+                    by.setdefault((sc, r["policy"]), []).append(r["throughput_iter_s"] / base)
+    t = Table(title=f"pooled over {len(files)} result files: each run's it/s / exclusive's mean on the same jobs")
+    for c in ("scenario", "policy", "runs", "x exclusive", "± 2 SE", "sd of one run"):
+        t.add_column(c, justify="right")
+    for sc in (*LARGE, "all"):
+        scs = LARGE if sc == "all" else (sc,)
+        excl = [x for s in scs for x in by.get((s, "exclusive"), [])]
+        if len(excl) < 2:
+            continue
+        for policy in (p for p in POLICIES if any((s, p) in by for s in scs)):
+            v = [x for s in scs for x in by.get((s, policy), [])]
+            se = None
+            if policy != "exclusive" and len(v) > 1:
+                se = math.sqrt(statistics.variance(v) / len(v) + statistics.variance(excl) / len(excl))
+            t.add_row(sc, policy, str(len(v)), f"{statistics.mean(v) - statistics.mean(excl) + 1:.3f}",
+                      _f(se and 2 * se, ".3f"), _f(statistics.stdev(v) if len(v) > 1 else None, ".3f"),
+                      end_section=policy == "crossover")
+    return t
+
+
 def hetero_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="heterogeneous scenarios (3-4 nodes x 1 GPU, jobs with their own C, M and nodes): "
                     "sum of per-job iterations/s")
@@ -245,6 +313,10 @@ def main() -> None:
     p.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--iters", type=int, default=200, help="iterations per job")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=1,
+                   help="large scenarios: run each policy this many times on the same jobs, each run with its own "
+                        "jitter, job ids and start-up (simulator seed SEED + 1000 r), and add a table of medians "
+                        "and spreads: with fifo links one run's ratio between policies swings by 10-50 %%")
     p.add_argument("--switch-penalty", type=float, default=0.1,
                    help="slowdown of co-running computes (passthrough): each of k runs at 1/(k(1+p))")
     p.add_argument("--spread", type=float, default=1.0, help="a job's ranks join within this many seconds")
@@ -261,7 +333,18 @@ def main() -> None:
     p.add_argument("--per-job", action="store_true", help="keep per-job results in the JSON")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=Path("results/simulate.json"))
+    p.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                   help="simulate nothing: pool the large scenarios' runs of these result files (one --seed each, "
+                        "made with --runs) into one comparison with exclusive, and print it")
     args = p.parse_args()
+    if args.pool:
+        missing = [str(f) for f in args.pool if not f.is_file()]
+        if missing:
+            p.error(f"--pool: no such file: {', '.join(missing)}")
+        Console(width=None if sys.stdout.isatty() else 160).print(pooled_table(args.pool))
+        return
+    if args.runs < 1:
+        p.error(f"--runs {args.runs}: at least 1")
     common = {"iters": args.iters, "seed": args.seed, "switch_penalty": args.switch_penalty, "spread": args.spread,
               "grant_latency_ms": args.grant_latency_ms, "compute_ms": args.compute_ms, "comm_ms": args.comm_ms,
               "per_job": args.per_job, "link_sharing": args.link_sharing, "interference": args.interference}
@@ -270,7 +353,7 @@ def main() -> None:
     if not args.small:
         # Larger scenarios first, so the pool's last jobs are short ones.
         for sc in sorted(args.scenarios, key=lambda s: -int(s[-1])):
-            cases += [(run_large, sc, pol, common) for pol in args.policies]
+            cases += [(run_large, sc, pol, common, run) for run in range(args.runs) for pol in args.policies]
         if not args.no_hetero:
             cases += [(run_hetero, sc, jitter, common) for sc in HETERO for jitter in (0.0, 0.1)]
     cases += [(run_small, n, ratio, pol, common) for n in (2, 3) for ratio in SMALL_RATIOS for pol in SMALL_POLICIES]
@@ -296,13 +379,15 @@ def main() -> None:
     small = [r for r in results if r["kind"] == "small"]
     hetero = [r for r in results if r["kind"] == "hetero"]
     if large:
-        console.print(large_table(large))
+        console.print(large_table([r for r in large if r["run"] == 0]))
+        if args.runs > 1:
+            console.print(runs_table(large, args.runs))
     if hetero:
         console.print(hetero_table(hetero))
     console.print(small_table(small, args))
     write_json(args.out, {"benchmark": "simulate", "version": 1, "time": time.time(), "machine": machine(),
                           "args": {**vars(args), "out": str(args.out)}, "elapsed_s": elapsed,
-                          "large": sorted(large, key=lambda r: (r["scenario"], r["policy"])),
+                          "large": sorted(large, key=lambda r: (r["scenario"], r["policy"], r["run"])),
                           "hetero": sorted(hetero, key=lambda r: (r["scenario"], r["jitter"], r["policy"])),
                           "small": sorted(small, key=lambda r: (r["scenario"], r["policy"]))})
     cpu = sum(r["wall_s"] if r["kind"] == "small" else r.get("cpu_s", 0.0) for r in results)
