@@ -41,6 +41,7 @@ from rich.table import Table
 from bench.lib.jobs import WORKLOAD, finish_job, start_job
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
+from crossover.client.settings import SettingError, parse_cpu_list
 from tools.harness.daemon import DaemonProc
 from tools.harness.jobs import with_import
 
@@ -109,15 +110,14 @@ def calibrate(workdir: Path, args: argparse.Namespace, progress: Progress) -> in
 
 
 def _cpu_list(text: str) -> frozenset[int]:
-    """`1`, `0,2` or `2-3` as a set of CPU numbers."""
-    cpus: set[int] = set()
+    """`1`, `0,2` or `2-3` as a set of CPU numbers (the kernel's cpu-list format)."""
     try:
-        for part in text.split(","):
-            low, dash, high = part.partition("-")
-            cpus.update(range(int(low), int(high if dash else low) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: CPUs as 1, 0,2 or 2-3") from None
-    return frozenset(cpus)
+        cpus = frozenset(parse_cpu_list(text))
+    except SettingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{text!r} names no CPU")
+    return cpus
 
 
 def main() -> None:

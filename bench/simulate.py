@@ -60,7 +60,7 @@ N_NODES, GPUS = 64, 8
 LARGE = ("static-2", "static-3", "static-4", "uniform-3", "churn-3")
 SMALL_RATIOS = {"1:1": 1.0, "1:2": 0.5, "2:1": 2.0}  # comm:compute
 HETERO = ("span-3", "span-4", "span-4-churn")
-HETERO_POLICIES = ("exclusive", "turns", "crossover")
+HETERO_POLICIES = ("exclusive", "turns", "crossover", "crossover-link")
 
 
 def place_jobs(rng: random.Random, per_gpu: int,

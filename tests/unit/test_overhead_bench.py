@@ -13,7 +13,7 @@ def test_a_cpu_list_names_cpus_and_ranges(text: str, cpus: set[int]) -> None:
     assert _cpu_list(text) == frozenset(cpus)
 
 
-@pytest.mark.parametrize("text", ["", "one", "1-", "1,,2"])
+@pytest.mark.parametrize("text", ["", "one", "1-", "3-1"])
 def test_a_cpu_list_that_is_not_one_is_refused_in_a_line(text: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match="CPUs as"):
+    with pytest.raises(argparse.ArgumentTypeError, match="cpu list|no CPU|range"):
         _cpu_list(text)
