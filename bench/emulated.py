@@ -67,7 +67,7 @@ from bench.emulated_report import plot_timeline, render
 from bench.emulated_scenarios import ALL, COLOCATED, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.settings import SettingError, parse_cpu_list
-from crossover.protos import POLICIES, PROTOCOL_VERSION, admin_socket_path
+from crossover.protos import PROTOCOL_VERSION, admin_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import read_jsonl
@@ -281,7 +281,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
                 k = cycle % len(COLOCATED)
                 for mode in COLOCATED[k:] + COLOCATED[:k]:
                     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batch}: cycle {cycle + 1}/{args.cycles} {mode}")
-                    admin.set_policy(args.crossover_policy if mode == "crossover" else POLICY[mode])
+                    admin.set_policy(POLICY[mode])
                     t_switch = time.monotonic()
                     time.sleep(args.settle_s)
                     a = time.monotonic()
@@ -317,7 +317,6 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
         solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batches[-1], args, workdir / "solo_last"))
     return {"scenario": scn.name, "rate_mbit": rate, "batch": batch, "segments": segments, "events": events,
             "policy_source_sha256": policy_sha, "solos": solos,
-            "policies": {**POLICY, "crossover": args.crossover_policy},
             "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names},
             "visitors": {n: rank_summaries(out) for n, out in (visitors.outs.items() if visitors else ())}}
 
@@ -376,9 +375,6 @@ def main() -> int:
                    help="cores (e.g. 2-7) for the ranks' host threads (Horovod's loop, Gloo, gRPC) while "
                         "their compute stays on the node's device core, as on a GPU node; needs two cores "
                         "beside these for the devices (a 16-core machine, not a 2-core one)")
-    p.add_argument("--crossover-policy", choices=[n for n in sorted(POLICIES) if n.startswith("crossover")],
-                   default="crossover", help="the daemon policy the crossover mode runs (crossover-link: "
-                                             "allreduces kept apart on the link, docs/policies.md)")
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--timeline-seconds", type=float, default=3.0)
     p.add_argument("--out", type=Path, default=Path("results/emulated.json"))

@@ -53,7 +53,7 @@ def plot_timeline(raw: dict[str, Any], path: Path, title: str, seconds: float) -
         ax.set_yticklabels(labels, fontsize=8)
         ax.set_xlim(0, seconds)
         ax.set_ylim(y, 0)
-        what = "one job alone (solo run)" if mode == "sequential" else f"policy {raw.get('policies', POLICY)[mode]}"
+        what = "one job alone (solo run)" if mode == "sequential" else f"policy {POLICY[mode]}"
         ax.set_title(f"{mode}: {what}; solid = compute (holds the device), light = allreduce",
                      fontsize=10, loc="left")
         ax.grid(axis="x", alpha=0.3)

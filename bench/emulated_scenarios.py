@@ -51,8 +51,7 @@ FULL = (Scenario("1:1 x2", 1.0, 2), Scenario("1:2 x2", 0.5, 2), Scenario("2:1 x2
 CHURN = Scenario("churn x2+1", 1.0, 2, visitor=True)
 # Four nodes, three jobs on each: 12 ranks, which only the device model leaves the cores for.
 WIDE = Scenario("1:1 x3 4n", 1.0, 3, nodes=4)
-# Four unequal jobs on one link: where keeping allreduces apart pays on links that serve first come
-# (`--crossover-policy crossover-link`; docs/policies.md).
+# Four unequal jobs on one link, only when named: short-first has something to reorder (docs/policies.md).
 UNEQUAL4 = Scenario("mixed x4", 1.0, 4, (1.0, 0.5, 1.5, 1.0))
 MODEL = (*FULL, WIDE)
 """The device model's default set (`--device model`)."""

@@ -205,7 +205,7 @@ class _StateCollector(Collector):
                 by_uid.add_metric([str(user)], n)
             yield by_uid
         decisions = CounterMetricFamily("crossover_policy_decisions", "The current policy's notable decisions "
-                                        "(overtake; link under crossover-link) since it was set.",
+                                        "(overtake) since it was set.",
                                         labels=["policy", "decision"])
         policy = core.policy_name
         for name, count in sorted(core.policy_decisions().items()):

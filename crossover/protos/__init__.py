@@ -13,8 +13,6 @@ USER_METADATA_KEY = "x-crossover-user"  # who the CLI says runs it: recorded wit
 POLICIES = {
     "crossover": "the default: one compute phase per device, served in the order jobs' allreduces ended "
                  "(one order on every node), clearly shorter computes first",
-    "crossover-link": "crossover, and a job whose allreduce would overlap less with those still on the "
-                      "device's link goes first (jobs of up to 8 ranks)",
     "exclusive": "FIFO: one compute phase per device, in the order ranks asked",
     "passthrough": "observe and record only; never blocks",
 }

@@ -261,7 +261,7 @@ def test_policy_without_deadlines_gets_periodic_ticks():
 
 
 def test_the_simulator_runs_the_daemons_policies_and_turns_without_synchronization():
-    assert set(POLICIES) == {*policies.available(), "turns", "turns-nosync"}
+    assert set(POLICIES) == {*policies.available(), "turns", "turns-nosync", "crossover-link"}
     nosync = POLICIES["turns-nosync"]()
     assert isinstance(nosync, TurnsPolicy) and nosync.settings.tiebreak == "join_order"
     assert nosync.name == "turns-nosync"

@@ -35,7 +35,10 @@ deadlines. Only the world around the policies is modelled:
 for comparison; `turns-nosync` is `turns` without crossover synchronization
 (`TurnsSettings(tiebreak="join_order")`): identical keys, backfilling and
 bounded waits, but ties are broken by the order jobs joined *that node*, so
-nodes may disagree. `reference` searches fixed serve orders offline.
+nodes may disagree. `crossover-link` (`tools.simulator.link`) is `crossover` with
+allreduces kept apart on each device's link, which wins here and lost on the
+device-model bed with real daemons, so the daemon does not carry it.
+`reference` searches fixed serve orders offline.
 
 Everything is seeded: the same inputs give the same result, event for event.
 
@@ -43,7 +46,7 @@ Modules: `spec` (what to simulate: jobs, the world's settings, the policies by
 name), `state` and `world` (the simulated ranks, jobs, devices and nodes, and
 the event loop), `metrics` (what a run measured), `run` (`simulate`,
 `simulate_small`), `reference` (the best fixed cyclic orders of a small instance),
-`turns` (the retired rotation policy).
+`turns` (the retired rotation policy), `link` (the `crossover-link` variant).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from typing import Callable
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError, Policy
 
+from .link import LinkPolicy
 from .turns import TurnsPolicy, TurnsSettings
 
 LINK_SHARING = ("fair", "fifo")
@@ -21,16 +22,17 @@ class SimulationError(CrossoverError):
 
 PolicyFactory = Callable[[], Policy]
 
-_TABLE_ORDER = ("passthrough", "exclusive", "turns-nosync", "turns", "crossover")  # least to most scheduling
+_TABLE_ORDER = ("passthrough", "exclusive", "turns-nosync", "turns", "crossover", "crossover-link")
 
 
 def _registry() -> dict[str, PolicyFactory]:
     """The daemon's policies (`policies.create`), the retired `turns` and `turns` without synchronization,
-    in table order."""
+    and `crossover-link` (kept out of the daemon), in table order."""
     factories: dict[str, PolicyFactory] = {name: functools.partial(policies.create, name)
                                            for name in policies.available()}
     factories["turns"] = TurnsPolicy
     factories["turns-nosync"] = functools.partial(TurnsPolicy, TurnsSettings(tiebreak="join_order"))
+    factories["crossover-link"] = LinkPolicy
     rank = {name: i for i, name in enumerate(_TABLE_ORDER)}
     return {name: factories[name] for name in sorted(factories, key=lambda n: (rank.get(n, len(rank)), n))}
 

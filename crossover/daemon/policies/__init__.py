@@ -4,18 +4,16 @@ from __future__ import annotations
 from typing import Callable
 
 from crossover.daemon.api import NotFound, Policy
-from crossover.daemon.policies.crossover import CrossoverLinkPolicy, CrossoverPolicy, CrossoverSettings
+from crossover.daemon.policies.crossover import CrossoverPolicy, CrossoverSettings
 from crossover.daemon.policies.exclusive import ExclusivePolicy
 from crossover.daemon.policies.passthrough import PassthroughPolicy
 
-__all__ = ["available", "create", "CrossoverLinkPolicy", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy",
-           "PassthroughPolicy"]
+__all__ = ["available", "create", "CrossoverPolicy", "CrossoverSettings", "ExclusivePolicy", "PassthroughPolicy"]
 
 _FACTORIES: dict[str, Callable[[], Policy]] = {
     "passthrough": PassthroughPolicy,
     "exclusive": ExclusivePolicy,
     "crossover": CrossoverPolicy,
-    "crossover-link": CrossoverLinkPolicy,
 }
 
 

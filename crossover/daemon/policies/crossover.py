@@ -25,20 +25,8 @@ for the device and gets it as soon as A releases (CrossoverScheduler, Luo et al.
   everywhere shorten iterations everywhere. The gap keeps nodes in agreement:
   a job's phases measured on two nodes differ by its ranks' spread and jitter,
   and only a clear difference reorders.
-* Allreduces apart on the link (`crossover-link` only, `link_ranks` > 0).
-  Concurrent allreduces through one device's link share it, and a job's
-  allreduce runs at the pace of its most shared link, so two allreduces that
-  overlap both end late. When the rank chosen so far would end its compute
-  while allreduces that already left this device still run, a waiting rank
-  whose allreduce would overlap them at least `link_gap_s` less goes first
-  (typically a longer compute that ends after the link is free). All of it is
-  this node's own measure: a rank in its allreduce is expected off the link at
-  its release + its allreduce as this node saw it (EMA, peer waits included); a
-  candidate's overlap is that moment - now - its compute EMA, at most its own
-  allreduce. Only jobs of at most `link_ranks` ranks take part: the pass is
-  decided from one node's link, which the job's other nodes do not see.
-* No starvation. A request is passed over (by a shorter job or by the link
-  rule) by at most `max_overtakes` later ones; then it is served before any other. Every waiting rank is therefore
+* No starvation. A request is passed over by at most `max_overtakes` later
+  ones; then it is served before any other. Every waiting rank is therefore
   served after finitely many grants: the first in line within
   `max_overtakes` + 1, and each rank behind it moves up when it is served.
 * No deadlock. No device idles while a rank waits for it, so no chain of ranks
@@ -46,8 +34,7 @@ for the device and gets it as soon as A releases (CrossoverScheduler, Luo et al.
   break.
 
 `CrossoverSettings(short_gap=0)` is plain first-come, first-served (the
-`exclusive` policy's order). `CrossoverLinkPolicy` is `crossover` with the link
-rule on (`crossoverd --policy crossover-link`; docs/policies.md says when it pays).
+`exclusive` policy's order).
 """
 from __future__ import annotations
 
@@ -56,26 +43,21 @@ from dataclasses import dataclass
 from crossover.daemon.api import RankKey
 from crossover.daemon.policies._queues import DispatchPolicy, _Device
 
-__all__ = ["CrossoverLinkPolicy", "CrossoverPolicy", "CrossoverSettings"]
+__all__ = ["CrossoverPolicy", "CrossoverSettings"]
 
 
 @dataclass(frozen=True)
 class CrossoverSettings:
     """`short_gap`: how much shorter a job's compute must be to go first (0: never);
     `max_overtakes`: how often one request may be passed over; `ema_alpha`: weight of
-    the newest phase in the measured means; `tie_s`: requests this close to the
+    the newest compute phase in the measured mean; `tie_s`: requests this close to the
     first in line count as simultaneous and go in job-id order (nodes see one moment a
-    few milliseconds apart); `link_ranks`: jobs of at most this many ranks may pass, or
-    be passed, to keep allreduces apart on a device's link (0: never); `link_gap_s`: by how
-    much less a passing rank's allreduce must overlap (a job's phases measured on two nodes
-    differ by a few ms, and a smaller difference would reorder them differently)."""
+    few milliseconds apart)."""
 
     short_gap: float = 0.7
     max_overtakes: int = 1
     ema_alpha: float = 0.3
     tie_s: float = 0.002
-    link_ranks: int = 0
-    link_gap_s: float = 0.005
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.short_gap <= 1.0:
@@ -86,10 +68,6 @@ class CrossoverSettings:
             raise ValueError(f"ema_alpha {self.ema_alpha}: must be within (0, 1]")
         if self.tie_s < 0:
             raise ValueError(f"tie_s {self.tie_s}: must be >= 0")
-        if self.link_ranks < 0:
-            raise ValueError(f"link_ranks {self.link_ranks}: must be >= 0")
-        if self.link_gap_s < 0:
-            raise ValueError(f"link_gap_s {self.link_gap_s}: must be >= 0")
 
 
 class CrossoverPolicy(DispatchPolicy):
@@ -103,54 +81,27 @@ class CrossoverPolicy(DispatchPolicy):
         self.settings = settings or CrossoverSettings()
         self._compute: dict[str, float] = {}  # job id -> EMA of its compute phases on this node
         self._passed: dict[RankKey, int] = {}  # waiting rank -> times a later request went first
-        self._comm: dict[RankKey, float] = {}  # rank -> EMA of its allreduces as it saw them (with peer waits)
-        self._released: dict[RankKey, float] = {}  # rank in its allreduce -> when it released its device
-        self._now = 0.0  # the latest event's time: what the link rule measures from
-        self._linked = False  # whether the last `_link_pick` passed its choice over
         self.overtakes = 0
-        self.link_passes = 0
 
     def decisions(self) -> dict[str, int]:
-        counts = {"overtake": self.overtakes}
-        if self.settings.link_ranks:
-            counts["link"] = self.link_passes
-        return counts
+        return {"overtake": self.overtakes}
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
-        self._now = now
         self._passed.pop(key, None)
-        self._comm.pop(key, None)
-        self._released.pop(key, None)
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
         return super().leave(key, now)
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
-        self._now = now
         self._passed.pop(key, None)
         return super().cancel(key, now)
 
-    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        self._now = now
-        self._released.pop(key, None)  # its allreduce has ended
-        return super().request(key, iteration, now)
-
-    def release(self, key: RankKey, now: float) -> list[RankKey]:
-        self._now = now
-        if self.settings.link_ranks and key in self._q.ranks and self.holds(key):
-            self._released[key] = now  # its allreduce begins on this device's link (after its peers)
-        return super().release(key, now)
-
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
-        if duration_s <= 0 or key not in self._q.ranks:
+        if phase != "compute" or duration_s <= 0 or key not in self._q.ranks:
             return
+        old = self._compute.get(key.job_id)
         a = self.settings.ema_alpha
-        if phase == "comm" and self.settings.link_ranks:
-            old_m = self._comm.get(key)
-            self._comm[key] = duration_s if old_m is None else (1 - a) * old_m + a * duration_s
-        elif phase == "compute":
-            old = self._compute.get(key.job_id)
-            self._compute[key.job_id] = duration_s if old is None else (1 - a) * old + a * duration_s
+        self._compute[key.job_id] = duration_s if old is None else (1 - a) * old + a * duration_s
 
     def order(self, device: int) -> list[RankKey]:
         """The device's waiting ranks in the order they would be served if nothing else happened."""
@@ -176,8 +127,7 @@ class CrossoverPolicy(DispatchPolicy):
         return tuple(dict.fromkeys(waiting + rest))
 
     def _pick(self, waiting: list[RankKey], passed: dict[RankKey, int]) -> RankKey:
-        """The rank to serve next among `waiting`: the first in line unless a clearly shorter job, or (with
-        the link rule) one whose allreduce would overlap less with those already on the link, may pass it."""
+        """The rank to serve next among `waiting`: the first in line unless a clearly shorter job may pass it."""
         at = self._q.requested_at
         by_time = sorted(waiting, key=lambda k: (at[k], k.job_id, k.rank))
         first = at[by_time[0]]
@@ -190,36 +140,12 @@ class CrossoverPolicy(DispatchPolicy):
         limit = self.settings.short_gap * head_c
         shorter = [k for k in by_time[1:] if self._compute.get(k.job_id, limit) < limit]
         chosen = min(shorter, key=lambda k: self._compute[k.job_id]) if shorter else head  # stable: earliest
-        return self._link_pick(by_time, chosen) if self.settings.link_ranks else chosen
+        return self._refine(by_time, chosen)
 
-    def _link_pick(self, by_time: list[RankKey], chosen: RankKey) -> RankKey:
-        """`chosen`, or the waiting rank whose allreduce would overlap least with the allreduces already
-        on the device's link, if that is at least `link_gap_s` less than `chosen`'s (only jobs of at
-        most `link_ranks` ranks; see the module docstring)."""
-        small = self.settings.link_ranks
-        ranks = self._q.ranks
-        if ranks[chosen].world_size > small:
-            return chosen
-        device = ranks[chosen].device
-        ends = [t + self._comm.get(k, 0.0) for k, t in self._released.items() if ranks[k].device == device]
-        if not ends:
-            return chosen
-        free_in = max(ends) - self._now  # until the link is expected free
-
-        def overlap(k: RankKey) -> float | None:  # how long k's allreduce would share the link, if served now
-            c = self._compute.get(k.job_id)
-            return None if c is None else min(max(0.0, free_in - c), self._comm.get(k, free_in))
-
-        chosen_o = overlap(chosen)
-        if chosen_o is None:
-            return chosen
-        best, best_o = chosen, chosen_o - self.settings.link_gap_s  # only a clearly shorter overlap passes
-        for k in by_time:  # request order: the earliest among equals
-            o = overlap(k)
-            if o is not None and o < best_o and ranks[k].world_size <= small:
-                best, best_o = k, o
-        self._linked = best != chosen
-        return best
+    def _refine(self, by_time: list[RankKey], chosen: RankKey) -> RankKey:
+        """The last word on a choice that may pass the first in line (`by_time`: the waiting ranks in
+        request order). Here `chosen` itself; the simulator's `crossover-link` variant overrides it."""
+        return chosen
 
     def _pass_over(self, waiting: list[RankKey], passed: dict[RankKey, int], chosen: RankKey) -> int:
         """Count one overtake against every rank that asked before `chosen`; returns how many."""
@@ -233,22 +159,9 @@ class CrossoverPolicy(DispatchPolicy):
         if dev.holders or not dev.waiting:
             return []
         waiting = list(dev.waiting)
-        self._linked = False
         nxt = self._pick(waiting, self._passed)
         if self._pass_over(waiting, self._passed, nxt):
             self.overtakes += 1
-        if self._linked:
-            self.link_passes += 1
         self._passed.pop(nxt, None)
         self._q.grant(dev, nxt)
         return [nxt]
-
-
-class CrossoverLinkPolicy(CrossoverPolicy):
-    """`crossover` with allreduces kept apart on each device's link: jobs of up to 8 ranks, a request passed
-    over at most 3 times. Wins where allreduces that overlap on a link slow each other (docs/policies.md)."""
-
-    name = "crossover-link"
-
-    def __init__(self, settings: CrossoverSettings | None = None) -> None:
-        super().__init__(settings or CrossoverSettings(link_ranks=8, max_overtakes=3))
