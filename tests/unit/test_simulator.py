@@ -152,6 +152,31 @@ def test_another_seed_another_result():
     assert _jittery(7).trace != _jittery(8).trace
 
 
+def test_skewed_nodes_ask_late_each_by_its_own_draw():
+    """`skew_s`: each node learns that an allreduce ended up to that much later. A job alone starts each
+    iteration's compute on both nodes at once without skew, and up to `skew_s` apart with it."""
+    def apart(skew: float) -> list[float]:
+        res = simulate([job("a")], "exclusive", n_nodes=2, config=SimConfig(seed=3, skew_s=skew, record_trace=True))
+        by: dict[int, list[float]] = {}
+        for span in res.trace:
+            by.setdefault(span.iteration, []).append(span.start)
+        return [max(v) - min(v) for i, v in by.items() if i > 0]
+    assert max(apart(0.0)) < 1e-9
+    assert 0.001 < max(apart(0.005)) <= 0.005
+
+
+@pytest.mark.parametrize("policy", ["exclusive", "crossover", "crossover-link"])
+def test_with_skewed_nodes_every_job_finishes(policy):
+    jobs = [job("a", jitter=0.1), job("b", c=0.03, jitter=0.1), job("c", m=0.08, jitter=0.1)]
+    res = simulate(jobs, policy, n_nodes=2, config=SimConfig(seed=3, skew_s=0.005))
+    assert all(j.finished and j.iterations == 60 for j in res.jobs)
+
+
+def test_a_negative_skew_is_refused():
+    with pytest.raises(ValueError, match="skew_s"):
+        simulate([job("a")], "crossover", n_nodes=2, config=SimConfig(skew_s=-0.001))
+
+
 # ---- arrivals, departures, crashes ------------------------------------------------------------------
 
 

@@ -12,10 +12,10 @@ compute EMA, at most its own allreduce. Only jobs of at most `link_ranks` ranks 
 part. A pass counts against `max_overtakes` like any other.
 
 On the simulator it reaches the offline reference's orders on the heterogeneous
-scenarios; on the device-model bed, with real daemons, it slowed a short job by
-half and lost 8-10 % of iterations/s to `exclusive`, because nodes that measure
-the link differently serve a job's ranks at different times (docs/policies.md,
-"crossover-link"). So the daemon does not carry it.
+scenarios; on the device-model bed, with real daemons, it ran a short job 1.5-1.8x
+slower and lost 8-10 % of iterations/s to `exclusive`, which the simulator does not
+reproduce even with skewed nodes (docs/policies.md, "crossover-link"). So the daemon
+does not carry it.
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ def simulate(jobs: Sequence[JobSpec], policy: Union[str, PolicyFactory], *, n_no
     cfg = config or SimConfig()
     if cfg.link_sharing not in LINK_SHARING:
         raise ValueError(f"unknown link_sharing {cfg.link_sharing!r}; choose one of: {', '.join(LINK_SHARING)}")
+    if cfg.skew_s < 0:
+        raise ValueError(f"skew_s {cfg.skew_s}: must be >= 0")
     if isinstance(policy, str):
         try:
             factory = POLICIES[policy]

@@ -96,6 +96,7 @@ class SimConfig:
     tick_s: float | None = None  # None: tick at the policy's deadlines; else every tick_s (daemon reaper)
     startup_spread_s: float = 0.0  # ranks of a job join within this window after its arrival
     grant_latency_s: float = 0.0  # grant round trip, added to each blocking compute phase
+    skew_s: float = 0.0  # each rank's node learns its allreduce ended up to this much later (uniform draw)
     interference: float = 0.0  # a compute phase and an allreduce on one (node, device) each run at 1/(1+this)
     comm_interference: float | None = None  # the allreduce's own slowdown there, if not `interference`
     horizon_s: float | None = None  # stop here (jobs still running count what they did)

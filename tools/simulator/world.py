@@ -30,7 +30,7 @@ from .state import (
     RankState,
 )
 
-_ARRIVE, _JOIN, _LEAVE, _COMPUTE_DONE, _COMM_DONE, _TICK = range(6)  # event kinds
+_ARRIVE, _JOIN, _LEAVE, _COMPUTE_DONE, _COMM_DONE, _TICK, _REQUEST = range(7)  # event kinds
 
 
 class World:
@@ -91,7 +91,8 @@ class World:
         horizon = self.cfg.horizon_s
         handlers: dict[int, Callable[[Any, int], None]] = {
             _ARRIVE: self.on_arrive, _JOIN: self.on_join, _LEAVE: self.on_leave,
-            _COMPUTE_DONE: self.on_compute_done, _COMM_DONE: self.on_comm_done, _TICK: self.on_tick}
+            _COMPUTE_DONE: self.on_compute_done, _COMM_DONE: self.on_comm_done, _TICK: self.on_tick,
+            _REQUEST: self.on_skewed_request}
         heap = self.heap
         while heap:
             t, _, kind, obj, version = heapq.heappop(heap)
@@ -362,9 +363,10 @@ class World:
         job.iter_ends.append(self.now)
         job.iteration += 1
         now = self.now
+        skew = self.cfg.skew_s
         for rank in job.ranks:
-            node = self.nodes[rank.node]
-            node.policy.observe(rank.key, "comm", now - rank.comm_began, now)
+            if not skew:
+                self.nodes[rank.node].policy.observe(rank.key, "comm", now - rank.comm_began, now)
             rank.state = IDLE
             rank.iteration = job.iteration
         if job.spec.iterations is not None and job.iteration >= job.spec.iterations:
@@ -372,4 +374,15 @@ class World:
             return
         job.pending = len(job.ranks)
         for rank in job.ranks:
-            self.request(rank)
+            if skew:
+                self.push(now + self.rng.random() * skew, _REQUEST, rank, job.iteration)
+            else:
+                self.request(rank)
+
+    def on_skewed_request(self, rank: RankState, iteration: int) -> None:
+        """A rank's node learns late that its job's allreduce ended (`SimConfig.skew_s`): it measures the
+        allreduce as it saw it, then asks for the device."""
+        if not rank.job.active or rank.state != IDLE or rank.iteration != iteration:
+            return
+        self.nodes[rank.node].policy.observe(rank.key, "comm", self.now - rank.comm_began, self.now)
+        self.request(rank)
