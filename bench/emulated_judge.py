@@ -127,9 +127,12 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
                 j["slowdown"] = j["iter_s"] / t_of.get(name, t_alone)
             slow = [j["slowdown"] for j in s["jobs"].values()]
             s["fairness"] = max(slow) / min(slow)
+            s["progress"] = sum(1 / x for x in slow)  # each job's speed relative to alone, summed
             s["vs_unscheduled"] = s["aggregate_samples_per_s"] / cyc["unscheduled"]["aggregate_samples_per_s"]
             s["vs_sequential"] = s["aggregate_samples_per_s"] / seq_aggregate
             s["of_bound"] = s["aggregate_samples_per_s"] / bound
+        for s in cyc.values():
+            s["progress_vs_unscheduled"] = s["progress"] / cyc["unscheduled"]["progress"]
     modes = {}
     for mode in MODES:
         rows = [c[mode] for c in cycles.values() if mode in c]
@@ -137,7 +140,7 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
                                                               "vs_sequential", "of_bound", "busy_fraction_mean",
                                                               "fairness", "turn_agreement", "gap_ms_p50",
                                                               "gap_ms_p90", "wait_ms_max", "load1", "C_ms",
-                                                              "M_ms")}
+                                                              "M_ms", "progress", "progress_vs_unscheduled")}
         jobs = sorted({j for r in rows for j in r["jobs"]})
         med["jobs"] = {j: {"iter_s": _median([r["jobs"][j]["iter_s"] for r in rows if j in r["jobs"]]),
                            "slowdown": _median([r["jobs"][j]["slowdown"] for r in rows if j in r["jobs"]])}

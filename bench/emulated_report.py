@@ -71,12 +71,15 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int, device: s
               caption="samples/s: aggregate over running jobs; ×unsched/×seq: vs the unscheduled and the one-alone "
                       "segment of the same cycle; ±: the farthest cycle's ×unsched from the median; "
                       "% bound: vs Σbatch/max(ΣC,ΣM,T) with C, M, T measured alone; "
+                      "progress: each job's speed vs alone (1/slowdown), summed, vs unscheduled in the same cycle "
+                      "(unlike samples/s, it does not weigh the large batches most); "
                       "slowdown: iteration vs alone; busy: union of compute phases / wall; fair: max/min slowdown; "
                       "same order: share of consecutive grants node1 made in node0's order; gap: release→next grant; "
                       "wait max: longest grant wait in any cycle; "
                       "stalled: segments where a job finished <3 iterations; "
                       "load: 1-min load average of the shared machine")
-    for c in ("scenario", "mode", "samples/s", "×unsched", "±", "×seq", "% bound", "iter ms (slowdown) per job",
+    for c in ("scenario", "mode", "samples/s", "×unsched", "±", "×seq", "progress", "% bound",
+              "iter ms (slowdown) per job",
               "busy %", "fair", "same order", "gap p50/p90 ms", "wait max ms", "load"):
         t.add_column(c, justify="left" if c in ("scenario", "mode") else "right")
 
@@ -100,13 +103,13 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int, device: s
                       f(r["vs_unscheduled"], ".2f"),
                       "-" if mode in ("sequential", "unscheduled") or r.get("vs_unscheduled_spread") is None
                       else f"{100 * r['vs_unscheduled_spread']:.1f}%",
-                      f(r["vs_sequential"], ".2f"),
+                      f(r["vs_sequential"], ".2f"), f(r.get("progress_vs_unscheduled"), ".2f"),
                       f(None if r["of_bound"] is None else 100 * r["of_bound"], ".0f") + "%", per,
                       f(None if r["busy_fraction_mean"] is None else 100 * r["busy_fraction_mean"], ".0f"),
                       f(r["fairness"], ".2f") if mode != "sequential" else "-",
                       f(None if r["turn_agreement"] is None else 100 * r["turn_agreement"], ".0f"),
                       f"{f(r['gap_ms_p50'], '.1f')}/{f(r['gap_ms_p90'], '.1f')}", f(r["wait_ms_worst"], ".0f"),
                       f(r["load1"], ".1f"))
-        t.add_row("", "bound", f"{s['bound_samples_per_s']:.0f}", "", "", "", "100%", "", "", "", "", "", "", "",
+        t.add_row("", "bound", f"{s['bound_samples_per_s']:.0f}", "", "", "", "", "100%", "", "", "", "", "", "", "",
                   end_section=True)
     return t
