@@ -127,7 +127,8 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
                 j["slowdown"] = j["iter_s"] / t_of.get(name, t_alone)
             slow = [j["slowdown"] for j in s["jobs"].values()]
             s["fairness"] = max(slow) / min(slow)
-            s["progress"] = sum(1 / x for x in slow)  # each job's speed relative to alone, summed
+            # Each job's speed relative to alone, summed; the sequential mode runs one job at a time: 1.
+            s["progress"] = 1.0 if s is seq else sum(1 / x for x in slow)
             s["vs_unscheduled"] = s["aggregate_samples_per_s"] / cyc["unscheduled"]["aggregate_samples_per_s"]
             s["vs_sequential"] = s["aggregate_samples_per_s"] / seq_aggregate
             s["of_bound"] = s["aggregate_samples_per_s"] / bound

@@ -225,36 +225,33 @@ def runs_table(rows: list[dict[str, Any]], runs: int) -> Table:
 def pooled_table(files: list[Path]) -> Table:
     """Every policy against exclusive over the runs of several result files (`--runs`, one `--seed` each).
 
-    Each run's it/s is divided by exclusive's mean over the runs of the same file and scenario, so placements
-    of different speeds pool; the table gives the mean of those ratios, less exclusive's own (1 by
-    construction) with two standard errors of the difference, which is the noise of runs this chaotic."""
-    by: dict[tuple[str, str], list[float]] = {}
+    Run r of every policy shares its simulator seed, so each run's it/s is divided by exclusive's in the same
+    run (paired); the table gives the mean of those ratios with two standard errors, and the spread of one
+    policy's own runs on the same jobs (its sd, each run against the mean of its file and scenario)."""
+    ratios: dict[tuple[str, str], list[float]] = {}
+    own: dict[tuple[str, str], list[float]] = {}
     for path in files:
         rows = json.loads(path.read_text())["large"]
         for sc in LARGE:
-            excl = [r["throughput_iter_s"] for r in rows if r["scenario"] == sc and r["policy"] == "exclusive"]
-            if not excl:
-                continue
-            base = statistics.mean(excl)
-            for r in rows:
-                if r["scenario"] == sc:
-                    by.setdefault((sc, r["policy"]), []).append(r["throughput_iter_s"] / base)
-    t = Table(title=f"pooled over {len(files)} result files: each run's it/s / exclusive's mean on the same jobs")
+            by = {(r["policy"], r["run"]): r["throughput_iter_s"] for r in rows if r["scenario"] == sc}
+            for (policy, run), thr in by.items():
+                if ("exclusive", run) in by:
+                    ratios.setdefault((sc, policy), []).append(thr / by[("exclusive", run)])
+            for policy in {p for p, _ in by}:
+                mine = [t for (p, _), t in by.items() if p == policy]
+                own.setdefault((sc, policy), []).extend(t / statistics.mean(mine) for t in mine)
+    t = Table(title=f"pooled over {len(files)} result files: each run's it/s / exclusive's in the same run")
     for c in ("scenario", "policy", "runs", "x exclusive", "± 2 SE", "sd of one run"):
         t.add_column(c, justify="right")
     for sc in (*LARGE, "all"):
         scs = LARGE if sc == "all" else (sc,)
-        excl = [x for s in scs for x in by.get((s, "exclusive"), [])]
-        if len(excl) < 2:
-            continue
-        for policy in (p for p in POLICIES if any((s, p) in by for s in scs)):
-            v = [x for s in scs for x in by.get((s, policy), [])]
-            se = None
-            if policy != "exclusive" and len(v) > 1:
-                se = math.sqrt(statistics.variance(v) / len(v) + statistics.variance(excl) / len(excl))
-            t.add_row(sc, policy, str(len(v)), f"{statistics.mean(v) - statistics.mean(excl) + 1:.3f}",
-                      _f(se and 2 * se, ".3f"), _f(statistics.stdev(v) if len(v) > 1 else None, ".3f"),
-                      end_section=policy == "crossover")
+        names = [p for p in POLICIES if any((s, p) in ratios for s in scs)]
+        for policy in names:
+            v = [x for s in scs for x in ratios.get((s, policy), [])]
+            mine = [x for s in scs for x in own.get((s, policy), [])]
+            se = statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 and policy != "exclusive" else None
+            t.add_row(sc, policy, str(len(v)), f"{statistics.mean(v):.3f}", _f(se if se is None else 2 * se, ".3f"),
+                      _f(statistics.stdev(mine) if len(mine) > 1 else None, ".3f"), end_section=policy == names[-1])
     return t
 
 

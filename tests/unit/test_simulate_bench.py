@@ -37,16 +37,27 @@ def test_a_run_draws_its_own_luck_on_the_same_jobs():
     assert (first["sim_seed"], other["sim_seed"]) == (0, 1000)
 
 
-def test_files_pool_each_run_against_exclusive_on_its_own_jobs(tmp_path):
-    # Two placements of different speeds: each run counts against exclusive's mean on the same jobs.
-    slow = [_row("static-3", "exclusive", r, t) for r, t in enumerate((9.0, 11.0))]
-    slow += [_row("static-3", "crossover", r, t) for r, t in enumerate((11.0, 11.0))]
-    fast = [_row("static-3", "exclusive", r, t) for r, t in enumerate((20.0, 20.0))]
-    fast += [_row("static-3", "crossover", r, t) for r, t in enumerate((18.0, 18.0))]
+def _pooled_cells(tmp_path, files_rows: list[list[dict]]) -> dict[str, list[str]]:
     files = []
-    for name, rows in (("a", slow), ("b", fast)):
-        files.append(tmp_path / f"{name}.json")
+    for i, rows in enumerate(files_rows):
+        files.append(tmp_path / f"{i}.json")
         files[-1].write_text(json.dumps({"large": rows}))
-    lines = [line for line in _text(pooled_table(files)).splitlines() if "static-3" in line and "crossover" in line]
-    cells = [c.strip() for c in lines[0].split("│")]
-    assert cells[3:5] == ["4", "1.000"]  # (1.1 + 1.1 + 0.9 + 0.9) / 4 against exclusive's 1.0
+    return {line.split("│")[2].strip(): [c.strip() for c in line.split("│")] for line in
+            _text(pooled_table(files)).splitlines() if "static-3" in line}
+
+
+def test_files_pool_each_run_against_exclusive_in_the_same_run(tmp_path):
+    # Two placements of different speeds: a run counts against exclusive's run with the same seed.
+    slow = [_row("static-3", "exclusive", r, 10.0) for r in range(2)]
+    slow += [_row("static-3", "crossover", r, 11.0) for r in range(2)]
+    fast = [_row("static-3", "exclusive", r, 20.0) for r in range(2)]
+    fast += [_row("static-3", "crossover", r, 18.0) for r in range(2)]
+    cells = _pooled_cells(tmp_path, [slow, fast])["crossover"]
+    assert cells[3:6] == ["4", "1.000", "0.115"]  # ratios 1.1 1.1 0.9 0.9: sd 0.1155, 2 SE over 4 runs
+
+
+def test_a_policy_that_matches_exclusive_run_for_run_shows_no_noise(tmp_path):
+    runs = [_row("static-3", p, r, t) for p in ("exclusive", "crossover") for r, t in enumerate((10.0, 20.0))]
+    cells = _pooled_cells(tmp_path, [runs])
+    assert cells["crossover"][4:6] == ["1.000", "0.000"]
+    assert cells["exclusive"][5:7] == ["-", "0.471"]  # its own runs: 10 and 20 about their mean of 15

@@ -45,13 +45,12 @@ class DaemonProc:
     def start(self, timeout: float = 15.0) -> DaemonProc:
         """Start it and return once it answers a queue request; raise with its log's tail if it does not."""
         prefix = ["nice", "-n", str(self.nice)] if self.nice else []
+        if self.cpus:  # taskset pins the process before exec, so every daemon thread inherits it
+            prefix = ["taskset", "-c", ",".join(map(str, sorted(self.cpus))), *prefix]
         cmd = [*prefix, str(BIN / "crossoverd"), "--socket", str(self.socket), "--event-log", str(self.event_log),
                *self.args]
         with open(self.log, "ab") as out:
-            # Set in the child before exec, so every thread the daemon starts inherits it.
-            pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=pin)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

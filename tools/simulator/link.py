@@ -8,8 +8,10 @@ them at least `link_gap_s` less goes first (typically a longer compute that ends
 after the link is free). All of it is this node's own measure: a rank in its
 allreduce is expected off the link at its release + its allreduce as this node saw
 it (EMA, peer waits included); a candidate's overlap is that moment - now - its
-compute EMA, at most its own allreduce. Only jobs of at most `link_ranks` ranks take
-part. A pass counts against `max_overtakes` like any other.
+compute EMA, at most its own allreduce. The rule acts only when the rank chosen and
+the rank that would pass it both belong to jobs of at most `link_ranks` ranks (a wider
+job queued between them can still be passed). A pass counts against `max_overtakes`
+like any other.
 
 On the simulator it reaches the offline reference's orders on the heterogeneous
 scenarios; on the device-model bed, with real daemons, it ran a short job 1.5-1.8x
@@ -30,7 +32,7 @@ __all__ = ["LinkPolicy", "LinkSettings"]
 
 @dataclass(frozen=True)
 class LinkSettings:
-    """`link_ranks`: jobs of at most this many ranks may pass, or be passed; `link_gap_s`: by how much less
+    """`link_ranks`: the rule acts only between jobs of at most this many ranks; `link_gap_s`: by how much less
     a passing rank's allreduce must overlap (a job's phases measured on two nodes differ by a few ms);
     `max_overtakes`: how often one request may be passed over, by a shorter job or by the link rule."""
 
