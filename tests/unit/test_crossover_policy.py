@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from crossover.daemon.api import FailedPrecondition, RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings, create
 from tests.unit._lockstep import inversions, lockstep
+from tests.unit._service import assert_first_in_line_served_within
 
 
 def _ref(job: str, rank: int = 0, device: int = 0) -> RankRef:
@@ -124,25 +125,7 @@ def test_every_waiting_rank_is_served_within_a_bounded_number_of_grants(n_jobs, 
     jobs = [f"j{i}" for i in range(n_jobs)]
     p = _policy(*jobs, settings=CrossoverSettings(max_overtakes=overtakes))
     _measured(p, **{j: rng.choice([0.005, 0.01, 0.05]) for j in jobs})
-    now = 0.0
-    for j in jobs:
-        now += 0.005
-        p.request(RankKey(j, 0), 0, now)
-    head_since: dict[RankKey, int] = {}
-    for grant in range(300):
-        (holder,) = p.view(0).holders
-        now += 0.005
-        p.release(holder, now)
-        now += 0.005
-        p.request(holder, grant + 1, now)  # the holder comes straight back: the hardest case for a long job
-        waiting = sorted(p.view(0).waiting, key=lambda k: p._q.requested_at[k])
-        if waiting:
-            head = waiting[0]
-            head_since.setdefault(head, grant)
-            assert grant - head_since[head] <= overtakes + 1, f"{head} first in line for too long"
-        for k in list(head_since):
-            if k not in waiting:
-                del head_since[k]
+    assert_first_in_line_served_within(p, jobs, overtakes)
 
 
 # ---- the same order on every node -------------------------------------------------------------------

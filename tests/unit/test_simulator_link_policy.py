@@ -11,6 +11,7 @@ from crossover.daemon import policies
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, create
 from tests.unit._lockstep import inversions, lockstep
+from tests.unit._service import assert_first_in_line_served_within
 from tools.simulator import POLICIES
 from tools.simulator.link import LinkPolicy, LinkSettings
 
@@ -145,25 +146,7 @@ def test_every_waiting_rank_is_served_within_a_bounded_number_of_grants(n_jobs, 
     p = _policy(*jobs, settings=LinkSettings(max_overtakes=overtakes))
     _measured(p, {j: rng.choice([0.005, 0.01, 0.05]) for j in jobs},
               {j: rng.choice([0.005, 0.02, 0.08]) for j in jobs})
-    now = 0.0
-    for j in jobs:
-        now += 0.005
-        p.request(RankKey(j, 0), 0, now)
-    head_since: dict[RankKey, int] = {}
-    for grant in range(300):
-        (holder,) = p.view(0).holders
-        now += 0.005
-        p.release(holder, now)
-        now += 0.005
-        p.request(holder, grant + 1, now)
-        waiting = sorted(p.view(0).waiting, key=lambda k: p._q.requested_at[k])
-        if waiting:
-            head = waiting[0]
-            head_since.setdefault(head, grant)
-            assert grant - head_since[head] <= overtakes + 1, f"{head} first in line for too long"
-        for k in list(head_since):
-            if k not in waiting:
-                del head_since[k]
+    assert_first_in_line_served_within(p, jobs, overtakes)
 
 
 _phase = st.floats(0.005, 0.05, allow_nan=False)
