@@ -207,9 +207,10 @@ def runs_table(rows: list[dict[str, Any]], runs: int) -> Table:
     for c in ("scenario", "policy", "it/s median", "min-max", "x exclusive (medians)", "x exclusive, run by run",
               "runs >= exclusive"):
         t.add_column(c, justify="right")
+    by_run = sorted(rows, key=lambda r: r["run"])
     for sc in LARGE:
-        by = {p: [r["throughput_iter_s"] for r in sorted(rows, key=lambda r: r["run"])
-                  if r["scenario"] == sc and r["policy"] == p] for p in POLICIES}
+        by = {p: [r["throughput_iter_s"] for r in by_run if r["scenario"] == sc and r["policy"] == p]
+              for p in POLICIES}
         by = {p: v for p, v in by.items() if v}
         excl = by.get("exclusive")
         for p, v in by.items():
