@@ -1,6 +1,7 @@
 """Real `horovodrun` jobs on this machine, each in its own process group, with their logs and results."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from tools import CHECKOUT, checkout_on_path
 from tools.workloads.stop_file import request_stop
@@ -45,10 +48,19 @@ class Job:
                 f"job {self.name} did not finish in {timeout}s; log tail:\n{self.output()[-3000:]}") from None
 
     def kill(self) -> None:
-        """Kill its group if it still runs, and reap it (teardown after a failure)."""
+        """Kill its group if it still runs, and reap it and every rank it started: Horovod's ranks may sit in
+        groups of their own and outlive horovodrun by a moment, long enough to write one more file."""
         if self.proc.poll() is None:
+            try:
+                ranks = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                ranks = []
             kill_group(self.proc)
+            for rank in ranks:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    rank.kill()
             self.proc.wait()
+            psutil.wait_procs(ranks, timeout=30)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
