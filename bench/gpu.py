@@ -1,4 +1,4 @@
-"""Crossover on a real GPU: the daemon's NVML inventory, the CUDA release path, and two co-located ResNet jobs.
+"""Crossover on a real GPU: the daemon's NVML inventory, the CUDA release path, and co-located ResNet jobs.
 
 One call on a bare GPU machine (`bench/gpu.sh` installs what is missing first)
 runs three checks and writes `gpu.json` and `gpu_timeline.png` under --out:
@@ -9,7 +9,7 @@ runs three checks and writes `gpu.json` and `gpu_timeline.png` under --out:
              queued on the GPU (tools/workloads/release_probe.py): every grant
              must be released only after that work is done, as the daemon's
              event log records it.
-  speedup    two jobs of a torchvision ResNet on synthetic images share the
+  speedup    --jobs (2) jobs of a torchvision ResNet on synthetic images share the
              GPU. Each is a two-node job on an emulated cluster
              (`tools.cluster`, network namespaces): node 0's daemon schedules
              the real GPU and runs each job's rank 0; node 1 stands in for the
@@ -19,7 +19,7 @@ runs three checks and writes `gpu.json` and `gpu_timeline.png` under --out:
              of a two-node job sees: its compute phases and real allreduces
              (Horovod over Gloo, gradients staged through host memory).
              A calibration picks the link rate for the wanted comm:compute;
-             then both jobs train while the daemons cycle through unscheduled
+             then the jobs train while the daemons cycle through unscheduled
              (passthrough), exclusive (FIFO) and crossover, interleaved; one
              job alone afterwards gives the sequential figure and the bound.
              Judged by `bench.emulated_judge`, as the CPU bed is.
@@ -221,7 +221,7 @@ def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, i
 
 
 def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[str, Any]:
-    """Calibrate, run the two jobs through interleaved policy segments, then one alone; judge."""
+    """Calibrate, run the jobs through interleaved policy segments, then one alone; judge."""
     reasons = preflight()
     if reasons:
         raise RuntimeError("cannot build the emulated cluster: " + "; ".join(reasons))
@@ -234,7 +234,7 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
     peer_ms = 1000 * c
     script = with_import(workdir, WORKLOADS / "train_gpu.py")
     stop = workdir / "stop"
-    names = ["job0", "job1"]
+    names = [f"job{k}" for k in range(args.jobs)]
     segments: list[dict[str, Any]] = []
     with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, workdir / f"out_{n}", 1000 + k, peer_ms, 1_000_000, stop),
@@ -271,7 +271,8 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
         events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
     _log("job1 alone")
     solo = run_solo("job1", args, rate, peer_ms, args.warmup + args.solo_iters, workdir / "solo")
-    scenario = Scenario(f"gpu {args.model} b{args.batch} comm:compute {args.ratio:g} x2", args.ratio, 2)
+    scenario = Scenario(f"gpu {args.model} b{args.batch} comm:compute {args.ratio:g} x{args.jobs}", args.ratio,
+                        args.jobs)
     raw = {"scenario": scenario.name, "rate_mbit": rate, "batch": args.batch, "segments": segments,
            "events": events, "policy_source_sha256": "", "solos": [solo],
            "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names}, "visitors": {}}
@@ -310,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None, help="per-rank batch (default 128; dry run 8)")
     p.add_argument("--image-size", type=int, default=None, help="default 224; dry run 32")
     p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--jobs", type=int, default=2, help="co-located identical jobs in the speed-up check (2..8)")
     p.add_argument("--ratio", type=float, default=1.0, help="wanted comm:compute of a job alone")
     p.add_argument("--ref-rate", type=float, default=None, help="calibration link rate, Mbit/s "
                    "(default 10000; dry run 1000)")
@@ -337,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                              ("solo_iters", 40, 3), ("timeline_seconds", 1.0, 1.5)):
         if getattr(args, key) is None:
             setattr(args, key, small if dry else full)
+    if not 2 <= args.jobs <= 8:
+        print(f"bench.gpu: error: --jobs {args.jobs}: the speed-up check co-locates 2..8 jobs", file=sys.stderr)
+        return 2
     if dry:
         args.classes = min(args.classes, 10)
     args.solo_reserve_s = 40.0

@@ -1,9 +1,9 @@
 """`python -m bench.gpu --dry-run`, as CI runs it, so the GPU benchmark cannot rot between GPU draws.
 
 The dry run takes every step the GPU run takes (a daemon's inventory, the
-emulated two-node cluster, calibration, two co-located ResNet jobs through
-unscheduled, exclusive and crossover segments, a job alone, the judge and the
-timeline) with node 0's device a CPU core and a small model on small images;
+emulated two-node cluster, calibration, three co-located ResNet jobs as in
+the GPU figures, unscheduled, exclusive and crossover segments, a job alone,
+the judge and the timeline) with node 0's device a CPU core and a small model on small images;
 only the release check, which needs CUDA, is skipped and says so.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ pytestmark = [
 @pytest.mark.timeout(300)
 def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     before = netns_list()
-    res = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(tmp_path)], cwd=CHECKOUT,
-                         capture_output=True, text=True, timeout=280)
+    res = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run", "--jobs", "3", "--out", str(tmp_path)],
+                         cwd=CHECKOUT, capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
     checks = report["checks"]
@@ -41,6 +41,7 @@ def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     summary = checks["speedup"]["summary"]
     for mode in ("sequential", "unscheduled", "exclusive", "crossover"):
         assert summary["modes"][mode]["aggregate_samples_per_s"] > 0, mode
+    assert sorted(summary["modes"]["crossover"]["jobs"]) == ["job0", "job1", "job2"]
     assert summary["alone_C_ms"] > 0 and summary["alone_M_ms"] > 0
     assert (tmp_path / "gpu_timeline.png").stat().st_size > 10_000
     assert "crossover" in res.stdout  # the table

@@ -1,9 +1,11 @@
 """bench.gpu's pure parts: how the release check judges a run, and the GPU node of the emulated cluster."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench.gpu import judge_release
+from bench.gpu import judge_release, main
 from tools.cluster import ClusterError, ClusterSpec
 
 
@@ -27,3 +29,11 @@ def test_gpu_nodes_must_exist() -> None:
     assert ClusterSpec(nodes=2, gpu_nodes=(0,)).gpu_nodes == (0,)
     with pytest.raises(ClusterError, match="gpu_nodes"):
         ClusterSpec(nodes=2, gpu_nodes=(2,))
+
+
+@pytest.mark.parametrize("jobs", ["1", "9"])
+def test_a_job_count_outside_2_to_8_is_refused_before_anything_runs(jobs: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dry-run", "--jobs", jobs, "--out", str(tmp_path)]) == 2
+    assert f"--jobs {jobs}" in capsys.readouterr().err
+    assert not (tmp_path / "gpu.json").exists()
