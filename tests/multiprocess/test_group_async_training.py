@@ -37,9 +37,14 @@ def _summaries(job) -> list[dict]:
     return summaries
 
 
+# group_async's final accuracy depends on the order of its exchanges, which timing decides; after six
+# epochs its run-to-run spread is well inside the 3-point margin to sync.
+_EPOCHS = 6
+
+
 def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_bound(jobs, tmp_path):
-    runs = [{**COMMON, "name": "sync", "rule": "average", "epochs": 4},
-            {**COMMON, "name": "group_async", "rule": "group_async", "epochs": 4}]
+    runs = [{**COMMON, "name": "sync", "rule": "average", "epochs": _EPOCHS},
+            {**COMMON, "name": "group_async", "rule": "group_async", "epochs": _EPOCHS}]
     (job,) = _run(jobs, tmp_path, "ga", runs, {"CROSSOVER_STALENESS": "2", "CROSSOVER_EXCHANGE_PERIOD": "0.25"})
     summaries = _summaries(job)
     by_name = {r["name"]: r for r in summaries[0]["runs"]}
@@ -51,14 +56,14 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
     assert len({s["runs"][1]["final_acc"] for s in summaries}) == 1
     stats = grouped["group_async"]
     service = stats["service"]
-    # The exchange period is in seconds (0.25 s), so the count follows the run's length: 7 to 12 here.
+    # The exchange period is in seconds (0.25 s), so the count follows the run's length: 15 to 16 here.
     assert service["exchanges"] >= 5, service
     assert max(int(gap) for gap in service["gaps"]) <= 2, service  # never above CROSSOVER_STALENESS
     # Each epoch is used up by both groups together. The straggler's group (led by rank 2) takes less of
     # the run, and never more of an epoch: in an epoch where the two happen to move in step, both take
     # equal shares (seen in about one epoch in four, in a third of runs).
     samples = service["samples"]
-    assert sorted(samples) == ["0", "1", "2", "3"], samples
+    assert sorted(samples, key=int) == [str(e) for e in range(_EPOCHS)], samples
     for by_group in samples.values():
         assert by_group.get("2", 0) <= by_group["0"], samples
         assert 1408 <= sum(by_group.values()) <= 1408 + 4 * 128, samples  # 11 global batches, and a few more
