@@ -64,6 +64,7 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
                                                             "iters": len(ends), "stalled": stalled}
         aggregate += rate
     busy, gaps, c_held, m_comm, waits = {}, [], [], [], []
+    c_by_node: dict[str, list[float]] = {}
     for node, events in raw["events"].items():
         comp = phase_intervals(events, "grant", "release")  # a paused job may hold a passthrough grant: skip it
         busy[node] = _union_length([iv for job in seg["running"] for iv in comp.get(job, [])], lo, hi) / (hi - lo)
@@ -74,6 +75,7 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
             if e["event"] == "release" and "held_s" in e:
                 last_release = e["t"]
                 c_held.append(e["held_s"])
+                c_by_node.setdefault(node, []).append(e["held_s"])
             elif e["event"] == "grant":
                 waits.append(e.get("waited_s", 0.0))
                 if last_release is not None:
@@ -91,6 +93,8 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
             "gap_ms_p50": 1000 * percentile(gaps, 50), "gap_ms_p90": 1000 * percentile(gaps, 90),
             "wait_ms_max": 1000 * max(waits, default=0.0),
             "C_ms": 1000 * statistics.median(c_held) if c_held else None,
+            # A GPU run's node 0 holds the GPU and node 1 the stand-ins: the pooled median hides either.
+            "C_ms_by_node": {n: 1000 * statistics.median(v) for n, v in c_by_node.items()},
             "M_ms": 1000 * statistics.median(m_comm) if m_comm else None}
 
 
@@ -146,6 +150,9 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         med["jobs"] = {j: {"iter_s": _median([r["jobs"][j]["iter_s"] for r in rows if j in r["jobs"]]),
                            "slowdown": _median([r["jobs"][j]["slowdown"] for r in rows if j in r["jobs"]])}
                        for j in jobs}
+        nodes = sorted({n for r in rows for n in r.get("C_ms_by_node", {})})
+        med["C_ms_by_node"] = {n: _median([r["C_ms_by_node"][n] for r in rows if n in r.get("C_ms_by_node", {})])
+                               for n in nodes}
         med["wait_ms_worst"] = max((r["wait_ms_max"] for r in rows), default=None)
         med["vs_unscheduled_spread"] = spread([r["vs_unscheduled"] for r in rows])
         med["samples_spread"] = spread([r["aggregate_samples_per_s"] for r in rows])  # the mode's own steadiness

@@ -288,16 +288,18 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
 
 def _table(summary: dict[str, Any]) -> str:
     rows = [f"{'mode':<12} {'samples/s':>10} {'vs unsch.':>9} {'vs seq.':>8} {'of bound':>8} {'busy':>5} "
-            f"{'C ms':>6} {'M ms':>6} {'cycles':>6}"]
+            f"{'C ms':>6} {'C GPU':>6} {'M ms':>6} {'cycles':>6}"]
     for mode in ("sequential", *MODES):
         r = summary["modes"][mode]
 
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
             v = r.get(key)
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        node0 = r.get("C_ms_by_node", {}).get("node0")
+        c_gpu = format(node0, "6.1f") if isinstance(node0, (int, float)) else f"{'-':>6}"
         rows.append(f"{mode:<12} {f('aggregate_samples_per_s', '10.0f')} {f('vs_unscheduled', '9.3f')} "
                     f"{f('vs_sequential', '8.3f')} {f('of_bound', '8.3f')} {f('busy_fraction_mean', '5.2f')} "
-                    f"{f('C_ms', '6.1f')} {f('M_ms', '6.1f')} {r.get('cycles', 0):>6}")
+                    f"{f('C_ms', '6.1f')} {c_gpu} {f('M_ms', '6.1f')} {r.get('cycles', 0):>6}")
     return "\n".join(rows)
 
 

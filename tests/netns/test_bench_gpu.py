@@ -42,6 +42,7 @@ def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     for mode in ("sequential", "unscheduled", "exclusive", "crossover"):
         assert summary["modes"][mode]["aggregate_samples_per_s"] > 0, mode
     assert sorted(summary["modes"]["crossover"]["jobs"]) == ["job0", "job1", "job2"]
+    assert sorted(summary["modes"]["crossover"]["C_ms_by_node"]) == ["node0", "node1"]  # the GPU node's own C
     assert summary["alone_C_ms"] > 0 and summary["alone_M_ms"] > 0
     assert (tmp_path / "gpu_timeline.png").stat().st_size > 10_000
     assert "crossover" in res.stdout  # the table

@@ -1,0 +1,27 @@
+"""bench.emulated_judge on a hand-made segment: compute phases per node as well as pooled."""
+from __future__ import annotations
+
+import pytest
+
+from bench.emulated_judge import analyse_segment
+
+
+def _phases(node_held_s: float, t0: float) -> list[dict]:
+    events = []
+    for i in range(3):
+        t = t0 + 0.2 * i
+        events.append({"event": "grant", "t": t, "job": "a", "job_name": "a", "rank": 0, "iteration": i})
+        events.append({"event": "release", "t": t + node_held_s, "job": "a", "job_name": "a", "rank": 0,
+                       "iteration": i, "held_s": node_held_s})
+    return events
+
+
+def test_a_segment_gives_each_nodes_compute_phase_beside_the_pooled_one() -> None:
+    raw = {"jobs": {"a": [{"rank": 0, "iter_end": [1.2, 1.4, 1.6, 1.8], "batch": 8},
+                          {"rank": 1, "iter_end": [1.2, 1.4, 1.6, 1.8], "batch": 8}]},
+           "visitors": {}, "events": {"node0": _phases(0.090, 1.0), "node1": _phases(0.088, 1.0)}}
+    seg = {"a": 0.9, "b": 2.0, "running": ["a"], "cycle": 0, "mode": "exclusive", "load1": 0.0}
+    out = analyse_segment(raw, seg)
+    assert out["C_ms_by_node"] == pytest.approx({"node0": 90.0, "node1": 88.0})
+    assert out["C_ms"] == pytest.approx(89.0)  # the median of both nodes' six phases
+    assert out["aggregate_samples_per_s"] == pytest.approx(16 / 0.2)
