@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from crossover.daemon.api import FailedPrecondition, RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings, create
-from tests.unit._lockstep import inversions, lockstep
+from tests.unit._lockstep import assert_skewed_nodes_never_drift, lockstep
 from tests.unit._service import assert_first_in_line_served_within
 
 
@@ -156,10 +156,4 @@ def test_with_skewed_nodes_sequences_differ_by_swaps_within_a_round_and_never_dr
     device in either order, and a work-conserving device grants the first at once, so nodes can serve
     them differently; measured over random cases, ~0.08 swapped pairs per grant (`turns`, which waits
     for the job whose turn it is: ~0.001). Never more than two swaps per round: no node runs ahead."""
-    jobs = [(f"job{i}", c, m) for i, (c, m) in enumerate(phases)]
-    join_at = {(j, n): 0.01 * i for i, (j, _, _) in enumerate(jobs) for n in range(n_nodes)}
-    order = lockstep(n_nodes, jobs, join_at, 0.001, rounds=8, seed=seed, start_at=0.1, make=CrossoverPolicy)
-    assert len(order[0]) == 8 * len(jobs)
-    for n in range(1, n_nodes):
-        assert sorted(order[n]) == sorted(order[0])
-        assert inversions(order[0], order[n]) <= 2 * 8
+    assert_skewed_nodes_never_drift(CrossoverPolicy, n_nodes, phases, seed, swaps_per_round=2)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from crossover.daemon import policies
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, create
-from tests.unit._lockstep import inversions, lockstep
+from tests.unit._lockstep import assert_skewed_nodes_never_drift
 from tests.unit._service import assert_first_in_line_served_within
 from tools.simulator import POLICIES
 from tools.simulator.link import LinkPolicy, LinkSettings
@@ -160,10 +160,4 @@ def test_with_skewed_nodes_sequences_differ_by_swaps_within_a_round_and_never_dr
     the allreduces, so nodes disagree more than under `crossover` (about 0.17 swapped pairs per grant
     against 0.07; the device-model bed's nodes agreed on 84 % of grants against 95 %). Never more than
     four swaps per round: no node runs ahead."""
-    jobs = [(f"job{i}", c, m) for i, (c, m) in enumerate(phases)]
-    join_at = {(j, n): 0.01 * i for i, (j, _, _) in enumerate(jobs) for n in range(n_nodes)}
-    order = lockstep(n_nodes, jobs, join_at, 0.001, rounds=8, seed=seed, start_at=0.1, make=LinkPolicy)
-    assert len(order[0]) == 8 * len(jobs)
-    for n in range(1, n_nodes):
-        assert sorted(order[n]) == sorted(order[0])
-        assert inversions(order[0], order[n]) <= 4 * 8
+    assert_skewed_nodes_never_drift(LinkPolicy, n_nodes, phases, seed, swaps_per_round=4)
