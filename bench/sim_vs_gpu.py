@@ -65,20 +65,27 @@ def run_of(path: Path) -> dict[str, Any]:
             "measured": {m: modes[m]["vs_unscheduled"] for m in ("exclusive", "crossover")}}
 
 
-def simulate_run(run: dict[str, Any], penalty: float, handover_s: float, links: str, seeds: int, iterations: int
-                 ) -> dict[str, float]:
-    """Exclusive and crossover as multiples of unscheduled (iterations/s, means over seeds) at one point."""
-    out: dict[str, float] = {}
-    for mode, policy in MODES.items():
-        rates = []
-        for seed in range(seeds):
-            jobs = [JobSpec(f"job{k}", ((0, 0), (1, k)), (run["C_s"], run["C_s"]), run["M_s"], iterations=iterations,
-                            jitter=0.05) for k in range(run["jobs"])]
-            cfg = SimConfig(seed=seed, switch_penalty=penalty, grant_latency_s=handover_s, startup_spread_s=0.5,
-                            link_sharing=links)
-            rates.append(simulate(jobs, policy, n_nodes=2, devices_per_node=run["jobs"], config=cfg).throughput_iter_s)
-        out[mode] = statistics.fmean(rates)
-    return {m: out[m] / out["unscheduled"] for m in ("exclusive", "crossover")}
+def _throughput(run: dict[str, Any], policy: str, penalty: float, handover_s: float, links: str, seeds: int,
+                iterations: int) -> float:
+    """One mode's iterations/s for the run's layout at one point, the mean over seeds."""
+    rates = []
+    for seed in range(seeds):
+        jobs = [JobSpec(f"job{k}", ((0, 0), (1, k)), (run["C_s"], run["C_s"]), run["M_s"], iterations=iterations,
+                        jitter=0.05) for k in range(run["jobs"])]
+        cfg = SimConfig(seed=seed, switch_penalty=penalty, grant_latency_s=handover_s, startup_spread_s=0.5,
+                        link_sharing=links)
+        rates.append(simulate(jobs, policy, n_nodes=2, devices_per_node=run["jobs"], config=cfg).throughput_iter_s)
+    return statistics.fmean(rates)
+
+
+def simulate_run(run: dict[str, Any], penalty: float, handover_s: float, links: str, seeds: int, iterations: int,
+                 unscheduled: float | None = None) -> dict[str, float]:
+    """Exclusive and crossover as multiples of unscheduled at one point. `unscheduled`: its iterations/s if
+    known; a hand-over is added only to granted phases, so it is the same for every hand-over."""
+    base = unscheduled if unscheduled is not None else _throughput(run, MODES["unscheduled"], penalty, handover_s,
+                                                                    links, seeds, iterations)
+    return {m: _throughput(run, MODES[m], penalty, handover_s, links, seeds, iterations) / base
+            for m in ("exclusive", "crossover")}
 
 
 def _miss(run: dict[str, Any], predicted: dict[str, float]) -> float:
@@ -95,8 +102,11 @@ def fit(runs: list[dict[str, Any]], penalties: tuple[float, ...], handovers_ms: 
     points: list[dict[str, Any]] = []
     for link in links:
         for p in penalties:
+            unscheduled = [_throughput(r, MODES["unscheduled"], p, 0.0, link, seeds, iterations)
+                           for r in (*runs, *reported)]
             for h in handovers_ms:
-                predicted = [simulate_run(r, p, h / 1000, link, seeds, iterations) for r in (*runs, *reported)]
+                predicted = [simulate_run(r, p, h / 1000, link, seeds, iterations, base)
+                             for r, base in zip((*runs, *reported), unscheduled)]
                 misses = [_miss(r, pred) for r, pred in zip((*runs, *reported), predicted)]
                 points.append({"links": link, "switch_penalty": p, "handover_ms": h, "predicted": predicted,
                                "misses": misses, "largest_miss": max(misses[:len(runs)])})
