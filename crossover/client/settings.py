@@ -41,8 +41,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_HOST_CORES": ("", "CPU devices: cores (`2-5,8`) for the rank's other threads (Horovod's background "
                              "loop, Gloo, gRPC) while its main thread computes on the device's cores, as a GPU "
                              "leaves the host's cores to them; empty: every thread on the device's cores."),
-    "CROSSOVER_LEASE": ("1", "Accept a lease when this rank is alone on its device: it then computes without a "
-                        "grant round trip per iteration until another rank joins; 0: always wait for grants."),
+    "CROSSOVER_LEASE": ("1", "Accept a lease when this rank's job is alone on its device: it then computes "
+                        "without a grant round trip per iteration until another job's rank joins; 0: always wait "
+                        "for grants."),
     "CROSSOVER_REPORT_INTERVAL": ("0.1", "Seconds a rank that does not wait for grants (passthrough, or a lease) "
                                   "may hold its phase reports to send several in one message; each is dated "
                                   "exactly. 0: send each at once."),

@@ -86,8 +86,9 @@ class Phase(enum.Enum):
 class DeviceView:
     """A policy's picture of one device: who holds it, who waits (in grant order).
 
-    `holders` has at most one entry under a blocking policy; `passthrough`
-    lets any number of ranks compute at once.
+    `holders` are ranks of one job in one iteration under a blocking policy (a
+    job's ranks on one device compute together); `passthrough` lets any number
+    of ranks compute at once.
     """
 
     device: int

@@ -1,9 +1,10 @@
-"""Leases: a rank alone on its device computes without waiting for each grant.
+"""Leases: a job alone on its device computes without waiting for each grant.
 
-A rank alone on its device under a blocking policy would be granted every
-request at once, so it is given a lease: it keeps reporting its phases but
-stops waiting for each grant (a round trip per iteration saved). The lease is
-revoked when another rank joins the device, on a drain or a policy switch.
+The ranks of one job alone on their device under a blocking policy would be
+granted every request at once (a job's ranks on one device compute together,
+`DeviceQueues.mates`), so each is given a lease: it keeps reporting its phases
+but stops waiting for each grant (a round trip per iteration saved). The lease
+is revoked when another rank joins the device, on a drain or a policy switch.
 Until the holder confirms (LEASE_RELEASED, which follows every request it made
 under the lease on its stream), other ranks' requests on that device are held
 back from the policy, so the policy never grants the device while the holder
@@ -31,20 +32,21 @@ class Leases:
         self.enabled = enabled
         self._registry = registry
         self._clock = clock
-        self._held: dict[int, str] = {}  # device -> session holding its lease
+        self._held: dict[int, dict[str, None]] = {}  # device -> the sessions holding its lease, in order
         self._revoking: dict[int, dict[str, float]] = {}  # device -> {session whose LEASE_RELEASED is awaited: since}
         self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
         self.draining: set[int] = set()  # devices that take no new ranks and give no leases
 
     def offer(self, sess: Session, d: Decision) -> None:
-        """Just granted under a blocking policy: lease the device to the session if nobody else can want it."""
+        """Just granted under a blocking policy: lease the device to the session if no other job can want it."""
         device = sess.ref.device
-        if (not self.enabled or not sess.accepts_leases or device in self._held
+        held = self._held.get(device, {})
+        if (not self.enabled or not sess.accepts_leases or sess.id in held
                 or device in self._revoking or device in self.draining):
             return
-        if any(s is not sess for s in self._registry.on_device(device)):
+        if any(s.ref.key.job_id != sess.ref.key.job_id for s in self._registry.on_device(device)):
             return
-        self._held[device] = sess.id
+        self._held.setdefault(device, {})[sess.id] = None
         d.post(sess, LeaseMsg(True))
         d.log("lease", sess)
 
@@ -52,13 +54,11 @@ class Leases:
         return list(self._held)
 
     def revoke(self, device: int, reason: str, d: Decision) -> None:
-        """Take the device's lease back, if it has one, and await its holder's release."""
-        sid = self._held.pop(device, None)
-        if sid is None:
-            return
-        holder = self._registry.get(sid)
-        d.post(holder, LeaseMsg(False))
-        self.await_release(holder, reason, d)
+        """Take the device's lease back, if it has one, and await each holder's release."""
+        for sid in self._held.pop(device, {}):
+            holder = self._registry.get(sid)
+            d.post(holder, LeaseMsg(False))
+            self.await_release(holder, reason, d)
 
     def await_release(self, sess: Session, reason: str, d: Decision) -> None:
         """Hold back others' requests on the session's device until it says what it is doing."""
@@ -70,7 +70,7 @@ class Leases:
 
     def computes_unseen(self, sess: Session) -> bool:
         """The daemon let the session compute without a grant: it holds the lease, or is giving it up."""
-        return self._held.get(sess.ref.device) == sess.id or self.awaits_release(sess)
+        return sess.id in self._held.get(sess.ref.device, {}) or self.awaits_release(sess)
 
     def defer(self, sess: Session) -> bool:
         """Hold a request back while another rank on its device may be computing unseen."""
@@ -101,8 +101,11 @@ class Leases:
         """The session left the policy (closed or suspended): its lease, or the wait for its release,
         ends. Returns the held-back sessions that may go to the policy now (see `released`)."""
         device = sess.ref.device
-        if self._held.get(device) == sess.id:
-            del self._held[device]
+        held = self._held.get(device, {})
+        if sess.id in held:
+            del held[sess.id]
+            if not held:
+                del self._held[device]
             d.post(sess, LeaseMsg(False))  # a suspended rank reads it when it wakes, and waits for grants again
         freed = self.released(device, sess.id) if self.awaits_release(sess) else []
         deferred = self._deferred.get(device)

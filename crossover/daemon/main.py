@@ -116,9 +116,9 @@ def _group(name: str | None, flag: str) -> int | None:
               help="Seconds any rank may hold its device while another rank waits, whatever its measured "
               "compute time: past it, the holder is treated as stalled (`overdue`) and the next rank is served.")
 @click.option("--lease/--no-lease", default=True, show_default=True,
-              help="Let a rank alone on its device compute without waiting for each grant (it still reports "
-              "its phases); revoked the moment another rank joins the device. --no-lease makes every "
-              "request a round trip.")
+              help="Let the ranks of a job alone on their device compute without waiting for each grant "
+              "(they still report their phases); revoked the moment another rank joins the device. --no-lease "
+              "makes every request a round trip.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")

@@ -120,7 +120,7 @@ def test_exclusive_is_fifo_with_one_holder():
     assert p.request(B0.key, 0, now=1.0) == [B0.key]
     assert p.request(C0.key, 0, now=1.1) == []
     assert p.request(A0.key, 0, now=1.2) == []
-    assert p.request(A1.key, 0, now=1.3) == []
+    assert p.request(A1.key, 1, now=1.3) == []  # another iteration than A0's: it does not join A0
     view = p.view(0)
     assert view.holders == (B0.key,)
     assert view.waiting == (C0.key, A0.key, A1.key)
@@ -380,3 +380,42 @@ def test_exclusive_every_waiter_is_eventually_granted(ops):
                 assert p.holds(g)
         assert granted == expected
         assert p.view(dev).waiting == ()
+
+
+# ---- a job's ranks on one device compute together ------------------------
+
+
+@pytest.mark.parametrize("make", [ExclusivePolicy, policies.CrossoverPolicy])
+def test_a_jobs_ranks_on_one_device_are_granted_together(make):
+    """Two ranks of one job that share a device: serialising them only adds a hand-over (the job's
+    allreduce waits for the last of them anyway), so the second joins the first's grant."""
+    p = joined(make(), A0, A1, B0)
+    assert p.request(A0.key, 3, now=1.0) == [A0.key]
+    assert p.request(B0.key, 0, now=1.1) == []
+    assert p.request(A1.key, 3, now=1.2) == [A1.key]  # passes B0: it is part of A's phase, not a new one
+    assert p.view(0).holders == (A0.key, A1.key)
+    assert p.release(A0.key, now=2.0) == []  # B0 waits for the whole job
+    assert p.release(A1.key, now=2.1) == [B0.key]
+
+
+@pytest.mark.parametrize("make", [ExclusivePolicy, policies.CrossoverPolicy])
+def test_a_rank_that_yielded_rejoins_its_job_but_not_another_iteration(make):
+    p = joined(make(), A0, A1, B0)
+    assert p.request(A0.key, 3, now=1.0) == [A0.key]
+    assert p.request(A1.key, 3, now=1.0) == [A1.key]
+    assert p.release(A0.key, now=1.1) == []  # A0 yields around a metric's allreduce
+    assert p.request(B0.key, 0, now=1.2) == []
+    assert p.request(A0.key, 3, now=1.3) == [A0.key]  # and comes back while A1 still holds
+    assert p.release(A0.key, now=1.4) == []
+    assert p.request(A0.key, 4, now=1.5) == []  # its next iteration is a new phase: B0 goes first
+    assert p.release(A1.key, now=1.6) == [B0.key]
+    assert p.release(B0.key, now=1.7) == [A0.key]
+
+
+@pytest.mark.parametrize("make", [ExclusivePolicy, policies.CrossoverPolicy])
+def test_ranks_of_two_jobs_never_hold_a_device_together(make):
+    p = joined(make(), A0, A1, B0, B1)
+    for i, key in enumerate((B0.key, A0.key, A1.key, B1.key)):
+        p.request(key, 0, now=1.0 + i / 10)
+    assert p.view(0).holders == (B0.key, B1.key)
+    assert p.release(B0.key, now=2.0) == [] and p.release(B1.key, now=2.1) == [A0.key, A1.key]

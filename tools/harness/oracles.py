@@ -1,5 +1,5 @@
-"""Checks read from a daemon's event log: who held each device when, and whether compute phases
-overlapped on a device."""
+"""Checks read from a daemon's event log: who held each device when, and whether two jobs' compute
+phases overlapped on a device."""
 from __future__ import annotations
 
 from typing import Any
@@ -25,6 +25,12 @@ def compute_intervals(events: list[dict[str, Any]]) -> dict[int, list[tuple[floa
 
 
 def overlaps(intervals: list[tuple[float, float, str, int]]) -> list[tuple]:
-    """Pairs of intervals (sorted by start) where the later one starts before the earlier one ends."""
-    s = sorted(intervals)
-    return [(a, b) for a, b in zip(s, s[1:]) if b[0] < a[1]]
+    """Pairs of intervals of different jobs (earlier start first) where the later one starts before the
+    earlier one ends. A job's own ranks on one device compute together (`DeviceQueues.mates`)."""
+    found: list[tuple] = []
+    running: list[tuple[float, float, str, int]] = []
+    for iv in sorted(intervals):
+        running = [r for r in running if r[1] > iv[0]]
+        found += [(r, iv) for r in running if r[2] != iv[2]]
+        running.append(iv)
+    return found

@@ -21,6 +21,7 @@ class DeviceQueues:
         self.ranks: dict[RankKey, RankRef] = {}
         self.devices: dict[int, _Device] = {}
         self.requested_at: dict[RankKey, float] = {}
+        self.iteration: dict[RankKey, int] = {}  # rank -> the iteration it waits for or computes
 
     def add(self, rank: RankRef) -> None:
         self.ranks[rank.key] = rank
@@ -34,16 +35,30 @@ class DeviceQueues:
         if key in dev.waiting:
             dev.waiting.remove(key)
         self.requested_at.pop(key, None)
+        self.iteration.pop(key, None)
         del self.ranks[key]
         return ref.device
 
-    def enqueue(self, key: RankKey, now: float) -> _Device:
+    def enqueue(self, key: RankKey, now: float, iteration: int = 0) -> _Device:
         dev = self.device_of(key)
         if key in dev.holders or key in dev.waiting:
             raise FailedPrecondition(f"rank {key} already holds or waits for its device")
         dev.waiting.append(key)
         self.requested_at[key] = now
+        self.iteration[key] = iteration
         return dev
+
+    def mates(self, dev: _Device) -> list[RankKey]:
+        """Waiting ranks that may join the device's holders: ranks of the holding job in the holders'
+        iteration. A job's ranks on one device compute one phase together: serialising them buys
+        nothing (its allreduce waits for the last of them) and costs a hand-over each."""
+        if not dev.holders:
+            return []
+        jobs = {(k.job_id, self.iteration.get(k, 0)) for k in dev.holders}
+        if len(jobs) != 1:
+            return []
+        ((job, iteration),) = jobs
+        return [k for k in dev.waiting if k.job_id == job and self.iteration.get(k, 0) == iteration]
 
     def grant(self, dev: _Device, key: RankKey) -> None:
         dev.waiting.remove(key)
@@ -88,7 +103,7 @@ class QueuePolicy:
         return key in self._q.device_of(key).waiting
 
     def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        self._q.grant(self._q.enqueue(key, now), key)
+        self._q.grant(self._q.enqueue(key, now, iteration), key)
         return [key]
 
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
@@ -121,16 +136,28 @@ class DispatchPolicy(QueuePolicy):
         return []
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
-        return self._dispatch(self._q.devices[self._q.remove(key)])
+        return self._decide(self._q.devices[self._q.remove(key)])
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
-        return self._dispatch(self._q.enqueue(key, now))
+        return self._decide(self._q.enqueue(key, now, iteration))
 
     def release(self, key: RankKey, now: float) -> list[RankKey]:
-        return self._dispatch(self._q.release(key))
+        return self._decide(self._q.release(key))
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
-        return self._dispatch(self._q.cancel(key))
+        return self._decide(self._q.cancel(key))
+
+    def _decide(self, dev: _Device) -> list[RankKey]:
+        """The policy's grant on `dev`, then the granted job's other ranks there (`DeviceQueues.mates`)."""
+        granted = self._dispatch(dev)
+        for key in self._q.mates(dev):
+            self._q.grant(dev, key)
+            self._joined(key)
+            granted.append(key)
+        return granted
+
+    def _joined(self, key: RankKey) -> None:
+        """`key` was granted beside its job's holders (policies forget what they kept on its request)."""
 
     def _dispatch(self, dev: _Device) -> list[RankKey]:
         """The grants to make on `dev` now (at most one while nobody holds it)."""

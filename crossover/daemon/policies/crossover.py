@@ -96,6 +96,9 @@ class CrossoverPolicy(DispatchPolicy):
         self._passed.pop(key, None)
         return super().cancel(key, now)
 
+    def _joined(self, key: RankKey) -> None:
+        self._passed.pop(key, None)
+
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
         if phase != "compute" or duration_s <= 0 or key not in self._q.ranks:
             return

@@ -1,4 +1,4 @@
-"""`exclusive`: first come, first served; at most one compute grant per device."""
+"""`exclusive`: first come, first served; one job computes on a device at a time."""
 from __future__ import annotations
 
 from crossover.daemon.api import RankKey

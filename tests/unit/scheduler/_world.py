@@ -70,8 +70,8 @@ def _phase(s: Scheduler, sid: str) -> Phase:
     return s._sessions[sid].phase  # noqa: SLF001 (test introspection)
 
 
-def _events_of(s: Scheduler, rank: int) -> list[str]:
-    return [e["event"] for e in s.events.snapshot() if e.get("job") == "job-a" and e.get("rank") == rank]
+def _events_of(s: Scheduler, rank: int, job: str = "job-a") -> list[str]:
+    return [e["event"] for e in s.events.snapshot() if e.get("job") == job and e.get("rank") == rank]
 
 
 def holders_over_time(s: Scheduler, device: int = 0) -> int:

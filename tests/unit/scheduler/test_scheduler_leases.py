@@ -29,7 +29,7 @@ def test_a_lone_rank_is_leased_and_then_not_sent_grants(make):
 def test_no_lease_when_the_device_is_shared_or_leases_are_off(make):
     s = make(lease=True)
     a, box_a = join(s, rank=0, device=0)
-    join(s, rank=1, device=0)
+    join(s, job="job-b", rank=0, device=0)
     s.event(a, "compute_request", seq=1)
     assert drain_outbox(box_a) == [GrantMsg(1, 0, 0.0)]
     off = make(lease=False)
@@ -40,6 +40,18 @@ def test_no_lease_when_the_device_is_shared_or_leases_are_off(make):
     c, box_c = join(old_client, leases=False, job="solo", world=1, rank=0)
     old_client.event(c, "compute_request", seq=1)
     assert drain_outbox(box_c) == [GrantMsg(1, 0, 0.0)]
+
+
+def test_a_job_alone_on_its_device_leases_it_to_each_of_its_ranks(make):
+    s = make(lease=True)
+    a, box_a = join(s, rank=0, device=0)
+    b, box_b = join(s, rank=1, device=0)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    assert drain_outbox(box_a) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
+    assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
+    join(s, job="job-c", rank=0, device=0)  # another job arrives: both leases are taken back
+    assert drain_outbox(box_a) == [LeaseMsg(False)] and drain_outbox(box_b) == [LeaseMsg(False)]
 
 
 def test_passthrough_leases_nothing(make):

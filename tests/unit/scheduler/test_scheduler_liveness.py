@@ -40,7 +40,7 @@ def test_a_silent_rank_is_suspended_at_the_timeout_and_evicted_much_later(make, 
 def test_a_suspended_waiter_resumes_with_its_request_still_queued(make, clock):
     s = make(timeout=0.5)
     a, box_a = join(s, rank=0)
-    b, box_b = join(s, rank=1)
+    b, box_b = join(s, job="job-b", rank=1)
     s.event(a, "compute_request", seq=1)
     s.event(b, "compute_request", seq=7)  # b waits behind a ...
     clock.advance(0.6)
@@ -56,13 +56,13 @@ def test_a_suspended_waiter_resumes_with_its_request_still_queued(make, clock):
     assert _phase(s, b) is Phase.WAITING
     s.event(a, "compute_done")
     assert [m.seq for m in drain_outbox(box_b)] == [7]
-    assert _events_of(s, 1)[-4:] == ["suspend", "resume", "request", "grant"]
+    assert _events_of(s, 1, "job-b")[-4:] == ["suspend", "resume", "request", "grant"]
 
 
 def test_a_suspended_holder_may_report_its_compute_done_late(make, clock):
     s = make(timeout=0.5)
     a, box_a = join(s, rank=0)
-    b, box_b = join(s, rank=1)
+    b, box_b = join(s, job="job-b", rank=1)
     s.event(a, "compute_request", seq=1)
     s.event(b, "compute_request", seq=4)
     clock.advance(0.6)

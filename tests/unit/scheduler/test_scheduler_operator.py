@@ -21,7 +21,7 @@ from tools.harness.oracles import compute_intervals, overlaps
 def test_set_policy_requeues_and_announces(make):
     s = make("exclusive")
     a, box_a = join(s, rank=0)
-    b, box_b = join(s, rank=1)
+    b, box_b = join(s, job="job-b", rank=1)
     idle, box_idle = join(s, job="job-c", rank=0)
     s.event(a, "compute_request", seq=1)
     s.event(b, "compute_request", seq=2)
@@ -203,7 +203,7 @@ def test_set_policy_back_to_exclusive_leaves_no_ghost_request(make):
     stale grant would later mark it as computing and refuse its next request."""
     s = make("passthrough")
     a, box_a = join(s, rank=0)
-    b, box_b = join(s, rank=1)
+    b, box_b = join(s, job="job-b", rank=1)
     s.event(a, "compute_request", seq=1)
     s.event(b, "compute_request", seq=1)
     s.set_policy("exclusive")
@@ -248,7 +248,7 @@ def test_drain_refuses_new_ranks_and_resume_accepts_them(make):
 def test_snapshot_shows_holder_waiting_order_and_stats(make, clock):
     s = make()
     a, _ = join(s, rank=0)
-    b, _ = join(s, rank=1)
+    b, _ = join(s, job="job-b", rank=1)
     c, _ = join(s, job="job-c", rank=0)
     idle, _ = join(s, job="job-d", rank=0)
     other_dev, _ = join(s, job="job-e", rank=0, device=1)
@@ -265,7 +265,7 @@ def test_snapshot_shows_holder_waiting_order_and_stats(make, clock):
     per_dev, ranks = s.snapshot()
     holders, waiting, others, order = per_dev[0]
     assert [(r.ident.job_id, r.ident.rank) for r in holders] == [("job-a", 0)]
-    assert [(r.ident.job_id, r.ident.rank) for r in waiting] == [("job-c", 0), ("job-a", 1)]
+    assert [(r.ident.job_id, r.ident.rank) for r in waiting] == [("job-c", 0), ("job-b", 1)]
     assert [r.ident.job_id for r in others] == ["job-d"]
     assert order == ()
     h = holders[0]

@@ -108,7 +108,7 @@ def test_grant_goes_to_the_outbox_with_the_request_seq(make, clock):
 def test_waiter_is_granted_on_release_with_waited_time(make, clock):
     s = make()
     a, box_a = join(s, rank=0)
-    b, box_b = join(s, rank=1)
+    b, box_b = join(s, job="job-b", rank=1)
     s.event(a, "compute_request", iteration=0, seq=1)
     s.event(b, "compute_request", iteration=0, seq=5)
     assert drain_outbox(box_b) == []
@@ -131,7 +131,7 @@ def test_a_rank_never_hears_of_a_grant_or_lease_before_the_event_log_shows_it(ma
     a = s.register(ident(rank=0), accepts_leases=True).session_id
     s.attach(a, deliver)
     s.event(a, "compute_request", iteration=0, seq=1)  # a lone rank: granted and leased
-    b = s.register(ident(rank=1), accepts_leases=True).session_id
+    b = s.register(ident(job="job-b", rank=1), accepts_leases=True).session_id
     s.attach(b, deliver)
     s.event(a, "compute_done", iteration=0, comm_begins=True)
     s.event(a, "lease_released")
@@ -188,7 +188,7 @@ def test_comm_begin_while_holding_releases_the_grant(make):
 def test_compute_done_while_waiting_withdraws_the_request(make):
     s = make()
     a, _ = join(s, rank=0)
-    b, box_b = join(s, rank=1)
+    b, box_b = join(s, job="job-b", rank=1)
     c, box_c = join(s, job="job-c", rank=0)
     s.event(a, "compute_request", seq=1)
     s.event(b, "compute_request", seq=1)
