@@ -97,7 +97,7 @@ class _Daemon:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "crossover.daemon.main", "--socket", str(self.socket),
-                 "--event-log", str(self.events), "--log-level", "INFO", *args],
+                 "--event-log", str(self.events), "--log-level", "INFO", "--no-adapt", *args],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": checkout_on_path(os.environ)})
         deadline = time.monotonic() + 30

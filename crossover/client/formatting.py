@@ -121,6 +121,8 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
             extras.append(f"mem {_bytes(int(dev['memory_used_bytes']))}/{_bytes(int(dev['memory_total_bytes']))}")
         if dev.get("order"):
             extras.append("order " + " → ".join(shown(o, 40).plain for o in dev["order"]))
+        if dev.get("sharing"):
+            extras.append(f"{dev['sharing']} ({shown(dev.get('sharing_reason', ''), 80).plain})")
         if extras:
             title += Text("  " + "  ".join(extras))
         marked = [("holds", r) for r in dev.get("holders", [])]

@@ -5,6 +5,10 @@ granted every request at once (a job's ranks on one device compute together,
 `DeviceQueues.mates`), so each is given a lease: it keeps reporting its phases
 but stops waiting for each grant (a round trip per iteration saved). The lease
 is revoked when another rank joins the device, on a drain or a policy switch.
+
+A device where grants do not pay (`grant_payoff`) is *opened*: every rank on it,
+whatever its job, holds a lease, so it trains as if unscheduled, until the
+device is closed again (a revoke, as above).
 Until the holder confirms (LEASE_RELEASED, which follows every request it made
 under the lease on its stream), other ranks' requests on that device are held
 back from the policy, so the policy never grants the device while the holder
@@ -36,6 +40,7 @@ class Leases:
         self._revoking: dict[int, dict[str, float]] = {}  # device -> {session whose LEASE_RELEASED is awaited: since}
         self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
         self.draining: set[int] = set()  # devices that take no new ranks and give no leases
+        self.opened: set[int] = set()  # devices leased to every rank on them (grants do not pay there)
 
     def offer(self, sess: Session, d: Decision) -> None:
         """Just granted under a blocking policy: lease the device to the session if no other job can want it."""
@@ -44,7 +49,8 @@ class Leases:
         if (not self.enabled or not sess.accepts_leases or sess.id in held
                 or device in self._revoking or device in self.draining):
             return
-        if any(s.ref.key.job_id != sess.ref.key.job_id for s in self._registry.on_device(device)):
+        if device not in self.opened and any(s.ref.key.job_id != sess.ref.key.job_id
+                                             for s in self._registry.on_device(device)):
             return
         self._held.setdefault(device, {})[sess.id] = None
         d.post(sess, LeaseMsg(True))
@@ -53,8 +59,23 @@ class Leases:
     def leased_devices(self) -> list[int]:
         return list(self._held)
 
+    def can_open(self, device: int) -> bool:
+        """Nothing stands in the way of opening the device: leases on, no drain, no release awaited."""
+        return self.enabled and device not in self.draining and device not in self._revoking
+
+    def open(self, device: int, d: Decision) -> None:
+        """Lease the device to every rank on it that takes leases, now and as each is next granted."""
+        self.opened.add(device)
+        for sess in self._registry.on_device(device):
+            if sess.accepts_leases and sess.id not in self._held.get(device, {}):
+                self._held.setdefault(device, {})[sess.id] = None
+                d.post(sess, LeaseMsg(True))
+                d.log("lease", sess, opened=True)
+
     def revoke(self, device: int, reason: str, d: Decision) -> None:
-        """Take the device's lease back, if it has one, and await each holder's release."""
+        """Take the device's lease back, if it has one, and await each holder's release; an open
+        device is closed."""
+        self.opened.discard(device)
         for sid in self._held.pop(device, {}):
             holder = self._registry.get(sid)
             d.post(holder, LeaseMsg(False))

@@ -15,6 +15,7 @@ from crossover import __version__
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError
 from crossover.daemon.event_log import EventLog
+from crossover.daemon.grant_payoff import PayoffSettings
 from crossover.daemon.inventory import Inventory, parse_cpu_devices
 from crossover.daemon.limits import StreamLimits
 from crossover.daemon.metrics import DaemonMetrics, parse_address
@@ -119,6 +120,14 @@ def _group(name: str | None, flag: str) -> int | None:
               help="Let the ranks of a job alone on their device compute without waiting for each grant "
               "(they still report their phases); revoked the moment another rank joins the device. --no-lease "
               "makes every request a round trip.")
+@click.option("--adapt/--no-adapt", default=True, show_default=True,
+              help="Measure, per device, whether grants pay: the jobs there train in alternate windows with and "
+              "without grants, and the faster mode is kept for --adapt-window x 20 seconds, then probed again "
+              "(and at once when a job comes or goes). Where grants do not pay the device is unscheduled: every "
+              "rank on it holds a lease. `crossover queue` says which mode each device is in and why.")
+@click.option("--adapt-window", type=click.FloatRange(0.5, 600), default=3.0, show_default=True,
+              help="Seconds of one measuring window of --adapt, aligned on the wall clock so that every node "
+              "probes in the same windows; its first quarter is left out while a switch takes effect.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
@@ -137,7 +146,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          max_events_per_s: float, max_connections: int, max_connections_per_user: int, idle_timeout: float,
          heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
-         overdue_warmup: float, lease: bool, session_socket: bool, metrics_address: str | None,
+         overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, session_socket: bool, metrics_address: str | None,
          health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -181,7 +190,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
                          overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
-                         max_sessions=2 * max_connections)
+                         max_sessions=2 * max_connections,
+                         payoff=PayoffSettings(window_s=adapt_window, settle_s=adapt_window / 4) if adapt else None)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)

@@ -25,6 +25,7 @@ from crossover.daemon import policies
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision, EventKind, RankEvent, record_rank
+from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.leases import Leases
 from crossover.daemon.liveness import Liveness
@@ -81,6 +82,8 @@ class Scheduler:
         overdue_warmup_s: float = 30.0,
         max_hold_s: float = 120.0,
         max_sessions: int = 2048,
+        payoff: PayoffSettings | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
@@ -103,6 +106,9 @@ class Scheduler:
         self._closed = False
         self._ids = itertools.count()
         self._drain_refused: dict[int, int] = {}  # device -> ranks refused since its drain began
+        self._payoff = payoff  # None: grants everywhere, whether or not they pay
+        self._wall = wall
+        self._judges: dict[int, PayoffJudge] = {}
 
     # ---- liveness settings ---------------------------------------------
 
@@ -313,7 +319,65 @@ class Scheduler:
         for sid, reason in doomed:
             self.close(sid, reason, evicted=True)
         self.tick()
+        self.adapt()
         return [sid for sid, _ in doomed]
+
+    def adapt(self) -> None:
+        """Open each device where grants do not pay, close it where they do (see `grant_payoff`).
+
+        Opening leases the device to every rank on it, and grants every rank waiting for it at once.
+        Each change of a device's mode is in the event log (`sharing`) with its reason."""
+        if self._payoff is None:
+            return
+        changes: list[tuple[int, Verdict]] = []
+        with self._lock:
+            now = self._clock()
+            wall = self._wall()
+            if self._closed or not self._phases.policy.blocks:
+                return
+            d = Decision()
+            for device in self.inventory.devices:
+                i = device.index
+                progress: dict[str, int] = {}
+                for sess in self._sessions.on_device(i):
+                    if sess.phase is not Phase.SUSPENDED:
+                        job = sess.ref.key.job_id
+                        progress[job] = max(progress.get(job, 0), sess.iteration)
+                judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
+                before = judge.verdict
+                verdict = judge.sample(wall, progress)
+                is_open = i in self._leases.opened
+                if verdict.mode is Mode.UNSCHEDULED and not is_open and self._leases.can_open(i):
+                    self._open(i, now, d)
+                elif verdict.mode is Mode.SCHEDULED and is_open:
+                    self._leases.revoke(i, verdict.reason, d)
+                if (verdict.mode, verdict.reason) != (before.mode, before.reason):
+                    changes.append((i, verdict))
+            self._commit(d, now)
+        for i, verdict in changes:
+            self.events.record("sharing", device=i, mode=verdict.mode.value, reason=verdict.reason,
+                               score=verdict.score)
+            if not verdict.probing:
+                _log.info("device %d runs %s: %s", i, verdict.mode.value, verdict.reason)
+
+    def _open(self, device: int, now: float, d: Decision) -> None:
+        """Lease the device to every rank on it; the ranks waiting for it compute at once (lock held)."""
+        self._leases.open(device, d)
+        policy = self._phases.policy
+        waiting = [s for s in self._sessions.on_device(device)
+                   if s.phase is Phase.WAITING and policy.is_waiting(s.ref.key)]
+        for sess in sorted(waiting, key=lambda s: s.requested_at):
+            key = sess.ref.key
+            if not policy.is_waiting(key):  # granted meanwhile, by the cancel of a rank before it
+                continue
+            self._phases.deliver(policy.cancel(key, now), now, d)
+            self._phases.deliver(policy.occupy(key, sess.pending_iteration, now), now, d)
+
+    def sharing(self, device: int) -> Verdict | None:
+        """The device's mode and why, when the daemon measures whether grants pay (None: it does not)."""
+        with self._lock:
+            judge = self._judges.get(device)
+            return None if self._payoff is None or judge is None else judge.verdict
 
     def tick(self) -> None:
         """Let the policy act on deadlines that have passed (bounded waits)."""

@@ -12,6 +12,7 @@ import grpc
 
 from crossover.daemon import policies
 from crossover.daemon.api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, UnsupportedVersion
+from crossover.daemon.grant_payoff import Verdict
 from crossover.daemon.limits import Connections, StreamLimits
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
@@ -140,6 +141,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
                 others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
                 memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total, order=list(order),
                 refused_while_draining=self._core.drain_refusals(dev.index),
+                **_sharing(self._core.sharing(dev.index)),
             ))
         return out
 
@@ -187,3 +189,8 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         return pb.EvictReply(done=self._core.evict(request.device, request.job, _caller(context)))
 
 
+def _sharing(verdict: Verdict | None) -> dict[str, str]:
+    """A device's `sharing` fields: its mode and why, when the daemon measures whether grants pay."""
+    if verdict is None:
+        return {}
+    return {"sharing": verdict.mode.value, "sharing_reason": verdict.reason}

@@ -53,7 +53,9 @@ def _popen(argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None)
 
 
 def start_daemon(node: Node, spec: ClusterSpec) -> subprocess.Popen:
-    """crossoverd inside the node's namespace, on the node's core, logging to the node's log."""
+    """crossoverd inside the node's namespace, on the node's core, logging to the node's log.
+
+    Each mode a bed measures is that mode throughout: `--no-adapt` unless `spec.daemon_args` says `--adapt`."""
     # `--cpu-devices 1` would mean "one device, core 0": a single core id is spelt as a range.
     devices = [] if node.index in spec.gpu_nodes else ["--cpu-devices", f"{node.core}-{node.core}"]
     return _popen(
@@ -61,7 +63,7 @@ def start_daemon(node: Node, spec: ClusterSpec) -> subprocess.Popen:
          *_python_m("crossover.daemon.main"),
          "--socket", node.socket, *devices, "--policy", spec.policy,
          "--node-name", node.name, "--event-log", node.event_log, "--log-level", "WARNING",
-         "--heartbeat-timeout", str(spec.heartbeat_timeout_s), *spec.daemon_args],
+         "--heartbeat-timeout", str(spec.heartbeat_timeout_s), "--no-adapt", *spec.daemon_args],
         Path(node.log))
 
 

@@ -25,7 +25,10 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 @dataclass
 class DaemonProc:
-    """A `crossoverd` on `socket`, writing its events to `event_log` and its output to `log`."""
+    """A `crossoverd` on `socket`, writing its events to `event_log` and its output to `log`.
+
+    Its policy is what `args` say throughout: `--no-adapt` unless `args` give `--adapt` (tests that check a
+    policy's order must not see a device probe unscheduled windows)."""
 
     socket: Path
     event_log: Path
@@ -48,7 +51,7 @@ class DaemonProc:
         if self.cpus:  # taskset pins the process before exec, so every daemon thread inherits it
             prefix = ["taskset", "-c", ",".join(map(str, sorted(self.cpus))), *prefix]
         cmd = [*prefix, str(BIN / "crossoverd"), "--socket", str(self.socket), "--event-log", str(self.event_log),
-               *self.args]
+               "--no-adapt", *self.args]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -1,0 +1,96 @@
+"""The scheduler opens a device where grants do not pay and closes it where they do (`grant_payoff`)."""
+from __future__ import annotations
+
+from crossover.daemon.api import Phase
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
+from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.messages import GrantMsg, LeaseMsg
+from crossover.daemon.scheduler import Scheduler
+from tests.unit.scheduler._world import _phase, drain_outbox, join
+
+
+class _Told(PayoffJudge):
+    """A judge whose verdict the test sets (the rule itself is tested in tests/unit/test_grant_payoff.py)."""
+
+    told: Verdict | None = None
+
+    def sample(self, wall: float, progress: dict[str, int]) -> Verdict:
+        self.verdict = self.told or self.verdict
+        return self.verdict
+
+
+def _scheduler(clock, pids) -> Scheduler:
+    inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
+    return Scheduler(inv, "crossover", node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
+                     heartbeat_timeout_s=5.0, clock=clock, pid_alive=pids, evict_after_s=10.0, lease=True,
+                     payoff=PayoffSettings(window_s=1.0, settle_s=0.1), wall=clock)
+
+
+def test_an_open_device_leases_every_rank_and_grants_its_waiters_then_closes(clock, pids):
+    s = _scheduler(clock, pids)
+    judge = _Told(PayoffSettings())
+    s._judges[0] = judge  # noqa: SLF001 (the test decides the verdicts)
+    a, box_a = join(s, job="job-a", rank=0)
+    b, box_b = join(s, job="job-b", rank=0)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)  # b waits behind a
+    assert drain_outbox(box_a) == [GrantMsg(1, 0, 0.0)] and drain_outbox(box_b) == []
+
+    judge.told = Verdict(Mode.UNSCHEDULED, "grants do not pay: 0.80x the progress unscheduled", 0.8)
+    s.adapt()
+    assert drain_outbox(box_a) == [LeaseMsg(True)]
+    assert drain_outbox(box_b) == [LeaseMsg(True), GrantMsg(1, 0, 0.0)]  # b computes beside a at once
+    assert _phase(s, a) is Phase.COMPUTE and _phase(s, b) is Phase.COMPUTE
+    # leased ranks report without waiting; their requests are taken as they come
+    s.event(a, "compute_done", comm_begins=True)
+    s.event(a, "comm_end", duration_s=0.01)
+    s.event(a, "compute_request", iteration=1, seq=2, no_wait=True)
+    assert _phase(s, a) is Phase.COMPUTE and drain_outbox(box_a) == []
+    sharing = [e for e in s.events.snapshot() if e["event"] == "sharing"]
+    assert [(e["device"], e["mode"]) for e in sharing] == [(0, "unscheduled")]
+    assert s.sharing(0).mode is Mode.UNSCHEDULED
+
+    judge.told = Verdict(Mode.SCHEDULED, "grants pay: 1.10x the progress unscheduled", 1.1)
+    s.adapt()
+    assert drain_outbox(box_a) == [LeaseMsg(False)] and drain_outbox(box_b) == [LeaseMsg(False)]
+    s.event(a, "lease_released")
+    s.event(b, "lease_released")
+    s.event(a, "compute_done", iteration=1, comm_begins=True)
+    s.event(b, "compute_done", comm_begins=True)
+    s.event(b, "comm_end", duration_s=0.01)
+    s.event(b, "compute_request", iteration=1, seq=2)  # grants again, one job at a time
+    assert drain_outbox(box_b) == [GrantMsg(2, 1, 0.0)]
+    s.event(a, "comm_end", duration_s=0.01)
+    s.event(a, "compute_request", iteration=2, seq=3)
+    assert drain_outbox(box_a) == []
+    s.event(b, "compute_done", iteration=1, comm_begins=True)
+    assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)] == [3]
+
+
+def test_without_payoff_settings_the_scheduler_never_opens_a_device(make):
+    s = make("crossover", lease=True)
+    a, box_a = join(s, job="job-a", rank=0)
+    b, box_b = join(s, job="job-b", rank=0)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    s.adapt()
+    assert drain_outbox(box_b) == [] and s.sharing(0) is None
+
+
+def test_the_judge_sees_each_jobs_furthest_rank(clock, pids):
+    s = _scheduler(clock, pids)
+    seen: list[dict[str, int]] = []
+
+    class Spy(PayoffJudge):
+        def sample(self, wall: float, progress: dict[str, int]) -> Verdict:
+            seen.append(dict(progress))
+            return self.verdict
+
+    s._judges[0] = Spy(PayoffSettings())  # noqa: SLF001
+    a0, _ = join(s, job="job-a", rank=0)
+    join(s, job="job-a", rank=1)
+    join(s, job="job-b", rank=0)
+    s.event(a0, "compute_request", iteration=7, seq=1)
+    s.adapt()
+    assert seen[-1] == {"job-a": 7, "job-b": 0}
