@@ -8,7 +8,8 @@ grants (`SCHEDULED`) and without (`UNSCHEDULED`, every rank leased), and the
 mode under which the jobs made more progress is kept for a while, then probed
 again. A change in the device's jobs starts a new probe at once.
 
-Progress is each job's iteration rate, and a job's rate is the same on every
+Progress is each job's iteration rate (the compute phases the daemon saw its
+furthest rank end: nothing a client claims), and a job's rate is the same on every
 node it spans. Windows are aligned on the wall clock, so every node's daemon
 probes in the same windows and, where its devices hold the same jobs, keeps
 the same mode: no job's ranks run scheduled on one node and unscheduled on

@@ -339,10 +339,10 @@ class Scheduler:
             for device in self.inventory.devices:
                 i = device.index
                 progress: dict[str, int] = {}
-                for sess in self._sessions.on_device(i):
+                for sess in self._sessions.on_device(i):  # phases the daemon saw end, not a claimed count
                     if sess.phase is not Phase.SUSPENDED:
                         job = sess.ref.key.job_id
-                        progress[job] = max(progress.get(job, 0), sess.iteration)
+                        progress[job] = max(progress.get(job, 0), sess.stats.compute_n)
                 judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
                 before = judge.verdict
                 verdict = judge.sample(wall, progress)

@@ -78,7 +78,7 @@ def test_without_payoff_settings_the_scheduler_never_opens_a_device(make):
     assert drain_outbox(box_b) == [] and s.sharing(0) is None
 
 
-def test_the_judge_sees_each_jobs_furthest_rank(clock, pids):
+def test_the_judge_counts_the_phases_each_jobs_furthest_rank_ended(clock, pids):
     s = _scheduler(clock, pids)
     seen: list[dict[str, int]] = []
 
@@ -91,6 +91,9 @@ def test_the_judge_sees_each_jobs_furthest_rank(clock, pids):
     a0, _ = join(s, job="job-a", rank=0)
     join(s, job="job-a", rank=1)
     join(s, job="job-b", rank=0)
-    s.event(a0, "compute_request", iteration=7, seq=1)
+    for i in range(3):  # the compute phases the daemon saw end count, whatever iteration a rank claims
+        s.event(a0, "compute_request", iteration=1000 * i, seq=i + 1)
+        s.event(a0, "compute_done", iteration=1000 * i, comm_begins=True)
+        s.event(a0, "comm_end", duration_s=0.01)
     s.adapt()
-    assert seen[-1] == {"job-a": 7, "job-b": 0}
+    assert seen[-1] == {"job-a": 3, "job-b": 0}
