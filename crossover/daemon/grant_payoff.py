@@ -37,20 +37,21 @@ class Mode(enum.Enum):
 
 @dataclass(frozen=True)
 class PayoffSettings:
-    """`window_s`: one measuring window (aligned on the wall clock); `settle_s`: its first part, left out
-    of the measure while a switch takes effect; `probe_pairs`: scheduled and unscheduled windows per probe;
+    """`window_s`: one measuring window (aligned on the wall clock); `settle_share`: the share of it left
+    out of the measure at its start, while a switch takes effect; `probe_pairs`: scheduled and unscheduled windows per probe;
     `hold_windows`: windows a verdict stands before the next probe; `margin`: how far ahead grants must be
     to be kept."""
 
     window_s: float = 3.0
-    settle_s: float = 0.75
+    settle_share: float = 0.25
     probe_pairs: int = 2
     hold_windows: int = 20
     margin: float = 0.01
 
     def __post_init__(self) -> None:
-        if not self.window_s > 0 or not 0 <= self.settle_s < self.window_s:
-            raise ValueError(f"window {self.window_s}s with settle {self.settle_s}s: need 0 <= settle < window")
+        if not self.window_s > 0 or not 0 <= self.settle_share < 1:
+            raise ValueError(f"window {self.window_s}s with settle share {self.settle_share}: need a window > 0 "
+                             "and 0 <= settle share < 1")
         if self.probe_pairs < 1 or self.hold_windows < 1:
             raise ValueError("probe_pairs and hold_windows must be >= 1")
         if not 0 <= self.margin < 1:
@@ -70,10 +71,12 @@ class Verdict:
 
 @dataclass
 class _Window:
+    """The window being measured: its index, its mode, its first and latest (wall, progress) samples."""
+
     index: int
     mode: Mode
-    start: tuple[float, dict[str, int]] | None = None
-    last: tuple[float, dict[str, int]] | None = None
+    start: tuple[float, dict[str, int]]
+    last: tuple[float, dict[str, int]]
 
 
 @dataclass
@@ -128,15 +131,16 @@ class PayoffJudge:
             self.verdict = Verdict(Mode.SCHEDULED, "the jobs changed: probing again", self.verdict.score)
 
     def _measure(self, w: int, offset: float, wall: float, progress: dict[str, int]) -> None:
-        if offset < self.settings.settle_s:
+        if offset < self.settings.settle_share * self.settings.window_s:
             return
+        sample = (wall, dict(progress))
         if self._window is None:
-            self._window = _Window(w, self.verdict.mode, start=(wall, dict(progress)))
-        self._window.last = (wall, dict(progress))
+            self._window = _Window(w, self.verdict.mode, start=sample, last=sample)
+        self._window.last = sample
 
     def _close_window(self) -> None:
         win, self._window = self._window, None
-        if win is None or win.start is None or win.last is None:
+        if win is None:
             return
         (t0, p0), (t1, p1) = win.start, win.last
         if t1 - t0 < 0.25 * self.settings.window_s:

@@ -5,14 +5,14 @@ granted every request at once (a job's ranks on one device compute together,
 `DeviceQueues.mates`), so each is given a lease: it keeps reporting its phases
 but stops waiting for each grant (a round trip per iteration saved). The lease
 is revoked when another rank joins the device, on a drain or a policy switch.
-
-A device where grants do not pay (`grant_payoff`) is *opened*: every rank on it,
-whatever its job, holds a lease, so it trains as if unscheduled, until the
-device is closed again (a revoke, as above).
 Until the holder confirms (LEASE_RELEASED, which follows every request it made
 under the lease on its stream), other ranks' requests on that device are held
 back from the policy, so the policy never grants the device while the holder
 might be computing unseen.
+
+A device where grants do not pay (`grant_payoff`) is *opened*: every rank on it,
+whatever its job, holds a lease, so it trains as if unscheduled, until the
+device is closed again (a revoke, as above).
 
 `Leases` keeps these rules' state; the scheduler calls it under its lock and
 hands the requests it releases to the policy.
@@ -52,9 +52,7 @@ class Leases:
         if device not in self.opened and any(s.ref.key.job_id != sess.ref.key.job_id
                                              for s in self._registry.on_device(device)):
             return
-        self._held.setdefault(device, {})[sess.id] = None
-        d.post(sess, LeaseMsg(True))
-        d.log("lease", sess)
+        self._give(sess, d)
 
     def leased_devices(self) -> list[int]:
         return list(self._held)
@@ -68,9 +66,12 @@ class Leases:
         self.opened.add(device)
         for sess in self._registry.on_device(device):
             if sess.accepts_leases and sess.id not in self._held.get(device, {}):
-                self._held.setdefault(device, {})[sess.id] = None
-                d.post(sess, LeaseMsg(True))
-                d.log("lease", sess, opened=True)
+                self._give(sess, d, opened=True)
+
+    def _give(self, sess: Session, d: Decision, **fields: object) -> None:
+        self._held.setdefault(sess.ref.device, {})[sess.id] = None
+        d.post(sess, LeaseMsg(True))
+        d.log("lease", sess, **fields)
 
     def revoke(self, device: int, reason: str, d: Decision) -> None:
         """Take the device's lease back, if it has one, and await each holder's release; an open

@@ -336,13 +336,15 @@ class Scheduler:
             if self._closed or not self._phases.policy.blocks:
                 return
             d = Decision()
+            by_device: dict[int, dict[str, int]] = {}  # device -> job -> phases the daemon saw its furthest rank end
+            for sess in self._sessions:
+                if sess.phase is not Phase.SUSPENDED:
+                    jobs = by_device.setdefault(sess.ref.device, {})
+                    job = sess.ref.key.job_id
+                    jobs[job] = max(jobs.get(job, 0), sess.stats.compute_n)
             for device in self.inventory.devices:
                 i = device.index
-                progress: dict[str, int] = {}
-                for sess in self._sessions.on_device(i):  # phases the daemon saw end, not a claimed count
-                    if sess.phase is not Phase.SUSPENDED:
-                        job = sess.ref.key.job_id
-                        progress[job] = max(progress.get(job, 0), sess.stats.compute_n)
+                progress = by_device.get(i, {})
                 judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
                 before = judge.verdict
                 verdict = judge.sample(wall, progress)

@@ -5,7 +5,7 @@ import pytest
 
 from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings
 
-S = PayoffSettings(window_s=1.0, settle_s=0.2, probe_pairs=2, hold_windows=5, margin=0.01)
+S = PayoffSettings(window_s=1.0, settle_share=0.2, probe_pairs=2, hold_windows=5, margin=0.01)
 
 
 def drive(judge: PayoffJudge, rates: dict[Mode, dict[str, float]], start: float, end: float, step: float = 0.05,
@@ -96,7 +96,7 @@ def test_nodes_sampling_at_different_moments_agree_on_every_window():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="settle"):
-        PayoffSettings(window_s=1.0, settle_s=1.0)
+        PayoffSettings(window_s=1.0, settle_share=1.0)
     with pytest.raises(ValueError, match="margin"):
         PayoffSettings(margin=1.5)
     with pytest.raises(ValueError, match="probe_pairs"):

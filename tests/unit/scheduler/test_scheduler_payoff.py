@@ -24,7 +24,7 @@ def _scheduler(clock, pids) -> Scheduler:
     inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
     return Scheduler(inv, "crossover", node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
                      heartbeat_timeout_s=5.0, clock=clock, pid_alive=pids, evict_after_s=10.0, lease=True,
-                     payoff=PayoffSettings(window_s=1.0, settle_s=0.1), wall=clock)
+                     payoff=PayoffSettings(window_s=1.0, settle_share=0.1), wall=clock)
 
 
 def test_an_open_device_leases_every_rank_and_grants_its_waiters_then_closes(clock, pids):
