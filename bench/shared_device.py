@@ -17,7 +17,6 @@ summed over jobs, and divided by unscheduled's in the same cycle.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.lib.results import git_commit, machine, write_json
 from tools.harness.daemon import DaemonProc
 from tools.harness.jobs import horovodrun, with_import
 
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs)
     print(table(summary))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
+        write_json(Path(args.out), {"benchmark": "shared_device", "machine": machine(), "commit": git_commit(),
+                                    "args": vars(args), "runs": runs, "summary": summary})
     return 0
 
 
