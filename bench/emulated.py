@@ -36,6 +36,7 @@ C and M measured alone), and how often the two nodes granted in the same order.
     python -m bench.emulated --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
     python -m bench.emulated --host-cores 2-15  # device cores run only compute (needs spare cores)
     python -m bench.emulated --device model     # a GPU-like emulated device per node (tools.device_model)
+    python -m bench.emulated --device model --adaptive --switch-us 0   # also the default's adaptive rule
 
 With `--device model` a node's device is not a core: each rank submits its compute
 phase to the node's device server, which time-slices concurrent contexts and slows
@@ -64,7 +65,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline, render
-from bench.emulated_scenarios import ALL, COLOCATED, FULL, MODEL, POLICY, QUICK, Scenario
+from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.settings import SettingError, parse_cpu_list
 from crossover.protos import PROTOCOL_VERSION, admin_socket_path
@@ -133,7 +134,8 @@ def host_cores_plan(raw: str, usable: set[int], nodes: int = 2) -> tuple[tuple[i
 
 def _cluster_spec(rate: float, args: argparse.Namespace, nodes: int = 2) -> ClusterSpec:
     return ClusterSpec(nodes=nodes, link=Link(rate_mbit=rate), policy="passthrough", nice=args.nice,
-                       cores=tuple(args.device_cores[:nodes]), device_model=args.device_params)
+                       cores=tuple(args.device_cores[:nodes]), device_model=args.device_params,
+                       daemon_args=("--adapt-window", f"{args.adapt_window:g}"))
 
 
 def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -159,8 +161,10 @@ class ClusterAdmin:
         self._channels = [grpc.insecure_channel(f"unix://{admin_socket_path(n.socket)}") for n in cluster.nodes]
         self._stubs = [pb_grpc.AdminStub(ch) for ch in self._channels]
 
-    def set_policy(self, name: str) -> None:
-        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name)
+    def set_policy(self, name: str, adapt: bool | None = None) -> None:
+        """Switch every daemon to policy `name`; `adapt` also switches whether devices measure if grants pay."""
+        setting = pb.ADAPT_UNCHANGED if adapt is None else pb.ADAPT_ON if adapt else pb.ADAPT_OFF
+        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=setting)
         for stub in self._stubs:
             stub.SetPolicy(req, timeout=5)
 
@@ -277,13 +281,16 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
         visitors = _Visitors(cluster, script, args, batches[0], workdir) if scn.visitor else None
         try:
             wait_warm(cluster, jobs, names, args.warmup)
+            colocated = _colocated(args)
             for cycle in range(args.cycles):
-                k = cycle % len(COLOCATED)
-                for mode in COLOCATED[k:] + COLOCATED[:k]:
+                k = cycle % len(colocated)
+                for mode in colocated[k:] + colocated[:k]:
                     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batch}: cycle {cycle + 1}/{args.cycles} {mode}")
-                    admin.set_policy(POLICY[mode])
+                    admin.set_policy(POLICY[mode], adapt=mode in ADAPTS)
                     t_switch = time.monotonic()
-                    time.sleep(args.settle_s)
+                    # An adaptive device's first verdict takes a probe (4 windows, from the next even one);
+                    # its later re-probes fall inside the measured segments.
+                    time.sleep(args.settle_s + (6 * args.adapt_window if mode in ADAPTS else 0.0))
                     a = time.monotonic()
                     running = list(names)
                     if visitors is None:
@@ -321,6 +328,11 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
             "visitors": {n: rank_summaries(out) for n, out in (visitors.outs.items() if visitors else ())}}
 
 
+def _colocated(args: argparse.Namespace) -> tuple[str, ...]:
+    """The co-located modes this run cycles through."""
+    return COLOCATED + (("adaptive",) if args.adaptive else ())
+
+
 def wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -347,6 +359,14 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5, help="iterations every job does before the first segment")
     p.add_argument("--solo-iters", type=int, default=25, help="iterations of each solo (alone) run")
     p.add_argument("--iter-ms", type=float, default=450.0, help="target alone iteration time (C + M)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also measure `adaptive`: the crossover policy with each device measuring whether its "
+                        "grants pay (crossoverd's default, --adapt); the other modes grant everywhere")
+    p.add_argument("--adapt-window", type=float, default=3.0,
+                   help="with --adaptive: the daemons' --adapt-window (s); a window should hold several iterations")
+    p.add_argument("--mps", action="store_true",
+                   help="device model: an MPS-like device, whose contexts share it without switching "
+                        "(--switch-us 0); compute still slows beside an allreduce")
     p.add_argument("--device", choices=("core", "model"), default="core",
                    help="core: a node's device is a CPU core its ranks compute on; model: a GPU-like emulated "
                         "device per node (compute costs no CPU; see docs/emulated-cluster.md)")
@@ -398,7 +418,9 @@ def main() -> int:
         scenarios = MODEL
     args.cycles = args.cycles or (3 if args.quick else 4)
     try:
-        args.device_params = (DeviceParams(args.slice_us, args.switch_us, args.interference)
+        if args.mps and args.device != "model":
+            raise ValueError("--mps needs --device model")
+        args.device_params = (DeviceParams(args.slice_us, 0.0 if args.mps else args.switch_us, args.interference)
                               if args.device == "model" else None)
     except ValueError as exc:
         console.print(f"[red]error:[/] device model: {exc}")
@@ -421,7 +443,7 @@ def main() -> int:
     t_start = time.monotonic()
 
     summaries, first_raw = [], None
-    total = 2 + sum(args.cycles * len(COLOCATED) + 2 for _ in scenarios)
+    total = 2 + sum(args.cycles * len(_colocated(args)) + 2 for _ in scenarios)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("calibration", total=total)

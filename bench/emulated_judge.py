@@ -139,7 +139,8 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         for s in cyc.values():
             s["progress_vs_unscheduled"] = s["progress"] / cyc["unscheduled"]["progress"]
     modes = {}
-    for mode in MODES:
+    measured = [m for m in MODES if m == "sequential" or any(s["mode"] == m for s in segs)]
+    for mode in measured:
         rows = [c[mode] for c in cycles.values() if mode in c]
         med: dict[str, Any] = {k: _median([r[k] for r in rows]) for k in ("aggregate_samples_per_s", "vs_unscheduled",
                                                               "vs_sequential", "of_bound", "busy_fraction_mean",
@@ -158,7 +159,7 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
         med["samples_spread"] = spread([r["aggregate_samples_per_s"] for r in rows])  # the mode's own steadiness
         med["cycles"] = len(rows)
         modes[mode] = med
-    for mode in MODES:
+    for mode in measured:
         modes[mode]["stalled_segments"] = sum(1 for s in (alone if mode == "sequential" else segs)
                                               if s["mode"] == mode and any(j["stalled"] for j in s["jobs"].values()))
     out = {"scenario": scn.name, "target_ratio": scn.ratio, "jobs": scn.jobs, "rate_mbit": raw["rate_mbit"],

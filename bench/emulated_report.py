@@ -94,7 +94,7 @@ def render(summaries: list[dict[str, Any]], host_wait: str, nice: int, device: s
         if s.get("placement"):
             head += f"\n{s['nodes']} nodes: " + " ".join(f"job{k}@{'+'.join(map(str, p))}"
                                                          for k, p in enumerate(s["placement"]))
-        for i, mode in enumerate(MODES):
+        for i, mode in enumerate(m for m in MODES if m in s["modes"]):
             r = s["modes"][mode]
             per = " ".join(f"{1000 * j['iter_s']:.0f}({j['slowdown']:.2f})" for _, j in sorted(r["jobs"].items()))
             if r["stalled_segments"]:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALL", "CHURN", "COLOCATED", "FULL", "MODEL", "MODES", "POLICY", "QUICK", "Scenario"]
+__all__ = ["ADAPTS", "ALL", "CHURN", "COLOCATED", "FULL", "MODEL", "MODES", "POLICY", "QUICK", "Scenario"]
 
-MODES = ("sequential", "unscheduled", "exclusive", "crossover")
-COLOCATED = MODES[1:]
-POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}
+MODES = ("sequential", "unscheduled", "exclusive", "crossover", "adaptive")
+COLOCATED = MODES[1:4]
+"""The co-located modes every run measures; `adaptive` only when asked (`bench.emulated --adaptive`)."""
+POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover",
+          "adaptive": "crossover"}
+ADAPTS = frozenset({"adaptive"})
+"""Modes whose daemons measure per device whether grants pay (`crossoverd --adapt`, the default); the others
+grant everywhere."""
 
 
 @dataclass(frozen=True)

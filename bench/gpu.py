@@ -1,8 +1,14 @@
 """Crossover on a real GPU: the daemon's NVML inventory, the CUDA release path, and co-located ResNet jobs.
 
 One call on a bare GPU machine (`bench/gpu.sh` installs what is missing first)
-runs three checks and writes `gpu.json` and `gpu_timeline.png` under --out:
+runs four checks and writes `gpu.json` and `gpu_timeline.png` under --out:
 
+  handover   two processes take turns on the GPU; the GPU's idle time at each
+             hand-over, today's path (grant, launch, wait for the device,
+             release) against two the GPU performs itself (stream memory
+             operations on a shared page, interprocess events), whether a
+             posted wait slows the holder, and what a SIGKILLed holder does to
+             its waiter (`bench.gpu_handover`).
   inventory  a crossoverd without --cpu-devices: the GPUs NVML reports, as
              `crossover queue --json` shows them.
   release    a one-rank job whose last gradient leaves `--sleep-ms` of work
@@ -139,6 +145,15 @@ def check_inventory(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if not args.dry_run and not any(dev.get("kind") == "gpu" for dev in devices):
         raise RuntimeError(f"the daemon found no GPU through NVML: {devices}")
     return {"devices": devices}
+
+
+def check_handover(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The idle GPU time of a hand-over, today's path against the GPU's own (`bench.gpu_handover`)."""
+    from bench import gpu_handover
+
+    result = gpu_handover.check_handover(args, workdir, _Daemon, _device_args(args.dry_run))
+    print(gpu_handover.table(result), flush=True)
+    return result
 
 
 def check_release(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -331,14 +346,18 @@ def main(argv: list[str] | None = None) -> int:
                    "passed, leaving time for the run alone")
     p.add_argument("--job-timeout", type=float, default=180.0)
     p.add_argument("--timeline-seconds", type=float, default=None)
-    p.add_argument("--only", default="inventory,release,speedup", help="comma-separated checks to run")
+    p.add_argument("--only", default="handover,inventory,release,speedup", help="comma-separated checks to run")
+    p.add_argument("--handover-turns", type=int, default=None, help="turns per process in each hand-over path "
+                   "(default 200; dry run 20)")
+    p.add_argument("--handover-work-ms", type=float, default=2.0, help="length of one turn of GPU work (ms)")
     p.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir, removed)")
     args = p.parse_args(argv)
     dry = args.dry_run
     for key, full, small in (("model", "resnet18", "resnet18"), ("batch", 128, 8), ("image_size", 224, 32),
                              ("ref_rate", 10000.0, 1000.0), ("cycles", 3, 1), ("segment_s", 8.0, 1.5),
                              ("settle_s", 2.0, 0.5), ("warmup", 10, 2), ("calibration_iters", 20, 3),
-                             ("solo_iters", 40, 3), ("timeline_seconds", 1.0, 1.5)):
+                             ("solo_iters", 40, 3), ("timeline_seconds", 1.0, 1.5),
+                             ("handover_turns", 200, 20)):
         if getattr(args, key) is None:
             setattr(args, key, small if dry else full)
     if not 2 <= args.jobs <= 8:
@@ -359,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                               "environment": environment(), "checks": {}}
     _log(f"environment: {json.dumps(report['environment'])}")
     checks: dict[str, Callable[[], dict[str, Any]]] = {
+        "handover": lambda: check_handover(args, workdir / "handover"),
         "inventory": lambda: check_inventory(args, workdir / "inventory"),
         "release": lambda: check_release(args, workdir / "release"),
         "speedup": lambda: check_speedup(args, workdir / "speedup", deadline),

@@ -300,14 +300,23 @@ _POLICY_HELP = "Show the policy, or switch to NAME (ranks waiting are re-queued 
     for name, what in POLICIES.items())
 
 
+_POLICY_HELP += ("\n\nWith --adapt each device measures, in windows aligned on the wall clock, whether its "
+                 "grants make its jobs faster, and runs unscheduled where they do not (`crossover queue` says "
+                 "which and why); --no-adapt grants everywhere. The daemon starts as crossoverd --adapt says.")
+
+
 @main.command(help=_POLICY_HELP)
 @_with_common
 @click.argument("name", required=False)
-def policy(name: str | None, **kw: Any) -> None:
+@click.option("--adapt/--no-adapt", default=None,
+              help="Measure per device whether grants pay and run unscheduled where they do not (or stop).")
+def policy(name: str | None, adapt: bool | None, **kw: Any) -> None:
     ctx = _ctx(kw)
-    req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "")
-    reply = ctx.call("SetPolicy" if name else "GetPolicy", req)
-    ctx.emit("policy", reply, lambda d: f"policy {d['name']} (available: {', '.join(d['available'])})")
+    setting = pb.ADAPT_UNCHANGED if adapt is None else pb.ADAPT_ON if adapt else pb.ADAPT_OFF
+    req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "", adapt=setting)
+    reply = ctx.call("SetPolicy" if name or adapt is not None else "GetPolicy", req)
+    ctx.emit("policy", reply, lambda d: f"policy {d['name']}, adapt {'on' if d.get('adapt') else 'off'} "
+                                        f"(available: {', '.join(d['available'])})")
 
 
 def _device_cmd(method: str, verb: str) -> Callable[..., None]:

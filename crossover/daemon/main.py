@@ -191,7 +191,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
                          overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
                          max_sessions=2 * max_connections,
-                         payoff=PayoffSettings(window_s=adapt_window) if adapt else None)
+                         payoff=PayoffSettings(window_s=adapt_window), adapt=adapt)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)

@@ -84,6 +84,7 @@ class Scheduler:
         max_sessions: int = 2048,
         payoff: PayoffSettings | None = None,
         wall: Callable[[], float] = time.time,
+        adapt: bool | None = None,
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
@@ -106,7 +107,8 @@ class Scheduler:
         self._closed = False
         self._ids = itertools.count()
         self._drain_refused: dict[int, int] = {}  # device -> ranks refused since its drain began
-        self._payoff = payoff  # None: grants everywhere, whether or not they pay
+        self._payoff = payoff or PayoffSettings()
+        self._adapting = payoff is not None if adapt is None else adapt  # off: grants everywhere
         self._wall = wall
         self._judges: dict[int, PayoffJudge] = {}
 
@@ -327,7 +329,7 @@ class Scheduler:
 
         Opening leases the device to every rank on it, and grants every rank waiting for it at once.
         Each change of a device's mode is in the event log (`sharing`) with its reason."""
-        if self._payoff is None:
+        if not self._adapting:
             return
         changes: list[tuple[int, Verdict]] = []
         with self._lock:
@@ -379,7 +381,32 @@ class Scheduler:
         """The device's mode and why, when the daemon measures whether grants pay (None: it does not)."""
         with self._lock:
             judge = self._judges.get(device)
-            return None if self._payoff is None or judge is None else judge.verdict
+            return None if not self._adapting or judge is None else judge.verdict
+
+    @property
+    def adapting(self) -> bool:
+        """Whether each device measures if its grants pay (`adapt`), as `crossoverd --adapt` or the operator set."""
+        return self._adapting
+
+    def set_adapt(self, on: bool, caller: str = "") -> bool:
+        """The operator's `crossover policy --adapt/--no-adapt`: measure per device whether grants pay, or not.
+
+        Switching on starts every device's measurement afresh; switching off closes every device
+        that runs unscheduled (an ordinary lease revoke), so grants hold everywhere again."""
+        with self._lock:
+            now = self._clock()
+            if on == self._adapting:
+                return on
+            self._adapting = on
+            self._judges.clear()
+            d = Decision()
+            if not on:
+                for device in sorted(self._leases.opened):
+                    self._leases.revoke(device, "the operator switched adapt off", d)
+            self._commit(d, now)
+        self.events.record("adapt", on=on, caller=caller)
+        _log.warning("operator switched adapt %s (%s)", "on" if on else "off", caller or "?")
+        return on
 
     def tick(self) -> None:
         """Let the policy act on deadlines that have passed (bounded waits)."""

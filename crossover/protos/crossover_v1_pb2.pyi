@@ -29,6 +29,12 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OTHER: _ClassVar[Phase]
     SUSPENDED: _ClassVar[Phase]
     OVERDUE: _ClassVar[Phase]
+
+class Adapt(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPT_UNCHANGED: _ClassVar[Adapt]
+    ADAPT_ON: _ClassVar[Adapt]
+    ADAPT_OFF: _ClassVar[Adapt]
 EVENT_KIND_UNSPECIFIED: EventKind
 OPEN: EventKind
 COMPUTE_REQUEST: EventKind
@@ -46,6 +52,9 @@ COMM: Phase
 OTHER: Phase
 SUSPENDED: Phase
 OVERDUE: Phase
+ADAPT_UNCHANGED: Adapt
+ADAPT_ON: Adapt
+ADAPT_OFF: Adapt
 
 class RankIdentity(_message.Message):
     __slots__ = ("job_id", "job_name", "rank", "local_rank", "world_size", "local_size", "node", "device", "pid")
@@ -304,20 +313,24 @@ class JobList(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobState, _Mapping]]] = ...) -> None: ...
 
 class PolicyRequest(_message.Message):
-    __slots__ = ("protocol_version", "name")
+    __slots__ = ("protocol_version", "name", "adapt")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    adapt: Adapt
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., adapt: _Optional[_Union[Adapt, str]] = ...) -> None: ...
 
 class PolicyInfo(_message.Message):
-    __slots__ = ("name", "available")
+    __slots__ = ("name", "available", "adapt")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    ADAPT_FIELD_NUMBER: _ClassVar[int]
     name: str
     available: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapt: bool
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., adapt: _Optional[bool] = ...) -> None: ...
 
 class DeviceRequest(_message.Message):
     __slots__ = ("protocol_version", "device")

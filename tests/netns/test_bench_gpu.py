@@ -1,10 +1,11 @@
 """`python -m bench.gpu --dry-run`, as CI runs it, so the GPU benchmark cannot rot between GPU draws.
 
-The dry run takes every step the GPU run takes (a daemon's inventory, the
+The dry run takes every step the GPU run takes (the hand-over paths with a CPU
+thread for a stream, a daemon's inventory, the
 emulated two-node cluster, calibration, three co-located ResNet jobs as in
 the GPU figures, unscheduled, exclusive and crossover segments, a job alone,
 the judge and the timeline) with node 0's device a CPU core and a small model on small images;
-only the release check, which needs CUDA, is skipped and says so.
+only the release check and the interprocess-event paths, which need CUDA, are skipped and say so.
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     checks = report["checks"]
     assert [c for c, r in checks.items() if not r["ok"]] == []
     assert [d["kind"] for d in checks["inventory"]["devices"]] == ["cpu"]
+    handover = checks["handover"]  # every hand-over path a CPU can take, through a real daemon and a shared page
+    assert handover["daemon"]["gap"]["n"] > 0 and handover["slots"]["gap"]["n"] > 0, handover
+    assert handover["slots"]["overlaps"] == 0 and set(handover["daemon"]["parts"]) == {"drain", "release_to_grant",
+                                                                                        "ramp"}
+    assert handover["kill"]["holder_exit"] == -9 and handover["kill"]["waiter"] == "ran after the rescue store"
+    assert "need CUDA" in handover["ipc"]["skipped"] and handover["thrash"]["slowdown"] > 0
     assert "no CUDA" in checks["release"]["skipped"]
     summary = checks["speedup"]["summary"]
     for mode in ("sequential", "unscheduled", "exclusive", "crossover"):

@@ -97,6 +97,11 @@ def test_admin_rpcs_check_version_and_device(serve, channels):
     assert [dev.index for dev in q.devices] == [1] and q.node == "node-rpc" and q.policy == "exclusive"
     info = admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name="passthrough"), timeout=5)
     assert info.name == "passthrough" and "exclusive" in info.available
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=VERSION, adapt=7), timeout=5)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "ADAPT_ON" in err.details()
+    info = admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, adapt=pb.ADAPT_ON), timeout=5)
+    assert info.name == "passthrough" and info.adapt  # the policy is kept, adapt switched on
+    assert not admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, adapt=pb.ADAPT_OFF), timeout=5).adapt
 
 
 def test_socket_is_not_world_accessible(serve, tmp_path):

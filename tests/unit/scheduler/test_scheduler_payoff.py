@@ -97,3 +97,31 @@ def test_the_judge_counts_the_phases_each_jobs_furthest_rank_ended(clock, pids):
         s.event(a0, "comm_end", duration_s=0.01)
     s.adapt()
     assert seen[-1] == {"job-a": 3, "job-b": 0}
+
+
+def test_the_operator_switches_adapt_off_and_every_open_device_closes(clock, pids):
+    s = _scheduler(clock, pids)
+    judge = _Told(PayoffSettings())
+    s._judges[0] = judge  # noqa: SLF001
+    a, box_a = join(s, job="job-a", rank=0)
+    b, box_b = join(s, job="job-b", rank=0)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    judge.told = Verdict(Mode.UNSCHEDULED, "grants do not pay", 0.8)
+    s.adapt()
+    drain_outbox(box_a), drain_outbox(box_b)
+    assert s.set_adapt(False, caller="test") is False and not s.adapting
+    assert drain_outbox(box_a) == [LeaseMsg(False)] and drain_outbox(box_b) == [LeaseMsg(False)]
+    s.adapt()  # off: no judge samples, nothing opens again
+    assert drain_outbox(box_a) == [] and s.sharing(0) is None
+    assert [e["on"] for e in s.events.snapshot() if e["event"] == "adapt"] == [False]
+    assert s.set_adapt(True) is True and s.adapting and 0 not in s._judges  # noqa: SLF001 (measured afresh)
+
+
+def test_adapt_off_at_start_can_be_switched_on(make):
+    s = make("crossover", lease=True)
+    assert not s.adapting
+    s.set_adapt(True)
+    a, _ = join(s, job="job-a", rank=0)
+    s.adapt()
+    assert s.sharing(0) is not None
