@@ -31,6 +31,7 @@ runs four checks and writes `gpu.json` and `gpu_timeline.png` under --out:
              Judged by `bench.emulated_judge`, as the CPU bed is.
 
     bench/gpu.sh                       # on the GPU machine: set-up, then this
+    bench/gpu.sh --only speedup --mps  # the same jobs as clients of an MPS daemon of the run's own
     python -m bench.gpu --dry-run      # the same steps on the CPU, small and short (CI)
 
 Why a stand-in peer and not two ranks on the GPU: two ranks of one job on one
@@ -55,6 +56,7 @@ from bench.emulated import ClusterAdmin, wait_warm
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline
 from bench.emulated_scenarios import POLICY, Scenario
+from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import read_jsonl
 from tools import checkout_on_path
@@ -223,7 +225,8 @@ def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, i
     workdir.mkdir(parents=True, exist_ok=True)
     script = with_import(workdir, WORKLOADS / "train_gpu.py")
     with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
-        job = cluster.run(_job_cmd(script, args, workdir / f"out_{name}", 1000, peer_ms, iters), name=name)
+        job = cluster.run(_job_cmd(script, args, workdir / f"out_{name}", 1000, peer_ms, iters), name=name,
+                          env=args.job_env)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"{name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
@@ -236,7 +239,23 @@ def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, i
 
 
 def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[str, Any]:
-    """Calibrate, run the jobs through interleaved policy segments, then one alone; judge."""
+    """Calibrate, run the jobs through interleaved policy segments, then one alone; judge.
+
+    With --mps every job (the solo runs too) is a client of an MPS control daemon this run starts
+    in its own folders: each mode is then that mode plus MPS, and `unscheduled` is MPS alone."""
+    if not args.mps:
+        args.job_env = {}
+        return _speedup(args, workdir, deadline)
+    if args.dry_run:
+        raise RuntimeError("--mps needs a GPU and NVIDIA's nvidia-cuda-mps-control")
+    with MpsDaemon(workdir) as mps:
+        args.job_env = mps.env()
+        result = _speedup(args, workdir, deadline)
+    result["mps"] = True
+    return result
+
+
+def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[str, Any]:
     reasons = preflight()
     if reasons:
         raise RuntimeError("cannot build the emulated cluster: " + "; ".join(reasons))
@@ -253,7 +272,7 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
     segments: list[dict[str, Any]] = []
     with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, workdir / f"out_{n}", 1000 + k, peer_ms, 1_000_000, stop),
-                            name=n) for k, n in enumerate(names)]
+                            name=n, env=args.job_env) for k, n in enumerate(names)]
         admin = ClusterAdmin(cluster)
         seg_s = args.settle_s + args.segment_s
         try:
@@ -347,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout", type=float, default=180.0)
     p.add_argument("--timeline-seconds", type=float, default=None)
     p.add_argument("--only", default="handover,inventory,release,speedup", help="comma-separated checks to run")
+    p.add_argument("--mps", action="store_true", help="run the speed-up check's jobs under an MPS control "
+                   "daemon of this run's own (unscheduled is then MPS alone; the GPU's settings are left as they are)")
     p.add_argument("--handover-turns", type=int, default=None, help="turns per process in each hand-over path "
                    "(default 200; dry run 20)")
     p.add_argument("--handover-work-ms", type=float, default=2.0, help="length of one turn of GPU work (ms)")
