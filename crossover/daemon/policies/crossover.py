@@ -35,13 +35,20 @@ for the device and gets it as soon as A releases (CrossoverScheduler, Luo et al.
 
 `CrossoverSettings(short_gap=0)` is plain first-come, first-served (the
 `exclusive` policy's order).
+
+Jobs of different priority classes or weights on one device are served by the
+class rules instead (`policies.classes`): higher classes first, lower ones only
+into gaps they fit, a yield asked of a lower holder when a higher rank asks,
+weights within a class and a guaranteed share for every lower job. While a
+device's jobs are all of one class and weight, nothing above changes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from crossover.daemon.api import RankKey
+from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies._queues import DispatchPolicy, _Device
+from crossover.daemon.policies.classes import ClassBook, ClassSettings, JobClass
 
 __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 
@@ -76,34 +83,116 @@ class CrossoverPolicy(DispatchPolicy):
     name = "crossover"
     blocks = True
 
-    def __init__(self, settings: CrossoverSettings | None = None) -> None:
+    def __init__(self, settings: CrossoverSettings | None = None, classes: ClassSettings | None = None) -> None:
         super().__init__()
         self.settings = settings or CrossoverSettings()
+        self.book = ClassBook(classes)
         self._compute: dict[str, float] = {}  # job id -> EMA of its compute phases on this node
         self._passed: dict[RankKey, int] = {}  # waiting rank -> times a later request went first
+        self._now = 0.0  # the `now` of the event being decided
+        self._granted_at: dict[RankKey, float] = {}
+        self._preempt: list[RankKey] = []  # holders to ask for a yield, not yet taken
+        self._asked: set[RankKey] = set()  # holders asked during their current grant
+        self._held_until: dict[int, float] = {}  # device -> when a held-back lower phase is looked at again
         self.overtakes = 0
+        self.preemptions = 0
+        self.held_back = 0
+        self.guarded = 0
 
     def decisions(self) -> dict[str, int]:
-        return {"overtake": self.overtakes}
+        return {"overtake": self.overtakes, "preempt": self.preemptions, "held_back": self.held_back,
+                "guard": self.guarded}
+
+    # ---- classes ---------------------------------------------------------
+
+    def classify(self, job_id: str, cls: JobClass, now: float) -> list[RankKey]:
+        """Set a job's class (and weight); the devices it is on decide again."""
+        self._now = now
+        self.book.classes[job_id] = cls
+        granted: list[RankKey] = []
+        for index in sorted({r.device for k, r in self._q.ranks.items() if k.job_id == job_id}):
+            granted += self._decide(self._q.devices[index])
+        return granted
+
+    def take_preemptions(self) -> list[RankKey]:
+        """Holders of a lower class that a higher-class rank now waits behind: ask each to yield (once a grant)."""
+        out, self._preempt = self._preempt, []
+        return out
+
+    # ---- events ----------------------------------------------------------
+
+    def join(self, rank: RankRef, now: float) -> list[RankKey]:
+        self._now = now
+        return super().join(rank, now)
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
+        self._now = now
         self._passed.pop(key, None)
+        self._granted_at.pop(key, None)
+        self._asked.discard(key)
+        self._preempt = [k for k in self._preempt if k != key]
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
+            self.book.forget(key.job_id)
         return super().leave(key, now)
 
+    def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
+        self._now = now
+        granted = super().request(key, iteration, now)
+        dev = self._q.device_of(key)
+        mine = self.book.of(key.job_id).priority
+        if key in dev.waiting and any(self.book.of(h.job_id).priority < mine for h in dev.holders):
+            fresh = [h for h in dev.holders if h not in self._asked]
+            self._asked.update(fresh)
+            self._preempt += fresh
+            self.preemptions += bool(fresh)
+        return granted
+
+    def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
+        self._now = now
+        self._granted_at[key] = now
+        return super().occupy(key, iteration, now)
+
+    def release(self, key: RankKey, now: float) -> list[RankKey]:
+        self._now = now
+        began = self._granted_at.pop(key, None)
+        if began is not None:
+            self.book.served(key.job_id, now - began, now)
+        self._asked.discard(key)
+        return super().release(key, now)
+
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
+        self._now = now
         self._passed.pop(key, None)
         return super().cancel(key, now)
 
+    def tick(self, now: float) -> list[RankKey]:
+        """Look again at devices whose lower-class phase was held back until now."""
+        self._now = now
+        granted: list[RankKey] = []
+        for index, until in sorted(self._held_until.items()):
+            if until <= now:
+                del self._held_until[index]
+                granted += self._decide(self._q.devices[index])
+        return granted
+
+    def next_deadline(self) -> float | None:
+        return min(self._held_until.values(), default=None)
+
     def _joined(self, key: RankKey) -> None:
         self._passed.pop(key, None)
+        self._granted_at[key] = self._now
 
     def observe(self, key: RankKey, phase: str, duration_s: float, now: float) -> None:
-        if phase != "compute" or duration_s <= 0 or key not in self._q.ranks:
+        if duration_s <= 0 or key not in self._q.ranks:
+            return
+        a = self.settings.ema_alpha
+        if phase == "comm":
+            self.book.observe_comm(key.job_id, duration_s, a)
+            return
+        if phase != "compute":
             return
         old = self._compute.get(key.job_id)
-        a = self.settings.ema_alpha
         self._compute[key.job_id] = duration_s if old is None else (1 - a) * old + a * duration_s
 
     def order(self, device: int) -> list[RankKey]:
@@ -161,10 +250,50 @@ class CrossoverPolicy(DispatchPolicy):
     def _dispatch(self, dev: _Device) -> list[RankKey]:
         if dev.holders or not dev.waiting:
             return []
+        self._held_until.pop(dev.index, None)
         waiting = list(dev.waiting)
-        nxt = self._pick(waiting, self._passed)
-        if self._pass_over(waiting, self._passed, nxt):
+        jobs = {k.job_id for k, r in self._q.ranks.items() if r.device == dev.index}
+        if not self.book.uniform(jobs):
+            classed = self._by_class(dev, waiting, jobs)
+            if classed is None:
+                return []
+            nxt, waiting = classed
+        else:
+            nxt = self._pick(waiting, self._passed)
+        if nxt in waiting and self._pass_over(waiting, self._passed, nxt):
             self.overtakes += 1
         self._passed.pop(nxt, None)
         self._q.grant(dev, nxt)
+        self._granted_at[nxt] = self._now
         return [nxt]
+
+    def _by_class(self, dev: _Device, waiting: list[RankKey], jobs: set[str]
+                  ) -> tuple[RankKey, list[RankKey]] | None:
+        """The class rules' choice on a device whose jobs differ in class or weight, with the ranks it was
+        chosen among (overtakes count only among those); None: hold the device back for a higher job."""
+        now, book, at = self._now, self.book, self._q.requested_at
+        top = max(book.of(k.job_id).priority for k in waiting)
+        due: list[float] = []
+        for k in sorted(waiting, key=lambda k: (at[k], k.job_id, k.rank)):
+            if book.of(k.job_id).priority < top:
+                need = max(self._compute.get(k.job_id, 0.0), 0.01)
+                credit = book.credit(k.job_id, now)
+                if credit >= need:
+                    self.guarded += 1
+                    return k, []
+                due.append(now + (need - credit) / max(book.settings.guard_share, 1e-9))
+        cands = [k for k in waiting if book.of(k.job_id).priority == top]
+        backs = [t for j in jobs if book.of(j).priority > top and (t := book.back_at(j, now)) is not None]
+        if backs:
+            gap = (min(backs) - now) * book.settings.fit_margin
+            fits = [k for k in cands if self._compute.get(k.job_id, 0.0) <= gap]
+            if not fits:
+                self.held_back += 1
+                comm = max((book.comm.get(j, 0.0) for j in jobs if book.of(j).priority > top), default=0.0)
+                self._held_until[dev.index] = min([min(backs) + comm + 1e-3, *due])
+                return None
+            cands = fits
+        if len({book.of(k.job_id).weight for k in cands}) > 1:
+            return min(cands, key=lambda k: (book.recent(k.job_id) / book.of(k.job_id).weight, at[k], k.job_id,
+                                             k.rank)), cands
+        return self._pick(cands, self._passed), cands

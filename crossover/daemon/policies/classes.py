@@ -1,0 +1,143 @@
+"""Priority classes: which waiting job goes first when jobs on a device do not matter alike.
+
+Every job has a `JobClass`: a priority (`high`, `normal`, `low`) and, within
+it, a weight. The rules, applied by the `crossover` policy on each device only
+while its jobs differ in class or weight (equal classes: today's order, exactly):
+
+* **Higher first.** A waiting rank of a higher class goes before any of a lower one.
+* **Into gaps only.** A lower-class compute phase is granted only if it is
+  expected to end before every higher-class job on the device is back: the
+  higher job left the device when its allreduce began, and comes back after its
+  measured allreduce (EMA). Without a measure yet, or once a higher job is
+  overdue by more than its own allreduce (it paused: evaluation, a checkpoint),
+  the gap counts as open. A phase that does not fit is held back until the gap
+  closes or the guard below serves it.
+* **Yield on demand.** When a higher-class rank asks for a device that a
+  lower-class job holds, the holders are asked to yield (`take_preemptions`);
+  the plugin hands the device back at its next gradient hook, so the higher job
+  waits about one layer's backward, not a whole phase.
+* **Weights within a class.** Among waiting jobs of one class whose weights
+  differ, the one with the least recent device time per weight goes first.
+* **Starvation guard.** Each lower-class job earns `guard_share` seconds of
+  device time per second (capped at `guard_window_s` of it) and spends what it
+  holds. A waiting job whose credit covers its next phase is served before any
+  higher class: every job keeps progressing at its guaranteed share.
+
+Pure: time comes only through `now`; the policy feeds it what it observes.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["ClassBook", "ClassSettings", "JobClass", "Priority"]
+
+
+class Priority(enum.IntEnum):
+    """A job's class; a larger value goes first."""
+
+    LOW = 0
+    NORMAL = 1
+    HIGH = 2
+
+    @classmethod
+    def parse(cls, text: str) -> Priority:
+        """`high`, `normal` or `low` (any case); ValueError names the choices."""
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"priority {text!r}: choose one of high, normal, low") from None
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class JobClass:
+    """A job's class and its weight within the class (a share of the device relative to its peers)."""
+
+    priority: Priority = Priority.NORMAL
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.01 <= self.weight <= 100.0 or self.weight != self.weight:
+            raise ValueError(f"weight {self.weight}: must be within 0.01..100")
+
+    def __str__(self) -> str:
+        return f"{self.priority}" + ("" if self.weight == 1.0 else f" x{self.weight:g}")
+
+
+@dataclass(frozen=True)
+class ClassSettings:
+    """`guard_share`: the device time every lower-class job is guaranteed (0.1: a tenth);
+    `guard_window_s`: how much unspent guarantee a job may save up, in seconds of wall time;
+    `fit_margin`: a lower phase must fit the gap with this factor to spare (1.0: just fit);
+    `window_s`: how far back recent device time counts, for weights."""
+
+    guard_share: float = 0.1
+    guard_window_s: float = 10.0
+    fit_margin: float = 1.0
+    window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.guard_share < 1.0:
+            raise ValueError(f"guard_share {self.guard_share}: must be within [0, 1)")
+        if self.guard_window_s <= 0 or self.window_s <= 0:
+            raise ValueError("guard_window_s and window_s must be > 0")
+        if self.fit_margin < 1.0:
+            raise ValueError(f"fit_margin {self.fit_margin}: must be >= 1")
+
+
+class ClassBook:
+    """What the class rules need to remember per job: class, credit, recent device time, allreduce timing."""
+
+    def __init__(self, settings: ClassSettings | None = None) -> None:
+        self.settings = settings or ClassSettings()
+        self.classes: dict[str, JobClass] = {}
+        self._credit: dict[str, tuple[float, float]] = {}  # job -> (credit s, as of when)
+        self._served: deque[tuple[float, str, float]] = deque()  # (released at, job, held s)
+        self.left_at: dict[str, float] = {}  # job -> when its last compute phase here ended
+        self.comm: dict[str, float] = {}  # job -> EMA of its allreduce
+
+    def of(self, job: str) -> JobClass:
+        return self.classes.get(job, JobClass())
+
+    def forget(self, job: str) -> None:
+        for d in (self.classes, self._credit, self.left_at, self.comm):
+            d.pop(job, None)  # type: ignore[attr-defined]
+
+    def credit(self, job: str, now: float) -> float:
+        """Seconds of guaranteed device time the job has saved up by `now`."""
+        s = self.settings
+        value, since = self._credit.get(job, (0.0, now))
+        return min(s.guard_share * s.guard_window_s, value + s.guard_share * max(0.0, now - since))
+
+    def served(self, job: str, held_s: float, now: float) -> None:
+        """The job held a device for `held_s` until `now` (its allreduce begins)."""
+        self._credit[job] = (self.credit(job, now) - held_s, now)
+        self._served.append((now, job, held_s))
+        self.left_at[job] = now
+        while self._served and self._served[0][0] < now - self.settings.window_s:
+            self._served.popleft()
+
+    def recent(self, job: str) -> float:
+        """Device time the job held in the last `window_s` (as of its latest release)."""
+        return sum(h for _, j, h in self._served if j == job)
+
+    def observe_comm(self, job: str, duration_s: float, alpha: float) -> None:
+        old = self.comm.get(job)
+        self.comm[job] = duration_s if old is None else (1 - alpha) * old + alpha * duration_s
+
+    def back_at(self, job: str, now: float) -> float | None:
+        """When a job away from the device (in its allreduce) is expected back; None: not known, or
+        overdue by more than its allreduce (the job paused: its gap counts as open)."""
+        left, comm = self.left_at.get(job), self.comm.get(job)
+        if left is None or comm is None:
+            return None
+        due = left + comm
+        return None if now > due + comm else due
+
+    def uniform(self, jobs: set[str]) -> bool:
+        """True when every job named has the same class and weight: the class rules change nothing."""
+        return len({self.of(j) for j in jobs}) <= 1

@@ -1,0 +1,208 @@
+"""The class rules of the `crossover` policy (`policies.classes`), driven directly with explicit `now` values.
+
+Row by row: higher first, a yield asked of a lower holder, lower phases only into gaps
+they fit, an overdue higher job opening its gap, the guard, weights. Then properties over
+random event sequences: equal classes change nothing; a high rank never waits behind a
+low phase that started after it asked; two nodes fed the same events decide alike.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies import CrossoverPolicy
+from crossover.daemon.policies.classes import ClassBook, ClassSettings, JobClass, Priority
+
+HIGH, NORMAL, LOW = JobClass(Priority.HIGH), JobClass(Priority.NORMAL), JobClass(Priority.LOW)
+
+
+def ref(job: str, rank: int = 0, device: int = 0) -> RankRef:
+    return RankRef(RankKey(job, rank), job_name=job, device=device, world_size=2, joined_at=0.0)
+
+
+def K(job: str, rank: int = 0) -> RankKey:  # noqa: N802 - reads like the RankKey it builds
+    return RankKey(job, rank)
+
+
+def policy(classes: dict[str, JobClass], **settings: float) -> CrossoverPolicy:
+    p = CrossoverPolicy(classes=ClassSettings(**settings) if settings else None)
+    for job, cls in classes.items():
+        p.join(ref(job), 0.0)
+        p.classify(job, cls, 0.0)
+    return p
+
+
+def phase(p: CrossoverPolicy, job: str, t0: float, compute: float, comm: float) -> None:
+    """One full phase of `job` alone on the device: request, grant, release at t0 + compute; its allreduce measured."""
+    assert p.request(K(job), 0, t0) == [K(job)]
+    p.observe(K(job), "compute", compute, t0 + compute)
+    p.release(K(job), t0 + compute)
+    p.observe(K(job), "comm", comm, t0 + compute + comm)
+
+
+def test_priority_parses_its_three_names_and_refuses_others() -> None:
+    assert [Priority.parse(x) for x in ("HIGH", " normal", "low")] == [Priority.HIGH, Priority.NORMAL, Priority.LOW]
+    with pytest.raises(ValueError, match="high, normal, low"):
+        Priority.parse("urgent")
+    with pytest.raises(ValueError, match="weight"):
+        JobClass(Priority.LOW, 0.0)
+    assert str(JobClass(Priority.LOW, 2.0)) == "low x2" and str(NORMAL) == "normal"
+
+
+def test_a_waiting_high_rank_goes_before_a_low_one_that_asked_first() -> None:
+    p = policy({"hi": HIGH, "lo": LOW, "x": NORMAL})
+    p.request(K("x"), 0, 0.0)  # x holds; lo then hi queue
+    p.request(K("lo"), 0, 0.1)
+    p.request(K("hi"), 0, 0.2)
+    assert p.release(K("x"), 0.3) == [K("hi")]
+
+
+def test_a_high_request_asks_the_low_holder_to_yield_once_and_is_served_next() -> None:
+    p = policy({"hi": HIGH, "lo": LOW, "lo2": LOW})
+    assert p.request(K("lo"), 0, 0.0) == [K("lo")]
+    p.request(K("lo2"), 0, 0.05)
+    assert p.request(K("hi"), 0, 0.1) == []
+    assert p.take_preemptions() == [K("lo")] and p.take_preemptions() == []
+    assert p.release(K("lo"), 0.12) == [K("hi")]  # the yield: hi, not lo2
+    assert p.decisions()["preempt"] == 1
+
+
+def test_equal_class_requests_ask_nobody_to_yield() -> None:
+    p = policy({"a": LOW, "b": LOW})
+    p.request(K("a"), 0, 0.0)
+    p.request(K("b"), 0, 0.1)
+    assert p.take_preemptions() == []
+
+
+def test_a_low_phase_waits_for_a_gap_it_fits_and_the_deadline_looks_again() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)  # lo's phase is 0.3 s
+    phase(p, "hi", 1.0, compute=0.1, comm=0.2)  # hi left at 1.1 and is due back at 1.3
+    assert p.request(K("lo"), 1, 1.15) == []  # 0.15 s left: 0.3 s does not fit
+    assert p.decisions()["held_back"] == 1
+    assert p.next_deadline() == pytest.approx(1.3 + 0.2 + 1e-3)  # hi overdue by its allreduce: the gap opens
+    assert p.tick(1.4) == []
+    assert p.tick(1.502) == [K("lo")]
+
+
+def test_a_low_phase_that_fits_the_gap_is_granted_at_once() -> None:
+    p = policy({"hi": HIGH, "lo": LOW})
+    phase(p, "lo", 0.0, compute=0.05, comm=0.1)
+    phase(p, "hi", 1.0, compute=0.1, comm=0.2)
+    assert p.request(K("lo"), 1, 1.12) == [K("lo")]
+
+
+def test_the_high_job_back_in_time_is_served_and_the_low_one_waits() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
+    phase(p, "hi", 1.0, compute=0.1, comm=0.2)
+    p.request(K("lo"), 1, 1.15)
+    assert p.request(K("hi"), 1, 1.3) == [K("hi")]
+
+
+def test_the_guard_serves_a_low_job_before_high_ones_at_its_guaranteed_share() -> None:
+    p = policy({"h1": HIGH, "h2": HIGH, "lo": LOW}, guard_share=0.1, guard_window_s=10.0)
+    phase(p, "lo", 0.0, compute=0.1, comm=0.1)  # credit now -0.1 s, earning 0.1 s per second
+    t = 0.2
+    for k in (K("h1"), K("h2"), K("lo")):
+        p.request(k, 1, t)
+    held = {"h1": 0.0, "h2": 0.0, "lo": 0.0}
+    for i in range(300):  # every job asks again at once: a high rank always waits
+        holder = next(k for k in (K("h1"), K("h2"), K("lo")) if p.holds(k))
+        t += 0.1
+        held[holder.job_id] += 0.1
+        p.release(holder, t)
+        p.request(holder, i + 2, t)
+    share = held["lo"] / sum(held.values())
+    assert p.decisions()["guard"] >= 25 and 0.08 <= share <= 0.12, (share, p.decisions())
+
+
+def test_weights_within_a_class_share_the_device_by_weight() -> None:
+    p = policy({"a": JobClass(Priority.NORMAL, 2.0), "b": NORMAL, "c": NORMAL})
+    t = 0.0
+    held = {"a": 0.0, "b": 0.0, "c": 0.0}
+    for j in held:
+        p.request(K(j), 0, t)
+    for i in range(300):  # two jobs wait at every decision
+        holder = next(k for k in (K("a"), K("b"), K("c")) if p.holds(k))
+        t += 0.02
+        held[holder.job_id] += 0.02
+        p.release(holder, t)
+        p.request(holder, i + 1, t)
+    assert held["a"] / held["b"] == pytest.approx(2.0, rel=0.05) and held["b"] == pytest.approx(held["c"], rel=0.05)
+
+
+def test_a_job_overdue_by_its_allreduce_leaves_its_gap_open() -> None:
+    book = ClassBook()
+    book.served("hi", 0.1, 1.0)
+    book.observe_comm("hi", 0.2, 0.3)
+    assert book.back_at("hi", 1.1) == pytest.approx(1.2)
+    assert book.back_at("hi", 1.41) is None  # due at 1.2, overdue by more than 0.2 s
+
+
+# ---- properties --------------------------------------------------------------------------------------
+
+JOBS = ("a", "b", "c")
+
+
+def _drive(p: CrossoverPolicy, seed: int, steps: int = 120) -> list[tuple[str, ...]]:
+    """A random run of three one-rank jobs on one device; the grants of each step."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(steps):
+        t += rng.uniform(0.001, 0.05)
+        job = rng.choice(JOBS)
+        k = K(job)
+        if p.holds(k):
+            p.observe(k, "compute", rng.uniform(0.01, 0.1), t)
+            granted = p.release(k, t)
+            p.observe(k, "comm", rng.uniform(0.01, 0.1), t)
+        elif p.is_waiting(k):
+            granted = p.tick(t)
+        else:
+            granted = p.request(k, i, t)
+        out.append(tuple(g.job_id for g in granted))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), cls=st.sampled_from([HIGH, NORMAL, LOW, JobClass(Priority.LOW, 3.0)]))
+def test_equal_classes_decide_exactly_as_the_policy_without_classes(seed: int, cls: JobClass) -> None:
+    plain = policy({})
+    for j in JOBS:
+        plain.join(ref(j), 0.0)
+    classed = policy(dict.fromkeys(JOBS, cls))
+    assert _drive(classed, seed) == _drive(plain, seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_two_nodes_fed_the_same_events_decide_alike(seed: int) -> None:
+    classes = {"a": HIGH, "b": LOW, "c": JobClass(Priority.LOW, 2.0)}
+    assert _drive(policy(classes), seed) == _drive(policy(classes), seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_a_high_rank_is_never_passed_by_a_lower_grant(seed: int) -> None:
+    """While a high rank waits, the device goes to a lower job only through the guard (bounded by its share)."""
+    classes = {"a": HIGH, "b": LOW, "c": NORMAL}
+    p = policy(classes, guard_share=0.0)
+    rng = random.Random(seed)
+    t = 0.0
+    for i in range(150):
+        t += rng.uniform(0.001, 0.05)
+        k = K(rng.choice(JOBS))
+        high_waiting = p.is_waiting(K("a"))
+        if p.holds(k):
+            granted = p.release(k, t)
+        elif p.is_waiting(k):
+            granted = p.tick(t)
+        else:
+            granted = p.request(k, i, t)
+        if high_waiting:
+            assert all(g.job_id == "a" for g in granted), (i, granted)
