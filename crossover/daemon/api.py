@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from crossover.protos import PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from crossover.daemon.policies.classes import JobClass
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -139,6 +142,12 @@ class Policy(Protocol):
     def decisions(self) -> dict[str, int]:
         """How often the policy made each of its notable choices since it started (backfills,
         bounded waits that timed out, overtakes): what an operator reads in metrics."""
+
+    def classify(self, job_id: str, cls: JobClass, now: float) -> list[RankKey]:
+        """The job's priority class and weight on this node changed (policies that ignore classes: nothing)."""
+
+    def take_preemptions(self) -> list[RankKey]:
+        """Holders to ask for a yield now (a higher-class rank waits behind them); each is returned once."""
 
     def holds(self, key: RankKey) -> bool: ...
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-__all__ = ["AliveMsg", "CloseMsg", "GrantMsg", "LeaseMsg", "Message", "PolicyMsg", "ShareMsg"]
+from crossover.daemon.policies.classes import JobClass
+
+__all__ = ["AliveMsg", "ClassMsg", "CloseMsg", "GrantMsg", "LeaseMsg", "Message", "PolicyMsg", "PreemptMsg",
+           "ShareMsg"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,19 @@ class AliveMsg:
 
 
 @dataclass(frozen=True)
+class ClassMsg:
+    """The session's job's class on this node; `note` says why a class the rank asked for was not given."""
+
+    cls: JobClass
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PreemptMsg:
+    """A higher-class rank waits for the session's device: yield it at the next gradient."""
+
+
+@dataclass(frozen=True)
 class CloseMsg:
     """Ends a session's stream; `error` set means the rank sent something invalid."""
 
@@ -51,4 +67,4 @@ class CloseMsg:
     error: Exception | None = None
 
 
-Message = Union[GrantMsg, PolicyMsg, LeaseMsg, ShareMsg, AliveMsg, CloseMsg]
+Message = Union[GrantMsg, PolicyMsg, LeaseMsg, ShareMsg, AliveMsg, ClassMsg, PreemptMsg, CloseMsg]

@@ -13,6 +13,7 @@ from typing import Callable
 
 import psutil
 
+from crossover.daemon.policies.classes import JobClass, Priority
 from crossover.daemon.api import InvalidRequest, NotFound, Phase, RankKey, RankRef
 from crossover.daemon.messages import Message
 from crossover.protos.identity import RankIdentity
@@ -81,6 +82,10 @@ class Session:
     stats: Stats = field(default_factory=Stats)
     process: psutil.Process | None = None
     uid: int | None = None  # the kernel's uid of its session socket peer (None: not known, e.g. gRPC)
+    asked: Priority | None = None  # the class the rank asked for (CROSSOVER_PRIORITY); None: none
+    klass: JobClass = field(default_factory=JobClass)  # the class this rank is given (its job's is the lowest)
+    class_by: str = ""  # what gave it: a --class-rule's text, "rank" (it lowered itself) or "" (the default)
+    accepts_preempt: bool = False  # the client yields on Directive.preempt
 
     def send(self, msg: Message) -> None:
         if self.deliver is None:

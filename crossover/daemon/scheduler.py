@@ -22,14 +22,17 @@ from typing import Callable
 import psutil
 
 from crossover.daemon import policies
-from crossover.daemon.api import AlreadyExists, FailedPrecondition, Phase, Policy, RankKey, RankRef, ResourceExhausted
+from crossover.daemon.api import (AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase, Policy, RankKey, RankRef,
+                                  ResourceExhausted)
+from crossover.daemon.class_rules import ClassRules, effective_class
+from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision, EventKind, RankEvent, record_rank
 from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.leases import Leases
 from crossover.daemon.liveness import Liveness
-from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PolicyMsg
+from crossover.daemon.messages import ClassMsg, CloseMsg, GrantMsg, Message, PolicyMsg, PreemptMsg
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
 from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
@@ -85,11 +88,17 @@ class Scheduler:
         payoff: PayoffSettings | None = None,
         wall: Callable[[], float] = time.time,
         adapt: bool | None = None,
+        class_rules: ClassRules | None = None,
+        class_settings: ClassSettings | None = None,
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
-        self._phases = PhaseMachine(policies.create(policy) if isinstance(policy, str) else policy,
+        self._class_settings = class_settings
+        self._phases = PhaseMachine(policies.create(policy, class_settings) if isinstance(policy, str) else policy,
                                     self._sessions, self._leases)
+        self._rules = class_rules or ClassRules()
+        self._classes: dict[str, tuple[JobClass, str]] = {}  # job -> its class as the policy has it, and by what
+        self._set_by_operator: dict[str, JobClass] = {}  # job -> the class `crossover priority/share` set
         self._pid_alive = pid_alive
         # Registered sessions at once: each registration costs every session on its device a share
         # update, so a flood of them (sessions that never open a stream live 5 s) is bounded.
@@ -153,7 +162,10 @@ class Scheduler:
 
     # ---- rank lifecycle ------------------------------------------------
 
-    def register(self, ident: RankIdentity, accepts_leases: bool = False) -> Registration:
+    def register(self, ident: RankIdentity, accepts_leases: bool = False, asked: Priority | None = None,
+                 accepts_preempt: bool = False) -> Registration:
+        """Register a rank. `asked`: the class it asks for (it may lower what this node gives its user, once the
+        kernel names the user on the session socket: `bind_peer`); `accepts_preempt`: it yields when asked."""
         validate_identity(ident, len(self.inventory.devices))
         ident = printable_identity(ident)
         device_index = ident.device if ident.device >= 0 else ident.local_rank % len(self.inventory.devices)
@@ -184,12 +196,15 @@ class Scheduler:
             ref = RankRef(key, ident.job_name, device.index, ident.world_size, now)
             ident = replace(ident, node=self.node, device=device.index)
             sess = Session(sid, ident, ref, registered_at=now, last_seen=now, last_t=now, phase_since=now,
-                           accepts_leases=accepts_leases, process=process)
+                           accepts_leases=accepts_leases, process=process, asked=asked,
+                           accepts_preempt=accepts_preempt)
+            note = self._give_class(sess, None, None)
             self._sessions.add(sess)
             d = Decision()
             d.log("register", sess, pid=ident.pid, world_size=ident.world_size)
             self._leases.revoke(device.index, "another rank joined the device", d)
             self._phases.deliver(self._phases.policy.join(ref, now), now, d)
+            self._reclassify(key.job_id, now, d, tell=(sess, note))
             self._phases.tell_share(device.index, d)
             self._commit(d, now)
             blocks = self._phases.policy.blocks
@@ -269,7 +284,43 @@ class Scheduler:
             if any(ev.kind is not EventKind.HEARTBEAT for ev in events):
                 sess.floor_t = arrived
 
-    def bind_peer(self, session_id: str, pid: int, uid: int) -> None:
+    def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
+        """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
+        Before the kernel names its user, a rank that asks for a class some rule may give it waits for that."""
+        given, by = self._rules.given(uid, gid)
+        if uid is None and sess.asked is not None and sess.asked > given.priority \
+                and self._rules.could_give(sess.asked):
+            sess.klass, sess.class_by = given, by
+            return ""
+        sess.klass, note = effective_class(sess.asked, given, by)
+        sess.class_by = "rank" if sess.klass.priority < given.priority else by
+        return note
+
+    def _reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:
+        """Give the job its class on this node (the operator's, else the lowest of its ranks'); when it
+        changes, the policy decides again and every rank of the job is told. `tell`: a session to tell
+        in any case, with its note (a new rank)."""
+        ranks = [s for s in self._sessions if s.ref.key.job_id == job_id]
+        if not ranks:
+            self._classes.pop(job_id, None)
+            self._set_by_operator.pop(job_id, None)
+            return
+        operator = self._set_by_operator.get(job_id)
+        cls, by = (operator, "operator") if operator else min(((s.klass, s.class_by) for s in ranks),
+                                                              key=lambda c: (c[0].priority, c[0].weight))
+        before = self._classes.get(job_id)
+        self._classes[job_id] = (cls, by)
+        # A job of the default class that always was needs no word: nothing is logged or sent for it.
+        changed = before != (cls, by) and (cls != JobClass() or (before is not None and before[0] != JobClass()))
+        if changed:
+            d.log("job_class", ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
+            self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
+        for s in ranks:
+            note = tell[1] if tell is not None and s is tell[0] else ""
+            if note or changed or (s is (tell[0] if tell else None) and cls != JobClass()):
+                d.post(s, ClassMsg(cls, note))
+
+    def bind_peer(self, session_id: str, pid: int, uid: int, gid: int | None = None) -> None:
         """Bind a session to its connection's process and user as the kernel reports them (SO_PEERCRED).
 
         From then on liveness, `crossover queue`'s pid and per-user limits use the kernel's
@@ -282,6 +333,11 @@ class Scheduler:
             if sess is None:
                 return
             sess.uid = uid
+            note = self._give_class(sess, uid, gid)
+            d = Decision()
+            now = self._clock()
+            self._reclassify(sess.ref.key.job_id, now, d, tell=(sess, note) if note else None)
+            self._commit(d, now)
             if pid != sess.ident.pid:
                 if pid > 0 and sess.ident.pid:
                     _log.warning("%s rank %d claimed pid %d but its connection is pid %d; using the kernel's",
@@ -306,6 +362,7 @@ class Scheduler:
             self._phases.forget_lease(sess, now, d)
             d.post(sess, CloseMsg(reason))
             self._phases.tell_share(sess.ref.device, d)
+            self._reclassify(sess.ref.key.job_id, now, d)
             self._commit(d, now)
         _log.info("removed %s rank %d: %s", sess.ident.job_name, sess.ident.rank, reason)
         return True
@@ -449,7 +506,7 @@ class Scheduler:
     def set_policy(self, name: str, caller: str = "") -> str:
         """Switch policy at once; ranks computing or waiting are re-queued under the new one.
         `caller` says who asked, as the event log and the daemon log record it."""
-        new = policies.create(name)
+        new = policies.create(name, self._class_settings)
         d = Decision()
         with self._lock:
             now = self._clock()
@@ -466,6 +523,8 @@ class Scheduler:
             for sess in sorted(self._sessions, key=lambda s: s.registered_at):
                 if sess.phase is not Phase.SUSPENDED:
                     new.join(sess.ref, now)
+            for job_id, (cls, _) in sorted(self._classes.items()):
+                new.classify(job_id, cls, now)
             active = [s for s in self._sessions if s.phase in (Phase.COMPUTE, Phase.WAITING)]
             active.sort(key=lambda s: (s.phase is not Phase.COMPUTE, s.requested_at))
             for sess in active:
@@ -582,6 +641,9 @@ class Scheduler:
             processes = [(sid, s.process) for sid, s in sessions if s.process is not None]
             by_key = {s.ref.key: sid for sid, s in sessions}
             views = {dev.index: self._phases.policy.view(dev.index) for dev in self.inventory.devices}
+            for sid, s in sessions:
+                cls, by = self._classes.get(s.ref.key.job_id, (JobClass(), ""))
+                snaps[sid] = replace(snaps[sid], priority=str(cls.priority), weight=cls.weight, class_by=by)
             held_back = self._leases.held_back()
             devices = {sid: s.ref.device for sid, s in sessions}
         for sid, proc in processes:  # psutil reads /proc: outside the lock
@@ -596,7 +658,40 @@ class Scheduler:
             out[index] = DeviceSnapshot(holders, waiting, others, view.order)
         return out, list(snaps.values())
 
+    def set_job_class(self, job: str, priority: Priority | None = None, weight: float | None = None,
+                      caller: str = "") -> tuple[str, JobClass]:
+        """The operator's `crossover priority` / `share`: set a job's class or weight on this node (the job by id
+        or name; None keeps that part). Its ranks are told; the policy decides again. Returns (job id, class)."""
+        with self._lock:
+            now = self._clock()
+            ids = sorted({s.ref.key.job_id for s in self._sessions if job in (s.ref.key.job_id, s.ident.job_name)})
+            if not ids:
+                raise NotFound(f"no job {job!r} has ranks on this node (`crossover jobs` lists them)")
+            if len(ids) > 1:
+                raise InvalidRequest(f"{len(ids)} jobs are named {job!r} here; give the job id ({', '.join(ids)})")
+            (job_id,) = ids
+            current = self._classes.get(job_id, (JobClass(), ""))[0]
+            cls = JobClass(current.priority if priority is None else priority, weight or current.weight)
+            self._set_by_operator[job_id] = cls
+            d = Decision()
+            self._reclassify(job_id, now, d)
+            self._commit(d, now)
+        self.events.record("job_class_set", job=job_id, priority=str(cls.priority), weight=cls.weight, caller=caller)
+        _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
+        return job_id, cls
+
+    def job_class(self, job_id: str) -> tuple[JobClass, str]:
+        """The job's class on this node and what set it (\"operator\", a rule, \"rank\" or \"\")."""
+        with self._lock:
+            return self._classes.get(job_id, (JobClass(), ""))
+
     def _commit(self, d: Decision, now: float) -> None:
         """Log the decision's entries, then send its messages; called with the lock held, so the
-        log's order is the order decisions were made (tests and benchmarks check policies against it)."""
+        log's order is the order decisions were made (tests and benchmarks check policies against it).
+        Holders the policy now wants to yield to a higher class are asked to, in the same decision."""
+        for key in self._phases.policy.take_preemptions():
+            sess = self._sessions.by_key(key)
+            if sess is not None and sess.accepts_preempt:
+                d.log("preempt", sess)
+                d.post(sess, PreemptMsg())
         d.commit(self.events, self.node, now)

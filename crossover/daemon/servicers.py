@@ -16,7 +16,8 @@ from crossover.daemon.grant_payoff import Verdict
 from crossover.daemon.limits import Connections, StreamLimits
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
-from crossover.daemon.session_stream import refusal
+from crossover.daemon.policies.classes import Priority
+from crossover.daemon.session_stream import PRIORITY_FROM_PB, PRIORITY_TO_PB, refusal
 from crossover.daemon.snapshots import RankSnapshot
 from crossover.protos import USER_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
@@ -89,7 +90,11 @@ class SchedulerService(_Service, pb_grpc.SchedulerServicer):
         _check_version(request.protocol_version)
         if not request.HasField("identity"):
             raise InvalidRequest("identity is missing")
-        reg = self._core.register(RankIdentity.from_pb(request.identity), accepts_leases=request.accepts_leases)
+        if request.priority not in PRIORITY_FROM_PB and request.priority != pb.PRIORITY_UNSPECIFIED:
+            raise InvalidRequest(f"priority {request.priority} is not one of PRIORITY_LOW, _NORMAL, _HIGH")
+        reg = self._core.register(RankIdentity.from_pb(request.identity), accepts_leases=request.accepts_leases,
+                                  asked=PRIORITY_FROM_PB.get(request.priority),
+                                  accepts_preempt=request.accepts_preempt)
         return pb.RegisterResponse(
             session_id=reg.session_id,
             node=reg.node,
@@ -115,6 +120,7 @@ def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
         phase=_PHASES[r.phase], iteration=r.iteration, mean_compute_s=r.mean_compute_s,
         mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
         rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s, user=r.user,
+        priority=PRIORITY_TO_PB[Priority.parse(r.priority)], weight=r.weight,
     )
 
 
@@ -152,7 +158,9 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         jobs: dict[str, pb.JobState] = {}
         for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
             i = r.ident
-            job = jobs.setdefault(i.job_id, pb.JobState(job_id=i.job_id, job_name=i.job_name, world_size=i.world_size))
+            job = jobs.setdefault(i.job_id, pb.JobState(
+                job_id=i.job_id, job_name=i.job_name, world_size=i.world_size,
+                priority=PRIORITY_TO_PB[Priority.parse(r.priority)], weight=r.weight, class_set_by=r.class_by))
             job.ranks.append(_rank_state(r, {}))
             job.registered_s = max(job.registered_s, r.registered_s)
         return pb.JobList(jobs=list(jobs.values()))
@@ -185,6 +193,22 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         _check_version(request.protocol_version)
         return pb.DeviceAck(device=request.device,
                             draining=self._core.drain(request.device, False, _caller(context)))
+
+    @_unary
+    def SetJobClass(self, request: pb.JobClassRequest, context: grpc.ServicerContext) -> pb.JobState:
+        _check_version(request.protocol_version)
+        if not request.job:
+            raise InvalidRequest("name the job (its id or name; `crossover jobs` lists them)")
+        if request.priority not in PRIORITY_FROM_PB and request.priority != pb.PRIORITY_UNSPECIFIED:
+            raise InvalidRequest(f"priority {request.priority} is not one of PRIORITY_LOW, _NORMAL, _HIGH")
+        if request.weight != 0 and not 0.01 <= request.weight <= 100:
+            raise InvalidRequest(f"weight {request.weight}: must be within 0.01..100")
+        if request.priority == pb.PRIORITY_UNSPECIFIED and request.weight == 0:
+            raise InvalidRequest("give a priority, a weight, or both")
+        job_id, cls = self._core.set_job_class(request.job, PRIORITY_FROM_PB.get(request.priority),
+                                               request.weight or None, caller=_caller(context))
+        return pb.JobState(job_id=job_id, priority=PRIORITY_TO_PB[cls.priority], weight=cls.weight,
+                           class_set_by="operator")
 
     @_unary
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:

@@ -122,7 +122,7 @@ class _FrameConnection:
                 return
             life.open(first, self._deliver)
             if self._peer is not None and life.sid:
-                self._core.bind_peer(life.sid, self._peer.pid, self._peer.uid)
+                self._core.bind_peer(life.sid, self._peer.pid, self._peer.uid, self._peer.gid)
             self._clock.wait_between_frames(self._limits.idle_timeout_s)
             while (ev := self._read()) is not None:
                 life.receive(ev)

@@ -27,6 +27,9 @@ class RankSnapshot:
     cpu_percent: float
     rss_bytes: int
     user: str = ""  # the kernel's uid of its session socket peer, as a name; "" when not known
+    priority: str = "normal"  # its job's class on this node
+    weight: float = 1.0
+    class_by: str = ""  # what set the class: "operator", a --class-rule, "rank", or "" (the default)
 
 
 class DeviceSnapshot(NamedTuple):

@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_LOW: _ClassVar[Priority]
+    PRIORITY_NORMAL: _ClassVar[Priority]
+    PRIORITY_HIGH: _ClassVar[Priority]
+
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
@@ -35,6 +42,10 @@ class Adapt(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADAPT_UNCHANGED: _ClassVar[Adapt]
     ADAPT_ON: _ClassVar[Adapt]
     ADAPT_OFF: _ClassVar[Adapt]
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_LOW: Priority
+PRIORITY_NORMAL: Priority
+PRIORITY_HIGH: Priority
 EVENT_KIND_UNSPECIFIED: EventKind
 OPEN: EventKind
 COMPUTE_REQUEST: EventKind
@@ -79,14 +90,18 @@ class RankIdentity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_size: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "identity", "accepts_leases")
+    __slots__ = ("protocol_version", "identity", "accepts_leases", "priority", "accepts_preempt")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_PREEMPT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     identity: RankIdentity
     accepts_leases: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., accepts_leases: _Optional[bool] = ...) -> None: ...
+    priority: Priority
+    accepts_preempt: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., accepts_leases: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., accepts_preempt: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "node", "device", "cpu_affinity", "heartbeat_interval_s", "policy", "policy_blocks", "session_socket")
@@ -107,6 +122,20 @@ class RegisterResponse(_message.Message):
     policy_blocks: bool
     session_socket: str
     def __init__(self, session_id: _Optional[str] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., heartbeat_interval_s: _Optional[float] = ..., policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ..., session_socket: _Optional[str] = ...) -> None: ...
+
+class JobClassUpdate(_message.Message):
+    __slots__ = ("priority", "weight", "note")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    priority: Priority
+    weight: float
+    note: str
+    def __init__(self, priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
+
+class Preempt(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class RankEvent(_message.Message):
     __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "yields")
@@ -137,20 +166,24 @@ class RankEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., yields: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("grant", "policy", "lease", "error", "share", "alive")
+    __slots__ = ("grant", "policy", "lease", "error", "share", "alive", "job_class", "preempt")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    JOB_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
     grant: Grant
     policy: PolicyUpdate
     lease: Lease
     error: SessionError
     share: DeviceShare
     alive: Alive
-    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., share: _Optional[_Union[DeviceShare, _Mapping]] = ..., alive: _Optional[_Union[Alive, _Mapping]] = ...) -> None: ...
+    job_class: JobClassUpdate
+    preempt: Preempt
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., share: _Optional[_Union[DeviceShare, _Mapping]] = ..., alive: _Optional[_Union[Alive, _Mapping]] = ..., job_class: _Optional[_Union[JobClassUpdate, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ...) -> None: ...
 
 class Alive(_message.Message):
     __slots__ = ()
@@ -195,7 +228,7 @@ class PolicyUpdate(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user")
+    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user", "priority", "weight")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +244,8 @@ class RankState(_message.Message):
     GPU_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SINCE_S_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     rank: int
@@ -226,7 +261,9 @@ class RankState(_message.Message):
     gpu_memory_bytes: int
     since_s: float
     user: str
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ...) -> None: ...
+    priority: Priority
+    weight: float
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class DeviceState(_message.Message):
     __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order", "refused_while_draining", "sharing", "sharing_reason")
@@ -293,18 +330,36 @@ class JobsRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "job_name", "world_size", "ranks", "registered_s")
+    __slots__ = ("job_id", "job_name", "world_size", "ranks", "registered_s", "priority", "weight", "class_set_by")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CLASS_SET_BY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     world_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankState]
     registered_s: float
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., registered_s: _Optional[float] = ...) -> None: ...
+    priority: Priority
+    weight: float
+    class_set_by: str
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., registered_s: _Optional[float] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., class_set_by: _Optional[str] = ...) -> None: ...
+
+class JobClassRequest(_message.Message):
+    __slots__ = ("protocol_version", "job", "priority", "weight")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    job: str
+    priority: Priority
+    weight: float
+    def __init__(self, protocol_version: _Optional[int] = ..., job: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)

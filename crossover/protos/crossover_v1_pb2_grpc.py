@@ -184,6 +184,11 @@ class AdminStub:
                 request_serializer=crossover__v1__pb2.EvictRequest.SerializeToString,
                 response_deserializer=crossover__v1__pb2.EvictReply.FromString,
                 _registered_method=True)
+        self.SetJobClass = channel.unary_unary(
+                '/crossover.v1.Admin/SetJobClass',
+                request_serializer=crossover__v1__pb2.JobClassRequest.SerializeToString,
+                response_deserializer=crossover__v1__pb2.JobState.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -231,6 +236,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetJobClass(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -268,6 +279,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=crossover__v1__pb2.EvictRequest.FromString,
                     response_serializer=crossover__v1__pb2.EvictReply.SerializeToString,
+            ),
+            'SetJobClass': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetJobClass,
+                    request_deserializer=crossover__v1__pb2.JobClassRequest.FromString,
+                    response_serializer=crossover__v1__pb2.JobState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +475,33 @@ class Admin:
             '/crossover.v1.Admin/Evict',
             crossover__v1__pb2.EvictRequest.SerializeToString,
             crossover__v1__pb2.EvictReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetJobClass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crossover.v1.Admin/SetJobClass',
+            crossover__v1__pb2.JobClassRequest.SerializeToString,
+            crossover__v1__pb2.JobState.FromString,
             options,
             channel_credentials,
             insecure,

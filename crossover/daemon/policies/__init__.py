@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from crossover.daemon.api import NotFound, Policy
+from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.policies.crossover import CrossoverPolicy, CrossoverSettings
 from crossover.daemon.policies.exclusive import ExclusivePolicy
 from crossover.daemon.policies.passthrough import PassthroughPolicy
@@ -22,9 +23,11 @@ def available() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def create(name: str) -> Policy:
-    """A fresh policy instance by name; `NotFound` names the valid choices."""
-    try:
-        return _FACTORIES[name]()
-    except KeyError:
-        raise NotFound(f"unknown policy {name!r}; choose one of: {', '.join(available())}") from None
+def create(name: str, classes: ClassSettings | None = None) -> Policy:
+    """A fresh policy instance by name; `NotFound` names the valid choices. `classes`: the class rules'
+    settings, for the policy that has them (`crossover`)."""
+    if name not in _FACTORIES:
+        raise NotFound(f"unknown policy {name!r}; choose one of: {', '.join(available())}")
+    if name == "crossover" and classes is not None:
+        return CrossoverPolicy(classes=classes)
+    return _FACTORIES[name]()

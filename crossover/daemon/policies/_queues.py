@@ -5,6 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from crossover.daemon.api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
+from crossover.daemon.policies.classes import JobClass
 
 
 @dataclass
@@ -110,6 +111,12 @@ class QueuePolicy:
         return None
 
     def tick(self, now: float) -> list[RankKey]:
+        return []
+
+    def classify(self, job_id: str, cls: JobClass, now: float) -> list[RankKey]:
+        return []  # classes are the `crossover` policy's (policies.classes)
+
+    def take_preemptions(self) -> list[RankKey]:
         return []
 
     def decisions(self) -> dict[str, int]:
