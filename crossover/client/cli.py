@@ -334,6 +334,48 @@ main.command("resume", help="Accept new ranks on DEVICE again.")(
     _with_common(click.argument("device", type=click.IntRange(0, _MAX_DEVICE))(_device_cmd("Resume", "resume"))))
 
 
+_CLASS = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
+
+
+def _class_line(d: dict[str, Any]) -> str:
+    name = str(d.get("priority", "PRIORITY_NORMAL")).removeprefix("PRIORITY_").lower()
+    return f"job {d.get('job_id', '')[:12]}: {name}, weight {d.get('weight', 1.0):g} on this node"
+
+
+@main.command()
+@_with_common
+@click.argument("job")
+@click.argument("klass", metavar="CLASS", type=click.Choice(list(_CLASS), case_sensitive=False))
+@click.option("--weight", type=click.FloatRange(0.01, 100), help="Also set its weight within the class.")
+def priority(job: str, klass: str, weight: float | None, **kw: Any) -> None:
+    """Set JOB's priority CLASS on this node (high, normal, low); JOB is its id or name.
+
+    A higher class computes first; a lower one only fills the gaps a higher job leaves
+    (its allreduces), yields when a higher rank asks, and keeps a guaranteed share
+    (crossoverd --guard-share). Run it on every node the job spans: each daemon decides
+    alone. The event log records who set it.
+
+    \b
+    crossover priority prod high
+    crossover priority sweep-17 low --weight 2
+    """
+    ctx = _ctx(kw)
+    reply = ctx.call("SetJobClass", pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=job,
+                                                       priority=_CLASS[klass.lower()], weight=weight or 0.0))
+    ctx.emit("job_class", reply, _class_line)
+
+
+@main.command()
+@_with_common
+@click.argument("job")
+@click.argument("weight", type=click.FloatRange(0.01, 100))
+def share(job: str, weight: float, **kw: Any) -> None:
+    """Set JOB's WEIGHT within its class on this node: waiting jobs of one class share the device by weight."""
+    ctx = _ctx(kw)
+    reply = ctx.call("SetJobClass", pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=job, weight=weight))
+    ctx.emit("job_class", reply, _class_line)
+
+
 @main.command()
 @_with_common
 @click.argument("device", type=click.IntRange(0, _MAX_DEVICE), required=False)

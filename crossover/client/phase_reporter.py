@@ -45,6 +45,8 @@ class PhaseSession(Protocol):
 
     def comm_begin(self, iteration: int) -> None: ...
 
+    def take_preempted(self) -> bool: ...
+
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Never let a scheduling hook break training: log the error and carry on unscheduled."""
@@ -141,6 +143,18 @@ class PhaseReporter:
             self.yielded = True
             self.yields += 1
             return True
+
+    @guarded
+    def yield_if_asked(self) -> None:
+        """At a gradient: if a higher-class rank asked for the device, hand it back and ask again at once
+        (the daemon serves the higher rank first), so it waits at most about one layer's backward."""
+        if not self.session.take_preempted():
+            return
+        with self._lock:
+            if self.holding and not self.in_comm:
+                self._release(comm_begins=False, yields=True)
+                self.yields += 1
+                self._resume()
 
     @guarded
     def resume(self) -> None:

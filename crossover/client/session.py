@@ -39,6 +39,9 @@ __all__ = ["Session"]
 _log = logging.getLogger(__name__)
 
 
+_PRIORITY = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
+
+
 class Session:
     """Brackets a rank's phases for the daemon; never raises into training code."""
 
@@ -73,6 +76,8 @@ class Session:
         self.grant_waits: list[float] = []  # seconds each blocking acquire took (benchmarks read it)
         self.leased_acquires = 0  # how many of those returned at once under a lease
         self.transport = ""  # how the session stream travels: "session socket" or "grpc"
+        self.job_class = ("normal", 1.0)  # this job's class on this node, as the daemon last said
+        self.preempted = False  # a higher-class rank waits for this rank's device: yield at the next gradient
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
 
     # ---- phase calls (made from the training thread) --------------------
@@ -289,7 +294,8 @@ class Session:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
             reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity,
-                                                   accepts_leases=s.lease),
+                                                   accepts_leases=s.lease, accepts_preempt=True,
+                                                   priority=_PRIORITY.get(s.priority, pb.PRIORITY_UNSPECIFIED)),
                                 timeout=s.connect_timeout_s, metadata=self._metadata)
         except grpc.FutureTimeoutError:
             self._lost(f"no daemon answers at {s.target}")
@@ -358,6 +364,10 @@ class Session:
                             self._answer_release()
                     elif d.HasField("share"):
                         self._shares_device = d.share.other_ranks > 0
+                    elif d.HasField("job_class"):
+                        self._job_class(d.job_class)
+                    elif d.HasField("preempt"):
+                        self.preempted = True
                     elif d.HasField("policy"):
                         was_blocking, self._blocks = self._blocks, d.policy.policy_blocks
                         if self._blocks and not was_blocking:  # the daemon waits for this, as for a lease
@@ -371,6 +381,22 @@ class Session:
                 self._detach_locked()
                 if not self._stop.is_set():
                     self._lost(f"lost crossoverd ({reason})")
+
+    def _job_class(self, update: pb.JobClassUpdate) -> None:
+        """The job's class on this node changed (or a class the rank asked for was refused: one line, once)."""
+        name = pb.Priority.Name(update.priority).removeprefix("PRIORITY_").lower()
+        self.job_class = (name, update.weight)
+        if update.note:
+            _log.warning("crossover: %s", update.note)
+        else:
+            _log.info("crossover: this job runs as %s%s on %s", name,
+                      "" if update.weight == 1.0 else f" (weight {update.weight:g})", self.info.node)
+
+    def take_preempted(self) -> bool:
+        """Whether a higher-class rank asked for this rank's device since the last call (then it yields)."""
+        with self._cond:
+            asked, self.preempted = self.preempted, False
+            return asked
 
     def _detach_locked(self) -> None:
         self._attached = False

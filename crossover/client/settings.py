@@ -44,6 +44,10 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_LEASE": ("1", "Accept a lease when this rank's job is alone on its device: it then computes "
                         "without a grant round trip per iteration until another job's rank joins; 0: always wait "
                         "for grants."),
+    "CROSSOVER_PRIORITY": ("", "This job's class on a shared device: low (it fills the gaps of the jobs that "
+                           "matter and yields when they ask), normal, or high. A rank may lower the class its "
+                           "node gives its user, never raise it: above that is the operator's (crossoverd "
+                           "--class-rule, crossover priority); empty: the class the node gives."),
     "CROSSOVER_REPORT_INTERVAL": ("0.1", "Seconds a rank that does not wait for grants (passthrough, or a lease) "
                                   "may hold its phase reports to send several in one message; each is dated "
                                   "exactly. 0: send each at once."),
@@ -276,6 +280,7 @@ class PluginSettings:
     cool_off_s: float = 10.0
     daemon_silence_s: float = 1.0
     lease: bool = True
+    priority: str = ""  # low, normal, high; "": what the node gives
     report_interval_s: float = 0.1
     transport: str = "auto"
     stats_file: str = ""
@@ -308,6 +313,7 @@ class PluginSettings:
             cool_off_s=_float("CROSSOVER_COOL_OFF", cls.cool_off_s, 0.0, 86_400.0),
             daemon_silence_s=_float("CROSSOVER_DAEMON_SILENCE", cls.daemon_silence_s, 0.05, 3600.0),
             lease=_bool("CROSSOVER_LEASE", cls.lease),
+            priority=_choice("CROSSOVER_PRIORITY", cls.priority, ("low", "normal", "high")),
             report_interval_s=_float("CROSSOVER_REPORT_INTERVAL", cls.report_interval_s, 0.0, 1.0),
             transport=_choice("CROSSOVER_TRANSPORT", cls.transport, TRANSPORTS),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", cls.log_level).upper(),

@@ -15,7 +15,9 @@ from crossover import __version__
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError
 from crossover.daemon.event_log import EventLog
+from crossover.daemon.class_rules import ClassRules, parse_rule
 from crossover.daemon.grant_payoff import PayoffSettings
+from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.inventory import Inventory, parse_cpu_devices
 from crossover.daemon.limits import StreamLimits
 from crossover.daemon.metrics import DaemonMetrics, parse_address
@@ -128,6 +130,15 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--adapt-window", type=click.FloatRange(0.5, 600), default=3.0, show_default=True,
               help="Seconds of one measuring window of --adapt, aligned on the wall clock so that every node "
               "probes in the same windows; its first quarter is left out while a switch takes effect.")
+@click.option("--class-rule", "class_rules", multiple=True, metavar="SUBJECT=CLASS[:WEIGHT]",
+              help="The priority class (high, normal, low) and weight a rank of this user or group gets, as the "
+              "kernel names the session socket's peer: uid:1000=high, gid:50=low, user:alice=high:2, "
+              "group:batch=low. Repeat for several; a user's rule wins over its group's. Others get normal; a "
+              "rank may lower its class (CROSSOVER_PRIORITY), never raise it. Classes are the crossover "
+              "policy's.")
+@click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=0.1, show_default=True,
+              help="The device time every job of a lower class is guaranteed beside higher ones (0.1: a tenth), "
+              "so it never stops.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
@@ -146,7 +157,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          max_events_per_s: float, max_connections: int, max_connections_per_user: int, idle_timeout: float,
          heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
-         overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, session_socket: bool, metrics_address: str | None,
+         overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, class_rules: tuple[str, ...],
+         guard_share: float, session_socket: bool, metrics_address: str | None,
          health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -179,6 +191,10 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                 parse_address(address)
             except ValueError as exc:
                 raise click.BadParameter(str(exc), param_hint=flag) from None
+    try:
+        rules = ClassRules(tuple(parse_rule(r) for r in class_rules))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--class-rule") from None
     metrics = None
     try:
         cores = parse_cpu_devices(cpu_devices, os.cpu_count() or 1) if cpu_devices else None
@@ -191,7 +207,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
                          overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
                          max_sessions=2 * max_connections,
-                         payoff=PayoffSettings(window_s=adapt_window), adapt=adapt)
+                         payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
+                         class_settings=ClassSettings(guard_share=guard_share))
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)

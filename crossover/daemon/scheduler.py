@@ -406,7 +406,11 @@ class Scheduler:
                 progress = by_device.get(i, {})
                 judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
                 before = judge.verdict
-                verdict = judge.sample(wall, progress)
+                classes = {self._classes.get(job, (JobClass(), ""))[0] for job in progress}
+                if len(classes) > 1:  # priorities need grants, whatever they cost the jobs together
+                    judge.verdict = verdict = Verdict(Mode.SCHEDULED, "its jobs differ in priority class or weight")
+                else:
+                    verdict = judge.sample(wall, progress)
                 is_open = i in self._leases.opened
                 if verdict.mode is Mode.UNSCHEDULED and not is_open and self._leases.can_open(i):
                     self._open(i, now, d)

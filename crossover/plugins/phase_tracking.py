@@ -135,6 +135,10 @@ class _PhaseTracker(OptimizerHook):
     def _new_phase(self) -> None:
         self.passes = 0
 
+    def on_gradient(self, index: int, grad: Any) -> None:
+        self.phases.yield_if_asked()
+        return None
+
     def on_backward_done(self) -> None:
         self.passes += 1
         if self.passes >= self.expected:

@@ -223,6 +223,8 @@ def test_a_stale_socket_and_a_frozen_daemon_are_told_apart(tmp_path):
     (("drain",), "Stop placing new ranks"),
     (("resume",), "Accept new ranks"),
     (("evict",), "Take DEVICE back"),
+    (("priority",), "priority CLASS on this node"),
+    (("share",), "share the device by weight"),
     (("stats",), "Per job and per device"),
     (("timeline",), "Draw who computed"),
 ])
@@ -235,7 +237,8 @@ def test_help_of_every_command(args, words):
 
 
 def test_every_command_has_a_help_test():
-    assert set(main.commands) == {"queue", "jobs", "policy", "drain", "resume", "evict", "stats", "timeline"}
+    assert set(main.commands) == {"queue", "jobs", "policy", "drain", "resume", "evict", "priority", "share", "stats",
+                                  "timeline"}
 
 
 # ---- the crossoverd entry point ---------------------------------------

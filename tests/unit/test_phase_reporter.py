@@ -30,6 +30,12 @@ class Session:
     def comm_begin(self, iteration: int) -> None:
         self.calls.append(("comm_begin", iteration))
 
+    preempted = False
+
+    def take_preempted(self) -> bool:
+        asked, self.preempted = self.preempted, False
+        return asked
+
 
 def test_a_release_reports_the_time_since_the_grant_on_the_injected_clock():
     clock, session = Clock(), Session()
@@ -86,3 +92,19 @@ def test_a_failing_session_never_reaches_training(caplog):
         assert reporter.ensure_holding() is None
     assert "continuing unscheduled" in caplog.text
     assert not reporter.holding
+
+
+def test_a_preempted_holder_yields_at_the_next_gradient_and_asks_again_for_the_same_iteration():
+    clock, session = Clock(), Session()
+    reporter = PhaseReporter(session, clock=clock)
+    reporter.ensure_holding()
+    reporter.yield_if_asked()  # nobody asked: nothing
+    session.preempted = True
+    clock.now += 0.5
+    reporter.yield_if_asked()
+    assert session.calls == [("acquire", 0, None), ("release", 0, 0.5, False, True), ("acquire", 0, None)]
+    assert reporter.holding and reporter.yields == 1
+    session.preempted = True
+    reporter.compute_done()
+    reporter.yield_if_asked()  # no longer holding: the ask is spent, nothing happens
+    assert session.calls[-1][0] == "release" and not session.preempted
