@@ -136,9 +136,9 @@ def _group(name: str | None, flag: str) -> int | None:
               "group:batch=low. Repeat for several; a user's rule wins over its group's. Others get normal; a "
               "rank may lower its class (CROSSOVER_PRIORITY), never raise it. Classes are the crossover "
               "policy's.")
-@click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=0.1, show_default=True,
-              help="The device time every job of a lower class is guaranteed beside higher ones (0.1: a tenth), "
-              "so it never stops.")
+@click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=0.05, show_default=True,
+              help="The device time every job of a lower class is guaranteed beside higher ones (0.05: a "
+              "twentieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")

@@ -65,6 +65,8 @@ class JobSpec:
     arrival_s: float = 0.0
     leave_s: float | None = None
     jitter: float = 0.0  # sigma of the lognormal factor (mean 1) on each compute and allreduce
+    priority: str = "normal"  # its class on every node (high, normal, low): `policies.classes`
+    weight: float = 1.0  # its weight within the class
 
     def rank_compute_s(self, rank: int) -> float:
         return self.compute_s if isinstance(self.compute_s, (int, float)) else self.compute_s[rank]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies.classes import JobClass, Priority
 from tools.device_model.model import compute_rate
 
 from .spec import JobSpec, PolicyFactory, SimConfig, SimulationError
@@ -125,6 +126,9 @@ class World:
         self.present(dev, +1)
         rank.state = IDLE
         self.call(node, node.policy.join(rank.ref, self.now))
+        cls = JobClass(Priority.parse(job.spec.priority), job.spec.weight)
+        if cls != JobClass():  # the class rules (the plugin's yields are not simulated)
+            self.call(node, node.policy.classify(rank.ref.key.job_id, cls, self.now))
         job.joined += 1
         if job.joined == len(job.ranks):  # Horovod's init is a barrier: iteration 0 starts together
             job.started_at = self.now

@@ -6,7 +6,8 @@ while its jobs differ in class or weight (equal classes: today's order, exactly)
 
 * **Higher first.** A waiting rank of a higher class goes before any of a lower one.
 * **Into gaps only.** A lower-class compute phase is granted only if it is
-  expected to end before every higher-class job on the device is back: the
+  expected to end before every higher-class job on the device is back (give or
+  take `fit_margin`: a phase as long as the gap, measured with jitter, fits): the
   higher job left the device when its allreduce began, and comes back after its
   measured allreduce (EMA). Without a measure yet, or once a higher job is
   overdue by more than its own allreduce (it paused: evaluation, a checkpoint),
@@ -70,14 +71,15 @@ class JobClass:
 
 @dataclass(frozen=True)
 class ClassSettings:
-    """`guard_share`: the device time every lower-class job is guaranteed (0.1: a tenth);
+    """`guard_share`: the device time every lower-class job is guaranteed (0.05: a twentieth);
     `guard_window_s`: how much unspent guarantee a job may save up, in seconds of wall time;
-    `fit_margin`: a lower phase must fit the gap with this factor to spare (1.0: just fit);
+    `fit_margin`: a lower phase fits a gap up to this many times the gap's length (1.1: it may overrun
+    the gap by a tenth, which the higher job then waits; with yields at gradients it waits less);
     `window_s`: how far back recent device time counts, for weights."""
 
-    guard_share: float = 0.1
+    guard_share: float = 0.05
     guard_window_s: float = 10.0
-    fit_margin: float = 1.0
+    fit_margin: float = 1.1
     window_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -85,8 +87,8 @@ class ClassSettings:
             raise ValueError(f"guard_share {self.guard_share}: must be within [0, 1)")
         if self.guard_window_s <= 0 or self.window_s <= 0:
             raise ValueError("guard_window_s and window_s must be > 0")
-        if self.fit_margin < 1.0:
-            raise ValueError(f"fit_margin {self.fit_margin}: must be >= 1")
+        if not 0.5 <= self.fit_margin <= 2.0:
+            raise ValueError(f"fit_margin {self.fit_margin}: must be within 0.5..2")
 
 
 class ClassBook:

@@ -1,0 +1,269 @@
+"""Can a second job use a device without slowing the one that matters? Priority classes measured side by side.
+
+One production job (`normal`, the default class) shares its devices with one or two
+opportunistic jobs that said `CROSSOVER_PRIORITY=low`. Every job's speed is given
+relative to its speed alone (1.0: as if alone), in three modes measured in one run:
+
+  unscheduled  no grants (time-slicing: what a GPU does without us)
+  equal        the default policy, every job in one class (today's crossover)
+  classes      the default policy with the opportunistic jobs in class `low`
+
+Beds:
+
+  --bed sim    the simulator (`tools.simulator`, the daemon's own policy classes):
+               two nodes x one device, 1:1 and comm-bound (1:2), with one and two
+               low jobs, at the device model's interference (0.19) and without it;
+               a node without gaps (jobs that barely communicate); and 64 nodes x 8
+               devices with churn (the low jobs come and go). Seconds.
+  --bed model  the emulated cluster with the device model (`tools.device_model`):
+               real Horovod jobs, real daemons; two nodes; the low job's class is
+               switched on both daemons (`crossover priority`'s call) per segment,
+               interleaved over --cycles. Minutes.
+  --bed core   the same with each node's device a CPU core.
+
+The simulator does not model the plugin's yield at a gradient (a low holder hands
+the device back when a high rank asks): its figures are without it. The device
+model's compute phase is one piece, so a yield waits for its end there too.
+
+    python -m bench.priority --bed sim [--out results/priority_sim.json]
+    python -m bench.priority --bed model --cycles 3 [--out results/priority_model.json]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.lib.results import machine, write_json
+from tools.simulator import JobSpec, SimConfig, simulate
+
+MODES = ("unscheduled", "equal", "classes")
+_SIM_POLICY = {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}
+
+
+# ---- the simulator ---------------------------------------------------------------------------------------
+
+
+def _sim_jobs(compute_s: float, comm_s: float, lows: int, classes: bool,
+              place: tuple[tuple[int, int], ...] = ((0, 0), (1, 0))) -> list[JobSpec]:
+    """Every job runs until the horizon, so each one's rate is measured over the same stretch."""
+    jobs = [JobSpec("prod", place, compute_s, comm_s, jitter=0.05)]
+    jobs += [JobSpec(f"opp{i}", place, compute_s, comm_s, jitter=0.05, priority="low" if classes else "normal")
+             for i in range(lows)]
+    return jobs
+
+
+def sim_point(compute_s: float, comm_s: float, lows: int, interference: float, iterations: int = 300,
+              seed: int = 0) -> dict[str, Any]:
+    """One scenario in every mode: each job's speed relative to alone (prod's run ends the measurement)."""
+    cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
+                    interference=interference, comm_interference=0.0, startup_spread_s=0.2,
+                    horizon_s=iterations * (compute_s + comm_s))
+    out: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "lows": lows, "interference": interference}
+    for mode in MODES:
+        res = simulate(_sim_jobs(compute_s, comm_s, lows, mode == "classes"), _SIM_POLICY[mode], n_nodes=2,
+                       config=cfg)
+        out[mode] = {"speed_vs_alone": {j.name: (1.0 / j.slowdown if j.slowdown else 0.0) for j in res.jobs}}
+    return out
+
+
+def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0) -> dict[str, Any]:
+    """64 nodes x 8 devices: on each device one production job (ranks over 4 nodes) and churning low jobs."""
+    import random
+
+    classes = mode == "classes"
+    rng = random.Random(seed)
+    jobs: list[JobSpec] = []
+    for group in range(16):  # 16 groups of 4 nodes
+        nodes = range(4 * group, 4 * group + 4)
+        for dev in range(8):
+            place = tuple((n, dev) for n in nodes)
+            c = rng.uniform(0.08, 0.15)
+            jobs.append(JobSpec(f"prod-{group}-{dev}", place, c, c * rng.uniform(0.8, 1.2), jitter=0.05))
+            t = rng.uniform(0, 20)
+            while t < horizon_s:  # opportunistic jobs arrive, run a while, leave
+                stay = rng.uniform(15, 40)
+                c2 = rng.uniform(0.05, 0.15)
+                jobs.append(JobSpec(f"opp-{group}-{dev}-{int(t)}", place, c2, c2 * rng.uniform(0.8, 1.5),
+                                    arrival_s=t, leave_s=min(horizon_s, t + stay), jitter=0.05,
+                                    priority="low" if classes else "normal"))
+                t += stay + rng.uniform(2, 10)
+    cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
+                    interference=0.19, comm_interference=0.0, horizon_s=horizon_s)
+    res = simulate(jobs, _SIM_POLICY[mode], n_nodes=64, devices_per_node=8, config=cfg)
+    prod = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("prod") and j.slowdown]
+    opp = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("opp") and j.slowdown]
+    return {"prod_speed_median": statistics.median(prod), "prod_speed_p10": _pct(prod, 0.1),
+            "opp_speed_median": statistics.median(opp) if opp else None, "jobs": len(res.jobs)}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_sim(args: argparse.Namespace) -> dict[str, Any]:
+    points = []
+    for interference in (0.0, 0.19):
+        for ratio, name in ((1.0, "1:1"), (2.0, "comm-bound 2:1")):
+            for lows in (1, 2):
+                pt = sim_point(0.1, 0.1 * ratio, lows, interference, iterations=args.iters)
+                pt["scenario"] = f"{name}, 1 prod + {lows} low"
+                points.append(pt)
+    gapless = sim_point(0.1, 0.005, 1, 0.19, iterations=args.iters)
+    gapless["scenario"] = "no gaps (comm 0.05x compute), 1 prod + 1 low"
+    points.append(gapless)
+    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon) for m in MODES}}
+
+
+def _sim_table(result: dict[str, Any]) -> Table:
+    t = Table(title="speed relative to alone, simulator (2 nodes x 1 device)", title_justify="left")
+    for col in ("scenario", "interf.", *(f"{m} prod / low" for m in MODES)):
+        t.add_column(col, justify="left" if col == "scenario" else "right")
+    for pt in result["points"]:
+        cells = []
+        for mode in MODES:
+            sp = pt[mode]["speed_vs_alone"]
+            lows = [v for k, v in sp.items() if k != "prod"]
+            cells.append(f"{sp['prod']:.2f} / " + ",".join(f"{v:.2f}" for v in lows))
+        t.add_row(pt["scenario"], f"{pt['interference']:g}", *cells)
+    return t
+
+
+# ---- the emulated cluster ----------------------------------------------------------------------------
+
+
+def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
+    from bench.emulated import ClusterAdmin, _job_cmd, _script, calibrate, run_solo, wait_warm
+    from crossover.protos import PROTOCOL_VERSION
+    from crossover.protos import crossover_v1_pb2 as pb
+    from tools.cluster import Cluster, ClusterSpec, Link
+    from tools.device_model import DeviceParams
+    from tools.harness.jobs import rank_summaries
+
+    args.device_params = DeviceParams(interference=args.interference) if args.bed == "model" else None
+    args.job_env = {"CROSSOVER_REPORT_INTERVAL": "0"}
+    args.device_cores = ()
+    args.width, args.depth, args.in_dim = 512, 2, 512
+    args.adapt_window = 3.0
+    want_c = args.iter_ms / 1000 / (1 + args.ratio)
+    cal = calibrate(200.0, 256, args, workdir / "calibration")
+    per_sample = cal["C"] / 256
+    batch = max(16, int(round(want_c / per_sample / 16)) * 16)
+    rate = float(round(min(2000.0, max(20.0, cal["M"] * 200.0 / (want_c * args.ratio)))))
+    names = ["prod", *(f"opp{i}" for i in range(args.lows))]
+    alone = {}
+    for k, name in enumerate(names[:2]):  # identical jobs: prod and one low alone
+        solo = run_solo(name, 1000 + k, rate, batch, args, workdir / f"solo_{name}")
+        r0 = min(solo["jobs"][name], key=lambda r: r["rank"])
+        its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
+        alone[name] = (its[-1][1] - its[0][0]) / max(1, len(its))
+    t_alone = statistics.median(alone.values())
+    spec = ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", device_model=args.device_params,
+                       daemon_args=("--adapt-window", "3"))
+    stop = workdir / "stop"
+    script = _script(workdir, "poll")
+    segments = []
+    with Cluster(spec, workdir=workdir / "cluster") as cluster:
+        jobs = [cluster.run(_job_cmd(script, args, batch, workdir / f"out_{n}", 1000 + k, stop=stop), name=n,
+                            env=args.job_env) for k, n in enumerate(names)]
+        admin = ClusterAdmin(cluster)
+        try:
+            wait_warm(cluster, jobs, names, args.warmup)
+            ids = _job_ids(cluster)
+            for cycle in range(args.cycles):
+                order = MODES[cycle % 3:] + MODES[:cycle % 3]
+                for mode in order:
+                    admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=False)
+                    low = pb.PRIORITY_LOW if mode == "classes" else pb.PRIORITY_NORMAL
+                    for stub in admin._stubs:  # noqa: SLF001 - the admin channels the cluster already opened
+                        for name in names[1:]:
+                            stub.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=ids[name],
+                                                                priority=low), timeout=5)
+                    time.sleep(args.settle_s)
+                    a = time.monotonic()
+                    time.sleep(args.segment_s)
+                    segments.append({"cycle": cycle, "mode": mode, "a": a, "b": time.monotonic()})
+                    for j in jobs:
+                        if j.poll() is not None:
+                            raise RuntimeError(f"{j.name} exited during the run:\n{j.output()[-3000:]}")
+        finally:
+            admin.close()
+            stop.touch()
+        for j in jobs:
+            if j.wait(300) != 0:
+                raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
+    summaries = {n: rank_summaries(workdir / f"out_{n}") for n in names}
+    rows = []
+    for seg in segments:
+        speeds = {}
+        for n in names:
+            r0 = min(summaries[n], key=lambda r: r["rank"])
+            its = [(s, e) for s, e in zip(r0["iter_start"], r0["iter_end"]) if s >= seg["a"] and e <= seg["b"]]
+            speeds[n] = t_alone / ((its[-1][1] - its[0][0]) / len(its)) if len(its) >= 2 else 0.0
+        rows.append({**seg, "speed_vs_alone": speeds})
+    med = {m: {n: statistics.median(r["speed_vs_alone"][n] for r in rows if r["mode"] == m) for n in names}
+           for m in MODES}
+    return {"rate_mbit": rate, "batch": batch, "alone_iter_s": alone, "segments": rows, "medians": med,
+            "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]}}
+
+
+def _job_ids(cluster: Any) -> dict[str, str]:
+    """Job name -> job id, from node 0's event log."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ids = {e["job_name"]: e["job"] for e in cluster.events(0) if e["event"] == "register" and "job" in e}
+        if ids:
+            return ids
+        time.sleep(0.2)
+    raise RuntimeError("no job registered on node 0 in 30 s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bed", choices=("sim", "model", "core"), default="sim")
+    p.add_argument("--iters", type=int, default=300, help="sim: production iterations per run")
+    p.add_argument("--fleet-horizon", type=float, default=120.0, help="sim: seconds simulated on 64 x 8")
+    p.add_argument("--lows", type=int, default=1, help="model/core: low jobs beside the production job")
+    p.add_argument("--ratio", type=float, default=1.0, help="model/core: comm:compute of a job alone")
+    p.add_argument("--interference", type=float, default=0.19, help="model: compute slowdown beside an allreduce")
+    p.add_argument("--iter-ms", type=float, default=300.0)
+    p.add_argument("--cycles", type=int, default=3)
+    p.add_argument("--segment-s", type=float, default=10.0)
+    p.add_argument("--settle-s", type=float, default=2.0)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--solo-iters", type=int, default=25)
+    p.add_argument("--job-timeout", type=float, default=300.0)
+    p.add_argument("--device-ms-per-sample", type=float, default=1.0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    if args.bed == "sim":
+        result = run_sim(args)
+        Console(width=None if sys.stdout.isatty() else 160).print(_sim_table(result))
+        for mode, r in result["fleet_64x8"].items():
+            print(f"64 x 8 with churn, {mode}: {r}")
+    else:
+        with tempfile.TemporaryDirectory(prefix="xo-priority-") as tmp:
+            result = run_emulated(args, Path(tmp))
+        print(f"{args.bed} bed, 1 prod + {args.lows} low, comm:compute {args.ratio:g}: medians of speed vs alone "
+              f"over {args.cycles} cycles: {result['medians']}")
+    out = args.out or Path(f"results/priority_{args.bed}.json")
+    write_json(out, {"benchmark": "priority", "bed": args.bed, "time": time.time(), "machine": machine(),
+                     "elapsed_s": time.monotonic() - t0,
+                     "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                              if k not in ("device_params",)}, **result})
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
