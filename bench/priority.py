@@ -154,6 +154,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     args.device_cores = ()
     args.width, args.depth, args.in_dim = 512, 2, 512
     args.adapt_window = 3.0
+    args.host_wait, args.nice = "poll", 0
     want_c = args.iter_ms / 1000 / (1 + args.ratio)
     cal = calibrate(200.0, 256, args, workdir / "calibration")
     per_sample = cal["C"] / 256
@@ -171,7 +172,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                        daemon_args=("--adapt-window", "3"))
     stop = workdir / "stop"
     script = _script(workdir, "poll")
-    segments = []
+    segments: list[dict[str, Any]] = []
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, batch, workdir / f"out_{n}", 1000 + k, stop=stop), name=n,
                             env=args.job_env) for k, n in enumerate(names)]
@@ -202,9 +203,9 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if j.wait(300) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
     summaries = {n: rank_summaries(workdir / f"out_{n}") for n in names}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for seg in segments:
-        speeds = {}
+        speeds: dict[str, float] = {}
         for n in names:
             r0 = min(summaries[n], key=lambda r: r["rank"])
             its = [(s, e) for s, e in zip(r0["iter_start"], r0["iter_end"]) if s >= seg["a"] and e <= seg["b"]]

@@ -86,6 +86,7 @@ class Session:
     klass: JobClass = field(default_factory=JobClass)  # the class this rank is given (its job's is the lowest)
     class_by: str = ""  # what gave it: a --class-rule's text, "rank" (it lowered itself) or "" (the default)
     accepts_preempt: bool = False  # the client yields on Directive.preempt
+    class_note: str = ""  # the refusal line it was last told (told once)
 
     def send(self, msg: Message) -> None:
         if self.deliver is None:

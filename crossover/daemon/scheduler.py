@@ -294,6 +294,9 @@ class Scheduler:
             return ""
         sess.klass, note = effective_class(sess.asked, given, by)
         sess.class_by = "rank" if sess.klass.priority < given.priority else by
+        if note == sess.class_note:
+            return ""
+        sess.class_note = note
         return note
 
     def _reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:

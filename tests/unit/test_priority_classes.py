@@ -71,6 +71,19 @@ def test_a_high_request_asks_the_low_holder_to_yield_once_and_is_served_next() -
     assert p.decisions()["preempt"] == 1
 
 
+def test_a_low_holder_about_to_release_is_not_asked_to_yield() -> None:
+    p = policy({"hi": HIGH, "lo": LOW})
+    phase(p, "lo", 0.0, compute=0.2, comm=0.1)  # lo's phases take 0.2 s
+    assert p.request(K("lo"), 1, 1.0) == [K("lo")]
+    p.request(K("hi"), 0, 1.19)  # 10 ms of lo's phase left: not worth a hand-over
+    assert p.take_preemptions() == []
+    p.release(K("lo"), 1.2)
+    p.release(K("hi"), 1.3)
+    p.request(K("lo"), 2, 1.3)
+    p.request(K("hi"), 1, 1.35)  # 150 ms left: yield
+    assert p.take_preemptions() == [K("lo")]
+
+
 def test_equal_class_requests_ask_nobody_to_yield() -> None:
     p = policy({"a": LOW, "b": LOW})
     p.request(K("a"), 0, 0.0)
