@@ -168,6 +168,14 @@ class ClusterAdmin:
         for stub in self._stubs:
             stub.SetPolicy(req, timeout=5)
 
+    def set_class(self, jobs: list[str], low: bool) -> None:
+        """Put `jobs` (ids) in class `low` on every daemon, or back in `normal` (`crossover priority`'s call)."""
+        cls = pb.PRIORITY_LOW if low else pb.PRIORITY_NORMAL
+        for stub in self._stubs:
+            for job in jobs:
+                stub.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=job, priority=cls),
+                                 timeout=5)
+
     def close(self) -> None:
         for ch in self._channels:
             ch.close()
@@ -326,6 +334,17 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
             "policy_source_sha256": policy_sha, "solos": solos,
             "jobs": {n: rank_summaries(workdir / f"out_{n}") for n in names},
             "visitors": {n: rank_summaries(out) for n, out in (visitors.outs.items() if visitors else ())}}
+
+
+def job_ids(cluster: Cluster, timeout: float = 30.0) -> dict[str, str]:
+    """Job name -> job id, from node 0's event log (the jobs have registered)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ids = {e["job_name"]: e["job"] for e in cluster.events(0) if e["event"] == "register" and "job" in e}
+        if ids:
+            return ids
+        time.sleep(0.2)
+    raise RuntimeError(f"no job registered on node 0 in {timeout:.0f} s")
 
 
 def _colocated(args: argparse.Namespace) -> tuple[str, ...]:

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 __all__ = ["ADAPTS", "ALL", "CHURN", "COLOCATED", "FULL", "MODEL", "MODES", "POLICY", "QUICK", "Scenario"]
 
-MODES = ("sequential", "unscheduled", "exclusive", "crossover", "adaptive")
+MODES = ("sequential", "unscheduled", "exclusive", "crossover", "adaptive", "classes")
 COLOCATED = MODES[1:4]
 """The co-located modes every run measures; `adaptive` only when asked (`bench.emulated --adaptive`)."""
 POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover",
-          "adaptive": "crossover"}
+          "adaptive": "crossover", "classes": "crossover"}
+"""`classes`: `crossover` with every job but the first in class `low` (`bench.gpu --priority`)."""
 ADAPTS = frozenset({"adaptive"})
 """Modes whose daemons measure per device whether grants pay (`crossoverd --adapt`, the default); the others
 grant everywhere."""

@@ -52,7 +52,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.emulated import ClusterAdmin, wait_warm
+from bench.emulated import ClusterAdmin, job_ids, wait_warm
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline
 from bench.emulated_scenarios import POLICY, Scenario
@@ -65,6 +65,7 @@ from tools.harness.daemon import kill_group, queue_state
 from tools.harness.jobs import WORKLOADS, rank_summaries, with_import
 
 MODES = ("unscheduled", "exclusive", "crossover")
+PRIORITY_MODES = ("unscheduled", "crossover", "classes")  # --priority: job0 the production job, the others low
 
 
 def _log(msg: str) -> None:
@@ -275,17 +276,21 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                             name=n, env=args.job_env) for k, n in enumerate(names)]
         admin = ClusterAdmin(cluster)
         seg_s = args.settle_s + args.segment_s
+        modes = PRIORITY_MODES if args.priority else MODES
         try:
             wait_warm(cluster, jobs, names, args.warmup, timeout=args.job_timeout)
+            ids = job_ids(cluster)
             for cycle in range(args.cycles):
                 # Leave time for the solo run after the last cycle.
-                if cycle and time.monotonic() + len(MODES) * seg_s + args.solo_reserve_s > deadline:
+                if cycle and time.monotonic() + len(modes) * seg_s + args.solo_reserve_s > deadline:
                     _log(f"stopping after {cycle} cycles: the time budget is spent")
                     break
-                k = cycle % len(MODES)
-                for mode in MODES[k:] + MODES[:k]:
+                k = cycle % len(modes)
+                for mode in modes[k:] + modes[:k]:
                     _log(f"cycle {cycle + 1}/{args.cycles}: {mode}")
                     admin.set_policy(POLICY[mode])
+                    if args.priority:
+                        admin.set_class([ids[n] for n in names[1:]], low=mode == "classes")
                     t_switch = time.monotonic()
                     time.sleep(args.settle_s)
                     a = time.monotonic()
@@ -323,7 +328,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
 def _table(summary: dict[str, Any]) -> str:
     rows = [f"{'mode':<12} {'samples/s':>10} {'vs unsch.':>9} {'vs seq.':>8} {'of bound':>8} {'busy':>5} "
             f"{'C ms':>6} {'C GPU':>6} {'M ms':>6} {'cycles':>6}"]
-    for mode in ("sequential", *MODES):
+    for mode in ("sequential", *(m for m in (*MODES, "classes") if m in summary["modes"])):
         r = summary["modes"][mode]
 
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
@@ -366,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout", type=float, default=180.0)
     p.add_argument("--timeline-seconds", type=float, default=None)
     p.add_argument("--only", default="handover,inventory,release,speedup", help="comma-separated checks to run")
+    p.add_argument("--priority", action="store_true", help="the speed-up check measures priorities instead: "
+                   "job0 the production job, the others `low` in mode `classes`, beside unscheduled and crossover "
+                   "with equal classes; each job's slowdown against alone is in the summary")
     p.add_argument("--mps", action="store_true", help="run the speed-up check's jobs under an MPS control "
                    "daemon of this run's own (unscheduled is then MPS alone; the GPU's settings are left as they are)")
     p.add_argument("--handover-turns", type=int, default=None, help="turns per process in each hand-over path "

@@ -142,9 +142,7 @@ def _sim_table(result: dict[str, Any]) -> Table:
 
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
-    from bench.emulated import ClusterAdmin, _job_cmd, _script, calibrate, run_solo, wait_warm
-    from crossover.protos import PROTOCOL_VERSION
-    from crossover.protos import crossover_v1_pb2 as pb
+    from bench.emulated import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
     from tools.cluster import Cluster, ClusterSpec, Link
     from tools.device_model import DeviceParams
     from tools.harness.jobs import rank_summaries
@@ -179,16 +177,12 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         admin = ClusterAdmin(cluster)
         try:
             wait_warm(cluster, jobs, names, args.warmup)
-            ids = _job_ids(cluster)
+            ids = job_ids(cluster)
             for cycle in range(args.cycles):
                 order = MODES[cycle % 3:] + MODES[:cycle % 3]
                 for mode in order:
                     admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=False)
-                    low = pb.PRIORITY_LOW if mode == "classes" else pb.PRIORITY_NORMAL
-                    for stub in admin._stubs:  # noqa: SLF001 - the admin channels the cluster already opened
-                        for name in names[1:]:
-                            stub.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=ids[name],
-                                                                priority=low), timeout=5)
+                    admin.set_class([ids[n] for n in names[1:]], low=mode == "classes")
                     time.sleep(args.settle_s)
                     a = time.monotonic()
                     time.sleep(args.segment_s)
@@ -215,17 +209,6 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
            for m in MODES}
     return {"rate_mbit": rate, "batch": batch, "alone_iter_s": alone, "segments": rows, "medians": med,
             "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]}}
-
-
-def _job_ids(cluster: Any) -> dict[str, str]:
-    """Job name -> job id, from node 0's event log."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        ids = {e["job_name"]: e["job"] for e in cluster.events(0) if e["event"] == "register" and "job" in e}
-        if ids:
-            return ids
-        time.sleep(0.2)
-    raise RuntimeError("no job registered on node 0 in 30 s")
 
 
 def main(argv: list[str] | None = None) -> int:

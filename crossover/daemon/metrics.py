@@ -73,6 +73,11 @@ class DaemonMetrics:
         self.overdue = Counter("crossover_overdue_holders", "Holders treated as stalled (held far past their "
                                "compute time) so the next rank was served.", ("device",), registry=r)
         self.policy_switches = Counter("crossover_policy_switches", "Policy changes (SetPolicy).", registry=r)
+        self.class_compute = Counter("crossover_class_compute_seconds", "Device time granted, by the priority class "
+                                     "of the job that held it.", ("priority",), registry=r)
+        self.preemptions = Counter("crossover_preemptions", "Lower-class holders asked to yield to a higher-class "
+                                   "rank.", ("device",), registry=r)
+        self._class_of: dict[str, str] = {}  # job id -> its class, as the event log last said
         self.drain_refusals = Counter("crossover_drain_refusals", "New ranks refused on a drained device (they "
                                       "train there unscheduled).", ("device",), registry=r)
         ProcessCollector(registry=r)
@@ -102,6 +107,11 @@ class DaemonMetrics:
             self._job(self.grant_wait, job, device).observe(entry.get("waited_s", 0.0))
         elif event == "release" and "held_s" in entry:
             self._job(self.compute, job).observe(entry["held_s"])
+            self.class_compute.labels(self._class_of.get(job[1], "normal")).inc(entry["held_s"])
+        elif event == "job_class":
+            self._class_of[job[1]] = str(entry.get("priority", "normal"))
+        elif event == "preempt":
+            self.preemptions.labels(device).inc()
         elif event == "comm_end":
             self._job(self.comm, job).observe(entry.get("duration_s", 0.0))
         elif event == "cancel":
@@ -134,6 +144,7 @@ class DaemonMetrics:
             if self._ranks[job_id] > 0:
                 return
             del self._ranks[job_id]
+            self._class_of.pop(job_id, None)
             series = self._series.pop(job_id, set())
         for metric, values in series:
             try:

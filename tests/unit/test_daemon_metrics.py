@@ -5,6 +5,7 @@ import pytest
 
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.metrics import DaemonMetrics, parse_address
+from crossover.daemon.policies.classes import Priority
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos.identity import RankIdentity
 from tests.unit.scheduler._world import FakeClock
@@ -95,3 +96,23 @@ def test_a_failing_listener_never_stops_the_scheduler(core: Scheduler) -> None:
     a = _rank(core, "a", 0)
     core.event(a, "compute_request", iteration=1, seq=1)
     assert [e["event"] for e in core.events.snapshot()][-1] == "grant"
+
+
+def test_device_time_is_counted_by_class_and_preemptions_by_device(clock: FakeClock) -> None:
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "crossover", node="n0", pid_alive=lambda _p: True,
+                     clock=clock, lease=False)
+    m = DaemonMetrics(core, "9.9")
+    get = m.registry.get_sample_value
+    low = core.register(RankIdentity(job_id="id-low", job_name="low", rank=0, local_rank=0, world_size=1,
+                                     local_size=1, device=0, pid=4242), asked=Priority.LOW,
+                        accepts_preempt=True).session_id
+    prod = _rank(core, "prod", 0)
+    core.event(low, "compute_request", iteration=0, seq=1)
+    clock.advance(0.25)
+    core.event(prod, "compute_request", iteration=0, seq=1)  # a higher rank asks: the low holder is asked to yield
+    assert get("crossover_preemptions_total", {"device": "0"}) == 1
+    core.event(low, "compute_done", duration_s=0.25, yields=True)
+    clock.advance(0.5)
+    core.event(prod, "compute_done", duration_s=0.5, comm_begins=True)
+    assert get("crossover_class_compute_seconds_total", {"priority": "low"}) == pytest.approx(0.25)
+    assert get("crossover_class_compute_seconds_total", {"priority": "normal"}) == pytest.approx(0.5)
