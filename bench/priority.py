@@ -178,8 +178,9 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         try:
             wait_warm(cluster, jobs, names, args.warmup)
             ids = job_ids(cluster)
+            modes = tuple(m for m in MODES if m in args.modes.split(","))
             for cycle in range(args.cycles):
-                order = MODES[cycle % 3:] + MODES[:cycle % 3]
+                order = modes[cycle % len(modes):] + modes[:cycle % len(modes)]
                 for mode in order:
                     admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=False)
                     admin.set_class([ids[n] for n in names[1:]], low=mode == "classes")
@@ -206,7 +207,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             speeds[n] = t_alone / ((its[-1][1] - its[0][0]) / len(its)) if len(its) >= 2 else 0.0
         rows.append({**seg, "speed_vs_alone": speeds})
     med = {m: {n: statistics.median(r["speed_vs_alone"][n] for r in rows if r["mode"] == m) for n in names}
-           for m in MODES}
+           for m in MODES if any(r["mode"] == m for r in rows)}
     return {"rate_mbit": rate, "batch": batch, "alone_iter_s": alone, "segments": rows, "medians": med,
             "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]}}
 
@@ -228,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--device-ms-per-sample", type=float, default=1.0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--workdir", type=Path, help="model/core: keep the run's logs and event logs here")
+    p.add_argument("--modes", default=",".join(MODES), help="model/core: the modes to cycle through")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.bed == "sim":
@@ -236,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         for mode, r in result["fleet_64x8"].items():
             print(f"64 x 8 with churn, {mode}: {r}")
     else:
-        with tempfile.TemporaryDirectory(prefix="xo-priority-") as tmp:
-            result = run_emulated(args, Path(tmp))
+        if args.workdir:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            result = run_emulated(args, args.workdir)
+        else:
+            with tempfile.TemporaryDirectory(prefix="xo-priority-") as tmp:
+                result = run_emulated(args, Path(tmp))
         print(f"{args.bed} bed, 1 prod + {args.lows} low, comm:compute {args.ratio:g}: medians of speed vs alone "
               f"over {args.cycles} cycles: {result['medians']}")
     out = args.out or Path(f"results/priority_{args.bed}.json")

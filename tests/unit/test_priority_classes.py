@@ -219,3 +219,11 @@ def test_a_high_rank_is_never_passed_by_a_lower_grant(seed: int) -> None:
             granted = p.request(k, i, t)
         if high_waiting:
             assert all(g.job_id == "a" for g in granted), (i, granted)
+
+
+def test_the_queue_shows_higher_classes_first() -> None:
+    p = policy({"hi": HIGH, "lo": LOW, "x": NORMAL})
+    p.request(K("x"), 0, 0.0)
+    p.request(K("lo"), 0, 0.1)
+    p.request(K("hi"), 0, 0.2)
+    assert p.order(0) == [K("hi"), K("lo")]

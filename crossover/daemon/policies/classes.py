@@ -7,9 +7,9 @@ while its jobs differ in class or weight (equal classes: today's order, exactly)
 * **Higher first.** A waiting rank of a higher class goes before any of a lower one.
 * **Into gaps only.** A lower-class compute phase is granted only if it is
   expected to end before every higher-class job on the device is back (give or
-  take `fit_margin`: a phase as long as the gap, measured with jitter, fits): the
-  higher job left the device when its allreduce began, and comes back after its
-  measured allreduce (EMA). Without a measure yet, or once a higher job is
+  take `fit_margin`): the higher job left the device when its allreduce began,
+  and the gap is the lower quartile of its latest allreduces; the lower phase,
+  the upper quartile of its latest phases. Without a measure yet, or once a higher job is
   overdue by more than its own allreduce (it paused: evaluation, a checkpoint),
   the gap counts as open. A phase that does not fit is held back until the gap
   closes or the guard below serves it.
@@ -33,6 +33,15 @@ from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["ClassBook", "ClassSettings", "JobClass", "Priority"]
+
+_RECENT = 8  # phases a job's gap and phase estimates look back on
+
+
+def _quantile(xs: deque[float] | None, q: float) -> float | None:
+    if not xs:
+        return None
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Priority(enum.IntEnum):
@@ -73,13 +82,14 @@ class JobClass:
 class ClassSettings:
     """`guard_share`: the device time every lower-class job is guaranteed (0.05: a twentieth);
     `guard_window_s`: how much unspent guarantee a job may save up, in seconds of wall time;
-    `fit_margin`: a lower phase fits a gap up to this many times the gap's length (1.1: it may overrun
-    the gap by a tenth, which the higher job then waits; with yields at gradients it waits less);
+    `fit_margin`: a lower phase fits a gap up to this many times the gap's length (1.2: its slower
+    quartile may overrun the gap's shorter quartile by a fifth, which the higher job then waits; with
+    yields at gradients it waits less);
     `window_s`: how far back recent device time counts, for weights."""
 
     guard_share: float = 0.05
     guard_window_s: float = 10.0
-    fit_margin: float = 1.1
+    fit_margin: float = 1.2
     window_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -101,12 +111,14 @@ class ClassBook:
         self._served: deque[tuple[float, str, float]] = deque()  # (released at, job, held s)
         self.left_at: dict[str, float] = {}  # job -> when its last compute phase here ended
         self.comm: dict[str, float] = {}  # job -> EMA of its allreduce
+        self._comms: dict[str, deque[float]] = {}  # job -> its latest allreduces
+        self._computes: dict[str, deque[float]] = {}  # job -> its latest compute phases
 
     def of(self, job: str) -> JobClass:
         return self.classes.get(job, JobClass())
 
     def forget(self, job: str) -> None:
-        for d in (self.classes, self._credit, self.left_at, self.comm):
+        for d in (self.classes, self._credit, self.left_at, self.comm, self._comms, self._computes):
             d.pop(job, None)  # type: ignore[attr-defined]
 
     def credit(self, job: str, now: float) -> float:
@@ -130,15 +142,28 @@ class ClassBook:
     def observe_comm(self, job: str, duration_s: float, alpha: float) -> None:
         old = self.comm.get(job)
         self.comm[job] = duration_s if old is None else (1 - alpha) * old + alpha * duration_s
+        self._comms.setdefault(job, deque(maxlen=_RECENT)).append(duration_s)
+
+    def observe_compute(self, job: str, duration_s: float) -> None:
+        self._computes.setdefault(job, deque(maxlen=_RECENT)).append(duration_s)
+
+    def short_gap(self, job: str) -> float | None:
+        """A gap the job's allreduce leaves at least about three times in four: the lower quartile of its
+        latest allreduces. An allreduce slowed by another job's on the link must not widen the gap a lower
+        phase is fitted into."""
+        return _quantile(self._comms.get(job), 0.25)
+
+    def long_phase(self, job: str) -> float | None:
+        """How long the job's compute phase takes at most about three times in four (upper quartile)."""
+        return _quantile(self._computes.get(job), 0.75)
 
     def back_at(self, job: str, now: float) -> float | None:
         """When a job away from the device (in its allreduce) is expected back; None: not known, or
         overdue by more than its allreduce (the job paused: its gap counts as open)."""
-        left, comm = self.left_at.get(job), self.comm.get(job)
-        if left is None or comm is None:
+        left, comm, gap = self.left_at.get(job), self.comm.get(job), self.short_gap(job)
+        if left is None or comm is None or gap is None:
             return None
-        due = left + comm
-        return None if now > due + comm else due
+        return None if now > left + 2 * comm else left + gap
 
     def uniform(self, jobs: set[str]) -> bool:
         """True when every job named has the same class and weight: the class rules change nothing."""

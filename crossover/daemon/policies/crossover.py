@@ -203,6 +203,7 @@ class CrossoverPolicy(DispatchPolicy):
             return
         if phase != "compute":
             return
+        self.book.observe_compute(key.job_id, duration_s)
         old = self._compute.get(key.job_id)
         self._compute[key.job_id] = duration_s if old is None else (1 - a) * old + a * duration_s
 
@@ -212,6 +213,10 @@ class CrossoverPolicy(DispatchPolicy):
         if dev is None:
             return []
         waiting = list(dev.waiting)
+        jobs = {k.job_id for k, r in self._q.ranks.items() if r.device == device}
+        if not self.book.uniform(jobs):  # classes: higher first, then request order (gaps and the guard aside)
+            at = self._q.requested_at
+            return sorted(waiting, key=lambda k: (-self.book.of(k.job_id).priority, at[k], k.job_id, k.rank))
         passed = {k: self._passed.get(k, 0) for k in waiting}
         out = []
         while waiting:
@@ -297,11 +302,12 @@ class CrossoverPolicy(DispatchPolicy):
         backs = [t for j in jobs if book.of(j).priority > top and (t := book.back_at(j, now)) is not None]
         if backs:
             gap = (min(backs) - now) * book.settings.fit_margin
-            fits = [k for k in cands if self._compute.get(k.job_id, 0.0) <= gap]
+            fits = [k for k in cands if (book.long_phase(k.job_id) or 0.0) <= gap]
             if not fits:
                 self.held_back += 1
-                comm = max((book.comm.get(j, 0.0) for j in jobs if book.of(j).priority > top), default=0.0)
-                self._held_until[dev.index] = min([min(backs) + comm + 1e-3, *due])
+                overdue = [book.left_at[j] + 2 * book.comm[j] for j in jobs
+                           if book.of(j).priority > top and j in book.left_at and j in book.comm]
+                self._held_until[dev.index] = min([max(overdue, default=now) + 1e-3, *due])
                 return None
             cands = fits
         if len({book.of(k.job_id).weight for k in cands}) > 1:
