@@ -304,6 +304,15 @@ class CrossoverPolicy(DispatchPolicy):
             gap = (min(backs) - now) * book.settings.fit_margin
             fits = [k for k in cands if (book.long_phase(k.job_id) or 0.0) <= gap]
             if not fits:
+                # A lower job whose guaranteed share is due takes it now, while the higher job is away,
+                # rather than when the higher job waits: it then costs the overrun, not a whole phase.
+                for k in sorted(cands, key=lambda k: (at[k], k.job_id, k.rank)):
+                    need = max(self._compute.get(k.job_id, 0.0), 0.01)
+                    credit = book.credit(k.job_id, now)
+                    if credit >= need:
+                        self.guarded += 1
+                        return k, []
+                    due.append(now + (need - credit) / max(book.settings.guard_share, 1e-9))
                 self.held_back += 1
                 overdue = [book.left_at[j] + 2 * book.comm[j] for j in jobs
                            if book.of(j).priority > top and j in book.left_at and j in book.comm]
