@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from tools.harness.jobs import CHECKOUT
 
-__all__ = ["ROOT", "git_commit", "machine", "write_json"]
+__all__ = ["ROOT", "git_commit", "machine", "portable", "write_json"]
 
 ROOT = CHECKOUT
 
@@ -30,7 +31,18 @@ def git_commit() -> str:
         return ""
 
 
+_SCRATCH = re.compile(r"/(?:tmp|var/tmp|dev/shm)/[^\s\"',:;)\\]*")
+
+
+def portable(text: str) -> str:
+    """`text` without the paths of the machine that wrote it: the checkout becomes `.`, a scratch file
+    (/tmp, /dev/shm) `<tmp>`, a home folder `~`. A result file then says the same on every machine."""
+    text = text.replace(str(ROOT), ".")
+    text = _SCRATCH.sub("<tmp>", text)
+    return re.sub(r"/(?:home/[^/\s\"\\]+|root)(?=/)", "~", text)
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as indented JSON, creating the folder."""
+    """Write ``data`` as indented JSON, creating the folder; paths of this machine are made `portable`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2))
+    path.write_text(portable(json.dumps(data, indent=2)))
