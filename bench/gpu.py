@@ -321,8 +321,14 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                   f"{rate:g} Mbit/s, alone C {summary['alone_C_ms']:.0f} ms / M {summary['alone_M_ms']:.0f} ms",
                   args.timeline_seconds)
     params = rank_summaries(workdir / "out_job0")[0]["params"]
-    return {"calibration": {"rate_mbit": args.ref_rate, "C_ms": 1000 * c, "M_ms": 1000 * m, "params": params},
-            "rate_mbit": rate, "peer_compute_ms": peer_ms, "summary": summary}
+    out = {"calibration": {"rate_mbit": args.ref_rate, "C_ms": 1000 * c, "M_ms": 1000 * m, "params": params},
+           "rate_mbit": rate, "peer_compute_ms": peer_ms, "summary": summary}
+    if args.priority:  # each job's speed relative to alone, per mode: job0 is the production job
+        out["speed_vs_alone"] = {mode: {job: round(1 / v["slowdown"], 3) for job, v in r["jobs"].items()
+                                        if v.get("slowdown")}
+                                 for mode, r in summary["modes"].items() if mode != "sequential"}
+        _log(f"speed relative to alone (job0 the production job): {out['speed_vs_alone']}")
+    return out
 
 
 def _table(summary: dict[str, Any]) -> str:

@@ -203,8 +203,8 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         speeds: dict[str, float] = {}
         for n in names:
             r0 = min(summaries[n], key=lambda r: r["rank"])
-            its = [(s, e) for s, e in zip(r0["iter_start"], r0["iter_end"]) if s >= seg["a"] and e <= seg["b"]]
-            speeds[n] = t_alone / ((its[-1][1] - its[0][0]) / len(its)) if len(its) >= 2 else 0.0
+            ends = [e for e in r0["iter_end"] if seg["a"] <= e <= seg["b"]]  # a starved job may end one, or none
+            speeds[n] = t_alone * len(ends) / (seg["b"] - seg["a"])
         rows.append({**seg, "speed_vs_alone": speeds})
     med = {m: {n: statistics.median(r["speed_vs_alone"][n] for r in rows if r["mode"] == m) for n in names}
            for m in MODES if any(r["mode"] == m for r in rows)}
