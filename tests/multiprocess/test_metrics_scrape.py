@@ -105,7 +105,8 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
     assert later["crossover_event_log_entries_total"][0][1] > both["crossover_event_log_entries_total"][0][1]
     assert later["crossover_event_log_dropped_total"][0][1] == 0
     assert {labels["code"]: v for labels, v in later["crossover_rpc_errors_total"]}.get("FAILED_PRECONDITION", 0) >= 1
-    assert {labels["decision"] for labels, _v in later["crossover_policy_decisions_total"]} == {"overtake"}
+    assert {labels["decision"] for labels, _v in later["crossover_policy_decisions_total"]} == {
+        "overtake", "preempt", "held_back", "guard"}
 
     for j in jobs:
         assert j.wait(120) == 0, j.output()[-3000:]
