@@ -157,13 +157,19 @@ class ClassBook:
         """How long the job's compute phase takes at most about three times in four (upper quartile)."""
         return _quantile(self._computes.get(job), 0.75)
 
+    def opens_at(self, job: str) -> float | None:
+        """When a job away from the device is overdue by its allreduce (it paused): from then on its gap
+        counts as open. None: not known."""
+        left, comm = self.left_at.get(job), self.comm.get(job)
+        return None if left is None or comm is None else left + 2 * comm
+
     def back_at(self, job: str, now: float) -> float | None:
         """When a job away from the device (in its allreduce) is expected back; None: not known, or
-        overdue by more than its allreduce (the job paused: its gap counts as open)."""
-        left, comm, gap = self.left_at.get(job), self.comm.get(job), self.short_gap(job)
-        if left is None or comm is None or gap is None:
+        past `opens_at` (its gap counts as open)."""
+        opens, gap = self.opens_at(job), self.short_gap(job)
+        if opens is None or gap is None or now > opens:
             return None
-        return None if now > left + 2 * comm else left + gap
+        return self.left_at[job] + gap
 
     def uniform(self, jobs: set[str]) -> bool:
         """True when every job named has the same class and weight: the class rules change nothing."""

@@ -283,6 +283,19 @@ class CrossoverPolicy(DispatchPolicy):
         self._granted_at[nxt] = self._now
         return [nxt]
 
+    def _guard(self, ranks: list[RankKey], due: list[float]) -> RankKey | None:
+        """The earliest of `ranks` whose guaranteed share covers its next phase (the guard serves it);
+        None, after adding to `due` when each will be owed one."""
+        book, at = self.book, self._q.requested_at
+        for k in sorted(ranks, key=lambda k: (at[k], k.job_id, k.rank)):
+            need = max(self._compute.get(k.job_id, 0.0), 0.01)
+            credit = book.credit(k.job_id, self._now)
+            if credit >= need:
+                self.guarded += 1
+                return k
+            due.append(self._now + (need - credit) / max(book.settings.guard_share, 1e-9))
+        return None
+
     def _by_class(self, dev: _Device, waiting: list[RankKey], jobs: set[str]
                   ) -> tuple[RankKey, list[RankKey]] | None:
         """The class rules' choice on a device whose jobs differ in class or weight, with the ranks it was
@@ -290,33 +303,24 @@ class CrossoverPolicy(DispatchPolicy):
         now, book, at = self._now, self.book, self._q.requested_at
         top = max(book.of(k.job_id).priority for k in waiting)
         due: list[float] = []
-        for k in sorted(waiting, key=lambda k: (at[k], k.job_id, k.rank)):
-            if book.of(k.job_id).priority < top:
-                need = max(self._compute.get(k.job_id, 0.0), 0.01)
-                credit = book.credit(k.job_id, now)
-                if credit >= need:
-                    self.guarded += 1
-                    return k, []
-                due.append(now + (need - credit) / max(book.settings.guard_share, 1e-9))
+        owed = self._guard([k for k in waiting if book.of(k.job_id).priority < top], due)
+        if owed is not None:
+            return owed, []
         cands = [k for k in waiting if book.of(k.job_id).priority == top]
-        backs = [t for j in jobs if book.of(j).priority > top and (t := book.back_at(j, now)) is not None]
+        higher = [j for j in jobs if book.of(j).priority > top]
+        backs = [t for j in higher if (t := book.back_at(j, now)) is not None]
         if backs:
             gap = (min(backs) - now) * book.settings.fit_margin
             fits = [k for k in cands if (book.long_phase(k.job_id) or 0.0) <= gap]
             if not fits:
                 # A lower job whose guaranteed share is due takes it now, while the higher job is away,
                 # rather than when the higher job waits: it then costs the overrun, not a whole phase.
-                for k in sorted(cands, key=lambda k: (at[k], k.job_id, k.rank)):
-                    need = max(self._compute.get(k.job_id, 0.0), 0.01)
-                    credit = book.credit(k.job_id, now)
-                    if credit >= need:
-                        self.guarded += 1
-                        return k, []
-                    due.append(now + (need - credit) / max(book.settings.guard_share, 1e-9))
+                owed = self._guard(cands, due)
+                if owed is not None:
+                    return owed, []
                 self.held_back += 1
-                overdue = [book.left_at[j] + 2 * book.comm[j] for j in jobs
-                           if book.of(j).priority > top and j in book.left_at and j in book.comm]
-                self._held_until[dev.index] = min([max(overdue, default=now) + 1e-3, *due])
+                opens = [t for j in higher if (t := book.opens_at(j)) is not None]
+                self._held_until[dev.index] = min([max(opens, default=now) + 1e-3, *due])
                 return None
             cands = fits
         if len({book.of(k.job_id).weight for k in cands}) > 1:
