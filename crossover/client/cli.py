@@ -38,6 +38,7 @@ from crossover.protos import (
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import read_jsonl
+from crossover.protos.priority import NAMES, name_of, to_wire
 
 __all__ = ["main", "ExitCode"]
 
@@ -334,18 +335,15 @@ main.command("resume", help="Accept new ranks on DEVICE again.")(
     _with_common(click.argument("device", type=click.IntRange(0, _MAX_DEVICE))(_device_cmd("Resume", "resume"))))
 
 
-_CLASS = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
-
-
 def _class_line(d: dict[str, Any]) -> str:
-    name = str(d.get("priority", "PRIORITY_NORMAL")).removeprefix("PRIORITY_").lower()
+    name = name_of(str(d.get("priority", ""))) or "normal"
     return f"job {d.get('job_id', '')[:12]}: {name}, weight {d.get('weight', 1.0):g} on this node"
 
 
 @main.command()
 @_with_common
 @click.argument("job")
-@click.argument("klass", metavar="CLASS", type=click.Choice(list(_CLASS), case_sensitive=False))
+@click.argument("klass", metavar="CLASS", type=click.Choice(NAMES, case_sensitive=False))
 @click.option("--weight", type=click.FloatRange(0.01, 100), help="Also set its weight within the class.")
 def priority(job: str, klass: str, weight: float | None, **kw: Any) -> None:
     """Set JOB's priority CLASS on this node (high, normal, low); JOB is its id or name.
@@ -361,7 +359,7 @@ def priority(job: str, klass: str, weight: float | None, **kw: Any) -> None:
     """
     ctx = _ctx(kw)
     reply = ctx.call("SetJobClass", pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=job,
-                                                       priority=_CLASS[klass.lower()], weight=weight or 0.0))
+                                                       priority=to_wire(klass.lower()), weight=weight or 0.0))
     ctx.emit("job_class", reply, _class_line)
 
 

@@ -11,6 +11,8 @@ from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 from rich.text import Text
 
+from crossover.protos.priority import name_of
+
 __all__ = ["JSON_VERSION", "to_json", "queue_tables", "jobs_table"]
 
 JSON_VERSION = 1
@@ -165,7 +167,7 @@ def jobs_table(state: dict[str, Any]) -> Table:
         phases = ", ".join(f"{r['rank']}:{r.get('phase', 'IDLE').lower()}" for r in ranks)
         iters = max((int(r.get("iteration", 0)) for r in ranks), default=0)
         users = sorted({r.get("user") for r in ranks if r.get("user")})
-        klass = str(job.get("priority", "PRIORITY_NORMAL")).removeprefix("PRIORITY_").lower()
+        klass = name_of(str(job.get("priority", ""))) or "normal"
         weight = float(job.get("weight") or 1.0)
         by = job.get("class_set_by") or ""
         klass += ("" if weight == 1.0 else f" x{weight:g}") + (f" ({shown(by, 20)})" if by else "")

@@ -31,15 +31,13 @@ from crossover.client.transport import (
 )
 from crossover.protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos.priority import name_of, to_wire
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
 
 __all__ = ["Session"]
 
 _log = logging.getLogger(__name__)
-
-
-_PRIORITY = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
 
 
 class Session:
@@ -295,7 +293,7 @@ class Session:
             grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
             reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity,
                                                    accepts_leases=s.lease, accepts_preempt=True,
-                                                   priority=_PRIORITY.get(s.priority, pb.PRIORITY_UNSPECIFIED)),
+                                                   priority=to_wire(s.priority)),
                                 timeout=s.connect_timeout_s, metadata=self._metadata)
         except grpc.FutureTimeoutError:
             self._lost(f"no daemon answers at {s.target}")
@@ -384,7 +382,7 @@ class Session:
 
     def _job_class(self, update: pb.JobClassUpdate) -> None:
         """The job's class on this node changed (or a class the rank asked for was refused: one line, once)."""
-        name = pb.Priority.Name(update.priority).removeprefix("PRIORITY_").lower()
+        name = name_of(update.priority) or "normal"
         self.job_class = (name, update.weight)
         if update.note:
             _log.warning("crossover: %s", update.note)

@@ -17,12 +17,13 @@ from crossover.daemon.limits import Connections, StreamLimits
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
 from crossover.daemon.policies.classes import Priority
-from crossover.daemon.session_stream import PRIORITY_FROM_PB, PRIORITY_TO_PB, refusal
+from crossover.daemon.session_stream import refusal
 from crossover.daemon.snapshots import RankSnapshot
 from crossover.protos import USER_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
+from crossover.protos.priority import name_of, to_wire
 
 __all__ = ["AdminService", "SchedulerService"]
 
@@ -90,10 +91,8 @@ class SchedulerService(_Service, pb_grpc.SchedulerServicer):
         _check_version(request.protocol_version)
         if not request.HasField("identity"):
             raise InvalidRequest("identity is missing")
-        if request.priority not in PRIORITY_FROM_PB and request.priority != pb.PRIORITY_UNSPECIFIED:
-            raise InvalidRequest(f"priority {request.priority} is not one of PRIORITY_LOW, _NORMAL, _HIGH")
         reg = self._core.register(RankIdentity.from_pb(request.identity), accepts_leases=request.accepts_leases,
-                                  asked=PRIORITY_FROM_PB.get(request.priority),
+                                  asked=_priority(request.priority),
                                   accepts_preempt=request.accepts_preempt)
         return pb.RegisterResponse(
             session_id=reg.session_id,
@@ -113,6 +112,16 @@ class SchedulerService(_Service, pb_grpc.SchedulerServicer):
         await serve_session(self._core, GrpcSessionStream(context), self._limits, self._connections)
 
 
+def _priority(value: int) -> Priority | None:
+    """The class a request names; None for PRIORITY_UNSPECIFIED; an unknown value is refused."""
+    if value == pb.PRIORITY_UNSPECIFIED:
+        return None
+    name = name_of(value)
+    if name is None:
+        raise InvalidRequest(f"priority {value} is not one of PRIORITY_LOW, _NORMAL, _HIGH")
+    return Priority.parse(name)
+
+
 def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
     i = r.ident
     return pb.RankState(
@@ -120,7 +129,7 @@ def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
         phase=_PHASES[r.phase], iteration=r.iteration, mean_compute_s=r.mean_compute_s,
         mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
         rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s, user=r.user,
-        priority=PRIORITY_TO_PB[Priority.parse(r.priority)], weight=r.weight,
+        priority=to_wire(r.priority), weight=r.weight,
     )
 
 
@@ -160,7 +169,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
             i = r.ident
             job = jobs.setdefault(i.job_id, pb.JobState(
                 job_id=i.job_id, job_name=i.job_name, world_size=i.world_size,
-                priority=PRIORITY_TO_PB[Priority.parse(r.priority)], weight=r.weight, class_set_by=r.class_by))
+                priority=to_wire(r.priority), weight=r.weight, class_set_by=r.class_by))
             job.ranks.append(_rank_state(r, {}))
             job.registered_s = max(job.registered_s, r.registered_s)
         return pb.JobList(jobs=list(jobs.values()))
@@ -199,15 +208,14 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         _check_version(request.protocol_version)
         if not request.job:
             raise InvalidRequest("name the job (its id or name; `crossover jobs` lists them)")
-        if request.priority not in PRIORITY_FROM_PB and request.priority != pb.PRIORITY_UNSPECIFIED:
-            raise InvalidRequest(f"priority {request.priority} is not one of PRIORITY_LOW, _NORMAL, _HIGH")
+        asked = _priority(request.priority)
         if request.weight != 0 and not 0.01 <= request.weight <= 100:
             raise InvalidRequest(f"weight {request.weight}: must be within 0.01..100")
         if request.priority == pb.PRIORITY_UNSPECIFIED and request.weight == 0:
             raise InvalidRequest("give a priority, a weight, or both")
-        job_id, cls = self._core.set_job_class(request.job, PRIORITY_FROM_PB.get(request.priority),
+        job_id, cls = self._core.set_job_class(request.job, asked,
                                                request.weight or None, caller=_caller(context))
-        return pb.JobState(job_id=job_id, priority=PRIORITY_TO_PB[cls.priority], weight=cls.weight,
+        return pb.JobState(job_id=job_id, priority=to_wire(str(cls.priority)), weight=cls.weight,
                            class_set_by="operator")
 
     @_unary

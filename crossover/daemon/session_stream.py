@@ -26,11 +26,11 @@ from crossover.daemon.api import (
 )
 from crossover.daemon.events import RankEvent
 from crossover.daemon.limits import Connections, EventBudget, StreamLimits
-from crossover.daemon.policies.classes import Priority
 from crossover.daemon.messages import AliveMsg, ClassMsg, GrantMsg, LeaseMsg, Message, PolicyMsg, PreemptMsg, ShareMsg
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos import MAX_BATCH_EVENTS
 from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos.priority import to_wire
 
 __all__ = ["SessionLifecycle", "apply_event", "directive", "error_text", "refusal", "status_code", "too_many"]
 
@@ -94,10 +94,6 @@ def apply_event(core: Scheduler, sid: str, ev: pb.RankEvent, budget: EventBudget
     core.apply_message(sid, [RankEvent.from_pb(one, in_batch=one is not ev) for one in events])
 
 
-PRIORITY_TO_PB = {Priority.LOW: pb.PRIORITY_LOW, Priority.NORMAL: pb.PRIORITY_NORMAL, Priority.HIGH: pb.PRIORITY_HIGH}
-PRIORITY_FROM_PB = {v: k for k, v in PRIORITY_TO_PB.items()}
-
-
 def directive(msg: Message) -> pb.Directive | None:
     """The wire form of a message for the rank; None for the ones that end the stream instead."""
     if isinstance(msg, GrantMsg):
@@ -111,7 +107,7 @@ def directive(msg: Message) -> pb.Directive | None:
     if isinstance(msg, AliveMsg):
         return pb.Directive(alive=pb.Alive())
     if isinstance(msg, ClassMsg):
-        return pb.Directive(job_class=pb.JobClassUpdate(priority=PRIORITY_TO_PB[msg.cls.priority],
+        return pb.Directive(job_class=pb.JobClassUpdate(priority=to_wire(str(msg.cls.priority)),
                                                         weight=msg.cls.weight, note=msg.note))
     if isinstance(msg, PreemptMsg):
         return pb.Directive(preempt=pb.Preempt())
