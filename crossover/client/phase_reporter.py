@@ -148,13 +148,10 @@ class PhaseReporter:
     def yield_if_asked(self) -> None:
         """At a gradient: if a higher-class rank asked for the device, hand it back and ask again at once
         (the daemon serves the higher rank first), so it waits at most about one layer's backward."""
-        if not self.session.take_preempted():
-            return
-        with self._lock:
-            if self.holding and not self.in_comm:
-                self._release(comm_begins=False, yields=True)
-                self.yields += 1
-                self._resume()
+        if self.session.take_preempted():
+            with self._lock:
+                if self.pause():
+                    self.resume()
 
     @guarded
     def resume(self) -> None:
