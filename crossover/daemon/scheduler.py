@@ -318,10 +318,10 @@ class Scheduler:
         if changed:
             d.log("job_class", ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
             self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
+        told, note = tell if tell is not None else (None, "")
         for s in ranks:
-            note = tell[1] if tell is not None and s is tell[0] else ""
-            if note or changed or (s is (tell[0] if tell else None) and cls != JobClass()):
-                d.post(s, ClassMsg(cls, note))
+            if changed or (s is told and (note or cls != JobClass())):
+                d.post(s, ClassMsg(cls, note if s is told else ""))
 
     def bind_peer(self, session_id: str, pid: int, uid: int, gid: int | None = None) -> None:
         """Bind a session to its connection's process and user as the kernel reports them (SO_PEERCRED).
