@@ -41,6 +41,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from bench.lib.judge import percentile
 from bench.lib.results import machine, write_json
 from tools.simulator import JobSpec, SimConfig, simulate
 
@@ -100,13 +101,8 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0) -> dict[str, A
     res = simulate(jobs, _SIM_POLICY[mode], n_nodes=64, devices_per_node=8, config=cfg)
     prod = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("prod") and j.slowdown]
     opp = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("opp") and j.slowdown]
-    return {"prod_speed_median": statistics.median(prod), "prod_speed_p10": _pct(prod, 0.1),
+    return {"prod_speed_median": statistics.median(prod), "prod_speed_p10": percentile(prod, 10),
             "opp_speed_median": statistics.median(opp) if opp else None, "jobs": len(res.jobs)}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
