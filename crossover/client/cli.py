@@ -251,9 +251,11 @@ def queue(device: int, watch: bool, interval: float, wide: bool, **kw: Any) -> N
     Columns: phase (compute, waiting, comm, other; suspended: silent past
     the heartbeat timeout, out of the order until it speaks), iter (the
     rank's iteration), comp ms / comm ms (mean phase lengths), wait (share
-    of the rank's time spent waiting for grants), cpu% and rss (psutil),
-    gpu mem (NVML), user (the rank's, as the kernel names it; - when not
-    known). A terminal too narrow for all of them loses pid, rss, gpu mem,
+    of the rank's time spent waiting for grants), hand-over (device: the
+    rank ends its turns on its device; cpu: its CPU waits for the device
+    first), cpu% and rss (psutil), gpu mem (NVML), user (the rank's, as the
+    kernel names it; - when not known). A terminal too narrow for all of
+    them loses pid, hand-over, rss, gpu mem,
     cpu%, user, comm ms and iter, in that order (--wide keeps them).
     """
     ctx = _ctx(kw)

@@ -82,9 +82,9 @@ def _phase(rank: dict[str, Any]) -> Text:
     return Text(phase.lower(), style=_PHASE_STYLE.get(phase, ""))
 
 
-_QUEUE_COLUMNS = ("", "job", "user", "rank", "pid", "phase", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss",
-                  "gpu mem")
-_DROP_FIRST = ("pid", "rss", "gpu mem", "cpu%", "user", "comm ms", "iter")  # what a narrow terminal loses, in order
+_QUEUE_COLUMNS = ("", "job", "user", "rank", "pid", "phase", "iter", "comp ms", "comm ms", "wait", "hand-over",
+                  "cpu%", "rss", "gpu mem")
+_DROP_FIRST = ("pid", "hand-over", "rss", "gpu mem", "cpu%", "user", "comm ms", "iter")  # what a narrow terminal loses, in order
 _RIGHT = {"rank", "pid", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem"}
 
 
@@ -105,7 +105,8 @@ def _fit(columns: list[str], rows: list[dict[str, Text]], width: int | None) -> 
 def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]:
     """One table per device: holder first, then waiting ranks in grant order, then the rest.
 
-    With a `width` (the terminal's), columns are dropped until the table fits: pid, rss,
+    `hand-over` says how each rank ends its turns: on its device, or by its CPU waiting for the device.
+    With a `width` (the terminal's), columns are dropped until the table fits: pid, hand-over, rss,
     gpu mem, cpu%, user, comm ms, iter, in that order (`crossover queue --wide` keeps them all).
     """
     tables = []
@@ -141,6 +142,7 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
                          "comp ms": Text(_ms(r.get("mean_compute_s", 0.0))),
                          "comm ms": Text(_ms(r.get("mean_comm_s", 0.0))),
                          "wait": Text(f"{100 * r.get('wait_fraction', 0.0):.0f}%"),
+                         "hand-over": Text(r.get("handover") or "cpu"),
                          "cpu%": Text("-" if cpu is None or cpu < 0 else f"{cpu:.0f}"),
                          "rss": Text(_bytes(int(r.get("rss_bytes", 0)))),
                          "gpu mem": Text(_bytes(int(r.get("gpu_memory_bytes", 0))))})

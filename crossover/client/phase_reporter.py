@@ -15,7 +15,9 @@ rotation does not change, and goes on with its compute phase.
 Pure: time comes from an injected clock, and the wait for a device's queued
 work before a release is an injected ``settle`` callback (the plugin passes a
 CUDA event wait for GPU parameters), so the state machine runs in tests
-without a daemon, Horovod or torch.
+without a daemon, Horovod or torch. Where the session hands over on the
+device (`crossover.client.device_turns`) a release queues its ticket on the
+device instead of settling.
 """
 from __future__ import annotations
 
@@ -41,11 +43,16 @@ class PhaseSession(Protocol):
     def acquire(self, iteration: int, comm_s: float | None = None) -> bool: ...
 
     def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
-                yields: bool = False) -> None: ...
+                yields: bool = False, ticket: int = 0) -> None: ...
 
     def comm_begin(self, iteration: int) -> None: ...
 
     def take_preempted(self) -> bool: ...
+
+    @property
+    def hands_over(self) -> bool: ...
+
+    def end_turn(self) -> int: ...
 
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -176,8 +183,12 @@ class PhaseReporter:
         self._since = self._clock()
 
     def _release(self, comm_begins: bool, yields: bool = False) -> None:
-        if self.settle is not None:
+        ticket = 0
+        if self.session.hands_over:  # the device ends the turn: no wait here (`device_turns`)
+            ticket = self.session.end_turn()
+        elif self.settle is not None:
             self.settle()
         self.holding = False
         self.in_comm = comm_begins  # the gradients' allreduces are submitted: one message says both
-        self.session.release(self.iteration, self._clock() - self._since, comm_begins=comm_begins, yields=yields)
+        self.session.release(self.iteration, self._clock() - self._since, comm_begins=comm_begins, yields=yields,
+                             ticket=ticket)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import grpc
 
+from crossover.client.device_turns import DeviceTurns, TurnHandover
 from crossover.client.settings import PluginSettings
 from crossover.client.transport import (
     FrameStream,
@@ -76,6 +77,9 @@ class Session:
         self.transport = ""  # how the session stream travels: "session socket" or "grpc"
         self.job_class = ("normal", 1.0)  # this job's class on this node, as the daemon last said
         self.preempted = False  # a higher-class rank waits for this rank's device: yield at the next gradient
+        self.turns = TurnHandover()  # the hand-over on the device: pages, the device that uses them, tickets
+        self._after = (0, 0)  # the latest grant's page and ticket to wait for on the device
+        self._device_handover = False  # every rank on this device ends its turns on the device
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
 
     # ---- phase calls (made from the training thread) --------------------
@@ -135,19 +139,40 @@ class Session:
                     return False
                 self._cond.wait(left)
             self.grant_waits.append(self._clock() - start)
-            return self._granted_seq >= seq
+            granted = self._granted_seq >= seq
+            after, self._after = self._after, (0, 0)
+        if granted and after[0]:
+            self.turns.wait_after(*after)
+        return granted
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether this rank's turns end on its device now: it waits for grants and every rank there can."""
+        return self._attached and self._blocks and not self._leased and self._device_handover and self.turns.ready
+
+    def end_turn(self) -> int:
+        """Queue this turn's ticket behind its work on the device; the ticket, for `release`."""
+        return self.turns.end_turn()
+
+    def use_device(self, device: DeviceTurns) -> None:
+        """The rank's device can wait on turn pages and store into them (see `device_turns`)."""
+        if self.turns.use(device):
+            with self._cond:
+                if self._attached:
+                    self._send(pb.RankEvent(kind=pb.HANDOVER_READY))
 
     def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
-                yields: bool = False) -> None:
+                yields: bool = False, ticket: int = 0) -> None:
         """The device work of this iteration is complete (and, with ``comm_begins``, its allreduce starts).
 
         With ``yields`` the phase is not over: the rank hands the device back while it waits
-        for other ranks, and asks again with the same iteration afterwards.
+        for other ranks, and asks again with the same iteration afterwards. With a ``ticket``
+        (`end_turn`) the work is queued, not done: the device stores the ticket when it is.
         """
         with self._cond:
             if self._attached and self._requested_gen == self._generation:
                 self._requested_gen = -1
-                self._send_done(iteration, duration_s, comm_begins, yields)
+                self._send_done(iteration, duration_s, comm_begins, yields, ticket)
 
     def comm_begin(self, iteration: int) -> None:
         with self._cond:
@@ -183,10 +208,11 @@ class Session:
 
     # ---- internals -------------------------------------------------------
 
-    def _send_done(self, iteration: int, duration_s: float, comm_begins: bool, yields: bool = False) -> None:
+    def _send_done(self, iteration: int, duration_s: float, comm_begins: bool, yields: bool = False,
+                   ticket: int = 0) -> None:
         if self._unsent is None:
             self._send(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=iteration, duration_s=duration_s,
-                                    comm_begins=comm_begins, yields=yields))
+                                    comm_begins=comm_begins, yields=yields, handover_ticket=ticket))
             return
         request, start = self._unsent
         self._unsent = None
@@ -293,6 +319,7 @@ class Session:
             grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
             reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity,
                                                    accepts_leases=s.lease, accepts_preempt=True,
+                                                   accepts_handover=s.handover,
                                                    priority=to_wire(s.priority)),
                                 timeout=s.connect_timeout_s, metadata=self._metadata)
         except grpc.FutureTimeoutError:
@@ -356,12 +383,16 @@ class Session:
                         self._answers_heartbeats = True
                     elif d.HasField("grant"):
                         self._granted_seq = max(self._granted_seq, d.grant.seq)
+                        self._after = (d.grant.after_page, d.grant.after_ticket)
                     elif d.HasField("lease"):
                         self._leased = d.lease.held
                         if not d.lease.held:
                             self._answer_release()
                     elif d.HasField("share"):
                         self._shares_device = d.share.other_ranks > 0
+                        self._device_handover = d.share.handover
+                    elif d.HasField("handover_page"):
+                        self._page(stream, d.handover_page)
                     elif d.HasField("job_class"):
                         self._job_class(d.job_class)
                     elif d.HasField("preempt"):
@@ -379,6 +410,14 @@ class Session:
                 self._detach_locked()
                 if not self._stop.is_set():
                     self._lost(f"lost crossoverd ({reason})")
+
+    def _page(self, stream: SessionStream, page: pb.HandoverPage) -> None:
+        """A turn page and its descriptor, which rode on the same frame."""
+        fd = stream.take_fd()
+        if fd is None:
+            _log.warning("crossover: the daemon sent turn page %d without its descriptor", page.page)
+        elif self.turns.page(page.page, page.own, fd):
+            self._send(pb.RankEvent(kind=pb.HANDOVER_READY))
 
     def _job_class(self, update: pb.JobClassUpdate) -> None:
         """The job's class on this node changed (or a class the rank asked for was refused: one line, once)."""
@@ -400,6 +439,9 @@ class Session:
         self._attached = False
         self._leased = False
         self._shares_device = True
+        self._device_handover = False
+        self._after = (0, 0)
+        self.turns.close()
         self._unsent = None
         self._requested_gen = -1
         self._flush_batch()

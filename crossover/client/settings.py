@@ -53,6 +53,10 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                   "exactly. 0: send each at once."),
     "CROSSOVER_TRANSPORT": ("auto", "How the session stream travels: auto (the daemon's session socket when it "
                             "offers one, for a grant round trip several times shorter; else gRPC) or grpc."),
+    "CROSSOVER_HANDOVER": ("1", "End each turn on the device where it can (CUDA stream memory operations on a page "
+                           "the daemon shares, over the session socket): the rank releases its device as soon as "
+                           "the turn's work is queued and the next rank's work waits on the device, not on two "
+                           "CPUs and a socket; 0: wait for the device on the CPU before each release."),
     "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
                              "co-located job's compute (Horovod's own wait keeps a core busy); only while another rank "
                              "shares the device; 0: Horovod's wait."),
@@ -283,6 +287,7 @@ class PluginSettings:
     priority: str = ""  # low, normal, high; "": what the node gives
     report_interval_s: float = 0.1
     transport: str = "auto"
+    handover: bool = True
     stats_file: str = ""
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)
 
@@ -316,6 +321,7 @@ class PluginSettings:
             priority=_choice("CROSSOVER_PRIORITY", cls.priority, ("low", "normal", "high")),
             report_interval_s=_float("CROSSOVER_REPORT_INTERVAL", cls.report_interval_s, 0.0, 1.0),
             transport=_choice("CROSSOVER_TRANSPORT", cls.transport, TRANSPORTS),
+            handover=_bool("CROSSOVER_HANDOVER", cls.handover),
             log_level=os.environ.get("CROSSOVER_LOG_LEVEL", cls.log_level).upper(),
             stats_file=os.environ.get("CROSSOVER_STATS_FILE", cls.stats_file),
             aggregation=AggregationSettings.from_env(),

@@ -8,6 +8,7 @@ Neither ever blocks the training thread on a daemon that stopped reading.
 """
 from __future__ import annotations
 
+import collections
 import os
 import pwd
 import queue
@@ -26,6 +27,7 @@ __all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "channe
            "untrusted_socket"]
 
 _CLOSE = object()
+_MAX_FDS = 4
 
 
 class StreamBroken(Exception):
@@ -46,6 +48,9 @@ class SessionStream(Protocol):
 
     def receive(self) -> Iterator[pb.Directive]:
         """The daemon's directives until it closes the stream; StreamBroken when it breaks."""
+
+    def take_fd(self) -> int | None:
+        """The next file descriptor that came with the stream (a `HandoverPage`'s), now the caller's; None: none."""
 
 
 class GrpcStream:
@@ -73,6 +78,9 @@ class GrpcStream:
         except grpc.RpcError as exc:
             raise StreamBroken(f"{exc.code().name}: {exc.details()}") from None
 
+    def take_fd(self) -> int | None:
+        return None  # gRPC carries no descriptors: the daemon offers no pages on it
+
 
 class FrameStream:
     """The daemon's session socket: frames written by the caller, read by the receiving thread."""
@@ -90,6 +98,7 @@ class FrameStream:
             sock.close()
             raise
         self._sock = sock
+        self._fds: collections.deque[int] = collections.deque()  # received with frames, not yet taken
 
     def send(self, event: pb.RankEvent) -> None:
         data = framing.encode(event)
@@ -113,9 +122,20 @@ class FrameStream:
     def dispose(self) -> None:
         framing.shut(self._sock)  # wakes the receiving thread
         self._sock.close()
+        while self._fds:
+            os.close(self._fds.popleft())
+
+    def take_fd(self) -> int | None:
+        return self._fds.popleft() if self._fds else None
+
+    def _recv(self, n: int) -> bytes:
+        """`recv` that keeps the descriptors a frame brings (they ride on its first byte), in order."""
+        data, fds, _flags, _addr = socket.recv_fds(self._sock, n, _MAX_FDS)
+        self._fds.extend(fds)
+        return data
 
     def receive(self) -> Iterator[pb.Directive]:
-        frames = framing.FrameReader(self._sock.recv)
+        frames = framing.FrameReader(self._recv)
         while True:
             try:
                 directive = frames.next_message(pb.Directive)

@@ -34,6 +34,7 @@ class EventKind(enum.Enum):
     COMM_END = "comm_end"
     HEARTBEAT = "heartbeat"
     LEASE_RELEASED = "lease_released"
+    HANDOVER_READY = "handover_ready"
 
 
 _WIRE_KINDS = {
@@ -43,6 +44,7 @@ _WIRE_KINDS = {
     pb.COMM_END: EventKind.COMM_END,
     pb.HEARTBEAT: EventKind.HEARTBEAT,
     pb.LEASE_RELEASED: EventKind.LEASE_RELEASED,
+    pb.HANDOVER_READY: EventKind.HANDOVER_READY,
 }
 
 
@@ -64,6 +66,7 @@ class RankEvent:
     comm_s: float = 0.0
     ago_s: float = 0.0
     yields: bool = False
+    handover_ticket: int = 0
 
     def __post_init__(self) -> None:
         for name, value in (("duration_s", self.duration_s), ("comm_s", self.comm_s), ("ago_s", self.ago_s)):
@@ -90,7 +93,8 @@ class RankEvent:
             raise InvalidRequest(f"event kind {ev.kind} is not valid {where}")
         return cls(kind, ev.iteration, ev.seq, ev.duration_s, comm_begins=ev.comm_begins,
                    no_wait=ev.no_wait, requested=ev.requested, comm_s=ev.comm_s,
-                   ago_s=ev.ago_s if in_batch else 0.0, yields=ev.yields)
+                   ago_s=ev.ago_s if in_batch else 0.0, yields=ev.yields,
+                   handover_ticket=ev.handover_ticket)
 
 
 def record_rank(log: EventLog, event: str, sess: Session, node: str, t: float | None,

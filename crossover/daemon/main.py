@@ -142,6 +142,11 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
+@click.option("--handover/--no-handover", default=True, show_default=True,
+              help="Let ranks on the session socket end their turns on their device: each gets a shared page "
+              "whose word its device sets when a turn's work is done, and the next holder's device waits for "
+              "it, so no CPU or socket sits between two turns (docs/handover.md). Ranks whose device cannot "
+              "(no CUDA stream memory operations) wait for their device on their CPU, as with --no-handover.")
 @click.option("--metrics-address", metavar="HOST:PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (a bare PORT: loopback only). "
               "Off by default; docs/metrics.md lists the metrics.")
@@ -158,7 +163,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
          overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, class_rules: tuple[str, ...],
-         guard_share: float, session_socket: bool, metrics_address: str | None,
+         guard_share: float, session_socket: bool, handover: bool, metrics_address: str | None,
          health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -208,7 +213,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
                          max_sessions=2 * max_connections,
                          payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
-                         class_settings=ClassSettings(guard_share=guard_share))
+                         class_settings=ClassSettings(guard_share=guard_share), handover=handover)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)

@@ -6,7 +6,7 @@ from typing import Union
 
 from crossover.daemon.policies.classes import JobClass
 
-__all__ = ["AliveMsg", "ClassMsg", "CloseMsg", "GrantMsg", "LeaseMsg", "Message", "PolicyMsg", "PreemptMsg",
+__all__ = ["AliveMsg", "ClassMsg", "CloseMsg", "GrantMsg", "LeaseMsg", "Message", "PageMsg", "PolicyMsg", "PreemptMsg",
            "ShareMsg"]
 
 
@@ -17,6 +17,8 @@ class GrantMsg:
     seq: int
     iteration: int
     waited_s: float
+    after_page: int = 0  # the device's previous holder released early: start after its page reaches the ticket
+    after_ticket: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ShareMsg:
     """How many other ranks are registered on the session's device now."""
 
     other_ranks: int
+    handover: bool = False  # every rank on the device ends its turns on the device
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,15 @@ class PreemptMsg:
 
 
 @dataclass(frozen=True)
+class PageMsg:
+    """A turn page for the session (`handover`), with its descriptor: the rank's own, or one it may wait on."""
+
+    page: int
+    fd: int
+    own: bool
+
+
+@dataclass(frozen=True)
 class CloseMsg:
     """Ends a session's stream; `error` set means the rank sent something invalid."""
 
@@ -67,4 +79,4 @@ class CloseMsg:
     error: Exception | None = None
 
 
-Message = Union[GrantMsg, PolicyMsg, LeaseMsg, ShareMsg, AliveMsg, ClassMsg, PreemptMsg, CloseMsg]
+Message = Union[GrantMsg, PolicyMsg, LeaseMsg, ShareMsg, AliveMsg, ClassMsg, PreemptMsg, PageMsg, CloseMsg]

@@ -77,6 +77,11 @@ class DaemonMetrics:
                                      "of the job that held it.", ("priority",), registry=r)
         self.preemptions = Counter("crossover_preemptions", "Lower-class holders asked to yield to a higher-class "
                                    "rank.", ("device",), registry=r)
+        self.handovers = Counter("crossover_handover_ranks", "Ranks that began ending their turns on their device "
+                                 "(no drain wait, no CPU in the hand-over).", ("device",), registry=r)
+        self.handover_rescues = Counter("crossover_handover_rescues", "Turn tickets the daemon stored for a rank "
+                                        "whose device could not (it died or stalled), so the next rank went on.",
+                                        ("device",), registry=r)
         self._class_of: dict[str, str] = {}  # job id -> its class, as the event log last said
         self.drain_refusals = Counter("crossover_drain_refusals", "New ranks refused on a drained device (they "
                                       "train there unscheduled).", ("device",), registry=r)
@@ -112,6 +117,10 @@ class DaemonMetrics:
             self._class_of[job[1]] = str(entry.get("priority", "normal"))
         elif event == "preempt":
             self.preemptions.labels(device).inc()
+        elif event == "handover":
+            self.handovers.labels(device).inc()
+        elif event == "handover_rescue":
+            self.handover_rescues.labels(device).inc()
         elif event == "comm_end":
             self._job(self.comm, job).observe(entry.get("duration_s", 0.0))
         elif event == "cancel":

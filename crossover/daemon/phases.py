@@ -12,8 +12,9 @@ from collections.abc import Iterable
 
 from crossover.daemon.api import FailedPrecondition, Phase, Policy, RankKey
 from crossover.daemon.events import Decision, EventKind, RankEvent
+from crossover.daemon.handover import Pages
 from crossover.daemon.leases import Leases
-from crossover.daemon.messages import AliveMsg, GrantMsg, ShareMsg
+from crossover.daemon.messages import AliveMsg, GrantMsg, PageMsg, ShareMsg
 from crossover.daemon.registry import Registry, Session
 
 __all__ = ["PhaseMachine"]
@@ -27,11 +28,13 @@ class PhaseMachine:
     computing without a grant (see `Session`).
     """
 
-    def __init__(self, policy: Policy, registry: Registry, leases: Leases) -> None:
+    def __init__(self, policy: Policy, registry: Registry, leases: Leases, pages: Pages | None = None) -> None:
         self.policy = policy
         self.deadline_changed = threading.Event()
+        self.pages = pages  # None: no hand-over on the device here (see `handover`)
         self._registry = registry
         self._leases = leases
+        self._owed: dict[int, str] = {}  # device -> the session that released it last, its ticket still owed
 
     def apply(self, sess: Session, ev: RankEvent, now: float, d: Decision) -> None:
         """One event of the session, dated `now` (never before `sess.last_t`, its latest logged entry)."""
@@ -49,7 +52,8 @@ class PhaseMachine:
                 sess.requested_at = began
                 if sess.phase is Phase.COMPUTE:
                     sess.phase_since = began
-            self.finish_compute(sess, now, d, ev.duration_s, strict=not sess.forgive_done, yields=ev.yields)
+            self.finish_compute(sess, now, d, ev.duration_s, strict=not sess.forgive_done, yields=ev.yields,
+                                ticket=ev.handover_ticket)
             sess.forgive_done = False
             if ev.comm_begins:
                 self._begin_comm(sess, ev.iteration, now, d)
@@ -62,6 +66,16 @@ class PhaseMachine:
         elif kind is EventKind.LEASE_RELEASED and self._leases.awaits_release(sess):
             d.log("lease_released", sess)
             self.end_revoke(sess.ref.device, sess.id, now, d)
+        elif kind is EventKind.HANDOVER_READY:
+            self._handover_ready(sess, d)
+
+    def _handover_ready(self, sess: Session, d: Decision) -> None:
+        """The rank's device waits on pages and stores tickets: it may end its turns there."""
+        if self.pages is None or self.pages.of(sess.id) is None or sess.handover:
+            return
+        sess.handover = "device"
+        d.log("handover", sess, path=sess.handover)
+        self.tell_share(sess.ref.device, d)
 
     def _request(self, sess: Session, iteration: int, seq: int, comm_s: float, no_wait: bool,
                  now: float, d: Decision) -> None:
@@ -112,9 +126,10 @@ class PhaseMachine:
         d.log("comm_end", sess, iteration=iteration, duration_s=measured)
 
     def finish_compute(self, sess: Session, now: float, d: Decision, duration_s: float, strict: bool,
-                       yields: bool = False) -> None:
+                       yields: bool = False, ticket: int = 0) -> None:
         """The rank's compute phase ended (or it stopped waiting for one); `strict`: a rank that
-        neither computes nor waits is an error."""
+        neither computes nor waits is an error. `ticket`: the rank released before its device
+        finished, which stores the ticket in its page when it has (the next holder waits for that)."""
         key = sess.ref.key
         if sess.phase is Phase.COMPUTE and self.policy.holds(key):
             held = now - sess.phase_since
@@ -134,6 +149,8 @@ class PhaseMachine:
                 sess.yielded_s = 0.0
                 d.log("release", sess, held_s=held)
             sess.set_phase(Phase.OTHER, now)
+            if ticket and self.pages is not None and self.pages.released(sess.id, ticket, now) is not None:
+                self._owed[sess.ref.device] = sess.id
             self.deliver(self.policy.release(key, now), now, d)
         elif sess.phase is Phase.WAITING and ((held_back := self._leases.is_held_back(sess))
                                               or self.policy.is_waiting(key)):
@@ -171,11 +188,28 @@ class PhaseMachine:
             waited = now - sess.requested_at
             sess.stats.waited_total += waited
             sess.set_phase(Phase.COMPUTE, now)
-            d.log("grant", sess, iteration=sess.iteration, waited_s=waited)
             # Nobody waits for the message under a policy that never blocks, or with a lease.
-            if self.policy.blocks and not sess.no_wait:
-                d.post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited))
+            told = self.policy.blocks and not sess.no_wait
+            page, ticket = self._after(sess, d) if told else (0, 0)
+            d.log("grant", sess, iteration=sess.iteration, waited_s=waited, **({"after": ticket} if ticket else {}))
+            if told:
+                d.post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited, page, ticket))
                 self._leases.offer(sess, d)
+
+    def _after(self, sess: Session, d: Decision) -> tuple[int, int]:
+        """The page and ticket the granted rank's device must wait for: its device's last holder's, while that
+        holder's device still owes it; (0, 0) when nothing is owed or the rank does not hand over on its device.
+        The rank gets a read-only descriptor of the page before its first grant that names it."""
+        owner = self._owed.get(sess.ref.device)
+        if self.pages is None or sess.handover != "device" or owner is None or owner == sess.id:
+            return 0, 0
+        page = self.pages.of(owner)
+        if page is None or not page.owed or page.reached(page.owed):
+            return 0, 0
+        if page.id not in sess.pages_sent:
+            sess.pages_sent.add(page.id)
+            d.post(sess, PageMsg(page.id, page.ro_fd, own=False))
+        return page.id, page.owed
 
     def end_revoke(self, device: int, holder: str, now: float, d: Decision) -> None:
         """The holder's requests are all known: hand the held-back ones to the policy (see `Leases.released`)."""
@@ -194,5 +228,6 @@ class PhaseMachine:
     def tell_share(self, device: int, d: Decision) -> None:
         """Tell each rank on the device how many others share it (they joined or left)."""
         on_device = self._registry.on_device(device)
+        handover = self.pages is not None and all(s.handover == "device" for s in on_device)
         for sess in on_device:
-            d.post(sess, ShareMsg(len(on_device) - 1))
+            d.post(sess, ShareMsg(len(on_device) - 1, handover))

@@ -87,6 +87,9 @@ class Session:
     class_by: str = ""  # what gave it: a --class-rule's text, "rank" (it lowered itself) or "" (the default)
     accepts_preempt: bool = False  # the client yields on Directive.preempt
     class_note: str = ""  # the refusal line it was last told (told once)
+    accepts_handover: bool = False  # the client takes turn pages (`handover`) on its session socket
+    handover: str = ""  # "device": it ends its turns on its device (its own page is mapped); "": the usual way
+    pages_sent: set[int] = field(default_factory=set)  # the turn pages it holds a descriptor of
 
     def send(self, msg: Message) -> None:
         if self.deliver is None:

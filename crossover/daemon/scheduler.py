@@ -29,10 +29,11 @@ from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision, EventKind, RankEvent, record_rank
 from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
+from crossover.daemon.handover import Pages, PagesUnavailable
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.leases import Leases
 from crossover.daemon.liveness import Liveness
-from crossover.daemon.messages import ClassMsg, CloseMsg, GrantMsg, Message, PolicyMsg, PreemptMsg
+from crossover.daemon.messages import ClassMsg, CloseMsg, GrantMsg, Message, PageMsg, PolicyMsg, PreemptMsg
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
 from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
@@ -56,6 +57,14 @@ def _process(pid: int) -> psutil.Process | None:
         process.cpu_percent(None)
         return process
     except (psutil.Error, ValueError):
+        return None
+
+
+def _turn_pages() -> Pages | None:
+    try:
+        return Pages()
+    except PagesUnavailable as exc:
+        _log.warning("no hand-over on the device on this node (%s): ranks wait for grants on their CPUs", exc)
         return None
 
 
@@ -90,12 +99,13 @@ class Scheduler:
         adapt: bool | None = None,
         class_rules: ClassRules | None = None,
         class_settings: ClassSettings | None = None,
+        handover: bool = True,
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
         self._class_settings = class_settings
         self._phases = PhaseMachine(policies.create(policy, class_settings) if isinstance(policy, str) else policy,
-                                    self._sessions, self._leases)
+                                    self._sessions, self._leases, _turn_pages() if handover else None)
         self._rules = class_rules or ClassRules()
         self._classes: dict[str, tuple[JobClass, str]] = {}  # job -> its class as the policy has it, and by what
         self._set_by_operator: dict[str, JobClass] = {}  # job -> the class `crossover priority/share` set
@@ -163,9 +173,10 @@ class Scheduler:
     # ---- rank lifecycle ------------------------------------------------
 
     def register(self, ident: RankIdentity, accepts_leases: bool = False, asked: Priority | None = None,
-                 accepts_preempt: bool = False) -> Registration:
+                 accepts_preempt: bool = False, accepts_handover: bool = False) -> Registration:
         """Register a rank. `asked`: the class it asks for (it may lower what this node gives its user, once the
-        kernel names the user on the session socket: `bind_peer`); `accepts_preempt`: it yields when asked."""
+        kernel names the user on the session socket: `bind_peer`); `accepts_preempt`: it yields when asked;
+        `accepts_handover`: it takes a turn page on the session socket (`attach`)."""
         validate_identity(ident, len(self.inventory.devices))
         ident = printable_identity(ident)
         device_index = ident.device if ident.device >= 0 else ident.local_rank % len(self.inventory.devices)
@@ -197,7 +208,7 @@ class Scheduler:
             ident = replace(ident, node=self.node, device=device.index)
             sess = Session(sid, ident, ref, registered_at=now, last_seen=now, last_t=now, phase_since=now,
                            accepts_leases=accepts_leases, process=process, asked=asked,
-                           accepts_preempt=accepts_preempt)
+                           accepts_preempt=accepts_preempt, accepts_handover=accepts_handover)
             note = self._give_class(sess, None, None)
             self._sessions.add(sess)
             d = Decision()
@@ -212,9 +223,12 @@ class Scheduler:
         _log.info("registered %s rank %d (pid %d) on device %d", ident.job_name, ident.rank, ident.pid, device.index)
         return Registration(sid, self.node, device.index, device.cpu_affinity, self.heartbeat_interval_s, name, blocks)
 
-    def attach(self, session_id: str, deliver: Callable[[Message], None] | None = None) -> queue.SimpleQueue | None:
+    def attach(self, session_id: str, deliver: Callable[[Message], None] | None = None,
+               passes_fds: bool = False) -> queue.SimpleQueue | None:
         """Bind a session's stream. `deliver` receives every message for it (from any thread,
-        never blocking); without one, an outbox queue is returned for the caller to drain."""
+        never blocking); without one, an outbox queue is returned for the caller to drain.
+        `passes_fds`: the stream carries file descriptors (the session socket), so a rank that
+        takes one gets its turn page first (see `handover`)."""
         outbox: queue.SimpleQueue | None = None
         if deliver is None:
             outbox = queue.SimpleQueue()
@@ -229,6 +243,16 @@ class Scheduler:
             for msg in sess.undelivered:
                 deliver(msg)
             sess.undelivered.clear()
+            pages = self._phases.pages
+            if passes_fds and sess.accepts_handover and pages is not None and pages.of(session_id) is None:
+                try:
+                    page = pages.open(session_id)
+                except PagesUnavailable as exc:
+                    _log.warning("no turn page for %s rank %d (%s): it waits for grants on its CPU",
+                                 sess.ident.job_name, sess.ident.rank, exc)
+                else:
+                    sess.pages_sent.add(page.id)
+                    deliver(PageMsg(page.id, page.fd, own=True))
         return outbox
 
     def event(self, session_id: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
@@ -360,6 +384,7 @@ class Scheduler:
             d.log("leave", sess, reason=reason, evicted=evicted)
             if sess.phase is Phase.COMPUTE:
                 d.log("release", sess, reason=reason)
+            self._rescue(sess, reason, d, close=True)
             if sess.phase is not Phase.SUSPENDED:  # a suspended rank already left the policy
                 self._phases.deliver(self._phases.policy.leave(sess.ref.key, now), now, d)
             self._phases.forget_lease(sess, now, d)
@@ -377,12 +402,27 @@ class Scheduler:
             now = self._clock()
             d = Decision()
             doomed = self._liveness.sweep(now, d)
+            pages = self._phases.pages
+            for sid in pages.overdue(now, self._liveness.overdue_after_s) if pages is not None else ():
+                sess = self._sessions.find(sid)
+                if sess is not None:
+                    self._rescue(sess, "its device did not end its turn", d)
             self._commit(d, now)
         for sid, reason in doomed:
             self.close(sid, reason, evicted=True)
         self.tick()
         self.adapt()
         return [sid for sid, _ in doomed]
+
+    def _rescue(self, sess: Session, reason: str, d: Decision, close: bool = False) -> None:
+        """Store the ticket the session's device still owes, so the rank after it goes on (lock held);
+        `close`: the session is gone, and its page with it."""
+        pages = self._phases.pages
+        if pages is None:
+            return
+        ticket = pages.close(sess.id) if close else pages.rescue(sess.id)
+        if ticket:
+            d.log("handover_rescue", sess, ticket=ticket, reason=reason)
 
     def adapt(self) -> None:
         """Open each device where grants do not pay, close it where they do (see `grant_payoff`).
@@ -495,6 +535,8 @@ class Scheduler:
                 if sess.phase is Phase.WAITING or sess.suspended_from is Phase.WAITING:
                     sess.send(GrantMsg(sess.pending_seq, sess.iteration, now - sess.requested_at))
                 sess.send(CloseMsg("daemon shutting down"))
+            if self._phases.pages is not None:  # no rank's device waits on a page of a rank gone with the daemon
+                self._phases.pages.close_all()
         for sess in sessions:
             record_rank(self.events, "leave", sess, self.node, None, {"reason": "daemon shutdown"})
         self.events.close()

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from crossover.daemon.api import CrossoverError, InvalidRequest
 from crossover.daemon.limits import Connections, StreamLimits
-from crossover.daemon.messages import CloseMsg, Message
+from crossover.daemon.messages import CloseMsg, Message, PageMsg
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_stream import SessionLifecycle, directive, refusal, too_many
 from crossover.protos import crossover_v1_pb2 as pb
@@ -120,7 +120,7 @@ class _FrameConnection:
             first = self._read()
             if first is None:
                 return
-            life.open(first, self._deliver)
+            life.open(first, self._deliver, passes_fds=True)
             if self._peer is not None and life.sid:
                 self._core.bind_peer(life.sid, self._peer.pid, self._peer.uid, self._peer.gid)
             self._clock.wait_between_frames(self._limits.idle_timeout_s)
@@ -158,13 +158,18 @@ class _FrameConnection:
             self._drop()
             return
         out = directive(msg)
-        if out is not None and not self._write(framing.encode(out)):
+        fds = [msg.fd] if isinstance(msg, PageMsg) else []
+        if out is not None and not self._write(framing.encode(out), fds):
             self._drop()
 
-    def _write(self, data: bytes) -> bool:
+    def _write(self, data: bytes, fds: list[int] | None = None) -> bool:
+        """Send one whole frame without waiting (`fds` ride on its first byte); False: the rank is gone
+        or stopped reading."""
         with self._write_lock:
             try:
-                if self._conn.send(data, socket.MSG_DONTWAIT) == len(data):
+                sent = (socket.send_fds(self._conn, [data], fds, socket.MSG_DONTWAIT) if fds
+                        else self._conn.send(data, socket.MSG_DONTWAIT))
+                if sent == len(data):
                     return True
             except BlockingIOError:
                 pass

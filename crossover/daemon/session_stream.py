@@ -26,7 +26,17 @@ from crossover.daemon.api import (
 )
 from crossover.daemon.events import RankEvent
 from crossover.daemon.limits import Connections, EventBudget, StreamLimits
-from crossover.daemon.messages import AliveMsg, ClassMsg, GrantMsg, LeaseMsg, Message, PolicyMsg, PreemptMsg, ShareMsg
+from crossover.daemon.messages import (
+    AliveMsg,
+    ClassMsg,
+    GrantMsg,
+    LeaseMsg,
+    Message,
+    PageMsg,
+    PolicyMsg,
+    PreemptMsg,
+    ShareMsg,
+)
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos import MAX_BATCH_EVENTS
 from crossover.protos import crossover_v1_pb2 as pb
@@ -97,13 +107,14 @@ def apply_event(core: Scheduler, sid: str, ev: pb.RankEvent, budget: EventBudget
 def directive(msg: Message) -> pb.Directive | None:
     """The wire form of a message for the rank; None for the ones that end the stream instead."""
     if isinstance(msg, GrantMsg):
-        return pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration, waited_s=msg.waited_s))
+        return pb.Directive(grant=pb.Grant(seq=msg.seq, iteration=msg.iteration, waited_s=msg.waited_s,
+                                           after_page=msg.after_page, after_ticket=msg.after_ticket))
     if isinstance(msg, LeaseMsg):
         return pb.Directive(lease=pb.Lease(held=msg.held))
     if isinstance(msg, PolicyMsg):
         return pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy, policy_blocks=msg.blocks))
     if isinstance(msg, ShareMsg):
-        return pb.Directive(share=pb.DeviceShare(other_ranks=msg.other_ranks))
+        return pb.Directive(share=pb.DeviceShare(other_ranks=msg.other_ranks, handover=msg.handover))
     if isinstance(msg, AliveMsg):
         return pb.Directive(alive=pb.Alive())
     if isinstance(msg, ClassMsg):
@@ -111,6 +122,8 @@ def directive(msg: Message) -> pb.Directive | None:
                                                         weight=msg.cls.weight, note=msg.note))
     if isinstance(msg, PreemptMsg):
         return pb.Directive(preempt=pb.Preempt())
+    if isinstance(msg, PageMsg):
+        return pb.Directive(handover_page=pb.HandoverPage(page=msg.page, own=msg.own))
     return None
 
 
@@ -129,12 +142,13 @@ class SessionLifecycle:
         self._limits = limits
         self._budget: EventBudget | None = None
 
-    def open(self, first: pb.RankEvent, deliver: Callable[[Message], None]) -> None:
-        """The stream's first message must be OPEN for a registered session; `deliver` gets its messages.
-        CrossoverError otherwise (the stream is then no session's)."""
+    def open(self, first: pb.RankEvent, deliver: Callable[[Message], None], passes_fds: bool = False) -> None:
+        """The stream's first message must be OPEN for a registered session; `deliver` gets its messages
+        (`passes_fds`: it can send a `PageMsg`'s descriptor along). CrossoverError otherwise (the stream is
+        then no session's)."""
         if first.kind != pb.OPEN or not first.session_id:
             raise InvalidRequest(_OPEN_FIRST)
-        self._core.attach(first.session_id, deliver)
+        self._core.attach(first.session_id, deliver, passes_fds=passes_fds)
         self.sid = first.session_id
         self._budget = self._limits.budget()
 

@@ -30,6 +30,7 @@ class RankSnapshot:
     priority: str = "normal"  # its job's class on this node
     weight: float = 1.0
     class_by: str = ""  # what set the class: "operator", a --class-rule, "rank", or "" (the default)
+    handover: str = ""  # "device": it ends its turns on its device; "": its CPU waits for the device
 
 
 class DeviceSnapshot(NamedTuple):
@@ -56,6 +57,7 @@ def rank_snapshot(s: Session, now: float) -> RankSnapshot:
         cpu_percent=-1.0,
         rss_bytes=0,
         user="" if s.uid is None else _user_name(s.uid),
+        handover=s.handover,
     )
 
 

@@ -24,6 +24,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMM_END: _ClassVar[EventKind]
     HEARTBEAT: _ClassVar[EventKind]
     LEASE_RELEASED: _ClassVar[EventKind]
+    HANDOVER_READY: _ClassVar[EventKind]
     BATCH: _ClassVar[EventKind]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -54,6 +55,7 @@ COMM_BEGIN: EventKind
 COMM_END: EventKind
 HEARTBEAT: EventKind
 LEASE_RELEASED: EventKind
+HANDOVER_READY: EventKind
 BATCH: EventKind
 PHASE_UNSPECIFIED: Phase
 IDLE: Phase
@@ -90,18 +92,20 @@ class RankIdentity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_size: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "identity", "accepts_leases", "priority", "accepts_preempt")
+    __slots__ = ("protocol_version", "identity", "accepts_leases", "priority", "accepts_preempt", "accepts_handover")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_LEASES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_HANDOVER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     identity: RankIdentity
     accepts_leases: bool
     priority: Priority
     accepts_preempt: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., accepts_leases: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., accepts_preempt: _Optional[bool] = ...) -> None: ...
+    accepts_handover: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., identity: _Optional[_Union[RankIdentity, _Mapping]] = ..., accepts_leases: _Optional[bool] = ..., priority: _Optional[_Union[Priority, str]] = ..., accepts_preempt: _Optional[bool] = ..., accepts_handover: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "node", "device", "cpu_affinity", "heartbeat_interval_s", "policy", "policy_blocks", "session_socket")
@@ -138,7 +142,7 @@ class Preempt(_message.Message):
     def __init__(self) -> None: ...
 
 class RankEvent(_message.Message):
-    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "yields")
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "handover_ticket", "yields")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +154,7 @@ class RankEvent(_message.Message):
     COMM_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     AGO_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_TICKET_FIELD_NUMBER: _ClassVar[int]
     YIELDS_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     session_id: str
@@ -162,11 +167,12 @@ class RankEvent(_message.Message):
     comm_s: float
     batch: _containers.RepeatedCompositeFieldContainer[RankEvent]
     ago_s: float
+    handover_ticket: int
     yields: bool
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., yields: _Optional[bool] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., handover_ticket: _Optional[int] = ..., yields: _Optional[bool] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("grant", "policy", "lease", "error", "share", "alive", "job_class", "preempt")
+    __slots__ = ("grant", "policy", "lease", "error", "share", "alive", "job_class", "preempt", "handover_page")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +181,7 @@ class Directive(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     JOB_CLASS_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_PAGE_FIELD_NUMBER: _ClassVar[int]
     grant: Grant
     policy: PolicyUpdate
     lease: Lease
@@ -183,17 +190,28 @@ class Directive(_message.Message):
     alive: Alive
     job_class: JobClassUpdate
     preempt: Preempt
-    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., share: _Optional[_Union[DeviceShare, _Mapping]] = ..., alive: _Optional[_Union[Alive, _Mapping]] = ..., job_class: _Optional[_Union[JobClassUpdate, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ...) -> None: ...
+    handover_page: HandoverPage
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., share: _Optional[_Union[DeviceShare, _Mapping]] = ..., alive: _Optional[_Union[Alive, _Mapping]] = ..., job_class: _Optional[_Union[JobClassUpdate, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., handover_page: _Optional[_Union[HandoverPage, _Mapping]] = ...) -> None: ...
+
+class HandoverPage(_message.Message):
+    __slots__ = ("page", "own")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    page: int
+    own: bool
+    def __init__(self, page: _Optional[int] = ..., own: _Optional[bool] = ...) -> None: ...
 
 class Alive(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DeviceShare(_message.Message):
-    __slots__ = ("other_ranks",)
+    __slots__ = ("other_ranks", "handover")
     OTHER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     other_ranks: int
-    def __init__(self, other_ranks: _Optional[int] = ...) -> None: ...
+    handover: bool
+    def __init__(self, other_ranks: _Optional[int] = ..., handover: _Optional[bool] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")
@@ -210,14 +228,18 @@ class Lease(_message.Message):
     def __init__(self, held: _Optional[bool] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("seq", "iteration", "waited_s")
+    __slots__ = ("seq", "iteration", "waited_s", "after_page", "after_ticket")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    AFTER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TICKET_FIELD_NUMBER: _ClassVar[int]
     seq: int
     iteration: int
     waited_s: float
-    def __init__(self, seq: _Optional[int] = ..., iteration: _Optional[int] = ..., waited_s: _Optional[float] = ...) -> None: ...
+    after_page: int
+    after_ticket: int
+    def __init__(self, seq: _Optional[int] = ..., iteration: _Optional[int] = ..., waited_s: _Optional[float] = ..., after_page: _Optional[int] = ..., after_ticket: _Optional[int] = ...) -> None: ...
 
 class PolicyUpdate(_message.Message):
     __slots__ = ("policy", "policy_blocks")
@@ -228,7 +250,7 @@ class PolicyUpdate(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user", "priority", "weight")
+    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user", "priority", "weight", "handover")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +268,7 @@ class RankState(_message.Message):
     USER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     rank: int
@@ -263,7 +286,8 @@ class RankState(_message.Message):
     user: str
     priority: Priority
     weight: float
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ...) -> None: ...
+    handover: str
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., handover: _Optional[str] = ...) -> None: ...
 
 class DeviceState(_message.Message):
     __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order", "refused_while_draining", "sharing", "sharing_reason")

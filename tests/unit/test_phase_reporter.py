@@ -24,8 +24,16 @@ class Session:
         return True
 
     def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
-                yields: bool = False) -> None:
-        self.calls.append(("release", iteration, duration_s, comm_begins, yields))
+                yields: bool = False, ticket: int = 0) -> None:
+        self.calls.append(("release", iteration, duration_s, comm_begins, yields) + ((ticket,) if ticket else ()))
+
+    hands_over = False
+    tickets = 0
+
+    def end_turn(self) -> int:
+        self.tickets += 1
+        self.calls.append(("end_turn", self.tickets))
+        return self.tickets
 
     def comm_begin(self, iteration: int) -> None:
         self.calls.append(("comm_begin", iteration))
@@ -108,3 +116,21 @@ def test_a_preempted_holder_yields_at_the_next_gradient_and_asks_again_for_the_s
     reporter.compute_done()
     reporter.yield_if_asked()  # no longer holding: the ask is spent, nothing happens
     assert session.calls[-1][0] == "release" and not session.preempted
+
+
+def test_a_rank_that_hands_over_on_its_device_queues_a_ticket_instead_of_settling():
+    clock, session = Clock(), Session()
+    settled: list[int] = []
+    reporter = PhaseReporter(session, settle=lambda: settled.append(1), clock=clock)
+    session.hands_over = True
+    reporter.ensure_holding()
+    reporter.compute_done()
+    reporter.comm_end(0.1)
+    reporter.compute_done()
+    assert settled == []
+    assert [c for c in session.calls if c[0] != "acquire"] == [
+        ("end_turn", 1), ("release", 0, 0.0, True, False, 1), ("end_turn", 2), ("release", 1, 0.0, True, False, 2)]
+    session.hands_over = False  # a rank without the hand-over on its device settles as before
+    reporter.comm_end(0.1)
+    reporter.compute_done()
+    assert settled == [1] and session.calls[-1] == ("release", 2, 0.0, True, False)

@@ -15,8 +15,10 @@ class RecordingSession:
         return True
 
     def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
-                yields: bool = False) -> None:
+                yields: bool = False, ticket: int = 0) -> None:
         self.calls.append(("yield" if yields else "release", iteration))
+
+    hands_over = False
 
     def comm_begin(self, iteration: int) -> None:
         self.calls.append(("comm_begin", iteration))

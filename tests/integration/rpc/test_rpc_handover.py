@@ -1,0 +1,142 @@
+"""The hand-over on the device through a real in-process daemon, real client sessions on its session socket
+and the emulated device's server: the next rank's work starts as the holder's ends with no CPU between
+them, a holder that is gone cannot strand it, and a rank can neither write another's page nor resize its own."""
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from crossover.client.session import Session
+from crossover.client.settings import PluginSettings
+from crossover.protos import PROTOCOL_VERSION
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.identity import RankIdentity
+from tests.integration.rpc._world import wait_for
+from tests.unit.test_device_model_streams import Bed
+from tools.device_model.turns import ModelTurns
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def bed(tmp_path: Path) -> Iterator[Bed]:
+    b = Bed(tmp_path / "dev.sock")
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture
+def ranks(bed: Bed):
+    """`make(target, job, handover=True)` → a started session whose device is the bed's, closed at teardown."""
+    made: list[Session] = []
+
+    def make(target: str, job: str, handover: bool = True) -> tuple[Session, ModelTurns]:
+        settings = PluginSettings(target=target, job_name=job, device=0, grant_timeout_s=5.0, connect_timeout_s=2.0,
+                                  reconnect_interval_s=30.0, pin=False, lease=False, handover=handover)
+        s = Session(RankIdentity(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
+                                 device=0), settings).start()
+        made.append(s)
+        wait_for(lambda: s.attached)
+        turns = ModelTurns(bed.connect())
+        s.use_device(turns)
+        return s, turns
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _events(d, name: str) -> list[dict]:
+    return [e for e in d.core.events.snapshot() if e["event"] == name]
+
+
+def test_the_next_ranks_work_starts_on_the_device_as_the_holders_ends(serve, ranks):
+    d = serve(policy="exclusive", lease=False)
+    target = f"unix://{d.socket_path}"
+    (a, dev_a), (b, dev_b) = ranks(target, "first"), ranks(target, "second")
+    wait_for(lambda: a.hands_over and b.hands_over)
+    assert {e["job_name"] for e in _events(d, "handover")} == {"first", "second"}
+
+    assert a.acquire(0)
+    start = time.monotonic()
+    dev_a.client.submit(0.3)
+    a.release(0, ticket=a.end_turn())  # at once: the device has 0.3 s of A's work left
+    assert b.acquire(0)
+    granted = time.monotonic() - start
+    dev_b.client.submit(0.05)
+    dev_b.drain()
+    done = time.monotonic() - start
+    assert granted < 0.2, f"B's grant waited for A's device ({granted:.3f} s)"
+    assert done >= 0.34, f"B's work ran beside A's instead of after it ({done:.3f} s)"
+    grant = [e for e in _events(d, "grant") if e["job_name"] == "second"][-1]
+    assert grant["after"] == 1  # the event log says whose ticket B's device waited for
+    dev_a.drain()
+
+
+def test_a_holder_that_is_gone_cannot_strand_the_rank_after_it(serve, ranks):
+    d = serve(policy="exclusive", lease=False)
+    target = f"unix://{d.socket_path}"
+    (a, dev_a), (b, dev_b) = ranks(target, "doomed"), ranks(target, "next")
+    wait_for(lambda: a.hands_over and b.hands_over)
+    assert a.acquire(0)
+    dev_a.client.submit(30.0)
+    a.release(0, ticket=a.end_turn())
+    assert b.acquire(0)
+    dev_a.client.close()  # the holder's process dies: its device work and its ticket go with it
+    start = time.monotonic()
+    a.close()
+    dev_b.client.submit(0.01)
+    dev_b.drain()
+    assert time.monotonic() - start < 2.0
+    rescue = _events(d, "handover_rescue")
+    assert len(rescue) == 1 and rescue[0]["job_name"] == "doomed" and rescue[0]["ticket"] == 1
+
+
+def test_a_rank_cannot_write_the_page_it_waits_on_or_resize_its_own(serve, ranks):
+    d = serve(policy="exclusive", lease=False)
+    target = f"unix://{d.socket_path}"
+    (a, dev_a), (b, dev_b) = ranks(target, "one"), ranks(target, "two")
+    wait_for(lambda: a.hands_over and b.hands_over)
+    assert a.acquire(0)
+    dev_a.client.submit(0.05)
+    a.release(0, ticket=a.end_turn())
+    assert b.acquire(0)
+    peers = b.turns._peers
+    assert len(peers) == 1
+    (peer_fd,) = peers.values()
+    with pytest.raises(PermissionError):
+        mmap.mmap(peer_fd, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    own = b.turns._own
+    assert own is not None
+    with pytest.raises(PermissionError):
+        os.ftruncate(own, 0)
+    seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SEAL and seals & fcntl.F_SEAL_SHRINK
+    dev_b.drain()
+
+
+def test_one_rank_without_the_hand_over_keeps_the_whole_device_on_the_usual_path(serve, channels, ranks):
+    d = serve(policy="exclusive", lease=False)
+    target = f"unix://{d.socket_path}"
+    (a, _), (b, _) = ranks(target, "able"), ranks(target, "plain", handover=False)
+    wait_for(lambda: a.turns.ready)
+    time.sleep(0.2)
+    assert not a.hands_over and not b.hands_over and not b.turns.ready
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
+    state = admin.GetQueue(pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=0), timeout=5)
+    paths = {r.job_name: r.handover for r in (*state.devices[0].holders, *state.devices[0].waiting,
+                                                 *state.devices[0].others)}
+    assert paths == {"able": "device", "plain": ""}
+    b.close()
+    wait_for(lambda: a.hands_over)  # alone with ranks that can, the device hands over again
+    json.dumps(_events(d, "handover"))
