@@ -65,7 +65,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline, render
-from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, FULL, MODEL, POLICY, QUICK, Scenario
+from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.settings import SettingError, parse_cpu_list
 from crossover.protos import PROTOCOL_VERSION, admin_socket_path
@@ -161,10 +161,14 @@ class ClusterAdmin:
         self._channels = [grpc.insecure_channel(f"unix://{admin_socket_path(n.socket)}") for n in cluster.nodes]
         self._stubs = [pb_grpc.AdminStub(ch) for ch in self._channels]
 
-    def set_policy(self, name: str, adapt: bool | None = None) -> None:
-        """Switch every daemon to policy `name`; `adapt` also switches whether devices measure if grants pay."""
-        setting = pb.ADAPT_UNCHANGED if adapt is None else pb.ADAPT_ON if adapt else pb.ADAPT_OFF
-        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=setting)
+    def set_policy(self, name: str, adapt: bool | None = None, handover: bool | None = None) -> None:
+        """Switch every daemon to policy `name`; `adapt` also switches whether devices measure if grants pay,
+        `handover` whether ranks end their turns on their device."""
+        def switch(on: bool | None) -> pb.Adapt:
+            return pb.ADAPT_UNCHANGED if on is None else pb.ADAPT_ON if on else pb.ADAPT_OFF
+
+        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=switch(adapt),
+                               handover=switch(handover))
         for stub in self._stubs:
             stub.SetPolicy(req, timeout=5)
 
@@ -294,7 +298,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
                 k = cycle % len(colocated)
                 for mode in colocated[k:] + colocated[:k]:
                     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batch}: cycle {cycle + 1}/{args.cycles} {mode}")
-                    admin.set_policy(POLICY[mode], adapt=mode in ADAPTS)
+                    admin.set_policy(POLICY[mode], adapt=mode in ADAPTS, handover=mode not in CPU_HANDOVER)
                     t_switch = time.monotonic()
                     # An adaptive device's first verdict takes a probe (4 windows, from the next even one);
                     # its later re-probes fall inside the measured segments.
@@ -349,7 +353,7 @@ def job_ids(cluster: Cluster, timeout: float = 30.0) -> dict[str, str]:
 
 def _colocated(args: argparse.Namespace) -> tuple[str, ...]:
     """The co-located modes this run cycles through."""
-    return COLOCATED + (("adaptive",) if args.adaptive else ())
+    return COLOCATED + (("crossover-cpu",) if args.handover else ()) + (("adaptive",) if args.adaptive else ())
 
 
 def wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, timeout: float = 120) -> None:
@@ -383,6 +387,10 @@ def main() -> int:
                         "grants pay (crossoverd's default, --adapt); the other modes grant everywhere")
     p.add_argument("--adapt-window", type=float, default=3.0,
                    help="with --adaptive: the daemons' --adapt-window (s); a window should hold several iterations")
+    p.add_argument("--handover", action="store_true",
+                   help="also measure `crossover-cpu`: the crossover policy with every rank waiting for its device "
+                        "on its CPU before it releases, beside `crossover`, whose ranks end their turns on the "
+                        "device model (docs/handover.md)")
     p.add_argument("--mps", action="store_true",
                    help="device model: an MPS-like device, whose contexts share it without switching "
                         "(--switch-us 0); compute still slows beside an allreduce")

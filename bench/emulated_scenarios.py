@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ADAPTS", "ALL", "CHURN", "COLOCATED", "FULL", "MODEL", "MODES", "POLICY", "QUICK", "Scenario"]
+__all__ = ["ADAPTS", "ALL", "CHURN", "COLOCATED", "CPU_HANDOVER", "FULL", "MODEL", "MODES", "POLICY", "QUICK",
+           "Scenario"]
 
-MODES = ("sequential", "unscheduled", "exclusive", "crossover", "adaptive", "classes")
+MODES = ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive", "classes")
 COLOCATED = MODES[1:4]
-"""The co-located modes every run measures; `adaptive` only when asked (`bench.emulated --adaptive`)."""
+"""The co-located modes every run measures; `adaptive` and `crossover-cpu` only when asked (`bench.emulated
+--adaptive`, `--handover`)."""
 POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover",
-          "adaptive": "crossover", "classes": "crossover"}
+          "crossover-cpu": "crossover", "adaptive": "crossover", "classes": "crossover"}
 """`classes`: `crossover` with every job but the first in class `low` (`bench.gpu --priority`)."""
+CPU_HANDOVER = frozenset({"crossover-cpu"})
+"""`crossover-cpu`: `crossover` with every rank waiting for its device on its CPU before it releases
+(`crossover policy --no-handover`); the other modes let ranks that can end their turns on their device."""
 ADAPTS = frozenset({"adaptive"})
 """Modes whose daemons measure per device whether grants pay (`crossoverd --adapt`, the default); the others
 grant everywhere."""

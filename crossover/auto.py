@@ -3,7 +3,9 @@
 Importing this module hooks `horovod.torch.DistributedOptimizer`; nothing
 else changes in the script. `crossover.auto.waiting()` is the one call a
 script may add: around a wait outside Horovod (a file, a queue, a service),
-it frees the device for the wait's length. Settings come from `CROSSOVER_*` variables (see
+it frees the device for the wait's length. `crossover.auto.use_device(turns)`
+hands turns over on a device the plugin does not know itself (CUDA GPUs it
+does). Settings come from `CROSSOVER_*` variables (see
 the README table); without a daemon the import is a quiet no-op apart from
 one warning.
 """
@@ -13,9 +15,9 @@ import os as _os
 from crossover.client.settings import PluginSettings as _PluginSettings
 from crossover.client.settings import SettingError as _SettingError
 from crossover.plugins import horovod_torch as _hook
-from crossover.plugins.horovod_torch import waiting
+from crossover.plugins.horovod_torch import use_device, waiting
 
-__all__ = ["waiting"]
+__all__ = ["use_device", "waiting"]
 
 _logger = _logging.getLogger("crossover")
 if not _logger.handlers:

@@ -305,7 +305,9 @@ _POLICY_HELP = "Show the policy, or switch to NAME (ranks waiting are re-queued 
 
 _POLICY_HELP += ("\n\nWith --adapt each device measures, in windows aligned on the wall clock, whether its "
                  "grants make its jobs faster, and runs unscheduled where they do not (`crossover queue` says "
-                 "which and why); --no-adapt grants everywhere. The daemon starts as crossoverd --adapt says.")
+                 "which and why); --no-adapt grants everywhere. The daemon starts as crossoverd --adapt says. "
+                 "--no-handover makes every rank wait for its device on its CPU before it releases; --handover "
+                 "lets ranks that can end their turns on their device again (docs/handover.md).")
 
 
 @main.command(help=_POLICY_HELP)
@@ -313,13 +315,20 @@ _POLICY_HELP += ("\n\nWith --adapt each device measures, in windows aligned on t
 @click.argument("name", required=False)
 @click.option("--adapt/--no-adapt", default=None,
               help="Measure per device whether grants pay and run unscheduled where they do not (or stop).")
-def policy(name: str | None, adapt: bool | None, **kw: Any) -> None:
+@click.option("--handover/--no-handover", default=None,
+              help="Let ranks that can end their turns on their device (or make every rank's CPU wait for it).")
+def policy(name: str | None, adapt: bool | None, handover: bool | None, **kw: Any) -> None:
     ctx = _ctx(kw)
-    setting = pb.ADAPT_UNCHANGED if adapt is None else pb.ADAPT_ON if adapt else pb.ADAPT_OFF
-    req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "", adapt=setting)
-    reply = ctx.call("SetPolicy" if name or adapt is not None else "GetPolicy", req)
-    ctx.emit("policy", reply, lambda d: f"policy {d['name']}, adapt {'on' if d.get('adapt') else 'off'} "
+    req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "", adapt=_switch(adapt),
+                           handover=_switch(handover))
+    reply = ctx.call("SetPolicy" if name or adapt is not None or handover is not None else "GetPolicy", req)
+    ctx.emit("policy", reply, lambda d: f"policy {d['name']}, adapt {'on' if d.get('adapt') else 'off'}, "
+                                        f"hand-over {'on' if d.get('handover') else 'off'} "
                                         f"(available: {', '.join(d['available'])})")
+
+
+def _switch(on: bool | None) -> pb.Adapt:
+    return pb.ADAPT_UNCHANGED if on is None else pb.ADAPT_ON if on else pb.ADAPT_OFF
 
 
 def _device_cmd(method: str, verb: str) -> Callable[..., None]:

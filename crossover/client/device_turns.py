@@ -14,8 +14,10 @@ CPU waits for its device before each release, as before.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
+import time
 from typing import Protocol
 
 __all__ = ["DeviceTurns", "TurnHandover"]
@@ -96,27 +98,50 @@ class TurnHandover:
         return True
 
     def wait_after(self, page: int, ticket: int) -> None:
-        """Queue the wait for the previous holder's ticket before this turn's work."""
+        """Queue the wait for the previous holder's ticket before this turn's work. Where the device cannot
+        wait on that page, this rank's CPU waits for it instead: the order holds either way."""
         with self._lock:
             device = self.device
             if not self.ready or device is None or not page:
                 return
-            if page not in self._mapped:
-                fd = self._peers.get(page)
-                if fd is None:
-                    _log.warning("crossover: a grant names turn page %d, which the daemon never sent", page)
-                    return
+            fd = self._peers.get(page)
+            if fd is None:
+                _log.warning("crossover: a grant names turn page %d, which the daemon never sent", page)
+                return
+            first = page not in self._mapped
+            self._mapped.add(page)
+        try:
+            if first:
                 device.attach_peer(page, fd)
-                self._mapped.add(page)
-        device.wait(page, ticket)
+            device.wait(page, ticket)
+        except Exception as exc:
+            if first:
+                _log.warning("crossover: %s cannot wait on turn page %d (%s); this rank's CPU waits for it",
+                             device.name, page, exc)
+            self._wait_here(fd, ticket)
+
+    @staticmethod
+    def _wait_here(fd: int, ticket: int, poll_s: float = 200e-6) -> None:
+        with mmap.mmap(fd, 4, prot=mmap.PROT_READ) as word:
+            while int.from_bytes(word[:4], "little") < ticket:
+                time.sleep(poll_s)
 
     def end_turn(self) -> int:
-        """Queue this turn's ticket behind its work; the ticket, for the release."""
+        """Queue this turn's ticket behind its work; the ticket, for the release (0: the device cannot,
+        and the rank goes back to waiting for its device on its CPU)."""
         with self._lock:
-            assert self.device is not None and self.ready
+            device = self.device
+            if device is None or not self.ready:
+                return 0
             self._ticket += 1
             ticket = self._ticket
-        self.device.signal(ticket)
+        try:
+            device.signal(ticket)
+        except Exception as exc:
+            _log.warning("crossover: %s cannot end a turn (%s); this rank's CPU waits for its device from now on",
+                         device.name, exc)
+            self.ready = False
+            return 0
         return ticket
 
     def close(self) -> None:

@@ -183,10 +183,8 @@ class PhaseReporter:
         self._since = self._clock()
 
     def _release(self, comm_begins: bool, yields: bool = False) -> None:
-        ticket = 0
-        if self.session.hands_over:  # the device ends the turn: no wait here (`device_turns`)
-            ticket = self.session.end_turn()
-        elif self.settle is not None:
+        ticket = self.session.end_turn() if self.session.hands_over else 0  # the device ends it (`device_turns`)
+        if not ticket and self.settle is not None:
             self.settle()
         self.holding = False
         self.in_comm = comm_begins  # the gradients' allreduces are submitted: one message says both

@@ -32,6 +32,7 @@ class PhaseMachine:
         self.policy = policy
         self.deadline_changed = threading.Event()
         self.pages = pages  # None: no hand-over on the device here (see `handover`)
+        self.handover_on = pages is not None  # the operator's switch (`crossover policy --handover`)
         self._registry = registry
         self._leases = leases
         self._owed: dict[int, str] = {}  # device -> the session that released it last, its ticket still owed
@@ -201,7 +202,8 @@ class PhaseMachine:
         holder's device still owes it; (0, 0) when nothing is owed or the rank does not hand over on its device.
         The rank gets a read-only descriptor of the page before its first grant that names it."""
         owner = self._owed.get(sess.ref.device)
-        if self.pages is None or sess.handover != "device" or owner is None or owner == sess.id:
+        if self.pages is None or not self.handover_on or sess.handover != "device" or owner is None \
+                or owner == sess.id:
             return 0, 0
         page = self.pages.of(owner)
         if page is None or not page.owed or page.reached(page.owed):
@@ -226,8 +228,9 @@ class PhaseMachine:
                 self._hand_to_policy(sess, now, d)
 
     def tell_share(self, device: int, d: Decision) -> None:
-        """Tell each rank on the device how many others share it (they joined or left)."""
+        """Tell each rank on the device how many others share it (they joined or left), and whether every
+        rank there ends its turns on the device."""
         on_device = self._registry.on_device(device)
-        handover = self.pages is not None and all(s.handover == "device" for s in on_device)
+        handover = self.pages is not None and self.handover_on and all(s.handover == "device" for s in on_device)
         for sess in on_device:
             d.post(sess, ShareMsg(len(on_device) - 1, handover))

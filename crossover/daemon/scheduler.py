@@ -512,6 +512,28 @@ class Scheduler:
         _log.warning("operator switched adapt %s (%s)", "on" if on else "off", caller or "?")
         return on
 
+    @property
+    def handing_over(self) -> bool:
+        """Whether ranks that can end their turns on their device do (`crossoverd --handover`, the operator)."""
+        return self._phases.handover_on
+
+    def set_handover(self, on: bool, caller: str = "") -> bool:
+        """The operator's `crossover policy --handover/--no-handover`; every rank is told at once. Without turn
+        pages on this node (`--no-handover`, or no memfd) it stays off."""
+        with self._lock:
+            now = self._clock()
+            on = on and self._phases.pages is not None
+            if on == self._phases.handover_on:
+                return on
+            self._phases.handover_on = on
+            d = Decision()
+            for device in self.inventory.devices:
+                self._phases.tell_share(device.index, d)
+            self._commit(d, now)
+        self.events.record("handover_switch", on=on, caller=caller)
+        _log.warning("operator switched the hand-over on the device %s (%s)", "on" if on else "off", caller or "?")
+        return on
+
     def tick(self) -> None:
         """Let the policy act on deadlines that have passed (bounded waits)."""
         d = Decision()

@@ -178,20 +178,27 @@ class AdminService(_Service, pb_grpc.AdminServicer):
     @_unary
     def GetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
         _check_version(request.protocol_version)
-        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available(), adapt=self._core.adapting)
+        return self._policy_info()
+
+    def _policy_info(self) -> pb.PolicyInfo:
+        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available(), adapt=self._core.adapting,
+                             handover=self._core.handing_over)
 
     @_unary
     def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
         _check_version(request.protocol_version)
-        if not request.name and request.adapt == pb.ADAPT_UNCHANGED:
+        if not request.name and request.adapt == request.handover == pb.ADAPT_UNCHANGED:
             raise InvalidRequest("name is empty; give the policy to switch to")
-        if request.adapt not in (pb.ADAPT_UNCHANGED, pb.ADAPT_ON, pb.ADAPT_OFF):
-            raise InvalidRequest(f"adapt {request.adapt} is not one of ADAPT_UNCHANGED, ADAPT_ON, ADAPT_OFF")
+        for what, value in (("adapt", request.adapt), ("handover", request.handover)):
+            if value not in (pb.ADAPT_UNCHANGED, pb.ADAPT_ON, pb.ADAPT_OFF):
+                raise InvalidRequest(f"{what} {value} is not one of ADAPT_UNCHANGED, ADAPT_ON, ADAPT_OFF")
         if request.name:
             self._core.set_policy(request.name, caller=_caller(context))
         if request.adapt != pb.ADAPT_UNCHANGED:
             self._core.set_adapt(request.adapt == pb.ADAPT_ON, caller=_caller(context))
-        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available(), adapt=self._core.adapting)
+        if request.handover != pb.ADAPT_UNCHANGED:
+            self._core.set_handover(request.handover == pb.ADAPT_ON, caller=_caller(context))
+        return self._policy_info()
 
     @_unary
     def Drain(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:

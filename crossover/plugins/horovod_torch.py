@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
+from crossover.client.device_turns import DeviceTurns
 from crossover.client.phase_reporter import PhaseReporter
 from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
@@ -30,11 +31,11 @@ from crossover.plugins import horovod_waits
 from crossover.plugins.phase_tracking import track_phases
 from crossover.protos.identity import RankIdentity
 
-__all__ = ["install", "uninstall", "current_session", "waiting"]
+__all__ = ["install", "uninstall", "current_session", "use_device", "waiting"]
 
 _log = logging.getLogger(__name__)
 
-_state: dict[str, Any] = {"original": None, "session": None, "settings": None, "phases": None}
+_state: dict[str, Any] = {"original": None, "session": None, "settings": None, "phases": None, "device": None}
 
 
 def current_session() -> Session | None:
@@ -63,6 +64,23 @@ def waiting(resume: bool = True) -> Iterator[None]:
     else:
         phases.pause()
         yield
+
+
+def use_device(turns: DeviceTurns) -> None:
+    """This rank's device is not CUDA but can order its work: hand turns over on it (see `device_turns`).
+
+    For a device the plugin does not know (CUDA GPUs it finds itself): `turns` waits on
+    the daemon's turn pages and stores into them in the order of the device's work, and
+    drains it (each release waits for that where the turn does not end on the device).
+    Call it once, before or after the first DistributedOptimizer.
+    """
+    _state["device"] = turns
+    phases: PhaseReporter | None = _state["phases"]
+    if phases is not None:
+        phases.settle = turns.drain
+    session: Session | None = _state["session"]
+    if session is not None and session.settings.handover:
+        session.use_device(turns)
 
 
 def install(settings: PluginSettings | None = None) -> bool:
@@ -123,7 +141,7 @@ def uninstall() -> None:
     horovod_waits.uninstall()
     if _state["session"] is not None:
         _state["session"].close()
-    _state.update(original=None, session=None, phases=None)
+    _state.update(original=None, session=None, phases=None, device=None)
 
 
 def _script_name() -> str:
@@ -140,7 +158,8 @@ def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:
     """
     if _state["phases"] is None:
         session = _ensure_session(hvd, process_set)
-        phases = PhaseReporter(session)
+        device: DeviceTurns | None = _state["device"]
+        phases = PhaseReporter(session, settle=None if device is None else device.drain)
         horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))
         _state["phases"] = phases
     return _state["phases"]
@@ -165,6 +184,8 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
     if settings.pin:
         session.on_attach = _pin
     _state["session"] = session.start()
+    if _state["device"] is not None and settings.handover:
+        session.use_device(_state["device"])
     # Close the stream on exit: the daemon then sees a clean end at once instead of
     # waiting for heartbeats that stop while the interpreter shuts down.
     atexit.register(_close_session)

@@ -14,16 +14,20 @@ Nothing here changes gradients, parameters or Horovod's calls.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import horovod.torch.optimizer as hvd_opt
-import torch
 
 from crossover.client.phase_reporter import PhaseReporter
+from crossover.client.session import Session
+from crossover.plugins.cuda_turns import CudaUnavailable, torch_cuda_turns, wait_for_device
 from crossover.plugins.optimizer_hooks import OptimizerHook, hooks_of
 
 __all__ = ["track_phases"]
+
+_log = logging.getLogger(__name__)
 
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 250e-6
 
@@ -33,10 +37,15 @@ def track_phases(opt: Any, phases: PhaseReporter, quiet_wait: bool = True) -> No
     _PhaseTracker(opt, phases, quiet_wait=quiet_wait).attach()
 
 
-def _wait_for_device() -> None:
-    done = torch.cuda.Event(blocking=True)  # sleep, not spin, while the GPU finishes
-    done.record()
-    done.synchronize()
+def _use_cuda_turns(phases: PhaseReporter) -> None:
+    """End this rank's turns on its GPU where the driver can (`cuda_turns`); else its CPU keeps waiting."""
+    session = phases.session
+    if not isinstance(session, Session) or not session.settings.handover or session.turns.device is not None:
+        return
+    try:
+        session.use_device(torch_cuda_turns())
+    except CudaUnavailable as exc:
+        _log.info("crossover: turns end on the CPU, not the GPU (%s)", exc)
 
 
 def _wait_quietly(opt: Any) -> None:
@@ -93,7 +102,8 @@ class _PhaseTracker(OptimizerHook):
         self._chain = hooks_of(opt)
         self.expected = max(1, int(getattr(opt, "backward_passes_per_step", 1)))
         if any(p.is_cuda for p in self._chain.params):
-            phases.settle = _wait_for_device
+            phases.settle = wait_for_device
+            _use_cuda_turns(phases)
         # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
         self._adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
 

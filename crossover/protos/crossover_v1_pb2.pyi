@@ -392,24 +392,28 @@ class JobList(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobState, _Mapping]]] = ...) -> None: ...
 
 class PolicyRequest(_message.Message):
-    __slots__ = ("protocol_version", "name", "adapt")
+    __slots__ = ("protocol_version", "name", "adapt", "handover")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADAPT_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     adapt: Adapt
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., adapt: _Optional[_Union[Adapt, str]] = ...) -> None: ...
+    handover: Adapt
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., adapt: _Optional[_Union[Adapt, str]] = ..., handover: _Optional[_Union[Adapt, str]] = ...) -> None: ...
 
 class PolicyInfo(_message.Message):
-    __slots__ = ("name", "available", "adapt")
+    __slots__ = ("name", "available", "adapt", "handover")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     ADAPT_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     name: str
     available: _containers.RepeatedScalarFieldContainer[str]
     adapt: bool
-    def __init__(self, name: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., adapt: _Optional[bool] = ...) -> None: ...
+    handover: bool
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., adapt: _Optional[bool] = ..., handover: _Optional[bool] = ...) -> None: ...
 
 class DeviceRequest(_message.Message):
     __slots__ = ("protocol_version", "device")

@@ -8,9 +8,13 @@ are set independently, so a benchmark can pick comm:compute at a link rate.
 
 On an emulated cluster with a device model (`EMULATED_DEVICE_SOCKET` set),
 the compute phase runs on the node's emulated device: `--device-ms-per-sample`
-x batch of device work, then the real forward and backward on only
-`--real-batch` rows (so gradients, and the allreduce, stay real while compute
-costs little CPU). The rank tells the device when its allreduce is in flight.
+x batch of device work, queued on the device as a GPU's kernels are
+(`submit`), then the real forward and backward on only `--real-batch` rows (so
+gradients, and the allreduce, stay real while compute costs little CPU); the
+allreduce starts once the device has done the work (`sync`), as Horovod's
+waits for a GPU's gradients. The rank tells the device when its allreduce is
+in flight. Under `import crossover.auto` the device is the plugin's
+(`crossover.auto.use_device`): ranks end their turns on it (docs/handover.md).
 
 Each rank writes a JSON summary to --out: per-iteration start/end on
 time.monotonic() (the clock the daemons' event logs use, shared by every
@@ -18,6 +22,7 @@ network namespace on the machine), losses, and the model's parameter count.
 """
 import argparse
 import os
+import sys
 import threading
 import time
 
@@ -26,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from tools.device_model.client import DeviceClient
+from tools.device_model.turns import ModelTurns
 from tools.workloads.summary import write_rank_summary
 
 
@@ -77,6 +83,9 @@ def main():
     device = DeviceClient.from_env()
     if device is not None and args.device_ms_per_sample <= 0:
         p.error("an emulated device is set (EMULATED_DEVICE_SOCKET): give --device-ms-per-sample > 0")
+    plugin = sys.modules.get("crossover.auto")
+    if device is not None and plugin is not None:
+        plugin.use_device(ModelTurns(device))
 
     torch.set_num_threads(args.threads)
     while args.go_file and not os.path.exists(args.go_file):
@@ -109,10 +118,11 @@ def main():
         x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
         opt.zero_grad()
         if device is not None:
-            device.compute(args.batch * args.device_ms_per_sample / 1000)
+            device.submit(args.batch * args.device_ms_per_sample / 1000)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         if device is not None:
+            device.sync()
             device.comm(True)
             threading.Thread(target=_comm_done_when_allreduced, args=(opt, device), daemon=True).start()
         opt.step()
