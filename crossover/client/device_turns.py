@@ -31,7 +31,8 @@ class DeviceTurns(Protocol):
     name: str
 
     def attach_own(self, fd: int) -> None:
-        """Map this rank's own page (read-write) where the device can store into it."""
+        """Map this rank's own page (read-write) where the device can store into it, before returning: the
+        daemon seals the page against new writable mappings once the rank says it is ready."""
 
     def attach_peer(self, page: int, fd: int) -> None:
         """Map page `page` of another rank (read-only) where the device can read it."""

@@ -7,9 +7,11 @@ device waits for the page to reach the ticket before it starts the next
 holder's work. The CPUs and this daemon leave the critical path: the grant's
 round trip overlaps the holder's last kernels (docs/handover.md).
 
-Each page is a sealed 4096-byte memfd created here. Its rank gets it
-writable; a rank granted after it gets a read-only descriptor, so a rank
-writes only its own word. A wrong value there moves only its successor's
+Each page is a 4096-byte memfd created here, sealed against resizing. Its
+rank gets it writable and maps it; once the rank says so (`seal`), the page
+is sealed against every new writable mapping and write, and only then does a
+rank granted after it get a descriptor (read-only, and reopening it through
+/proc cannot make it writable), so a rank writes only its own word. A wrong value there moves only its successor's
 start, as overstaying a turn would. The daemon keeps its own writable
 mapping and stores the ticket itself when a rank's session ends, or its
 device has not stored it long after the release, so no dead or stuck holder
@@ -31,7 +33,8 @@ _log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
 _WORD = struct.Struct("<I")
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python names it from 3.12 on
 
 
 class PagesUnavailable(OSError):
@@ -78,7 +81,7 @@ class Pages:
             raise PagesUnavailable(f"memfd_create: {exc}") from exc
         try:
             os.ftruncate(fd, PAGE_BYTES)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
             ro_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
             os.close(fd)
@@ -89,6 +92,20 @@ class Pages:
 
     def of(self, session_id: str) -> Page | None:
         return self._by_session.get(session_id)
+
+    def seal(self, session_id: str) -> bool:
+        """The rank has mapped its page: no new writable mapping of it from now on, by anyone (the daemon's and
+        the rank's stay). False when the kernel cannot (before Linux 5.1): then no other rank may get it."""
+        page = self._by_session.get(session_id)
+        if page is None:
+            return False
+        try:
+            fcntl.fcntl(page.fd, fcntl.F_ADD_SEALS, _FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except OSError as exc:
+            _log.warning("cannot seal a turn page against new writers (%s): its rank waits for its device on its "
+                         "CPU", exc)
+            return False
+        return True
 
     def released(self, session_id: str, ticket: int, now: float) -> Page | None:
         """The session released its turn with `ticket`, which its device will store; its page."""

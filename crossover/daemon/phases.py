@@ -72,7 +72,7 @@ class PhaseMachine:
 
     def _handover_ready(self, sess: Session, d: Decision) -> None:
         """The rank's device waits on pages and stores tickets: it may end its turns there."""
-        if self.pages is None or self.pages.of(sess.id) is None or sess.handover:
+        if self.pages is None or sess.handover or not self.pages.seal(sess.id):
             return
         sess.handover = "device"
         d.log("handover", sess, path=sess.handover)

@@ -26,7 +26,10 @@ class ModelTurns:
         self.client = client
 
     def attach_own(self, fd: int) -> None:
+        """Map the own page on the server before returning (a sync follows the line): the daemon seals the
+        page against new writable mappings once the rank says it is mapped."""
         self.client.attach_page(fd, None)
+        self.client.sync()
 
     def attach_peer(self, page: int, fd: int) -> None:
         self.client.attach_page(fd, page)

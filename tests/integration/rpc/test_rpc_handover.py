@@ -116,12 +116,20 @@ def test_a_rank_cannot_write_the_page_it_waits_on_or_resize_its_own(serve, ranks
     (peer_fd,) = peers.values()
     with pytest.raises(PermissionError):
         mmap.mmap(peer_fd, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    reopened = os.open(f"/proc/self/fd/{peer_fd}", os.O_RDWR)  # the inode is 0777: the seal is what stops it
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(reopened, 4096)
+        with pytest.raises(PermissionError):
+            os.pwrite(reopened, b"\xff\xff\xff\xff", 0)
+    finally:
+        os.close(reopened)
     own = b.turns._own
     assert own is not None
     with pytest.raises(PermissionError):
         os.ftruncate(own, 0)
     seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
-    assert seals & fcntl.F_SEAL_SEAL and seals & fcntl.F_SEAL_SHRINK
+    assert seals & fcntl.F_SEAL_SEAL and seals & fcntl.F_SEAL_SHRINK and seals & 0x0010  # F_SEAL_FUTURE_WRITE
     dev_b.drain()
 
 

@@ -1,0 +1,64 @@
+"""The hand-over on the device with real jobs: two 2-rank `horovodrun` jobs share each node's emulated device
+under the crossover policy, end their turns on the device, and a holder SIGKILLed while its device still owes
+its ticket does not hold the other job back. Needs root, `ip` and `tc` (as `test_cluster.py`)."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from tests.netns.test_cluster import _REASONS, cluster_factory  # noqa: F401 (the fixture)
+from tools.cluster import Link
+from tools.device_model import DeviceParams
+from tools.harness.jobs import WORKLOADS, with_import
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(bool(_REASONS), reason="emulated cluster unavailable: " + "; ".join(_REASONS)),
+]
+
+
+def _until(what, timeout_s: float, interval_s: float = 0.02):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(interval_s)
+    raise AssertionError(f"not within {timeout_s:g} s")
+
+
+@pytest.mark.timeout(240)
+def test_jobs_hand_over_on_the_device_and_a_killed_holder_strands_nobody(cluster_factory, tmp_path):  # noqa: F811
+    c = cluster_factory(nodes=2, link=Link(rate_mbit=400), policy="crossover",
+                        device_model=DeviceParams(slice_us=1000, switch_us=40, interference=0.0))
+    script = with_import(tmp_path, WORKLOADS / "train_bench.py")
+    args = ["--iters", "100000", "--width", "128", "--batch", "200", "--device-ms-per-sample", "1.0",
+            "--stop-file", str(tmp_path / "stop")]
+    c.run([sys.executable, str(script), *args, "--out", str(tmp_path / "doomed")], name="doomed")
+    steady = c.run([sys.executable, str(script), *args, "--out", str(tmp_path / "steady")], name="steady")
+    try:
+        # Both jobs' ranks end their turns on the device, and grants name the ticket to wait for.
+        _until(lambda: sum(e["event"] == "handover" for e in c.events(0)) >= 2, 90, 0.2)
+        _until(lambda: any(e["event"] == "grant" and e.get("after") for e in c.events(0)), 30, 0.2)
+        pid = next(e["pid"] for e in c.events(0) if e["event"] == "register" and e["job_name"] == "doomed")
+
+        def owing() -> bool:  # doomed's rank on node 0 released a turn whose work its device is still doing
+            mine = [e for e in c.events(0) if e["job_name"] == "doomed" and e["event"] in ("grant", "release")]
+            return bool(mine) and mine[-1]["event"] == "release"
+
+        _until(owing, 30)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rescue = _until(lambda: [e for e in c.events(0) if e["event"] == "handover_rescue"], 10)
+        assert rescue[0]["job_name"] == "doomed" and rescue[0]["ticket"] >= 1
+        before = sum(e["event"] == "grant" and e["job_name"] == "steady" for e in c.events(0))
+        _until(lambda: sum(e["event"] == "grant" and e["job_name"] == "steady" for e in c.events(0)) >= before + 5,
+               20, 0.2)
+        assert time.monotonic() - killed_at < 30
+        assert steady.poll() is None, steady.output()[-3000:]
+    finally:
+        (tmp_path / "stop").touch()  # the cluster's teardown stops what is left of both jobs
