@@ -55,7 +55,7 @@ from typing import Any, Callable
 from bench.emulated import ClusterAdmin, job_ids, wait_warm
 from bench.emulated_judge import summarize
 from bench.emulated_report import plot_timeline
-from bench.emulated_scenarios import POLICY, Scenario
+from bench.emulated_scenarios import CPU_HANDOVER, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import read_jsonl
@@ -64,7 +64,7 @@ from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.harness.daemon import kill_group, queue_state
 from tools.harness.jobs import WORKLOADS, rank_summaries, with_import
 
-MODES = ("unscheduled", "exclusive", "crossover")
+MODES = ("unscheduled", "exclusive", "crossover", "crossover-cpu")  # crossover-cpu: every turn ends on the CPU
 PRIORITY_MODES = ("unscheduled", "crossover", "classes")  # --priority: job0 the production job, the others low
 
 
@@ -288,7 +288,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                 k = cycle % len(modes)
                 for mode in modes[k:] + modes[:k]:
                     _log(f"cycle {cycle + 1}/{args.cycles}: {mode}")
-                    admin.set_policy(POLICY[mode])
+                    admin.set_policy(POLICY[mode], handover=mode not in CPU_HANDOVER)
                     if args.priority:
                         admin.set_class([ids[n] for n in names[1:]], low=mode == "classes")
                     t_switch = time.monotonic()
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 10000; dry run 1000)")
     p.add_argument("--min-rate", type=float, default=50.0)
     p.add_argument("--max-rate", type=float, default=40000.0)
-    p.add_argument("--cycles", type=int, default=None, help="cycles through the three modes (default 3; dry 1)")
+    p.add_argument("--cycles", type=int, default=None, help="cycles through the modes (default 3; dry 1)")
     p.add_argument("--segment-s", type=float, default=None, help="measured seconds per segment (default 8; dry 1.5)")
     p.add_argument("--settle-s", type=float, default=None, help="seconds after a switch (default 2; dry 0.5)")
     p.add_argument("--warmup", type=int, default=None, help="iterations before measuring (default 10; dry 2)")

@@ -46,7 +46,7 @@ def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     assert "need CUDA" in handover["ipc"]["skipped"] and handover["thrash"]["slowdown"] > 0
     assert "no CUDA" in checks["release"]["skipped"]
     summary = checks["speedup"]["summary"]
-    for mode in ("sequential", "unscheduled", "exclusive", "crossover"):
+    for mode in ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu"):
         assert summary["modes"][mode]["aggregate_samples_per_s"] > 0, mode
     assert sorted(summary["modes"]["crossover"]["jobs"]) == ["job0", "job1", "job2"]
     assert sorted(summary["modes"]["crossover"]["C_ms_by_node"]) == ["node0", "node1"]  # the GPU node's own C
