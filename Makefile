@@ -22,7 +22,7 @@ test: bootstrap
 	.venv/bin/mypy & mypy=$$!; \
 	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra -n 3 --dist loadfile $(IN_PROCESS); tests=$$?; \
 	wait $$mypy && exit $$tests
-	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra $(addprefix --ignore=,$(IN_PROCESS))
+	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra --durations=25 $(addprefix --ignore=,$(IN_PROCESS))
 
 # The inner loop: lint, then the unit and integration tiers (in-process daemons; about 30 s on 2 cores).
 test-fast: bootstrap
