@@ -150,7 +150,9 @@ class PhaseMachine:
                 sess.yielded_s = 0.0
                 d.log("release", sess, held_s=held)
             sess.set_phase(Phase.OTHER, now)
-            if ticket and self.pages is not None and self.pages.released(sess.id, ticket, now) is not None:
+            # Only a sealed page's ticket is owed (see `_handover_ready`): no other rank gets an unsealed one.
+            if ticket and sess.handover == "device" and self.pages is not None \
+                    and self.pages.released(sess.id, ticket, now) is not None:
                 self._owed[sess.ref.device] = sess.id
             self.deliver(self.policy.release(key, now), now, d)
         elif sess.phase is Phase.WAITING and ((held_back := self._leases.is_held_back(sess))

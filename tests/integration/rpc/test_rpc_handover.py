@@ -37,10 +37,11 @@ def bed(tmp_path: Path) -> Iterator[Bed]:
 
 @pytest.fixture
 def ranks(bed: Bed):
-    """`make(target, job, handover=True)` → a started session whose device is the bed's, closed at teardown."""
+    """`make(target, job, handover=True, device=True)` → a started session whose device is the bed's (handed to
+    the session unless `device` is False), closed at teardown."""
     made: list[Session] = []
 
-    def make(target: str, job: str, handover: bool = True) -> tuple[Session, ModelTurns]:
+    def make(target: str, job: str, handover: bool = True, device: bool = True) -> tuple[Session, ModelTurns]:
         settings = PluginSettings(target=target, job_name=job, device=0, grant_timeout_s=5.0, connect_timeout_s=2.0,
                                   reconnect_interval_s=30.0, pin=False, lease=False, handover=handover)
         s = Session(RankIdentity(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
@@ -48,7 +49,8 @@ def ranks(bed: Bed):
         made.append(s)
         wait_for(lambda: s.attached)
         turns = ModelTurns(bed.connect())
-        s.use_device(turns)
+        if device:
+            s.use_device(turns)
         return s, turns
 
     yield make
@@ -148,3 +150,15 @@ def test_one_rank_without_the_hand_over_keeps_the_whole_device_on_the_usual_path
     b.close()
     wait_for(lambda: a.hands_over)  # alone with ranks that can, the device hands over again
     json.dumps(_events(d, "handover"))
+
+
+def test_a_ticket_from_a_rank_whose_page_is_not_sealed_is_not_owed_and_its_page_goes_to_nobody(serve, ranks):
+    d = serve(policy="exclusive", lease=False)
+    target = f"unix://{d.socket_path}"
+    (honest, dev), (sly, _) = ranks(target, "honest"), ranks(target, "sly", device=False)
+    wait_for(lambda: sly.turns._own is not None)  # it has a page, but never said its device mapped it
+    assert sly.acquire(0)
+    sly.release(0, ticket=7)  # claims its device owes a ticket
+    assert honest.acquire(0)
+    assert honest.turns._peers == {} and [e for e in _events(d, "grant") if e.get("after")] == []
+    dev.drain()
