@@ -10,18 +10,18 @@ from typing import Any
 from bench.emulated_scenarios import MODES, Scenario
 from bench.lib.judge import percentile
 from crossover.client.event_intervals import covered_length
+from crossover.protos.event_file import Event, EventName
+from crossover.protos.event_phases import HOLDS, read_phases
 
 
-def phase_intervals(events: list[dict[str, Any]], start: str, end: str) -> dict[str, list[tuple[float, float]]]:
-    """Per job name, [start, end) intervals of one phase on one node's event log."""
-    open_: dict[tuple[str, int], float] = {}
+def phase_intervals(events: list[dict[str, Any]],
+                    phases: frozenset[str] = HOLDS) -> dict[str, list[tuple[float, float]]]:
+    """Per job name, the [start, end) intervals of one node's event log in `phases` (default: holding the
+    device, a grant to its release), as `crossover.protos.event_phases` reads them."""
     out: dict[str, list[tuple[float, float]]] = {}
-    for e in events:
-        key = (e.get("job_name", ""), e.get("rank", -1))
-        if e["event"] == start:
-            open_[key] = e["t"]
-        elif e["event"] in (end, "leave") and key in open_:
-            out.setdefault(key[0], []).append((open_.pop(key), e["t"]))
+    for iv in read_phases(events).intervals:
+        if iv.phase in phases:
+            out.setdefault(iv.job_name, []).append((iv.start, iv.end))
     return out
 
 
@@ -66,23 +66,23 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
     busy, gaps, c_held, m_comm, waits = {}, [], [], [], []
     c_by_node: dict[str, list[float]] = {}
     for node, events in raw["events"].items():
-        comp = phase_intervals(events, "grant", "release")  # a paused job may hold a passthrough grant: skip it
+        comp = phase_intervals(events)  # a paused job may hold a passthrough grant: skip it
         busy[node] = _union_length([iv for job in seg["running"] for iv in comp.get(job, [])], lo, hi) / (hi - lo)
         last_release = None
-        for e in events:
-            if not lo <= e["t"] <= hi:
+        for e in filter(None, map(Event.from_json, events)):
+            if not lo <= e.t <= hi:
                 continue
-            if e["event"] == "release" and "held_s" in e:
-                last_release = e["t"]
-                c_held.append(e["held_s"])
-                c_by_node.setdefault(node, []).append(e["held_s"])
-            elif e["event"] == "grant":
+            if e.name is EventName.RELEASE and "held_s" in e.fields:
+                last_release = e.t
+                c_held.append(e.fields["held_s"])
+                c_by_node.setdefault(node, []).append(e.fields["held_s"])
+            elif e.name is EventName.GRANT:
                 waits.append(e.get("waited_s", 0.0))
                 if last_release is not None:
-                    gaps.append(e["t"] - last_release)
+                    gaps.append(e.t - last_release)
                     last_release = None
-            elif e["event"] == "comm_end":
-                m_comm.append(e["duration_s"])
+            elif e.name is EventName.COMM_END:
+                m_comm.append(e.fields["duration_s"])
     # Turn agreement compares two nodes that every running job is on: the scenarios with two nodes.
     logs = list(raw["events"].values())
     agreement = turn_agreement(logs[0], logs[-1], lo, hi) if len(logs) == 2 and seg["mode"] != "sequential" else None

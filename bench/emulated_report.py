@@ -28,8 +28,8 @@ def plot_timeline(raw: dict[str, Any], path: Path, title: str, seconds: float) -
         labels, ticks, y = [], [], 0.0
         segs[mode] = seg
         for node in sorted(events):
-            comp = phase_intervals(events[node], "grant", "release")
-            comm = phase_intervals(events[node], "comm_begin", "comm_end")
+            comp = phase_intervals(events[node])
+            comm = phase_intervals(events[node], frozenset({"comm"}))
             for k, job in enumerate(jobs):
                 c = colors[k % len(colors)]
                 if job not in comp and job not in comm:  # a job placed on other nodes

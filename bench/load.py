@@ -65,12 +65,13 @@ import psutil
 
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
-from bench.load_analysis import Key, grant_records, leak_suspected, lost_requests, net_of_queueing, read_events, split
+from bench.load_analysis import Key, grant_records, leak_suspected, lost_requests, net_of_queueing, split
 from crossover.client.session import Session
 from crossover.client.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.event_file import read_events
 from crossover.protos.identity import RankIdentity
 from tools.harness.daemon import DaemonProc
 
@@ -278,7 +279,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 p.kill()
         daemon.stop()
 
-    events = read_events(daemon.event_log)
+    events = read_events(daemon.event_log, backups=100)  # every file crossoverd may have rotated it into
     requested, daemon_waits = grant_records(events)
     client: dict[Key, float] = {}
     refused: set[Key] = set()

@@ -2,12 +2,9 @@
 its figures come out of what the sessions saw and what the daemon's event log recorded."""
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from crossover.protos.event_file import Event, EventName
 
-from crossover.protos.event_file import read_jsonl
-
-__all__ = ["Key", "grant_records", "leak_suspected", "lost_requests", "net_of_queueing", "read_events", "split"]
+__all__ = ["Key", "grant_records", "leak_suspected", "lost_requests", "net_of_queueing", "split"]
 
 Key = tuple[str, int]  # (job id, iteration): one compute request
 
@@ -29,20 +26,15 @@ def lost_requests(requested: set[Key], granted: set[Key], refused_attached: set[
     return (requested - granted) | refused_attached
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The event log, oldest first, with the files crossoverd rotated it into (FILE.N .. FILE.1, then FILE)."""
-    rotated = [q for n in range(100, 0, -1) if (q := path.with_name(f"{path.name}.{n}")).exists()]
-    return [e for f in [*rotated, path] if f.exists() for e in read_jsonl(f)]
-
-
 def leak_suspected(threads_after_close: list[int], sessions: int) -> bool:
     """Threads left after successive register+close waves of ``sessions`` sessions look like a leak: the last
     wave still added a thread for every fourth session or more (a pool that grows to its cap adds ever fewer)."""
     return len(threads_after_close) > 1 and threads_after_close[-1] - threads_after_close[-2] >= max(1, sessions / 4)
 
 
-def grant_records(events: list[dict[str, Any]]) -> tuple[set[Key], dict[Key, float]]:
+def grant_records(events: list[Event]) -> tuple[set[Key], dict[Key, float]]:
     """From an event log: the requests (job, iteration) and each grant's daemon-side queue time."""
-    requested = {(e["job"], int(e["iteration"])) for e in events if e.get("event") == "request"}
-    granted = {(e["job"], int(e["iteration"])): float(e["waited_s"]) for e in events if e.get("event") == "grant"}
+    requested = {(str(e.job), int(e.fields["iteration"])) for e in events if e.name is EventName.REQUEST}
+    granted = {(str(e.job), int(e.fields["iteration"])): float(e.fields["waited_s"])
+               for e in events if e.name is EventName.GRANT}
     return requested, granted

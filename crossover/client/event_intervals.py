@@ -1,10 +1,7 @@
-"""Phases from crossoverd event logs: who computed, communicated and waited on which device, and when.
+"""What `crossover stats` and `timeline` compute from an event log's phases: per job and device, over a window.
 
-Pure functions over the event dicts the daemon writes with `--event-log` (see `daemon/event_log.py`),
-so `crossover timeline` and `crossover stats` share one reading of the log and it is tested directly.
-
-Events are paired per rank, in the order of their `t`: the daemon dates some events back (a rank
-reports a phase late), so the order of the lines is not the order of the phases.
+Pure functions over the intervals `crossover.protos.event_phases` reads from the log (that module is the
+one reading of its events), so both commands share one figure of each thing and it is tested directly.
 """
 from __future__ import annotations
 
@@ -14,7 +11,19 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
+
+from crossover.protos.event_phases import (
+    HOLDS,
+    DeviceKey,
+    Interval,
+    PhaseKind,
+    PhaseLog,
+    merge_logs,
+    operator_marks,
+    policy_changes,
+    read_phases,
+)
 
 __all__ = [
     "DeviceKey", "DeviceStats", "Interval", "JobStats", "PhaseKind", "PhaseLog", "Stats", "UnknownJob",
@@ -23,52 +32,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-PhaseKind = Literal["compute", "comm", "wait", "overdue", "suspended"]
-DeviceKey = tuple[str, int]  # (node, device index)
-
-_HOLDS: frozenset[str] = frozenset({"compute", "overdue"})  # the rank's compute runs on the device
-
-
-@dataclass(frozen=True)
-class Interval:
-    """One phase of one rank, `start` to `end` in the log's seconds.
-
-    `phase`: compute (grant to release: the rank holds the device), comm (its allreduce), wait
-    (request to grant) or overdue (the daemon treated the holder as stalled and served the next rank,
-    but it went on computing until `overdue_done`).
-    `complete`: the phase ended by its own closing event (a compute phase by its release, not a yield;
-    an allreduce by `comm_end`; a wait by its grant), not cut by an overdue, a suspension, the rank
-    leaving, the end of the log or a window.
-    """
-
-    phase: PhaseKind
-    node: str
-    device: int
-    job: str
-    job_name: str
-    rank: int
-    start: float
-    end: float
-    complete: bool
-
-    @property
-    def length(self) -> float:
-        return self.end - self.start
-
-    @property
-    def device_key(self) -> DeviceKey:
-        return (self.node, self.device)
-
-
-@dataclass(frozen=True)
-class PhaseLog:
-    """Every phase found in a log, with the jobs it names and the span of its events."""
-
-    intervals: tuple[Interval, ...]
-    jobs: Mapping[str, str]  # job id -> job name, in order of first appearance
-    first: float  # `t` of the first and the last event
-    last: float
 
 
 @dataclass(frozen=True)
@@ -129,144 +92,6 @@ class Stats:
 
 class UnknownJob(ValueError):
     """A job asked for by name or id that the log does not contain."""
-
-
-def merge_logs(logs: Iterable[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """One event list from several daemons' logs, each event's `t` in seconds since the earliest event.
-
-    Each log's `t` is its own daemon's monotonic clock, which means nothing on another node; each log
-    is shifted onto the wall clock by its median `wall - t` (robust to a clock step), keeping the
-    monotonic spacing inside a log. Entries without a numeric `t` or an `event` are dropped.
-    """
-    shifted: list[dict[str, Any]] = []
-    for log in logs:
-        events = [dict(e) for e in log if _is_event(e)]
-        walls = [e["wall"] - e["t"] for e in events
-                 if isinstance(e.get("wall"), (int, float)) and math.isfinite(e["wall"])]
-        offset = statistics.median(walls) if walls else 0.0
-        for e in events:
-            e["t"] = e["t"] + offset
-        shifted.extend(events)
-    if shifted:
-        origin = min(e["t"] for e in shifted)
-        for e in shifted:
-            e["t"] -= origin
-    return shifted
-
-
-def _is_event(e: Any) -> bool:
-    return (isinstance(e, Mapping) and isinstance(e.get("event"), str) and isinstance(e.get("t"), (int, float))
-            and not isinstance(e.get("t"), bool) and e["t"] == e["t"])
-
-
-class _Rank:
-    """The phases of one rank still open while its events are replayed."""
-
-    def __init__(self, node: str, job: str, job_name: str, rank: int, out: list[Interval]) -> None:
-        self.ident = (node, job, job_name, rank)
-        self.open: dict[PhaseKind, tuple[float, int]] = {}
-        self.out = out
-
-    def begin(self, phase: PhaseKind, t: float, device: int) -> None:
-        self.end(phase, t, complete=False)
-        self.open[phase] = (t, device)
-
-    def end(self, phase: PhaseKind, t: float, complete: bool) -> bool:
-        began = self.open.pop(phase, None)
-        if began is None:
-            return False
-        self.add(phase, began[0], t, began[1], complete)
-        return True
-
-    def add(self, phase: PhaseKind, start: float, end: float, device: int, complete: bool) -> None:
-        node, job, job_name, rank = self.ident
-        self.out.append(Interval(phase, node, device, job, job_name, rank, start, max(start, end), complete))
-
-    def end_measured(self, phase: PhaseKind, t: float, device: int, length: float) -> None:
-        """End `phase` at `t`; had it no beginning (a cut log), it still ran `length` seconds up to `t`."""
-        if not self.end(phase, t, complete=True) and length > 0:
-            self.add(phase, t - length, t, device, True)
-
-    def end_all(self, t: float) -> None:
-        for phase in list(self.open):
-            self.end(phase, t, complete=False)
-
-
-def read_phases(events: Iterable[Mapping[str, Any]]) -> PhaseLog:
-    """Pair the events of each rank (node, job, rank), in `t` order, into phases.
-
-    An end without its beginning (the log was rotated or cut there) is kept only when it says how long
-    the phase was: a `comm_end` by its `duration_s`, a grant's wait by its `waited_s`; a release without
-    a grant is ignored. A phase still open at the end of its node's log ends there, incomplete.
-    """
-    evs = [e for e in events if _is_event(e)]
-    jobs: dict[str, str] = {}
-    per_rank: dict[tuple[str, str, int], list[Mapping[str, Any]]] = defaultdict(list)
-    node_last: dict[str, float] = {}
-    for e in evs:
-        node = str(e.get("node", ""))
-        node_last[node] = max(node_last.get(node, e["t"]), e["t"])
-        if "rank" not in e or "job" not in e:
-            continue  # policy, drain, resume of a device: not about a rank
-        job = str(e["job"])
-        jobs.setdefault(job, str(e.get("job_name") or job))
-        per_rank[(node, job, _int(e["rank"]))].append(e)
-    out: list[Interval] = []
-    for (node, job, rank), rank_events in per_rank.items():
-        state = _Rank(node, job, jobs[job], rank, out)
-        for e in sorted(rank_events, key=lambda e: e["t"]):
-            _replay(state, e)
-        state.end_all(node_last[node])
-    out.sort(key=lambda iv: (iv.start, iv.end))
-    first = min((e["t"] for e in evs), default=0.0)
-    last = max((e["t"] for e in evs), default=0.0)
-    return PhaseLog(tuple(out), jobs, first, last)
-
-
-def _replay(r: _Rank, e: Mapping[str, Any]) -> None:
-    ev, t, device = e["event"], float(e["t"]), _int(e.get("device", -1))
-    if ev == "request":
-        r.begin("wait", t, device)
-    elif ev == "grant":
-        r.end_measured("wait", t, device, _float(e.get("waited_s")))
-        r.begin("compute", t, device)
-    elif ev == "release":
-        if not r.end("compute", t, complete="held_s" in e and not e.get("yields")):
-            _log.debug("release without a grant ignored: %s", dict(e))
-    elif ev == "overdue":
-        r.end("compute", t, complete=False)
-        r.begin("overdue", t, device)
-    elif ev == "overdue_done":
-        r.end("overdue", t, complete=True)
-    elif ev == "cancel":
-        r.end("wait", t, complete=False)
-    elif ev == "suspend":  # silent past the heartbeat timeout: nothing it does is known until it speaks
-        for phase in ("wait", "comm", "compute"):
-            r.end(phase, t, complete=False)
-        r.begin("suspended", t, device)
-    elif ev == "resume":
-        r.end("suspended", t, complete=True)
-    elif ev == "comm_begin":
-        r.begin("comm", t, device)
-    elif ev == "comm_end":
-        r.end_measured("comm", t, device, _float(e.get("duration_s")))
-    elif ev == "leave":
-        r.end_all(t)
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return -1
-
-
-def _float(value: Any) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return x if x == x else 0.0
 
 
 def select_jobs(log: PhaseLog, wanted: Iterable[str]) -> frozenset[str]:
@@ -386,7 +211,7 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
 
     dev_rows = []
     for key in sorted({iv.device_key for iv in mine}):
-        holding = [iv for iv in inside if iv.device_key == key and iv.phase in _HOLDS]
+        holding = [iv for iv in inside if iv.device_key == key and iv.phase in HOLDS]
         grants = sum(1 for iv in mine if iv.device_key == key and iv.phase == "compute" and since <= iv.start < until)
         holders = sorted({(labels[iv.job], iv.rank) for iv in holding})
         dev_rows.append(DeviceStats(node=key[0], device=key[1],
@@ -394,28 +219,6 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
                                     grants=grants, holders=tuple(f"{name}/{rank}" for name, rank in holders)))
     gain = sum(1.0 / j.slowdown for j in job_rows if j.slowdown > 0)
     return Stats(since, until, tuple(job_rows), tuple(dev_rows), sharing_gain=gain)
-
-
-def operator_marks(events: Iterable[Mapping[str, Any]]) -> list[tuple[float, str]]:
-    """(t, text) of each drain, resume and eviction of a device or job, in time order, with its node."""
-    out = []
-    for e in events:
-        if not _is_event(e) or "rank" in e or e["event"] not in ("drain", "resume", "evict"):
-            continue
-        what = f"job {e['job']}"[:20] if e["event"] == "evict" and e.get("job") else f"dev{_int(e.get('device'))}"
-        out.append((float(e["t"]), f"{e['event']} {what} @{e.get('node', '?')}"))
-    return sorted(out)
-
-
-def policy_changes(events: Iterable[Mapping[str, Any]], within_s: float = 1.0) -> list[tuple[float, str]]:
-    """(t, new policy) of each `policy` event, in time order; the same switch logged by several nodes
-    within `within_s` of each other is one."""
-    out: list[tuple[float, str]] = []
-    for e in sorted((e for e in events if _is_event(e) and e["event"] == "policy"), key=lambda e: e["t"]):
-        new = str(e.get("new", "?"))
-        if not any(name == new and e["t"] - t <= within_s for t, name in out[-8:]):
-            out.append((e["t"], new))
-    return out
 
 
 def job_labels(jobs: Mapping[str, str]) -> dict[str, str]:

@@ -6,13 +6,14 @@ overlap on a device) and to draw timelines.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import IO, Any, Callable
+
+from crossover.protos.event_file import EventName, encode, header, rotated_paths
 
 __all__ = ["EventLog"]
 
@@ -69,19 +70,29 @@ class EventLog:
         self.recorded = 0
         self.dropped = 0
         if path is not None:
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            self._size = self._file.tell()
+            self._file = self._open()
             self._writer = threading.Thread(target=self._write_loop, args=(flush_interval_s,),
                                             name="event-log-writer", daemon=True)
             self._writer.start()
 
-    def record(self, event: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
+    def _open(self) -> IO[str]:
+        """Open the file for appending; a new (empty) one starts with the format's header line."""
+        assert self._path is not None
+        f = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._size = f.tell()
+        if not self._size:
+            f.write(header(writer="crossoverd"))
+            f.flush()
+            self._size = f.tell()
+        return f
+
+    def record(self, event: EventName, t: float | None = None, **fields: Any) -> dict[str, Any]:
         """Append one event; `t` dates it earlier than now (a rank reported it late)."""
         now, wall = self._clock(), self._wall()
         if t is not None:
             wall -= now - t
             now = t
-        entry = {"t": now, "wall": wall, "event": event, **fields}
+        entry = {"t": now, "wall": wall, "event": str(event), **fields}
         with self._lock:
             self._events.append(entry)
             self.recorded += 1
@@ -116,11 +127,10 @@ class EventLog:
             f = self._file
         if not batch:
             return
-        text = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch)
+        text = "".join(map(encode, batch))
         try:
             if f is None or f.closed:
-                f = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-                self._size = f.tell()
+                f = self._open()
                 with self._lock:
                     self._file = f
             if self._max_bytes and self._size and self._size + len(text) > self._max_bytes:
@@ -153,15 +163,14 @@ class EventLog:
         """Shift the files one place (dropping the oldest) and start an empty one; by the writer only."""
         assert self._path is not None
         f.close()
-        files = [self._path, *(self._path.with_name(f"{self._path.name}.{n}") for n in range(1, self._backups + 1))]
+        files = rotated_paths(self._path, self._backups)
         files[-1].unlink(missing_ok=True)
         for newer, older in reversed(list(zip(files, files[1:]))):
             if newer.exists():
                 newer.rename(older)
-        new = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        new = self._open()
         with self._lock:
             self._file = new
-        self._size = 0
         return new
 
     def close(self) -> None:

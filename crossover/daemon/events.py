@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from crossover.daemon.api import InvalidRequest
 from crossover.daemon.messages import Message
 from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos.event_file import EventName
 
 if TYPE_CHECKING:
     from crossover.daemon.event_log import EventLog
@@ -97,7 +98,7 @@ class RankEvent:
                    handover_ticket=ev.handover_ticket)
 
 
-def record_rank(log: EventLog, event: str, sess: Session, node: str, t: float | None,
+def record_rank(log: EventLog, event: EventName, sess: Session, node: str, t: float | None,
                 fields: dict[str, Any]) -> None:
     """Append one event-log line about a rank, dated `t` (None: when written):
     `{"t", "wall", "event", "job", "job_name", "rank", "device", "node", **fields}`, in that order."""
@@ -108,7 +109,7 @@ def record_rank(log: EventLog, event: str, sess: Session, node: str, t: float | 
 
 @dataclass
 class _Pending:
-    event: str
+    event: EventName
     session: Session
     fields: dict[str, Any]
     t: float | None = None
@@ -123,7 +124,7 @@ class Decision:
         self._entries: list[_Pending] = []
         self._messages: list[tuple[Session, Message]] = []
 
-    def log(self, event: str, sess: Session, **fields: Any) -> None:
+    def log(self, event: EventName, sess: Session, **fields: Any) -> None:
         self._entries.append(_Pending(event, sess, fields))
 
     def post(self, sess: Session, msg: Message) -> None:

@@ -25,6 +25,7 @@ from crossover.daemon.api import RankKey
 from crossover.daemon.events import Decision
 from crossover.daemon.messages import LeaseMsg
 from crossover.daemon.registry import Registry, Session
+from crossover.protos.event_file import EventName
 
 __all__ = ["Leases"]
 
@@ -71,7 +72,7 @@ class Leases:
     def _give(self, sess: Session, d: Decision, **fields: object) -> None:
         self._held.setdefault(sess.ref.device, {})[sess.id] = None
         d.post(sess, LeaseMsg(True))
-        d.log("lease", sess, **fields)
+        d.log(EventName.LEASE, sess, **fields)
 
     def revoke(self, device: int, reason: str, d: Decision) -> None:
         """Take the device's lease back, if it has one, and await each holder's release; an open
@@ -85,7 +86,7 @@ class Leases:
     def await_release(self, sess: Session, reason: str, d: Decision) -> None:
         """Hold back others' requests on the session's device until it says what it is doing."""
         self._revoking.setdefault(sess.ref.device, {})[sess.id] = self._clock()
-        d.log("lease_revoke", sess, reason=reason)
+        d.log(EventName.LEASE_REVOKE, sess, reason=reason)
 
     def awaits_release(self, sess: Session) -> bool:
         return sess.id in self._revoking.get(sess.ref.device, {})

@@ -20,6 +20,7 @@ from crossover.daemon.events import Decision
 from crossover.daemon.leases import Leases
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.registry import Registry, Session
+from crossover.protos.event_file import EventName
 
 __all__ = ["Liveness"]
 
@@ -69,7 +70,7 @@ class Liveness:
             _log.warning("%s rank %d did not give up computing without grants on device %d within "
                          "%.2fs; serving the device's other ranks anyway", holder.ident.job_name,
                          holder.ident.rank, device, self.heartbeat_timeout_s)
-            d.log("lease_expired", holder)
+            d.log(EventName.LEASE_EXPIRED, holder)
             self._phases.end_revoke(device, sid, now, d)
         return doomed
 
@@ -102,16 +103,16 @@ class Liveness:
         stalled (`OVERDUE`) until it reports its phase done, and the next rank is served."""
         held = now - sess.phase_since
         self.overdue_total += 1
-        d.log("overdue", sess, held_s=held, iteration=sess.iteration, **fields)
+        d.log(EventName.OVERDUE, sess, held_s=held, iteration=sess.iteration, **fields)
         sess.stats.compute_total += held
         sess.set_phase(Phase.OVERDUE, now)
         self._phases.deliver(self._phases.policy.release(sess.ref.key, now), now, d)
 
     def _suspend(self, sess: Session, silent: float, now: float, d: Decision) -> None:
         was = sess.phase
-        d.log("suspend", sess, reason=f"no heartbeat for {silent:.2f}s", phase=was.value)
+        d.log(EventName.SUSPEND, sess, reason=f"no heartbeat for {silent:.2f}s", phase=was.value)
         if was is Phase.COMPUTE:
-            d.log("release", sess, reason="suspended")
+            d.log(EventName.RELEASE, sess, reason="suspended")
             sess.forgive_done = True
         sess.set_phase(Phase.SUSPENDED, now)
         sess.suspended_from = was
@@ -124,7 +125,7 @@ class Liveness:
         """A suspended rank spoke again: back in the rotation, its awaited grant requested again."""
         was, sess.suspended_from = sess.suspended_from, None
         sess.set_phase(Phase.OTHER, now)
-        d.log("resume", sess, silent_s=silent)
+        d.log(EventName.RESUME, sess, silent_s=silent)
         self._phases.deliver(self._phases.policy.join(sess.ref, now), now, d)
         if was is Phase.WAITING:  # it still waits for that grant: queue the request again, same turn
             self._phases.queue_request(sess, sess.iteration, now, d)

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from crossover.daemon import rpc_errors
 from crossover.daemon.limits import Connections
 from crossover.daemon.scheduler import Scheduler
+from crossover.protos.event_file import Event, EventName
 
 __all__ = ["DaemonMetrics", "parse_address"]
 
@@ -44,6 +45,13 @@ def parse_address(text: str) -> tuple[str, int]:
         raise ValueError(f"{text!r} is not HOST:PORT")
     host = host.strip("[]") or "127.0.0.1"
     return host, int(port)
+
+
+_PER_DEVICE = {EventName.DRAIN_REFUSED: "drain_refusals", EventName.PREEMPT: "preemptions",
+               EventName.HANDOVER: "handovers", EventName.HANDOVER_RESCUE: "handover_rescues",
+               EventName.LEASE: "leases", EventName.LEASE_REVOKE: "lease_revocations",
+               EventName.SUSPEND: "suspensions", EventName.OVERDUE: "overdue"}
+"""Events counted per device, each by the counter of that name."""
 
 
 class DaemonMetrics:
@@ -96,48 +104,36 @@ class DaemonMetrics:
 
     def observe(self, entry: dict[str, Any]) -> None:
         """Count one event-log entry (an `EventLog` listener)."""
-        event = entry["event"]
-        if event == "policy":
+        ev = Event.from_json(entry)
+        if ev is None:
+            return
+        name, device = ev.name, str(ev.get("device", ""))
+        if name is EventName.POLICY:
             self.policy_switches.inc()
-            return
-        if event == "drain_refused":
-            self.drain_refusals.labels(str(entry.get("device", ""))).inc()
-            return
-        if "job" not in entry:
-            return
-        job = (str(entry.get("job_name", "")), str(entry["job"]))
-        device = str(entry.get("device", ""))
-        if event == "grant":
+        elif isinstance(name, EventName) and name in _PER_DEVICE:
+            getattr(self, _PER_DEVICE[name]).labels(device).inc()
+        elif ev.job is not None:
+            self._observe_job(ev, (str(ev.get("job_name", "")), str(ev.job)), device)
+
+    def _observe_job(self, ev: Event, job: tuple[str, str], device: str) -> None:
+        name = ev.name
+        if name is EventName.GRANT:
             self._job(self.grants, job, device).inc()
-            self._job(self.grant_wait, job, device).observe(entry.get("waited_s", 0.0))
-        elif event == "release" and "held_s" in entry:
-            self._job(self.compute, job).observe(entry["held_s"])
-            self.class_compute.labels(self._class_of.get(job[1], "normal")).inc(entry["held_s"])
-        elif event == "job_class":
-            self._class_of[job[1]] = str(entry.get("priority", "normal"))
-        elif event == "preempt":
-            self.preemptions.labels(device).inc()
-        elif event == "handover":
-            self.handovers.labels(device).inc()
-        elif event == "handover_rescue":
-            self.handover_rescues.labels(device).inc()
-        elif event == "comm_end":
-            self._job(self.comm, job).observe(entry.get("duration_s", 0.0))
-        elif event == "cancel":
+            self._job(self.grant_wait, job, device).observe(ev.get("waited_s", 0.0))
+        elif name is EventName.RELEASE and "held_s" in ev.fields:
+            self._job(self.compute, job).observe(ev.fields["held_s"])
+            self.class_compute.labels(self._class_of.get(job[1], "normal")).inc(ev.fields["held_s"])
+        elif name is EventName.JOB_CLASS:
+            self._class_of[job[1]] = str(ev.get("priority", "normal"))
+        elif name is EventName.COMM_END:
+            self._job(self.comm, job).observe(ev.get("duration_s", 0.0))
+        elif name is EventName.CANCEL:
             self._job(self.fail_opens, job).inc()
-        elif event == "lease":
-            self.leases.labels(device).inc()
-        elif event == "lease_revoke":
-            self.lease_revocations.labels(device).inc()
-        elif event == "suspend":
-            self.suspensions.labels(device).inc()
-        elif event == "overdue":
-            self.overdue.labels(device).inc()
-        elif event == "register":
+        elif name is EventName.REGISTER:
             with self._lock:
                 self._ranks[job[1]] += 1
-        elif event == "leave":
-            if entry.get("evicted"):
+        elif name is EventName.LEAVE:
+            if ev.get("evicted"):
                 self.evictions.labels(device).inc()
             self._left(job[1])
 

@@ -16,6 +16,7 @@ from crossover.daemon.handover import Pages
 from crossover.daemon.leases import Leases
 from crossover.daemon.messages import AliveMsg, GrantMsg, PageMsg, ShareMsg
 from crossover.daemon.registry import Registry, Session
+from crossover.protos.event_file import EventName
 
 __all__ = ["PhaseMachine"]
 
@@ -65,7 +66,7 @@ class PhaseMachine:
         elif kind is EventKind.COMM_END:
             self._end_comm(sess, ev.iteration, ev.duration_s, now, d)
         elif kind is EventKind.LEASE_RELEASED and self._leases.awaits_release(sess):
-            d.log("lease_released", sess)
+            d.log(EventName.LEASE_RELEASED, sess)
             self.end_revoke(sess.ref.device, sess.id, now, d)
         elif kind is EventKind.HANDOVER_READY:
             self._handover_ready(sess, d)
@@ -75,7 +76,7 @@ class PhaseMachine:
         if self.pages is None or sess.handover or not self.pages.seal(sess.id):
             return
         sess.handover = "device"
-        d.log("handover", sess, path=sess.handover)
+        d.log(EventName.HANDOVER, sess, path=sess.handover)
         self.tell_share(sess.ref.device, d)
 
     def _request(self, sess: Session, iteration: int, seq: int, comm_s: float, no_wait: bool,
@@ -94,7 +95,7 @@ class PhaseMachine:
 
     def queue_request(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
         sess.set_phase(Phase.WAITING, now)
-        d.log("request", sess, iteration=iteration, seq=sess.pending_seq)
+        d.log(EventName.REQUEST, sess, iteration=iteration, seq=sess.pending_seq)
         if not self._leases.defer(sess):
             self._hand_to_policy(sess, now, d)
 
@@ -113,7 +114,7 @@ class PhaseMachine:
 
     def _begin_comm(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
         sess.set_phase(Phase.COMM, now)
-        d.log("comm_begin", sess, iteration=iteration)
+        d.log(EventName.COMM_BEGIN, sess, iteration=iteration)
 
     def _end_comm(self, sess: Session, iteration: int, duration_s: float, now: float, d: Decision) -> None:
         # As for compute: the rank's figure within what the daemon saw (no allreduce began before the
@@ -124,7 +125,7 @@ class PhaseMachine:
         sess.stats.comm_n += 1
         self.policy.observe(sess.ref.key, "comm", measured, now)
         sess.set_phase(Phase.OTHER, now)
-        d.log("comm_end", sess, iteration=iteration, duration_s=measured)
+        d.log(EventName.COMM_END, sess, iteration=iteration, duration_s=measured)
 
     def finish_compute(self, sess: Session, now: float, d: Decision, duration_s: float, strict: bool,
                        yields: bool = False, ticket: int = 0) -> None:
@@ -140,7 +141,7 @@ class PhaseMachine:
             measured = min(duration_s, held) if duration_s > 0 else held
             if yields:
                 sess.yielded_s += measured
-                d.log("release", sess, held_s=held, yields=True)
+                d.log(EventName.RELEASE, sess, held_s=held, yields=True)
             else:
                 sess.stats.compute_n += 1
                 phase_s = sess.yielded_s + measured
@@ -148,7 +149,7 @@ class PhaseMachine:
                 sess.stats.compute_ema = phase_s if ema is None else 0.7 * ema + 0.3 * phase_s
                 self.policy.observe(key, "compute", phase_s, now)
                 sess.yielded_s = 0.0
-                d.log("release", sess, held_s=held)
+                d.log(EventName.RELEASE, sess, held_s=held)
             sess.set_phase(Phase.OTHER, now)
             # Only a sealed page's ticket is owed (see `_handover_ready`): no other rank gets an unsealed one.
             if ticket and sess.handover == "device" and self.pages is not None \
@@ -161,7 +162,7 @@ class PhaseMachine:
             # non-blocking policy it still believed in): withdraw the request,
             # from the policy or from the requests held back for a lease.
             sess.set_phase(Phase.OTHER, now)
-            d.log("cancel", sess)
+            d.log(EventName.CANCEL, sess)
             if held_back:
                 self._leases.withdraw(sess)
             else:
@@ -170,13 +171,13 @@ class PhaseMachine:
             # Its device went to the next waiter while it overran (see `Liveness`): it is done now.
             sess.set_phase(Phase.OTHER, now)
             sess.yielded_s = 0.0
-            d.log("overdue_done", sess, late_s=now - sess.phase_since)
+            d.log(EventName.OVERDUE_DONE, sess, late_s=now - sess.phase_since)
         elif sess.phase is Phase.COMPUTE:
             # Computing since before a policy switch that held it back (a lease was
             # being revoked), so the new policy never had it: nothing to release there.
             held = now - sess.phase_since
             sess.set_phase(Phase.OTHER, now)
-            d.log("release", sess, held_s=held)
+            d.log(EventName.RELEASE, sess, held_s=held)
         elif strict:
             raise FailedPrecondition(f"rank {key} reported compute done but holds no grant (phase {sess.phase.value})")
 
@@ -194,7 +195,7 @@ class PhaseMachine:
             # Nobody waits for the message under a policy that never blocks, or with a lease.
             told = self.policy.blocks and not sess.no_wait
             page, ticket = self._after(sess, d) if told else (0, 0)
-            d.log("grant", sess, iteration=sess.iteration, waited_s=waited, **({"after": ticket} if ticket else {}))
+            d.log(EventName.GRANT, sess, iteration=sess.iteration, waited_s=waited, **({"after": ticket} if ticket else {}))
             if told:
                 d.post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited, page, ticket))
                 self._leases.offer(sess, d)

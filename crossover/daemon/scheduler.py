@@ -38,6 +38,7 @@ from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
 from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
 from crossover.protos.identity import RankIdentity
+from crossover.protos.event_file import EventName
 
 __all__ = ["Scheduler"]
 
@@ -212,7 +213,7 @@ class Scheduler:
             note = self._give_class(sess, None, None)
             self._sessions.add(sess)
             d = Decision()
-            d.log("register", sess, pid=ident.pid, world_size=ident.world_size)
+            d.log(EventName.REGISTER, sess, pid=ident.pid, world_size=ident.world_size)
             self._leases.revoke(device.index, "another rank joined the device", d)
             self._phases.deliver(self._phases.policy.join(ref, now), now, d)
             self._reclassify(key.job_id, now, d, tell=(sess, note))
@@ -340,7 +341,7 @@ class Scheduler:
         # A job of the default class that always was needs no word: nothing is logged or sent for it.
         changed = before != (cls, by) and (cls != JobClass() or (before is not None and before[0] != JobClass()))
         if changed:
-            d.log("job_class", ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
+            d.log(EventName.JOB_CLASS, ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
             self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
         told, note = tell if tell is not None else (None, "")
         for s in ranks:
@@ -381,9 +382,9 @@ class Scheduler:
             if sess is None:
                 return False
             d = Decision()
-            d.log("leave", sess, reason=reason, evicted=evicted)
+            d.log(EventName.LEAVE, sess, reason=reason, evicted=evicted)
             if sess.phase is Phase.COMPUTE:
-                d.log("release", sess, reason=reason)
+                d.log(EventName.RELEASE, sess, reason=reason)
             self._rescue(sess, reason, d, close=True)
             if sess.phase is not Phase.SUSPENDED:  # a suspended rank already left the policy
                 self._phases.deliver(self._phases.policy.leave(sess.ref.key, now), now, d)
@@ -422,7 +423,7 @@ class Scheduler:
             return
         ticket = pages.close(sess.id) if close else pages.rescue(sess.id)
         if ticket:
-            d.log("handover_rescue", sess, ticket=ticket, reason=reason)
+            d.log(EventName.HANDOVER_RESCUE, sess, ticket=ticket, reason=reason)
 
     def adapt(self) -> None:
         """Open each device where grants do not pay, close it where they do (see `grant_payoff`).
@@ -463,7 +464,7 @@ class Scheduler:
                     changes.append((i, verdict))
             self._commit(d, now)
         for i, verdict in changes:
-            self.events.record("sharing", device=i, mode=verdict.mode.value, reason=verdict.reason,
+            self.events.record(EventName.SHARING, device=i, mode=verdict.mode.value, reason=verdict.reason,
                                score=verdict.score)
             if not verdict.probing:
                 _log.info("device %d runs %s: %s", i, verdict.mode.value, verdict.reason)
@@ -508,7 +509,7 @@ class Scheduler:
                 for device in sorted(self._leases.opened):
                     self._leases.revoke(device, "the operator switched adapt off", d)
             self._commit(d, now)
-        self.events.record("adapt", on=on, caller=caller)
+        self.events.record(EventName.ADAPT, on=on, caller=caller)
         _log.warning("operator switched adapt %s (%s)", "on" if on else "off", caller or "?")
         return on
 
@@ -530,7 +531,7 @@ class Scheduler:
             for device in self.inventory.devices:
                 self._phases.tell_share(device.index, d)
             self._commit(d, now)
-        self.events.record("handover_switch", on=on, caller=caller)
+        self.events.record(EventName.HANDOVER_SWITCH, on=on, caller=caller)
         _log.warning("operator switched the hand-over on the device %s (%s)", "on" if on else "off", caller or "?")
         return on
 
@@ -560,7 +561,7 @@ class Scheduler:
             if self._phases.pages is not None:  # no rank's device waits on a page of a rank gone with the daemon
                 self._phases.pages.close_all()
         for sess in sessions:
-            record_rank(self.events, "leave", sess, self.node, None, {"reason": "daemon shutdown"})
+            record_rank(self.events, EventName.LEAVE, sess, self.node, None, {"reason": "daemon shutdown"})
         self.events.close()
 
     # ---- operator side -------------------------------------------------
@@ -605,7 +606,7 @@ class Scheduler:
             for sess in self._sessions:
                 d.post(sess, PolicyMsg(new.name, new.blocks))
             self._commit(d, now)
-        self.events.record("policy", old=old.name, new=name, caller=caller)
+        self.events.record(EventName.POLICY, old=old.name, new=name, caller=caller)
         _log.warning("operator switched policy %s -> %s (%s)", old.name, name, caller or "?")
         return name
 
@@ -626,7 +627,7 @@ class Scheduler:
                           device.index, other.index)
                 return other
         self._drain_refused[device.index] = self._drain_refused.get(device.index, 0) + 1
-        self.events.record("drain_refused", device=device.index, job=ident.job_id, job_name=ident.job_name,
+        self.events.record(EventName.DRAIN_REFUSED, device=device.index, job=ident.job_id, job_name=ident.job_name,
                            rank_refused=ident.rank)
         _log.warning("%s rank %d refused: device %d is drained; it trains unscheduled there", ident.job_name,
                      ident.rank, device.index)
@@ -646,7 +647,7 @@ class Scheduler:
                 self._leases.revoke(device, "device draining", d)
             self._drain_refused.pop(device, None)
             self._commit(d, now)
-        self.events.record("drain" if draining else "resume", device=device, caller=caller)
+        self.events.record(EventName.DRAIN if draining else EventName.RESUME, device=device, caller=caller)
         _log.warning("operator %s device %d (%s)", "drained" if draining else "resumed", device, caller or "?")
         return draining
 
@@ -678,7 +679,7 @@ class Scheduler:
             self._commit(d, now)
         for sid in doomed:
             self.close(sid, "evicted by the operator", evicted=True)
-        self.events.record("evict", device=device, job=job, touched=len(done), caller=caller)
+        self.events.record(EventName.EVICT, device=device, job=job, touched=len(done), caller=caller)
         _log.warning("operator evict (device %s, job %r; %s): %s", device if device >= 0 else "-", job,
                      caller or "?", "; ".join(done) or "nothing matched")
         return done
@@ -747,7 +748,7 @@ class Scheduler:
             d = Decision()
             self._reclassify(job_id, now, d)
             self._commit(d, now)
-        self.events.record("job_class_set", job=job_id, priority=str(cls.priority), weight=cls.weight, caller=caller)
+        self.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight, caller=caller)
         _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
         return job_id, cls
 
@@ -763,6 +764,6 @@ class Scheduler:
         for key in self._phases.policy.take_preemptions():
             sess = self._sessions.by_key(key)
             if sess is not None and sess.accepts_preempt:
-                d.log("preempt", sess)
+                d.log(EventName.PREEMPT, sess)
                 d.post(sess, PreemptMsg())
         d.commit(self.events, self.node, now)

@@ -1,25 +1,170 @@
-"""The event log's file: one JSON object per line, as `crossoverd --event-log` writes it.
+"""The event log's contract: every event's name, its record, and its file (one JSON object per line).
 
-The daemon writes it (`crossover.daemon.event_log`); the CLI (`crossover stats`,
-`timeline`), the benchmarks and the test beds read it. The fields of each event
-are listed in docs/operating.md.
+The daemon writes it (`crossover.daemon.event_log`, with `crossoverd --event-log`); the CLI
+(`crossover stats`, `timeline`), the metrics, the test beds and the benchmarks read it, through this
+module and `crossover.protos.event_phases`. A line is a flat object, readable with `jq`:
+
+    {"t": <monotonic s>, "wall": <unix s>, "event": <EventName>, [job, job_name, rank, device, node,] ...}
+
+Each file starts with a header line, `{"event": "log_format", "format": FORMAT, ...}`; a file without
+one is of format 1 (logs before the header). A file of a newer format fails to load with one line
+(`UnsupportedLog`). The daemon rotates the file (`path` → `path.1` → … `path.N`); `read_events` reads
+the rotated files too, oldest first. docs/operating.md lists each event's fields.
 """
 from __future__ import annotations
 
+import enum
 import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_jsonl"]
+__all__ = ["FORMAT", "Event", "EventName", "UnsupportedLog", "encode", "header", "read_events", "read_jsonl",
+           "rotated_paths"]
+
+FORMAT = 1
+"""The file format this code writes and reads; a log of a higher one is refused (`UnsupportedLog`)."""
+_HEADER = "log_format"
+
+
+class EventName(str, enum.Enum):
+    """Every event the daemon writes. About a rank (with job, job_name, rank, device, node):"""
+
+    REGISTER = "register"
+    LEAVE = "leave"
+    REQUEST = "request"
+    GRANT = "grant"
+    RELEASE = "release"
+    CANCEL = "cancel"
+    COMM_BEGIN = "comm_begin"
+    COMM_END = "comm_end"
+    OVERDUE = "overdue"
+    OVERDUE_DONE = "overdue_done"
+    SUSPEND = "suspend"
+    RESUME = "resume"  # a suspended rank spoke again; without a rank: a drained device resumed
+    LEASE = "lease"
+    LEASE_REVOKE = "lease_revoke"
+    LEASE_RELEASED = "lease_released"
+    LEASE_EXPIRED = "lease_expired"
+    JOB_CLASS = "job_class"
+    PREEMPT = "preempt"
+    HANDOVER = "handover"
+    HANDOVER_RESCUE = "handover_rescue"
+    DRAIN_REFUSED = "drain_refused"
+    # About the node or a device (no rank):
+    POLICY = "policy"
+    DRAIN = "drain"
+    EVICT = "evict"
+    SHARING = "sharing"
+    ADAPT = "adapt"
+    HANDOVER_SWITCH = "handover_switch"
+    JOB_CLASS_SET = "job_class_set"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class UnsupportedLog(ValueError):
+    """An event log this code cannot read: written in a newer format."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event-log entry: its name, when (`t`, the daemon's monotonic clock; `wall`), and its fields.
+
+    `name` is an `EventName`, or the plain text of a name this code does not know (a newer daemon's);
+    `fields` holds everything else on the line, `job`, `rank` and the rest, as written.
+    """
+
+    name: EventName | str
+    t: float
+    wall: float = 0.0
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def job(self) -> str | None:
+        return self.fields.get("job")
+
+    @property
+    def rank(self) -> int | None:
+        return self.fields.get("rank")
+
+    @property
+    def device(self) -> int | None:
+        return self.fields.get("device")
+
+    @property
+    def about_rank(self) -> bool:
+        return "rank" in self.fields and "job" in self.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def to_json(self) -> dict[str, Any]:
+        """The line's object: `t`, `wall`, `event`, then the fields in their order."""
+        return {"t": self.t, "wall": self.wall, "event": str(self.name), **self.fields}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Event | None:
+        """The event a line's object holds; None for one that is not an event (no name, no numeric `t`)."""
+        name, t = obj.get("event"), obj.get("t")
+        if not isinstance(name, str) or isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
+            return None
+        try:
+            known: EventName | str = EventName(name)
+        except ValueError:
+            known = name
+        wall = obj.get("wall")
+        fields = {k: v for k, v in obj.items() if k not in ("t", "wall", "event")}
+        return cls(known, float(t), float(wall) if isinstance(wall, (int, float)) else 0.0, fields)
+
+
+def header(**about: Any) -> str:
+    """The first line of a new file: its format, and what the writer says of itself."""
+    return json.dumps({"event": _HEADER, "format": FORMAT, **about}, separators=(",", ":")) + "\n"
+
+
+def encode(entry: Mapping[str, Any]) -> str:
+    """One entry's line."""
+    return json.dumps(entry, separators=(",", ":")) + "\n"
+
+
+def rotated_paths(path: str | Path, backups: int) -> list[Path]:
+    """The file and its rotated copies, newest first: `path`, `path.1`, …, `path.<backups>`."""
+    p = Path(path)
+    return [p, *(p.with_name(f"{p.name}.{n}") for n in range(1, backups + 1))]
+
+
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line: the daemon was writing it
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if obj.get("event") == _HEADER:
+                fmt = obj.get("format")
+                if n == 0 and isinstance(fmt, int) and fmt > FORMAT:
+                    raise UnsupportedLog(f"{path}: event log format {fmt}; this crossover reads up to {FORMAT} "
+                                         "(upgrade it to read this log)")
+                continue
+            yield obj
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Load an event log file; a torn last line (the daemon was writing it) is skipped."""
-    events = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
+    """One file's entries as the objects of their lines, the header left out (UnsupportedLog: a newer format)."""
+    return list(_lines(Path(path)))
+
+
+def read_events(path: str | Path, backups: int = 0) -> list[Event]:
+    """The events of a log file and of up to `backups` rotated copies beside it, oldest first.
+
+    Lines that are no event are skipped; UnsupportedLog for a file of a newer format."""
+    out: list[Event] = []
+    for p in reversed(rotated_paths(path, backups)):
+        if p.exists():
+            out += [e for e in map(Event.from_json, _lines(p)) if e is not None]
+    return out

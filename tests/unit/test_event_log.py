@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from crossover.daemon.event_log import EventLog
-from crossover.protos.event_file import read_jsonl
+from crossover.protos.event_file import FORMAT, Event, EventName, UnsupportedLog, read_events, read_jsonl
 
 
 def test_file_follows_memory_within_the_flush_interval_and_close_writes_the_rest(tmp_path):
@@ -23,8 +25,8 @@ def test_file_follows_memory_within_the_flush_interval_and_close_writes_the_rest
     finally:
         log.close()
     lines = path.read_text().splitlines()
-    assert len(lines) == 501
-    assert [json.loads(x)["i"] for x in lines[1:]] == list(range(500)), "order must be kept"
+    assert len(lines) == 502 and json.loads(lines[0]) == {"event": "log_format", "format": 1, "writer": "crossoverd"}
+    assert [json.loads(x)["i"] for x in lines[2:]] == list(range(500)), "order must be kept"
 
 
 def test_a_failing_file_keeps_the_memory_log(tmp_path):
@@ -60,3 +62,32 @@ def test_the_file_is_rotated_before_it_passes_max_bytes_and_only_backups_are_kep
     newest = [e["i"] for f in ("ev.jsonl.2", "ev.jsonl.1", "ev.jsonl") for e in read_jsonl(tmp_path / f)]
     assert newest == list(range(newest[0], 400)), "the kept files hold the newest events, in order"
     assert len(log.snapshot()) == 400  # memory is not affected
+
+
+def test_every_file_starts_with_its_format_and_the_rotated_files_read_back_oldest_first(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path=path, flush_interval_s=60, max_bytes=4000, backups=2)
+    try:
+        for i in range(150):
+            log.record(EventName.RELEASE, rank=0, i=i)
+            if i % 10 == 9:
+                log.flush()
+    finally:
+        log.close()
+    for f in ("ev.jsonl", "ev.jsonl.1"):
+        assert json.loads((tmp_path / f).read_text().splitlines()[0])["format"] == FORMAT
+    events = read_events(path, backups=2)
+    assert [e.get("i") for e in events] == list(range(150 - len(events), 150))
+    assert all(e.name is EventName.RELEASE and e.rank == 0 for e in events)
+
+
+def test_a_log_without_a_header_loads_as_format_1_and_a_newer_one_fails_in_one_line(tmp_path):
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"t":1.0,"wall":2.0,"event":"grant","job":"j","rank":0}\n{"t":2.0,"event":"future_thing"}\n')
+    grant, future = read_events(old)
+    assert grant == Event(EventName.GRANT, 1.0, 2.0, {"job": "j", "rank": 0}) and grant.about_rank
+    assert future.name == "future_thing" and grant.to_json()["event"] == "grant"
+    new = tmp_path / "new.jsonl"
+    new.write_text('{"event":"log_format","format":99}\n{"t":1.0,"event":"grant"}\n')
+    with pytest.raises(UnsupportedLog, match="format 99"):
+        read_events(new)

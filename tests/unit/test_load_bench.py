@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from crossover.protos.event_file import Event
+
 
 @pytest.fixture(scope="module")
 def bench():
@@ -34,11 +36,11 @@ def test_lost_requests_are_ungranted_requests_and_refusals_while_attached_counte
 
 
 def test_grant_records_reads_requests_and_queue_times_from_the_event_log(bench):
-    events = [{"event": "register", "job": "a"},
-              {"event": "request", "job": "a", "iteration": 0, "seq": 1},
-              {"event": "grant", "job": "a", "iteration": 0, "waited_s": 0.25},
-              {"event": "request", "job": "a", "iteration": 1, "seq": 2}]
-    requested, granted = bench.grant_records(events)
+    lines = [{"t": 1.0, "event": "register", "job": "a"},
+             {"t": 2.0, "event": "request", "job": "a", "iteration": 0, "seq": 1},
+             {"t": 3.0, "event": "grant", "job": "a", "iteration": 0, "waited_s": 0.25},
+             {"t": 4.0, "event": "request", "job": "a", "iteration": 1, "seq": 2}]
+    requested, granted = bench.grant_records([Event.from_json(x) for x in lines])
     assert requested == {("a", 0), ("a", 1)}
     assert granted == {("a", 0): 0.25}
 

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from crossover.protos.event_phases import read_phases
+
 __all__ = ["compute_intervals", "overlaps"]
 
 
 def compute_intervals(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, str, int]]]:
-    """Per device, the [grant, release) intervals from the event log.
+    """Per device, the [grant, release) intervals of one node's event log, as `crossover.protos.event_phases`
+    reads them: (start, end, job id, rank).
 
-    An `overdue` holder's interval ends where the daemon gave its device to the next rank.
+    An `overdue` holder's interval ends where the daemon gave its device to the next rank, a suspended
+    one's where it fell silent.
     """
-    open_: dict[tuple[Any, Any], tuple[float, int]] = {}
     out: dict[int, list[tuple[float, float, str, int]]] = {}
-    for e in events:
-        key = (e.get("job"), e.get("rank"))
-        if e["event"] == "grant":
-            open_[key] = (e["t"], e["device"])
-        elif e["event"] in ("release", "leave", "overdue") and key in open_:
-            t0, dev = open_.pop(key)
-            out.setdefault(dev, []).append((t0, e["t"], key[0], key[1]))
+    for iv in read_phases(events).intervals:
+        if iv.phase == "compute":
+            out.setdefault(iv.device, []).append((iv.start, iv.end, iv.job, iv.rank))
     return out
 
 
