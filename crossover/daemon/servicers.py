@@ -143,7 +143,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
             self._core.inventory.by_index(request.device)
         per_device, _ = self._core.snapshot()
         out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime(),
-                             overdue_total=self._core.overdue_total, connections=self._connections.count,
+                             overdue_total=self._core.liveness.overdue_total, connections=self._connections.count,
                              max_connections=self._connections.cap)
         for dev in self._core.inventory.devices:
             if request.device >= 0 and dev.index != request.device:

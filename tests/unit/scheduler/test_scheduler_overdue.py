@@ -40,7 +40,7 @@ def test_a_yield_frees_the_device_and_the_pieces_count_as_one_compute_phase(make
 
 def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_served(make, clock):
     s = make("exclusive", evict_after=100.0, timeout=100.0)
-    s.overdue_factor, s.overdue_after_s = 10.0, 1.0
+    s.liveness.overdue_factor, s.liveness.overdue_after_s = 10.0, 1.0
     a, box_a = join(s, job="job-a", device=0)
     b, box_b = join(s, job="job-b", device=0)
     for it in range(3):  # a measured compute time of 50 ms
@@ -55,7 +55,7 @@ def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_serv
     clock.advance(0.2)
     s.reap()
     assert [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "the overdue holder kept the device"
-    assert s.overdue_total == 1
+    assert s.liveness.overdue_total == 1
     per_dev, _ = s.snapshot()
     assert [r.phase for r in per_dev[0].others] == [Phase.OVERDUE]
     assert [e["event"] for e in s.events.snapshot()].count("overdue") == 1
@@ -70,27 +70,27 @@ def test_a_first_phase_gets_the_warmup_limit_not_the_floor(make, clock):
     """A first step (no measured compute time yet) pays for lazy initialisation: held past
     `overdue_after_s` it is not yet stalled; past `overdue_warmup_s` it is."""
     s = make("exclusive", evict_after=100.0, timeout=100.0)
-    s.overdue_after_s, s.overdue_warmup_s = 1.0, 5.0
+    s.liveness.overdue_after_s, s.liveness.overdue_warmup_s = 1.0, 5.0
     a, _ = join(s, job="job-a", device=0)
     b, box_b = join(s, job="job-b", device=0)
     s.event(a, "compute_request", iteration=0, seq=1)
     s.event(b, "compute_request", iteration=0, seq=1)
     clock.advance(4.0)
     s.reap()
-    assert s.overdue_total == 0 and not [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+    assert s.liveness.overdue_total == 0 and not [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
     clock.advance(1.5)
     s.reap()
-    assert s.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+    assert s.liveness.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
 
 
 def test_a_long_holder_nobody_waits_for_is_left_alone(make, clock):
     s = make("exclusive", evict_after=100.0, timeout=100.0)
-    s.overdue_after_s = 1.0
+    s.liveness.overdue_after_s = 1.0
     a, _ = join(s, job="job-a", device=0)
     s.event(a, "compute_request", iteration=0, seq=1)
     clock.advance(30.0)
     s.reap()
-    assert s.overdue_total == 0
+    assert s.liveness.overdue_total == 0
 
 
 @settings(max_examples=150, deadline=None)
@@ -148,7 +148,7 @@ def test_a_holders_own_long_figure_does_not_lengthen_its_limit(make, clock):
     """A rank that reports a day-long compute phase it was seen to hold for 10 ms is measured at
     10 ms: its next hold, with a rank waiting, is overdue at the floor, not at ten days."""
     s = make("exclusive", evict_after=1000.0, timeout=1000.0)
-    s.overdue_factor, s.overdue_after_s = 10.0, 1.0
+    s.liveness.overdue_factor, s.liveness.overdue_after_s = 10.0, 1.0
     a, _ = join(s, job="hog", device=0)
     b, box_b = join(s, job="victim", device=0)
     s.event(a, "compute_request", iteration=0, seq=1)
@@ -159,12 +159,12 @@ def test_a_holders_own_long_figure_does_not_lengthen_its_limit(make, clock):
     s.event(b, "compute_request", iteration=0, seq=1)
     clock.advance(1.1)
     s.reap()
-    assert s.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+    assert s.liveness.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
 
 
 def test_no_holder_keeps_a_waited_for_device_past_max_hold(make, clock):
     s = make("exclusive", evict_after=1000.0, timeout=1000.0)
-    s.overdue_factor, s.overdue_after_s, s.max_hold_s = 10.0, 1.0, 60.0
+    s.liveness.overdue_factor, s.liveness.overdue_after_s, s.liveness.max_hold_s = 10.0, 1.0, 60.0
     a, _ = join(s, job="slow", device=0)
     b, box_b = join(s, job="victim", device=0)
     s.event(a, "compute_request", iteration=0, seq=1)
@@ -174,10 +174,10 @@ def test_no_holder_keeps_a_waited_for_device_past_max_hold(make, clock):
     s.event(b, "compute_request", iteration=0, seq=1)
     clock.advance(59.0)
     s.reap()
-    assert s.overdue_total == 0
+    assert s.liveness.overdue_total == 0
     clock.advance(2.0)
     s.reap()
-    assert s.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
+    assert s.liveness.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
     overdue = [e for e in s.events.snapshot() if e["event"] == "overdue"]
     assert overdue[0]["limit_s"] == pytest.approx(60.0)
 

@@ -1,0 +1,399 @@
+"""The operator's side of the scheduler (`Scheduler`'s base class): the policy, the adaptive rule, the
+hand-over switch, drains, evictions, priority classes and what the admin calls show, under its one lock."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from typing import Callable
+
+from crossover.daemon import policies
+from crossover.daemon.api import FailedPrecondition, InvalidRequest, NotFound, Phase
+from crossover.daemon.class_rules import ClassRules, effective_class
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.events import Decision
+from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
+from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.leases import Leases
+from crossover.daemon.liveness import Liveness
+from crossover.daemon.messages import ClassMsg, PolicyMsg
+from crossover.daemon.phases import PhaseMachine
+from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
+from crossover.daemon.registry import Registry, Session
+from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
+from crossover.protos.event_file import EventName
+from crossover.protos.identity import RankIdentity
+
+__all__ = ["Steering"]
+
+_log = logging.getLogger("crossover.daemon.scheduler")
+
+
+class Steering:
+    """The operator's calls and the per-device rules over the scheduler's state (see `Scheduler`)."""
+
+    _lock: threading.Lock
+    _clock: Callable[[], float]
+    _wall: Callable[[], float]
+    _phases: PhaseMachine
+    _leases: Leases
+    liveness: Liveness
+    _sessions: Registry
+    _classes: dict[str, tuple[JobClass, str]]
+    _set_by_operator: dict[str, JobClass]
+    _rules: ClassRules
+    _class_settings: ClassSettings | None
+    _judges: dict[int, PayoffJudge]
+    _payoff: PayoffSettings
+    _adapting: bool
+    _drain_refused: dict[int, int]
+    _started: float
+    _closed: bool
+    inventory: Inventory
+    events: EventLog
+    node: str
+
+    def _commit(self, d: Decision, now: float) -> None: ...  # the scheduler's
+
+    def close(self, session_id: str, reason: str, evicted: bool = False) -> bool:  # the scheduler's
+        raise NotImplementedError
+
+    def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
+        """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
+        Before the kernel names its user, a rank that asks for a class some rule may give it waits for that."""
+        given, by = self._rules.given(uid, gid)
+        if uid is None and sess.asked is not None and sess.asked > given.priority \
+                and self._rules.could_give(sess.asked):
+            sess.klass, sess.class_by = given, by
+            return ""
+        sess.klass, note = effective_class(sess.asked, given, by)
+        sess.class_by = "rank" if sess.klass.priority < given.priority else by
+        if note == sess.class_note:
+            return ""
+        sess.class_note = note
+        return note
+
+    def _reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:
+        """Give the job its class on this node (the operator's, else the lowest of its ranks'); when it
+        changes, the policy decides again and every rank of the job is told. `tell`: a session to tell
+        in any case, with its note (a new rank)."""
+        ranks = [s for s in self._sessions if s.ref.key.job_id == job_id]
+        if not ranks:
+            self._classes.pop(job_id, None)
+            self._set_by_operator.pop(job_id, None)
+            return
+        operator = self._set_by_operator.get(job_id)
+        cls, by = (operator, "operator") if operator else min(((s.klass, s.class_by) for s in ranks),
+                                                              key=lambda c: (c[0].priority, c[0].weight))
+        before = self._classes.get(job_id)
+        self._classes[job_id] = (cls, by)
+        # A job of the default class that always was needs no word: nothing is logged or sent for it.
+        changed = before != (cls, by) and (cls != JobClass() or (before is not None and before[0] != JobClass()))
+        if changed:
+            d.log(EventName.JOB_CLASS, ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
+            self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
+        told, note = tell if tell is not None else (None, "")
+        for s in ranks:
+            if changed or (s is told and (note or cls != JobClass())):
+                d.post(s, ClassMsg(cls, note if s is told else ""))
+
+    def adapt(self) -> None:
+        """Open each device where grants do not pay, close it where they do (see `grant_payoff`).
+
+        Opening leases the device to every rank on it, and grants every rank waiting for it at once.
+        Each change of a device's mode is in the event log (`sharing`) with its reason."""
+        if not self._adapting:
+            return
+        changes: list[tuple[int, Verdict]] = []
+        with self._lock:
+            now = self._clock()
+            wall = self._wall()
+            if self._closed or not self._phases.policy.blocks:
+                return
+            d = Decision()
+            by_device: dict[int, dict[str, int]] = {}  # device -> job -> phases the daemon saw its furthest rank end
+            for sess in self._sessions:
+                if sess.phase is not Phase.SUSPENDED:
+                    jobs = by_device.setdefault(sess.ref.device, {})
+                    job = sess.ref.key.job_id
+                    jobs[job] = max(jobs.get(job, 0), sess.stats.compute_n)
+            for device in self.inventory.devices:
+                i = device.index
+                progress = by_device.get(i, {})
+                judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
+                before = judge.verdict
+                classes = {self._classes.get(job, (JobClass(), ""))[0] for job in progress}
+                if len(classes) > 1:  # priorities need grants, whatever they cost the jobs together
+                    judge.verdict = verdict = Verdict(Mode.SCHEDULED, "its jobs differ in priority class or weight")
+                else:
+                    verdict = judge.sample(wall, progress)
+                is_open = i in self._leases.opened
+                if verdict.mode is Mode.UNSCHEDULED and not is_open and self._leases.can_open(i):
+                    self._open(i, now, d)
+                elif verdict.mode is Mode.SCHEDULED and is_open:
+                    self._leases.revoke(i, verdict.reason, d)
+                if (verdict.mode, verdict.reason) != (before.mode, before.reason):
+                    changes.append((i, verdict))
+            self._commit(d, now)
+        for i, verdict in changes:
+            self.events.record(EventName.SHARING, device=i, mode=verdict.mode.value, reason=verdict.reason,
+                               score=verdict.score)
+            if not verdict.probing:
+                _log.info("device %d runs %s: %s", i, verdict.mode.value, verdict.reason)
+
+    def _open(self, device: int, now: float, d: Decision) -> None:
+        """Lease the device to every rank on it; the ranks waiting for it compute at once (lock held)."""
+        self._leases.open(device, d)
+        policy = self._phases.policy
+        waiting = [s for s in self._sessions.on_device(device)
+                   if s.phase is Phase.WAITING and policy.is_waiting(s.ref.key)]
+        for sess in sorted(waiting, key=lambda s: s.requested_at):
+            key = sess.ref.key
+            if not policy.is_waiting(key):  # granted meanwhile, by the cancel of a rank before it
+                continue
+            self._phases.deliver(policy.cancel(key, now), now, d)
+            self._phases.deliver(policy.occupy(key, sess.pending_iteration, now), now, d)
+
+    def sharing(self, device: int) -> Verdict | None:
+        """The device's mode and why, when the daemon measures whether grants pay (None: it does not)."""
+        with self._lock:
+            judge = self._judges.get(device)
+            return None if not self._adapting or judge is None else judge.verdict
+
+    @property
+    def adapting(self) -> bool:
+        """Whether each device measures if its grants pay (`adapt`), as `crossoverd --adapt` or the operator set."""
+        return self._adapting
+
+    def set_adapt(self, on: bool, caller: str = "") -> bool:
+        """The operator's `crossover policy --adapt/--no-adapt`: measure per device whether grants pay, or not.
+
+        Switching on starts every device's measurement afresh; switching off closes every device
+        that runs unscheduled (an ordinary lease revoke), so grants hold everywhere again."""
+        with self._lock:
+            now = self._clock()
+            if on == self._adapting:
+                return on
+            self._adapting = on
+            self._judges.clear()
+            d = Decision()
+            if not on:
+                for device in sorted(self._leases.opened):
+                    self._leases.revoke(device, "the operator switched adapt off", d)
+            self._commit(d, now)
+        self.events.record(EventName.ADAPT, on=on, caller=caller)
+        _log.warning("operator switched adapt %s (%s)", "on" if on else "off", caller or "?")
+        return on
+
+    @property
+    def handing_over(self) -> bool:
+        """Whether ranks that can end their turns on their device do (`crossoverd --handover`, the operator)."""
+        return self._phases.handover_on
+
+    def set_handover(self, on: bool, caller: str = "") -> bool:
+        """The operator's `crossover policy --handover/--no-handover`; every rank is told at once. Without turn
+        pages on this node (`--no-handover`, or no memfd) it stays off."""
+        with self._lock:
+            now = self._clock()
+            on = on and self._phases.pages is not None
+            if on == self._phases.handover_on:
+                return on
+            self._phases.handover_on = on
+            d = Decision()
+            for device in self.inventory.devices:
+                self._phases.tell_share(device.index, d)
+            self._commit(d, now)
+        self.events.record(EventName.HANDOVER_SWITCH, on=on, caller=caller)
+        _log.warning("operator switched the hand-over on the device %s (%s)", "on" if on else "off", caller or "?")
+        return on
+
+    @property
+    def policy_name(self) -> str:
+        return self._phases.policy.name
+
+    def policy_decisions(self) -> dict[str, int]:
+        """The current policy's decision counts (`Policy.decisions`); they start again at a switch."""
+        with self._lock:
+            return dict(self._phases.policy.decisions())
+
+    def set_policy(self, name: str, caller: str = "") -> str:
+        """Switch policy at once; ranks computing or waiting are re-queued under the new one.
+        `caller` says who asked, as the event log and the daemon log record it."""
+        new = policies.create(name, self._class_settings)
+        d = Decision()
+        with self._lock:
+            now = self._clock()
+            old = self._phases.policy
+            for device in self._leases.leased_devices():
+                self._leases.revoke(device, f"policy switched to {name}", d)
+            if new.blocks and not old.blocks:
+                # Ranks computed without grants and report late: each must first say what it
+                # is doing (its answer follows any request it computes under), as for a lease.
+                for sess in self._sessions:
+                    if sess.accepts_leases and sess.phase is not Phase.SUSPENDED:
+                        self._leases.await_release(sess, f"policy switched to {name}", d)
+            self._phases.policy = new
+            for sess in sorted(self._sessions, key=lambda s: s.registered_at):
+                if sess.phase is not Phase.SUSPENDED:
+                    new.join(sess.ref, now)
+            for job_id, (cls, _) in sorted(self._classes.items()):
+                new.classify(job_id, cls, now)
+            active = [s for s in self._sessions if s.phase in (Phase.COMPUTE, Phase.WAITING)]
+            active.sort(key=lambda s: (s.phase is not Phase.COMPUTE, s.requested_at))
+            for sess in active:
+                if not self._leases.defer(sess):  # a rank granted under the old policy computes: it keeps its device
+                    claim = new.occupy if sess.phase is Phase.COMPUTE else new.request
+                    self._phases.deliver(claim(sess.ref.key, sess.pending_iteration, now), now, d)
+            for sess in self._sessions:
+                d.post(sess, PolicyMsg(new.name, new.blocks))
+            self._commit(d, now)
+        self.events.record(EventName.POLICY, old=old.name, new=name, caller=caller)
+        _log.warning("operator switched policy %s -> %s (%s)", old.name, name, caller or "?")
+        return name
+
+    def _instead_of_drained(self, device: Device, ident: RankIdentity) -> Device:
+        """The device for a new rank whose device the operator drained (called with the lock held).
+
+        A rank on a CPU device computes on the cores the daemon names, so it goes to the free
+        device with the fewest ranks, if one is left. A GPU rank's script picks its GPU itself:
+        it is refused, trains unscheduled there, and is counted (`crossover queue`, metrics)."""
+        if device.kind == "cpu" and ident.device < 0:
+            load = {d.index: 0 for d in self.inventory.devices if d.index not in self._leases.draining}
+            for sess in self._sessions:
+                if sess.ref.device in load:
+                    load[sess.ref.device] += 1
+            if load:
+                other = self.inventory.by_index(min(load, key=lambda i: (load[i], i)))
+                _log.info("%s rank %d: device %d is drained; placed on device %d", ident.job_name, ident.rank,
+                          device.index, other.index)
+                return other
+        self._drain_refused[device.index] = self._drain_refused.get(device.index, 0) + 1
+        self.events.record(EventName.DRAIN_REFUSED, device=device.index, job=ident.job_id, job_name=ident.job_name,
+                           rank_refused=ident.rank)
+        _log.warning("%s rank %d refused: device %d is drained; it trains unscheduled there", ident.job_name,
+                     ident.rank, device.index)
+        raise FailedPrecondition(
+            f"device {device.index} was drained by this node's operator and takes no new ranks "
+            f"(`crossover resume {device.index}` reopens it); this rank trains on it unscheduled")
+
+    def drain(self, device: int, draining: bool, caller: str = "") -> bool:
+        """The operator's `crossover drain` / `resume`: new ranks go elsewhere (or are refused), those
+        on the device stay. `caller` says who asked, as the event log and the daemon log record it."""
+        self.inventory.by_index(device)
+        d = Decision()
+        with self._lock:
+            now = self._clock()
+            (self._leases.draining.add if draining else self._leases.draining.discard)(device)
+            if draining:
+                self._leases.revoke(device, "device draining", d)
+            self._drain_refused.pop(device, None)
+            self._commit(d, now)
+        self.events.record(EventName.DRAIN if draining else EventName.RESUME, device=device, caller=caller)
+        _log.warning("operator %s device %d (%s)", "drained" if draining else "resumed", device, caller or "?")
+        return draining
+
+    def drain_refusals(self, device: int) -> int:
+        """Ranks refused on `device` since its drain began (they train unscheduled there)."""
+        with self._lock:
+            return self._drain_refused.get(device, 0)
+
+    def evict(self, device: int = -1, job: str = "", caller: str = "") -> list[str]:
+        """The operator's `crossover evict`: take `device` back from its holders now (each is treated
+        as overdue and the next rank is served), and/or close every session of `job` (id or name) on
+        this node. Returns a line per rank touched; an empty list when nothing matched."""
+        if device >= 0:
+            self.inventory.by_index(device)
+        done: list[str] = []
+        doomed: list[str] = []
+        with self._lock:
+            now = self._clock()
+            d = Decision()
+            for sess in list(self._sessions):
+                name = f"{sess.ident.job_name} rank {sess.ident.rank} on device {sess.ref.device}"
+                if job and job in (sess.ident.job_id, sess.ident.job_name):
+                    doomed.append(sess.id)
+                    done.append(f"{name}: evicted")
+                elif (device >= 0 and sess.ref.device == device and sess.phase is Phase.COMPUTE
+                      and self._phases.policy.holds(sess.ref.key)):
+                    self.liveness.move_aside(sess, now, d, reason="evicted by the operator")
+                    done.append(f"{name}: moved aside")
+            self._commit(d, now)
+        for sid in doomed:
+            self.close(sid, "evicted by the operator", evicted=True)
+        self.events.record(EventName.EVICT, device=device, job=job, touched=len(done), caller=caller)
+        _log.warning("operator evict (device %s, job %r; %s): %s", device if device >= 0 else "-", job,
+                     caller or "?", "; ".join(done) or "nothing matched")
+        return done
+
+    def sessions_by_uid(self) -> dict[str, int]:
+        """Registered ranks per local user (the kernel's uid of a session socket peer; "unknown" for
+        ranks on the gRPC stream or not yet attached)."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for sess in self._sessions:
+                key = "unknown" if sess.uid is None else str(sess.uid)
+                counts[key] = counts.get(key, 0) + 1
+            return counts
+
+    def is_draining(self, device: int) -> bool:
+        with self._lock:
+            return device in self._leases.draining
+
+    def uptime(self) -> float:
+        return self._clock() - self._started
+
+    def snapshot(self) -> tuple[dict[int, DeviceSnapshot], list[RankSnapshot]]:
+        """Per device: (holders, waiting in grant order, others, job order); plus all ranks.
+
+        Requests held back while a lease is given up are listed last among the waiting.
+        """
+        with self._lock:
+            now = self._clock()
+            sessions = self._sessions.items()
+            snaps = {sid: rank_snapshot(s, now) for sid, s in sessions}
+            processes = [(sid, s.process) for sid, s in sessions if s.process is not None]
+            by_key = {s.ref.key: sid for sid, s in sessions}
+            views = {dev.index: self._phases.policy.view(dev.index) for dev in self.inventory.devices}
+            for sid, s in sessions:
+                cls, by = self._classes.get(s.ref.key.job_id, (JobClass(), ""))
+                snaps[sid] = replace(snaps[sid], priority=str(cls.priority), weight=cls.weight, class_by=by)
+            held_back = self._leases.held_back()
+            devices = {sid: s.ref.device for sid, s in sessions}
+        for sid, proc in processes:  # psutil reads /proc: outside the lock
+            snaps[sid] = with_process_usage(snaps[sid], proc)
+        out = {}
+        for index, view in views.items():
+            queued = (*view.waiting, *held_back.get(index, ()))
+            holders = [snaps[by_key[k]] for k in view.holders if k in by_key]
+            waiting = [snaps[by_key[k]] for k in queued if k in by_key]
+            seen = {by_key[k] for k in (*view.holders, *queued) if k in by_key}
+            others = [snaps[sid] for sid, d in devices.items() if d == index and sid not in seen]
+            out[index] = DeviceSnapshot(holders, waiting, others, view.order)
+        return out, list(snaps.values())
+
+    def set_job_class(self, job: str, priority: Priority | None = None, weight: float | None = None,
+                      caller: str = "") -> tuple[str, JobClass]:
+        """The operator's `crossover priority` / `share`: set a job's class or weight on this node (the job by id
+        or name; None keeps that part). Its ranks are told; the policy decides again. Returns (job id, class)."""
+        with self._lock:
+            now = self._clock()
+            ids = sorted({s.ref.key.job_id for s in self._sessions if job in (s.ref.key.job_id, s.ident.job_name)})
+            if not ids:
+                raise NotFound(f"no job {job!r} has ranks on this node (`crossover jobs` lists them)")
+            if len(ids) > 1:
+                raise InvalidRequest(f"{len(ids)} jobs are named {job!r} here; give the job id ({', '.join(ids)})")
+            (job_id,) = ids
+            current = self._classes.get(job_id, (JobClass(), ""))[0]
+            cls = JobClass(current.priority if priority is None else priority, weight or current.weight)
+            self._set_by_operator[job_id] = cls
+            d = Decision()
+            self._reclassify(job_id, now, d)
+            self._commit(d, now)
+        self.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight, caller=caller)
+        _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
+        return job_id, cls
+
+    def job_class(self, job_id: str) -> tuple[JobClass, str]:
+        """The job's class on this node and what set it (\"operator\", a rule, \"rank\" or \"\")."""
+        with self._lock:
+            return self._classes.get(job_id, (JobClass(), ""))
