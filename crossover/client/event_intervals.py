@@ -6,12 +6,9 @@ one reading of its events), so both commands share one figure of each thing and 
 from __future__ import annotations
 
 import logging
-import math
-import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from crossover.protos.event_phases import (
     HOLDS,

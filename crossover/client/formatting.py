@@ -84,7 +84,8 @@ def _phase(rank: dict[str, Any]) -> Text:
 
 _QUEUE_COLUMNS = ("", "job", "user", "rank", "pid", "phase", "iter", "comp ms", "comm ms", "wait", "hand-over",
                   "cpu%", "rss", "gpu mem")
-_DROP_FIRST = ("pid", "hand-over", "rss", "gpu mem", "cpu%", "user", "comm ms", "iter")  # what a narrow terminal loses, in order
+# What a narrow terminal loses, in order:
+_DROP_FIRST = ("pid", "hand-over", "rss", "gpu mem", "cpu%", "user", "comm ms", "iter")
 _RIGHT = {"rank", "pid", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem"}
 
 

@@ -21,20 +21,11 @@ import grpc
 
 from crossover.client.device_turns import DeviceTurns, TurnHandover
 from crossover.client.settings import PluginSettings
-from crossover.client.transport import (
-    FrameStream,
-    GrpcStream,
-    SessionStream,
-    StreamBroken,
-    channel_for,
-    missing_socket,
-    untrusted_socket,
-)
-from crossover.protos import MAX_BATCH_EVENTS, PROTOCOL_VERSION
+from crossover.client.transport import SessionStream, StreamBroken, Unreachable, channel_for, connect
+from crossover.protos import MAX_BATCH_EVENTS
 from crossover.protos import crossover_v1_pb2 as pb
-from crossover.protos.priority import name_of, to_wire
-from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
+from crossover.protos.priority import name_of
 
 __all__ = ["Session"]
 
@@ -305,31 +296,11 @@ class Session:
         s = self.settings
         if self._channel is None:
             self._channel, self._metadata = channel_for(s.target, s.token, s.tls_ca)
-        stub = pb_grpc.SchedulerStub(self._channel)
-        identity = self.info.to_pb()
-        missing = missing_socket(s.target)
-        if missing:
-            self._lost(f"no daemon socket at {missing}")
-            return
-        untrusted = untrusted_socket(s.target)
-        if untrusted:
-            self._lost(untrusted, f"checks the socket again every {s.reconnect_interval_s:g} s")
-            return
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=s.connect_timeout_s)
-            reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity,
-                                                   accepts_leases=s.lease, accepts_preempt=True,
-                                                   accepts_handover=s.handover,
-                                                   priority=to_wire(s.priority)),
-                                timeout=s.connect_timeout_s, metadata=self._metadata)
-        except grpc.FutureTimeoutError:
-            self._lost(f"no daemon answers at {s.target}")
+            reg, stream = connect(s, self.info.to_pb(), self._channel, self._metadata)
+        except Unreachable as exc:
+            self._lost(exc.why, exc.then)
             return
-        except grpc.RpcError as exc:
-            self._lost(f"daemon at {s.target} refused this rank: {exc.code().name}: {exc.details()}",
-                       f"asks again every {s.reconnect_interval_s:g} s")
-            return
-        stream = self._open_stream(stub, reg)
         with self._cond:
             self._generation += 1
             self._stream = stream
@@ -359,19 +330,6 @@ class Session:
                 self.on_attach(reg)
             except Exception:  # a failing callback must not break training
                 _log.exception("on_attach callback failed")
-
-    def _open_stream(self, stub: pb_grpc.SchedulerStub, reg: pb.RegisterResponse) -> SessionStream:
-        """The session socket when the daemon offers it (and the rank did not ask for gRPC), else gRPC."""
-        first = pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id)
-        untrusted = untrusted_socket(f"unix://{reg.session_socket}") if reg.session_socket else ""
-        if untrusted:
-            _log.warning("%s; using the gRPC stream", untrusted)
-        elif reg.session_socket and self.settings.transport == "auto":
-            try:
-                return FrameStream(reg.session_socket, first, self.settings.connect_timeout_s)
-            except OSError as exc:
-                _log.info("session socket %s unusable (%s); using the gRPC stream", reg.session_socket, exc)
-        return GrpcStream(stub, self._metadata, first)
 
     def _receive(self, stream: SessionStream, gen: int) -> None:
         reason = "daemon closed the session"
@@ -450,7 +408,8 @@ class Session:
             self._stream = None
         self._cond.notify_all()
 
-    def _lost(self, why: str, then: str = "re-attaches when the daemon is back") -> None:
+    def _lost(self, why: str, then: str = "") -> None:
+        then = then or "re-attaches when the daemon is back"
         if not self._warned:
             self._warned = True
             _log.warning("%s; training continues unscheduled and %s", why, then)

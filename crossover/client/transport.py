@@ -9,6 +9,7 @@ Neither ever blocks the training thread on a daemon that stopped reading.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import pwd
 import queue
@@ -19,15 +20,62 @@ from typing import Protocol
 
 import grpc
 
-from crossover.protos import TOKEN_METADATA_KEY, framing
+from crossover.client.settings import PluginSettings
+from crossover.protos import PROTOCOL_VERSION, TOKEN_METADATA_KEY, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.priority import to_wire
 
-__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "channel_for", "missing_socket",
-           "untrusted_socket"]
+_log = logging.getLogger(__name__)
+
+__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "Unreachable", "channel_for", "connect",
+           "missing_socket", "untrusted_socket"]
 
 _CLOSE = object()
 _MAX_FDS = 4
+
+
+class Unreachable(Exception):
+    """No daemon to attach to, or one that refused this rank: `why`, and what the rank does next (`then`)."""
+
+    def __init__(self, why: str, then: str = "") -> None:
+        super().__init__(why)
+        self.why, self.then = why, then
+
+
+def connect(settings: PluginSettings, identity: pb.RankIdentity, channel: grpc.Channel,
+            metadata: list[tuple[str, str]]) -> tuple[pb.RegisterResponse, SessionStream]:
+    """Register with the daemon at `settings.target` and open the session stream: the session socket when
+    the daemon offers it (and the rank did not ask for gRPC), else gRPC. Unreachable says why not."""
+    s = settings
+    missing = missing_socket(s.target)
+    if missing:
+        raise Unreachable(f"no daemon socket at {missing}")
+    untrusted = untrusted_socket(s.target)
+    if untrusted:
+        raise Unreachable(untrusted, f"checks the socket again every {s.reconnect_interval_s:g} s")
+    stub = pb_grpc.SchedulerStub(channel)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=s.connect_timeout_s)
+        reg = stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=identity,
+                                               accepts_leases=s.lease, accepts_preempt=True,
+                                               accepts_handover=s.handover, priority=to_wire(s.priority)),
+                            timeout=s.connect_timeout_s, metadata=metadata)
+    except grpc.FutureTimeoutError:
+        raise Unreachable(f"no daemon answers at {s.target}") from None
+    except grpc.RpcError as exc:
+        raise Unreachable(f"daemon at {s.target} refused this rank: {exc.code().name}: {exc.details()}",
+                          f"asks again every {s.reconnect_interval_s:g} s") from None
+    first = pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id)
+    untrusted = untrusted_socket(f"unix://{reg.session_socket}") if reg.session_socket else ""
+    if untrusted:
+        _log.warning("%s; using the gRPC stream", untrusted)
+    elif reg.session_socket and s.transport == "auto":
+        try:
+            return reg, FrameStream(reg.session_socket, first, s.connect_timeout_s)
+        except OSError as exc:
+            _log.info("session socket %s unusable (%s); using the gRPC stream", reg.session_socket, exc)
+    return reg, GrpcStream(stub, metadata, first)
 
 
 class StreamBroken(Exception):

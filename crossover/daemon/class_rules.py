@@ -31,7 +31,8 @@ class ClassRule:
 
 
 def parse_rule(text: str) -> ClassRule:
-    """`uid:1000=high`, `gid:50=low`, `user:alice=high:2` (weight 2), `group:batch=low`; ValueError says what is wrong."""
+    """`uid:1000=high`, `gid:50=low`, `user:alice=high:2` (weight 2), `group:batch=low`; ValueError says
+    what is wrong."""
     subject, sep, value = text.partition("=")
     kind, colon, name = subject.strip().partition(":")
     if not sep or not colon or not name:

@@ -38,7 +38,8 @@ class Mode(enum.Enum):
 @dataclass(frozen=True)
 class PayoffSettings:
     """`window_s`: one measuring window (aligned on the wall clock); `settle_share`: the share of it left
-    out of the measure at its start, while a switch takes effect; `probe_pairs`: scheduled and unscheduled windows per probe;
+    out of the measure at its start, while a switch takes effect; `probe_pairs`: scheduled and unscheduled
+    windows per probe;
     `hold_windows`: windows a verdict stands before the next probe; `margin`: how far ahead grants must be
     to be kept."""
 

@@ -14,13 +14,13 @@ import click
 from crossover import __version__
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError
-from crossover.daemon.event_log import EventLog
 from crossover.daemon.class_rules import ClassRules, parse_rule
+from crossover.daemon.event_log import EventLog
 from crossover.daemon.grant_payoff import PayoffSettings
-from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.inventory import Inventory, parse_cpu_devices
 from crossover.daemon.limits import StreamLimits
 from crossover.daemon.metrics import DaemonMetrics, parse_address
+from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
 from crossover.protos import default_socket_path

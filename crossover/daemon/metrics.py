@@ -70,8 +70,8 @@ class DaemonMetrics:
                               _JOB, buckets=_PHASE_BUCKETS, registry=r)
         self.fail_opens = Counter("crossover_fail_opens", "Compute phases a rank ran without its grant (it stopped "
                                   "waiting: grant timeout, or a frozen daemon).", _JOB, registry=r)
-        self.leases = Counter("crossover_leases", "Leases given to a rank whose job is alone on its device.", ("device",),
-                              registry=r)
+        self.leases = Counter("crossover_leases", "Leases given to a rank whose job is alone on its device.",
+                              ("device",), registry=r)
         self.lease_revocations = Counter("crossover_lease_revocations", "Leases taken back (another rank "
                                          "joined).", ("device",), registry=r)
         self.suspensions = Counter("crossover_suspensions", "Ranks suspended for missing heartbeats.",

@@ -195,7 +195,8 @@ class PhaseMachine:
             # Nobody waits for the message under a policy that never blocks, or with a lease.
             told = self.policy.blocks and not sess.no_wait
             page, ticket = self._after(sess, d) if told else (0, 0)
-            d.log(EventName.GRANT, sess, iteration=sess.iteration, waited_s=waited, **({"after": ticket} if ticket else {}))
+            after = {"after": ticket} if ticket else {}
+            d.log(EventName.GRANT, sess, iteration=sess.iteration, waited_s=waited, **after)
             if told:
                 d.post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited, page, ticket))
                 self._leases.offer(sess, d)

@@ -13,9 +13,9 @@ from typing import Callable
 
 import psutil
 
-from crossover.daemon.policies.classes import JobClass, Priority
 from crossover.daemon.api import InvalidRequest, NotFound, Phase, RankKey, RankRef
 from crossover.daemon.messages import Message
+from crossover.daemon.policies.classes import JobClass, Priority
 from crossover.protos.identity import RankIdentity
 
 __all__ = ["Registration", "Registry", "Session", "Stats", "validate_identity"]

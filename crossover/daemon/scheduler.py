@@ -22,23 +22,30 @@ from typing import Callable
 import psutil
 
 from crossover.daemon import policies
-from crossover.daemon.api import (AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, Phase, Policy, RankKey, RankRef,
-                                  ResourceExhausted)
-from crossover.daemon.class_rules import ClassRules, effective_class
-from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
+from crossover.daemon.api import (
+    AlreadyExists,
+    FailedPrecondition,
+    Phase,
+    Policy,
+    RankKey,
+    RankRef,
+    ResourceExhausted,
+)
+from crossover.daemon.class_rules import ClassRules
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision, EventKind, RankEvent, record_rank
-from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
+from crossover.daemon.grant_payoff import PayoffJudge, PayoffSettings
 from crossover.daemon.handover import Pages, PagesUnavailable
-from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.inventory import Inventory
 from crossover.daemon.leases import Leases
 from crossover.daemon.liveness import Liveness
-from crossover.daemon.messages import ClassMsg, CloseMsg, GrantMsg, Message, PageMsg, PolicyMsg, PreemptMsg
+from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PageMsg, PreemptMsg
 from crossover.daemon.phases import PhaseMachine
+from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
 from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
 from crossover.daemon.steering import Steering
-from crossover.protos.identity import RankIdentity
 from crossover.protos.event_file import EventName
+from crossover.protos.identity import RankIdentity
 
 __all__ = ["Scheduler"]
 

@@ -14,9 +14,9 @@ from crossover.daemon import policies
 from crossover.daemon.api import PROTOCOL_VERSION, CrossoverError, InvalidRequest, Phase, UnsupportedVersion
 from crossover.daemon.grant_payoff import Verdict
 from crossover.daemon.limits import Connections, StreamLimits
+from crossover.daemon.policies.classes import Priority
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
-from crossover.daemon.policies.classes import Priority
 from crossover.daemon.session_stream import refusal
 from crossover.daemon.snapshots import RankSnapshot
 from crossover.protos import USER_METADATA_KEY

@@ -389,7 +389,8 @@ class Steering:
             d = Decision()
             self._reclassify(job_id, now, d)
             self._commit(d, now)
-        self.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight, caller=caller)
+        self.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight,
+                           caller=caller)
         _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
         return job_id, cls
 

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 from crossover.client.settings import LBBSP_METHODS, AggregationSettings
+from crossover.plugins import optimizer_state
 from crossover.plugins.adasum.collectives import HorovodCollectives
 from crossover.plugins.adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
-from crossover.plugins import optimizer_state
 from crossover.plugins.adasum.optimizer import AdasumOptimizer
 from crossover.plugins.composed_optimizer import ComposedOptimizer
 from crossover.plugins.group_async.optimizer import GroupAsyncOptimizer

@@ -19,9 +19,10 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from crossover.client.device_turns import DeviceTurns
 from crossover.client.phase_reporter import PhaseReporter

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 PROTOCOL_VERSION = 2  # RegisterRequest and every Admin request carry it; the daemon refuses another
-STEERING_CALLS = ("SetPolicy", "Drain", "Resume", "Evict", "SetJobClass")  # Admin calls that change the daemon: its admin socket only
+# Admin calls that change the daemon: its admin socket only
+STEERING_CALLS = ("SetPolicy", "Drain", "Resume", "Evict", "SetJobClass")
 TOKEN_METADATA_KEY = "x-crossover-token"
 USER_METADATA_KEY = "x-crossover-user"  # who the CLI says runs it: recorded with every steering call, not trusted
 POLICIES = {

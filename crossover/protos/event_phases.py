@@ -24,6 +24,8 @@ _log = logging.getLogger(__name__)
 PhaseKind = Literal["compute", "comm", "wait", "overdue", "suspended"]
 DeviceKey = tuple[str, int]  # (node, device index)
 
+_OPERATOR_MARKS = (EventName.DRAIN, EventName.RESUME, EventName.EVICT)  # without a rank: about a device
+
 HOLDS: frozenset[str] = frozenset({"compute", "overdue"})
 """The phases in which a rank's compute runs on its device."""
 
@@ -213,9 +215,10 @@ def operator_marks(events: Iterable[Mapping[str, Any]]) -> list[tuple[float, str
     """(t, text) of each drain, resume and eviction of a device or job, in time order, with its node."""
     out = []
     for e in events:
-        if not _is_event(e) or "rank" in e or e["event"] not in (EventName.DRAIN, EventName.RESUME, EventName.EVICT):
+        if not _is_event(e) or "rank" in e or e["event"] not in _OPERATOR_MARKS:
             continue
-        what = f"job {e['job']}"[:20] if e["event"] == EventName.EVICT and e.get("job") else f"dev{_int(e.get('device'))}"
+        evicted = e["event"] == EventName.EVICT and e.get("job")
+        what = f"job {e['job']}"[:20] if evicted else f"dev{_int(e.get('device'))}"
         out.append((float(e["t"]), f"{e['event']} {what} @{e.get('node', '?')}"))
     return sorted(out)
 

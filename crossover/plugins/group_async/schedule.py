@@ -69,7 +69,8 @@ class Schedule:
         mean something else."""
         if state.get("kind") != self.kind:
             raise ValueError(f"a {state.get('kind')!r} schedule's state cannot resume a {self.kind!r} schedule")
-        stages = {s.name: s for s in ((self.profile, self.coarse, self.fine) if self.kind == "staged" else (self.fine,))}
+        kept = (self.profile, self.coarse, self.fine) if self.kind == "staged" else (self.fine,)
+        stages = {s.name: s for s in kept}
         if state.get("stage") not in stages:
             raise ValueError(f"stage {state.get('stage')!r}: a {self.kind!r} schedule has {', '.join(stages)}")
         self.stage = stages[state["stage"]]

@@ -159,7 +159,7 @@ def test_without_a_usable_session_socket_a_rank_streams_over_grpc(serve, session
 
     gone = serve(socket=off.socket_path.replace("d.sock", "g.sock"))
     os.unlink(gone.session_socket)  # offered but unusable (say, not mounted into the rank's container)
-    with caplog.at_level(logging.INFO, logger="crossover.client.session"):
+    with caplog.at_level(logging.INFO, logger="crossover.client"):
         s2 = sessions(f"unix://{gone.socket_path}", "fallback")
     assert s2.transport == "grpc" and "using the gRPC stream" in caplog.text
     assert s2.acquire(0) is True

@@ -326,10 +326,10 @@ def test_a_plugin_of_another_protocol_is_refused_plainly_and_trains_unscheduled(
                                                                                  monkeypatch):
     """Daemon and plugin ship together; a mismatched pair (here a protocol-1 plugin, which still sent
     turn_base and called TurnFloor) is told which versions differ at registration, and never waits."""
-    import crossover.client.session as client_session
+    import crossover.client.transport as client_transport
 
     d = serve(policy="exclusive")
-    monkeypatch.setattr(client_session, "PROTOCOL_VERSION", 1)
+    monkeypatch.setattr(client_transport, "PROTOCOL_VERSION", 1)
     with caplog.at_level(logging.WARNING, logger="crossover.client.session"):
         s = sessions(f"unix://{d.socket_path}", "old-plugin")
         wait_for(lambda: "protocol_version=1 is not supported" in caplog.text)
