@@ -52,4 +52,4 @@ test-netns: bootstrap
 	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra -m netns tests/netns
 
 clean:
-	rm -rf .venv build *.egg-info .pytest_cache results/conformance.json results/demo
+	rm -rf .venv build *.egg-info .pytest_cache results/demo

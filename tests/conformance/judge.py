@@ -15,7 +15,10 @@ from tools.harness.daemon import DaemonProc, cli, set_policy
 from tools.harness.jobs import CHECKOUT, Job
 from tools.harness.oracles import compute_intervals, overlaps
 
-CONFORMANCE_RESULTS = CHECKOUT / "results" / "conformance.json"
+# The wall times of the last run, outside the checkout (no test writes there); CROSSOVER_CONFORMANCE_OUT moves them.
+CONFORMANCE_RESULTS = Path(os.environ.get("CROSSOVER_CONFORMANCE_OUT", "")
+                           or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crossover"
+                           / "conformance.json")
 # Horovod 0.28.1's own tests and examples, beside the checkout (CI has shared/ there); run from there, never copied.
 PEER = CHECKOUT.parent / "shared" / "peer" / "horovod-0.28.1"
 WITH_CROSSOVER = CHECKOUT / "tests" / "conformance" / "with_crossover.py"  # runs a script with the import added
@@ -161,7 +164,7 @@ def judge_rounds(label: str, placement: str, walls: dict[str, float], events: li
     Under each blocking policy the daemon granted devices, no compute phases overlapped on a device,
     no holder was `overdue`, and the round took at most the placement's `RATIO_LIMIT` times the
     `passthrough` round (an `alternating` round: both policies' shares of it, together). Adds each
-    round's wall time, and each policy's ratio and yields, to `row` (a `results/conformance.json` row).
+    round's wall time, and each policy's ratio and yields, to `row` (a `CONFORMANCE_RESULTS` row).
     """
     cut = events_by_policy(events)
     blocking = _under(events, POLICY_ROUNDS[1:])  # also a phase that spans a switch between them
@@ -229,8 +232,8 @@ def alternating_policies(socket: Path, label: str, every_s: float = _SWITCH_EVER
 
 
 def record_conformance(row: dict[str, Any]) -> None:
-    """Append a conformance row to `results/conformance.json` (one per pair and placement; the newest wins)."""
-    CONFORMANCE_RESULTS.parent.mkdir(exist_ok=True)
+    """Append a conformance row to `CONFORMANCE_RESULTS` (one per pair and placement; the newest wins)."""
+    CONFORMANCE_RESULTS.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(CONFORMANCE_RESULTS.read_text()) if CONFORMANCE_RESULTS.exists() else []
     rows = [r for r in rows if (r["pair"], r["placement"]) != (row["pair"], row["placement"])] + [row]
     CONFORMANCE_RESULTS.write_text(json.dumps(rows, indent=1) + os.linesep)

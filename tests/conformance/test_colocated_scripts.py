@@ -10,7 +10,7 @@ rounds every rank waits with its device free. Placements: one rank of each job p
 device (`--cpu-devices 2`), and both ranks of a job on one device
 (`--cpu-devices 1`). The scripts are plain Horovod (`patterns.py`); each pair
 exercises Horovod calls outside the optimizer somewhere in its loop. A hang
-fails as a timeout with the logs. Wall times go to `results/conformance.json`
+fails as a timeout with the logs. Wall times go to `judge.CONFORMANCE_RESULTS` (`~/.cache/crossover/conformance.json`)
 for the closing table.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ scripts' defaults:
 
 Each job must exit 0, the daemon must grant devices under `exclusive` and
 `crossover`, no compute phases may overlap on a device and no holder may be
-`overdue`. Wall times go to `results/conformance.json` (pair `peer:<script>`).
+`overdue`. Wall times go to `judge.CONFORMANCE_RESULTS` (`~/.cache/crossover/conformance.json`) (pair `peer:<script>`).
 """
 from __future__ import annotations
 
