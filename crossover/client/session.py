@@ -19,10 +19,11 @@ from typing import Callable
 
 import grpc
 
+from crossover.client.daemon_silence import Silence
 from crossover.client.device_turns import DeviceTurns, TurnHandover
+from crossover.client.late_reports import LateReports
 from crossover.client.settings import PluginSettings
 from crossover.client.transport import SessionStream, StreamBroken, Unreachable, channel_for, connect
-from crossover.protos import MAX_BATCH_EVENTS
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos.identity import RankIdentity
 from crossover.protos.priority import name_of
@@ -49,15 +50,13 @@ class Session:
         self._shares_device = True  # until the daemon says the rank is alone on its device
         self._last_send = 0.0
         self._unsent: tuple[pb.RankEvent, float] | None = None  # a request not sent on its own (see acquire)
-        self._batch: list[tuple[pb.RankEvent, float]] = []  # iterations of a rank that does not wait, not yet sent
+        self._late = LateReports(settings.report_interval_s)  # iterations of a rank that does not wait, not yet sent
         self._granted_seq = 0
         self._stream: SessionStream | None = None
         self._requested_gen = -1  # generation in which a COMPUTE_REQUEST is outstanding
         self._warned = False
         self._cool_until = 0.0  # after a grant timeout: train unscheduled until then, then ask again
-        self._answers_heartbeats = False  # this daemon answers heartbeats (Directive.alive)
-        self._unanswered_since: float | None = None  # when the oldest heartbeat not yet answered went out
-        self._frozen = False  # the daemon stopped answering: train unscheduled until it does
+        self._silence = Silence(settings.daemon_silence_s)  # frozen: train unscheduled until it answers
         self._stop = threading.Event()
         self._channel: grpc.Channel | None = None
         self._receiver: threading.Thread | None = None
@@ -98,7 +97,7 @@ class Session:
                 return False
             # In a cool-off, a frozen daemon, or already asked: nothing to request, only the
             # allreduce's end to report.
-            if self._clock() < self._cool_until or self._frozen or self._requested_gen == self._generation:
+            if self._clock() < self._cool_until or self._silence.frozen or self._requested_gen == self._generation:
                 if comm_s is not None:
                     self._send(pb.RankEvent(kind=pb.COMM_END, iteration=iteration - 1, duration_s=comm_s))
                 return False
@@ -119,7 +118,7 @@ class Session:
             self._send(request)
             deadline = start + self.settings.grant_timeout_s
             while self._granted_seq < seq and self._attached and self._generation == gen and self._blocks:
-                if self._frozen:
+                if self._silence.frozen:
                     return False
                 left = deadline - self._clock()
                 if left <= 0:
@@ -208,24 +207,17 @@ class Session:
         request, start = self._unsent
         self._unsent = None
         now = self._clock()
-        self._batch.append((pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, iteration=request.iteration,
-                                         seq=request.seq, comm_s=request.duration_s,
-                                         duration_s=duration_s or now - start, comm_begins=comm_begins,
-                                         yields=yields), now))
-        if now - self._batch[0][1] >= self.settings.report_interval_s or len(self._batch) >= MAX_BATCH_EVENTS:
+        done = pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, iteration=request.iteration, seq=request.seq,
+                            comm_s=request.duration_s, duration_s=duration_s or now - start, comm_begins=comm_begins,
+                            yields=yields)
+        if self._late.hold(done, now):
             self._flush_batch()
 
     def _flush_batch(self) -> None:
         """Send the iterations reported late, each dated by how long ago it happened."""
-        if not self._batch:
-            return
-        now = self._clock()
-        batch = pb.RankEvent(kind=pb.BATCH)
-        for event, at in self._batch:
-            event.ago_s = max(0.0, now - at)
-            batch.batch.append(event)
-        self._batch.clear()
-        self._put(batch)
+        batch = self._late.take(self._clock())
+        if batch is not None:
+            self._put(batch)
 
     def _send_unsent(self) -> None:
         """The daemon must know now that this rank computes (a lease revoked, a policy that blocks)."""
@@ -261,12 +253,11 @@ class Session:
                 with self._cond:
                     # Any event proves the rank alive: a heartbeat only fills a silence
                     # (at most two intervals long, well inside the daemon's timeout).
-                    if self._attached and self._batch:
+                    if self._attached and self._late:
                         self._flush_batch()
                     elif self._attached and self._clock() - self._last_send >= interval:
                         self._send(pb.RankEvent(kind=pb.HEARTBEAT))
-                        if self._unanswered_since is None:
-                            self._unanswered_since = self._clock()
+                        self._silence.sent(self._clock())
                     self._check_silence()
             else:
                 if self._stop.wait(self.settings.reconnect_interval_s):
@@ -275,21 +266,14 @@ class Session:
 
     def _check_silence(self) -> None:
         """Take the daemon for frozen once a heartbeat went unanswered for CROSSOVER_DAEMON_SILENCE."""
-        since = self._unanswered_since
-        if not self._attached or self._frozen or not self._answers_heartbeats or since is None:
-            return
-        silent = self._clock() - since
-        if silent >= self.settings.daemon_silence_s:
-            self._frozen = True
+        silent = self._silence.check(self._clock()) if self._attached else 0.0
+        if silent:
             _log.warning("crossoverd has not answered a heartbeat for %.1fs; training unscheduled until it "
                          "answers again", silent)
             self._cond.notify_all()
 
     def _heard(self) -> None:
-        """Any directive answers every heartbeat sent before it (the stream keeps order)."""
-        self._unanswered_since = None
-        if self._frozen:
-            self._frozen = False
+        if self._silence.heard():
             _log.warning("crossoverd answers again; training is scheduled again")
 
     def _attach(self) -> None:
@@ -310,9 +294,7 @@ class Session:
             self._leased = False
             self._unsent = None
             self._granted_seq = 0
-            self._answers_heartbeats = False
-            self._unanswered_since = None
-            self._frozen = False
+            self._silence.reset()
             self.registration = reg
         receiver = threading.Thread(target=self._receive, args=(stream, self._generation),
                                     name="crossover-recv", daemon=True)
@@ -338,7 +320,7 @@ class Session:
                 with self._cond:
                     self._heard()
                     if d.HasField("alive"):
-                        self._answers_heartbeats = True
+                        self._silence.answers = True
                     elif d.HasField("grant"):
                         self._granted_seq = max(self._granted_seq, d.grant.seq)
                         self._after = (d.grant.after_page, d.grant.after_ticket)

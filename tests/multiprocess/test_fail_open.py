@@ -98,7 +98,7 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
                       for n in ("holder", "waiter"))
     try:
         assert holder.attached and waiter.attached
-        _wait_for(lambda: waiter._answers_heartbeats, 5, "the daemon's first heartbeat answer")
+        _wait_for(lambda: waiter._silence.answers, 5, "the daemon's first heartbeat answer")
         assert holder.acquire(0)
         d.proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -110,7 +110,7 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
         assert time.monotonic() - t1 < 0.1
         waiter.release(1)
         d.proc.send_signal(signal.SIGCONT)
-        _wait_for(lambda: not waiter._frozen, 5, "the thawed daemon's answer")
+        _wait_for(lambda: not waiter._silence.frozen, 5, "the thawed daemon's answer")
         holder.release(0)
         assert waiter.acquire(2) is True, "after the daemon answers again the rank is scheduled again"
         waiter.release(2)
