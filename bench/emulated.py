@@ -110,6 +110,8 @@ def _job_cmd(script: Path, args: argparse.Namespace, batch: int, out: Path, seed
            "--depth", str(args.depth), "--in-dim", str(args.in_dim), "--seed", str(seed), "--out", str(out)]
     if args.device_params is not None:
         cmd += ["--device-ms-per-sample", str(args.device_ms_per_sample)]
+        if getattr(args, "handover", False):  # turns can end before the device has done them (docs/handover.md)
+            cmd += ["--queue-device-work"]
     return cmd + (["--stop-file", str(stop)] if stop else [])
 
 
@@ -390,7 +392,8 @@ def main() -> int:
     p.add_argument("--handover", action="store_true",
                    help="also measure `crossover-cpu`: the crossover policy with every rank waiting for its device "
                         "on its CPU before it releases, beside `crossover`, whose ranks end their turns on the "
-                        "device model (docs/handover.md)")
+                        "device model (docs/handover.md); every job then queues its device work (train_bench "
+                        "--queue-device-work), so its allreduce overlaps it")
     p.add_argument("--mps", action="store_true",
                    help="device model: an MPS-like device, whose contexts share it without switching "
                         "(--switch-us 0); compute still slows beside an allreduce")

@@ -73,6 +73,15 @@ class Pages:
         self._ids = itertools.count(1)
         self._by_session: dict[str, Page] = {}
 
+    @classmethod
+    def if_possible(cls) -> Pages | None:
+        """Pages, or None (said in one warning) where this kernel or Python cannot make them."""
+        try:
+            return cls()
+        except PagesUnavailable as exc:
+            _log.warning("no hand-over on the device on this node (%s): ranks end their turns on their CPUs", exc)
+            return None
+
     def open(self, session_id: str) -> Page:
         """A new page for the session (its word 0). PagesUnavailable when the kernel refuses one."""
         try:

@@ -8,7 +8,7 @@ every step is dated by the `now` it is given.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from crossover.daemon.api import FailedPrecondition, Phase, Policy, RankKey
 from crossover.daemon.events import Decision, EventKind, RankEvent
@@ -34,6 +34,9 @@ class PhaseMachine:
         self.deadline_changed = threading.Event()
         self.pages = pages  # None: no hand-over on the device here (see `handover`)
         self.handover_on = pages is not None  # the operator's switch (`crossover policy --handover`)
+        # Priorities fit a lower job's turns into a higher one's gaps by their device time, which a turn
+        # ended on the device hides from the daemon: where jobs' classes differ, turns end on the CPU.
+        self.classes_differ: Callable[[int], bool] = lambda device: False
         self._registry = registry
         self._leases = leases
         self._owed: dict[int, str] = {}  # device -> the session that released it last, its ticket still owed
@@ -235,6 +238,7 @@ class PhaseMachine:
         """Tell each rank on the device how many others share it (they joined or left), and whether every
         rank there ends its turns on the device."""
         on_device = self._registry.on_device(device)
-        handover = self.pages is not None and self.handover_on and all(s.handover == "device" for s in on_device)
+        handover = (self.pages is not None and self.handover_on and not self.classes_differ(device)
+                    and all(s.handover == "device" for s in on_device))
         for sess in on_device:
             d.post(sess, ShareMsg(len(on_device) - 1, handover))

@@ -68,14 +68,6 @@ def _process(pid: int) -> psutil.Process | None:
         return None
 
 
-def _turn_pages() -> Pages | None:
-    try:
-        return Pages()
-    except PagesUnavailable as exc:
-        _log.warning("no hand-over on the device on this node (%s): ranks wait for grants on their CPUs", exc)
-        return None
-
-
 class Scheduler(Steering):
     """Thread-safe registry plus policy executor for one node.
 
@@ -113,7 +105,8 @@ class Scheduler(Steering):
         self._leases = Leases(lease, self._sessions, clock)
         self._class_settings = class_settings
         self._phases = PhaseMachine(policies.create(policy, class_settings) if isinstance(policy, str) else policy,
-                                    self._sessions, self._leases, _turn_pages() if handover else None)
+                                    self._sessions, self._leases, Pages.if_possible() if handover else None)
+        self._phases.classes_differ = self._classes_differ
         self._rules = class_rules or ClassRules()
         self._classes: dict[str, tuple[JobClass, str]] = {}  # job -> its class as the policy has it, and by what
         self._set_by_operator: dict[str, JobClass] = {}  # job -> the class `crossover priority/share` set
@@ -140,6 +133,11 @@ class Scheduler(Steering):
         self._adapting = payoff is not None if adapt is None else adapt  # off: grants everywhere
         self._wall = wall
         self._judges: dict[int, PayoffJudge] = {}
+
+    def _classes_differ(self, device: int) -> bool:
+        """Whether the jobs on the device are of different classes or weights (lock held)."""
+        jobs = {s.ref.key.job_id for s in self._sessions.on_device(device)}
+        return len({self._classes.get(job, (JobClass(), ""))[0] for job in jobs}) > 1
 
     # ---- rank lifecycle ------------------------------------------------
 

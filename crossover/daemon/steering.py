@@ -53,10 +53,8 @@ class Steering:
     events: EventLog
     node: str
 
-    def _commit(self, d: Decision, now: float) -> None: ...  # the scheduler's
-
-    def close(self, session_id: str, reason: str, evicted: bool = False) -> bool:  # the scheduler's
-        raise NotImplementedError
+    _commit: Callable[[Decision, float], None]  # the scheduler's
+    close: Callable[..., bool]
 
     def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
         """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
@@ -92,6 +90,8 @@ class Steering:
         if changed:
             d.log(EventName.JOB_CLASS, ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
             self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
+            for device in {s.ref.device for s in ranks}:  # whether its ranks hand over there may change
+                self._phases.tell_share(device, d)
         told, note = tell if tell is not None else (None, "")
         for s in ranks:
             if changed or (s is told and (note or cls != JobClass())):

@@ -37,7 +37,7 @@ def test_jobs_hand_over_on_the_device_and_a_killed_holder_strands_nobody(cluster
                         device_model=DeviceParams(slice_us=1000, switch_us=40, interference=0.0))
     script = with_import(tmp_path, WORKLOADS / "train_bench.py")
     args = ["--iters", "100000", "--width", "128", "--batch", "200", "--device-ms-per-sample", "1.0",
-            "--stop-file", str(tmp_path / "stop")]
+            "--queue-device-work", "--stop-file", str(tmp_path / "stop")]
     c.run([sys.executable, str(script), *args, "--out", str(tmp_path / "doomed")], name="doomed")
     steady = c.run([sys.executable, str(script), *args, "--out", str(tmp_path / "steady")], name="steady")
     try:

@@ -8,13 +8,16 @@ are set independently, so a benchmark can pick comm:compute at a link rate.
 
 On an emulated cluster with a device model (`EMULATED_DEVICE_SOCKET` set),
 the compute phase runs on the node's emulated device: `--device-ms-per-sample`
-x batch of device work, queued on the device as a GPU's kernels are
-(`submit`), then the real forward and backward on only `--real-batch` rows (so
-gradients, and the allreduce, stay real while compute costs little CPU); the
-allreduce starts once the device has done the work (`sync`), as Horovod's
-waits for a GPU's gradients. The rank tells the device when its allreduce is
-in flight. Under `import crossover.auto` the device is the plugin's
-(`crossover.auto.use_device`): ranks end their turns on it (docs/handover.md).
+x batch of device work, then the real forward and backward on only
+`--real-batch` rows (so gradients, and the allreduce, stay real while compute
+costs little CPU). The rank tells the device when its allreduce is in flight.
+Under `import crossover.auto` the device is the plugin's
+(`crossover.auto.use_device`). With `--queue-device-work` the device work is
+queued as a GPU's kernels are and the CPU goes on at once, so a rank can end
+its turn before its device has done it (docs/handover.md); its gradients'
+allreduce then overlaps that work from the start, which a GPU's overlaps only
+from each gradient's readiness on: use it to compare hand-overs, not to
+place a job's comm:compute ratio.
 
 Each rank writes a JSON summary to --out: per-iteration start/end on
 time.monotonic() (the clock the daemons' event logs use, shared by every
@@ -76,6 +79,9 @@ def main():
                    "started but the job has not yet joined anything (a job arriving at a chosen moment)")
     p.add_argument("--device-ms-per-sample", type=float, default=0.0,
                    help="with an emulated device: its compute time per sample (ms)")
+    p.add_argument("--queue-device-work", action="store_true",
+                   help="with an emulated device: queue the compute phase and go on (a GPU's launches), so a turn "
+                        "can end before the device has done it; the allreduce is not held back for it")
     p.add_argument("--real-batch", type=int, default=8,
                    help="with an emulated device: rows of the batch really computed on the CPU")
     p.add_argument("--out", default="")
@@ -117,12 +123,16 @@ def main():
         rows = args.batch if device is None else min(args.batch, args.real_batch)
         x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
         opt.zero_grad()
-        if device is not None:
-            device.submit(args.batch * args.device_ms_per_sample / 1000)
+        work = args.batch * args.device_ms_per_sample / 1000
+        if device is not None and args.queue_device_work:
+            device.submit(work)
+        elif device is not None:
+            device.compute(work)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         if device is not None:
-            device.sync()
+            if args.queue_device_work:
+                device.sync()
             device.comm(True)
             threading.Thread(target=_comm_done_when_allreduced, args=(opt, device), daemon=True).start()
         opt.step()

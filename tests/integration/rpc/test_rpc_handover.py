@@ -162,3 +162,17 @@ def test_a_ticket_from_a_rank_whose_page_is_not_sealed_is_not_owed_and_its_page_
     assert honest.acquire(0)
     assert honest.turns._peers == {} and [e for e in _events(d, "grant") if e.get("after")] == []
     dev.drain()
+
+
+def test_where_jobs_classes_differ_turns_end_on_the_cpu_and_priorities_see_device_time(serve, channels, ranks):
+    d = serve(policy="crossover", lease=False)
+    target = f"unix://{d.socket_path}"
+    (prod, _), (sweep, _) = ranks(target, "prod"), ranks(target, "sweep")
+    wait_for(lambda: prod.hands_over and sweep.hands_over)
+    admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
+    admin.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job="sweep", priority=pb.PRIORITY_LOW),
+                      timeout=5)
+    wait_for(lambda: not prod.hands_over and not sweep.hands_over)
+    admin.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job="sweep",
+                                         priority=pb.PRIORITY_NORMAL), timeout=5)
+    wait_for(lambda: prod.hands_over and sweep.hands_over)
