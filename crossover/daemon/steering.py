@@ -166,23 +166,28 @@ class Steering:
         return self._adapting
 
     def set_adapt(self, on: bool, caller: str = "") -> bool:
-        """The operator's `crossover policy --adapt/--no-adapt`: measure per device whether grants pay, or not.
-
-        Switching on starts every device's measurement afresh; switching off closes every device
-        that runs unscheduled (an ordinary lease revoke), so grants hold everywhere again."""
-        with self._lock:
-            now = self._clock()
-            if on == self._adapting:
-                return on
+        """The operator's `crossover policy --adapt/--no-adapt`. On starts every device's measurement afresh;
+        off closes every device that runs unscheduled (a lease revoke), so grants hold everywhere again."""
+        def apply(d: Decision) -> None:
             self._adapting = on
             self._judges.clear()
+            for device in sorted(self._leases.opened) if not on else ():
+                self._leases.revoke(device, "the operator switched adapt off", d)
+
+        return self._switch("adapt", EventName.ADAPT, on, lambda: self._adapting, apply, caller)
+
+    def _switch(self, what: str, event: EventName, on: bool, current: Callable[[], bool],
+                apply: Callable[[Decision], None], caller: str) -> bool:
+        """An operator's on/off switch: `apply` it under the lock unless it is `current` already, then log it."""
+        with self._lock:
+            now = self._clock()
+            if on == current():
+                return on
             d = Decision()
-            if not on:
-                for device in sorted(self._leases.opened):
-                    self._leases.revoke(device, "the operator switched adapt off", d)
+            apply(d)
             self._commit(d, now)
-        self.events.record(EventName.ADAPT, on=on, caller=caller)
-        _log.warning("operator switched adapt %s (%s)", "on" if on else "off", caller or "?")
+        self.events.record(event, on=on, caller=caller)
+        _log.warning("operator switched %s %s (%s)", what, "on" if on else "off", caller or "?")
         return on
 
     @property
@@ -191,21 +196,16 @@ class Steering:
         return self._phases.handover_on
 
     def set_handover(self, on: bool, caller: str = "") -> bool:
-        """The operator's `crossover policy --handover/--no-handover`; every rank is told at once. Without turn
-        pages on this node (`--no-handover`, or no memfd) it stays off."""
-        with self._lock:
-            now = self._clock()
-            on = on and self._phases.pages is not None
-            if on == self._phases.handover_on:
-                return on
+        """The operator's `crossover policy --handover/--no-handover`; off for good without turn pages here."""
+        on = on and self._phases.pages is not None
+
+        def apply(d: Decision) -> None:  # every rank learns at once whether its device hands over
             self._phases.handover_on = on
-            d = Decision()
             for device in self.inventory.devices:
                 self._phases.tell_share(device.index, d)
-            self._commit(d, now)
-        self.events.record(EventName.HANDOVER_SWITCH, on=on, caller=caller)
-        _log.warning("operator switched the hand-over on the device %s (%s)", "on" if on else "off", caller or "?")
-        return on
+
+        return self._switch("the hand-over on the device", EventName.HANDOVER_SWITCH, on,
+                            lambda: self._phases.handover_on, apply, caller)
 
     @property
     def policy_name(self) -> str:

@@ -4,12 +4,9 @@ them, a holder that is gone cannot strand it, and a rank can neither write anoth
 from __future__ import annotations
 
 import fcntl
-import json
 import mmap
 import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,25 +15,17 @@ from crossover.client.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.event_file import Event, EventName
 from crossover.protos.identity import RankIdentity
 from tests.integration.rpc._world import wait_for
-from tests.unit.test_device_model_streams import Bed
+from tests.unit.test_device_model_streams import Bed, bed  # noqa: F401 (the fixture)
 from tools.device_model.turns import ModelTurns
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def bed(tmp_path: Path) -> Iterator[Bed]:
-    b = Bed(tmp_path / "dev.sock")
-    try:
-        yield b
-    finally:
-        b.close()
-
-
-@pytest.fixture
-def ranks(bed: Bed):
+def ranks(bed: Bed):  # noqa: F811 (the imported fixture)
     """`make(target, job, handover=True, device=True)` → a started session whose device is the bed's (handed to
     the session unless `device` is False), closed at teardown."""
     made: list[Session] = []
@@ -58,21 +47,31 @@ def ranks(bed: Bed):
         s.close()
 
 
-def _events(d, name: str) -> list[dict]:
-    return [e for e in d.core.events.snapshot() if e["event"] == name]
+def _events(d, name: EventName) -> list[Event]:
+    return [e for e in map(Event.from_json, d.core.events.snapshot()) if e is not None and e.name is name]
+
+
+def _ready_pair(serve, ranks, first: str, second: str, policy: str = "exclusive"):
+    """A daemon and two ranks on one device, both ending their turns on it."""
+    d = serve(policy=policy, lease=False)
+    target = f"unix://{d.socket_path}"
+    pair = ranks(target, first), ranks(target, second)
+    wait_for(lambda: all(s.hands_over for s, _ in pair))
+    return d, pair
+
+
+def _turn_owed(rank: Session, device: ModelTurns, work_s: float) -> None:
+    """The rank takes its turn, queues `work_s` of device work and ends the turn before the device has done it."""
+    assert rank.acquire(0)
+    device.client.submit(work_s)
+    rank.release(0, ticket=rank.end_turn())
 
 
 def test_the_next_ranks_work_starts_on_the_device_as_the_holders_ends(serve, ranks):
-    d = serve(policy="exclusive", lease=False)
-    target = f"unix://{d.socket_path}"
-    (a, dev_a), (b, dev_b) = ranks(target, "first"), ranks(target, "second")
-    wait_for(lambda: a.hands_over and b.hands_over)
-    assert {e["job_name"] for e in _events(d, "handover")} == {"first", "second"}
-
-    assert a.acquire(0)
+    d, ((a, dev_a), (b, dev_b)) = _ready_pair(serve, ranks, "first", "second")
+    assert {e.get("job_name") for e in _events(d, EventName.HANDOVER)} == {"first", "second"}
     start = time.monotonic()
-    dev_a.client.submit(0.3)
-    a.release(0, ticket=a.end_turn())  # at once: the device has 0.3 s of A's work left
+    _turn_owed(a, dev_a, 0.3)  # ended at once: the device has 0.3 s of A's work left
     assert b.acquire(0)
     granted = time.monotonic() - start
     dev_b.client.submit(0.05)
@@ -80,19 +79,14 @@ def test_the_next_ranks_work_starts_on_the_device_as_the_holders_ends(serve, ran
     done = time.monotonic() - start
     assert granted < 0.2, f"B's grant waited for A's device ({granted:.3f} s)"
     assert done >= 0.34, f"B's work ran beside A's instead of after it ({done:.3f} s)"
-    grant = [e for e in _events(d, "grant") if e["job_name"] == "second"][-1]
-    assert grant["after"] == 1  # the event log says whose ticket B's device waited for
+    grant = [e for e in _events(d, EventName.GRANT) if e.get("job_name") == "second"][-1]
+    assert grant.get("after") == 1  # the event log says whose ticket B's device waited for
     dev_a.drain()
 
 
 def test_a_holder_that_is_gone_cannot_strand_the_rank_after_it(serve, ranks):
-    d = serve(policy="exclusive", lease=False)
-    target = f"unix://{d.socket_path}"
-    (a, dev_a), (b, dev_b) = ranks(target, "doomed"), ranks(target, "next")
-    wait_for(lambda: a.hands_over and b.hands_over)
-    assert a.acquire(0)
-    dev_a.client.submit(30.0)
-    a.release(0, ticket=a.end_turn())
+    d, ((a, dev_a), (b, dev_b)) = _ready_pair(serve, ranks, "doomed", "next")
+    _turn_owed(a, dev_a, 30.0)
     assert b.acquire(0)
     dev_a.client.close()  # the holder's process dies: its device work and its ticket go with it
     start = time.monotonic()
@@ -100,18 +94,13 @@ def test_a_holder_that_is_gone_cannot_strand_the_rank_after_it(serve, ranks):
     dev_b.client.submit(0.01)
     dev_b.drain()
     assert time.monotonic() - start < 2.0
-    rescue = _events(d, "handover_rescue")
-    assert len(rescue) == 1 and rescue[0]["job_name"] == "doomed" and rescue[0]["ticket"] == 1
+    rescue = _events(d, EventName.HANDOVER_RESCUE)
+    assert len(rescue) == 1 and rescue[0].get("job_name") == "doomed" and rescue[0].get("ticket") == 1
 
 
 def test_a_rank_cannot_write_the_page_it_waits_on_or_resize_its_own(serve, ranks):
-    d = serve(policy="exclusive", lease=False)
-    target = f"unix://{d.socket_path}"
-    (a, dev_a), (b, dev_b) = ranks(target, "one"), ranks(target, "two")
-    wait_for(lambda: a.hands_over and b.hands_over)
-    assert a.acquire(0)
-    dev_a.client.submit(0.05)
-    a.release(0, ticket=a.end_turn())
+    _, ((a, dev_a), (b, dev_b)) = _ready_pair(serve, ranks, "one", "two")
+    _turn_owed(a, dev_a, 0.05)
     assert b.acquire(0)
     peers = b.turns._peers
     assert len(peers) == 1
@@ -149,7 +138,6 @@ def test_one_rank_without_the_hand_over_keeps_the_whole_device_on_the_usual_path
     assert paths == {"able": "device", "plain": ""}
     b.close()
     wait_for(lambda: a.hands_over)  # alone with ranks that can, the device hands over again
-    json.dumps(_events(d, "handover"))
 
 
 def test_a_ticket_from_a_rank_whose_page_is_not_sealed_is_not_owed_and_its_page_goes_to_nobody(serve, ranks):
@@ -160,15 +148,12 @@ def test_a_ticket_from_a_rank_whose_page_is_not_sealed_is_not_owed_and_its_page_
     assert sly.acquire(0)
     sly.release(0, ticket=7)  # claims its device owes a ticket
     assert honest.acquire(0)
-    assert honest.turns._peers == {} and [e for e in _events(d, "grant") if e.get("after")] == []
+    assert honest.turns._peers == {} and [e for e in _events(d, EventName.GRANT) if e.get("after")] == []
     dev.drain()
 
 
 def test_where_jobs_classes_differ_turns_end_on_the_cpu_and_priorities_see_device_time(serve, channels, ranks):
-    d = serve(policy="crossover", lease=False)
-    target = f"unix://{d.socket_path}"
-    (prod, _), (sweep, _) = ranks(target, "prod"), ranks(target, "sweep")
-    wait_for(lambda: prod.hands_over and sweep.hands_over)
+    d, ((prod, _), (sweep, _)) = _ready_pair(serve, ranks, "prod", "sweep", policy="crossover")
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
     admin.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job="sweep", priority=pb.PRIORITY_LOW),
                       timeout=5)
