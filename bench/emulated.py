@@ -71,7 +71,7 @@ from crossover.client.settings import SettingError, parse_cpu_list
 from crossover.protos import PROTOCOL_VERSION, admin_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from crossover.protos.event_file import read_jsonl
+from crossover.protos.event_file import EventName, read_events, read_jsonl, typed
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.device_model import DeviceParams
 from tools.harness.jobs import WORKLOADS, rank_summaries, with_import
@@ -149,9 +149,9 @@ def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) 
                           env=args.job_env)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"calibration failed:\n{job.output()[-3000:]}")
-        events = [e for n in cluster.nodes for e in read_jsonl(n.event_log)]
-    c = [e["held_s"] for e in events if e["event"] == "release" and "held_s" in e][8:]
-    m = [e["duration_s"] for e in events if e["event"] == "comm_end"][8:]
+        events = [e for n in cluster.nodes for e in read_events(n.event_log)]
+    c = [e.fields["held_s"] for e in events if e.name is EventName.RELEASE and "held_s" in e.fields][8:]
+    m = [e.fields["duration_s"] for e in events if e.name is EventName.COMM_END][8:]
     return {"rate_mbit": rate, "batch": batch, "C": statistics.median(c), "M": statistics.median(m),
             "params": rank_summaries(workdir / "out")[0]["params"]}
 
@@ -346,7 +346,7 @@ def job_ids(cluster: Cluster, timeout: float = 30.0) -> dict[str, str]:
     """Job name -> job id, from node 0's event log (the jobs have registered)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ids = {e["job_name"]: e["job"] for e in cluster.events(0) if e["event"] == "register" and "job" in e}
+        ids = {e.get("job_name"): e.job for e in typed(cluster.events(0)) if e.name is EventName.REGISTER and e.job}
         if ids:
             return ids
         time.sleep(0.2)
@@ -364,7 +364,7 @@ def wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, 
         for j in jobs:
             if j.poll() is not None:
                 raise RuntimeError(f"{j.name} exited before the measurement:\n{j.output()[-3000:]}")
-        ends = [[e.get("job_name") for e in cluster.events(i) if e["event"] == "comm_end"]
+        ends = [[e.get("job_name") for e in typed(cluster.events(i)) if e.name is EventName.COMM_END]
                 for i in range(len(cluster.nodes))]
         if all(max(node.count(n) for node in ends) >= warmup for n in names):
             return

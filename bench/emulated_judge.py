@@ -10,7 +10,7 @@ from typing import Any
 from bench.emulated_scenarios import MODES, Scenario
 from bench.lib.judge import percentile
 from crossover.client.event_intervals import covered_length
-from crossover.protos.event_file import Event, EventName
+from crossover.protos.event_file import Event, EventName, typed
 from crossover.protos.event_phases import HOLDS, read_phases
 
 
@@ -33,8 +33,8 @@ def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) ->
 def turn_agreement(ev0: list[dict[str, Any]], ev1: list[dict[str, Any]], lo: float, hi: float) -> float | None:
     """How often two nodes granted in the same order: over consecutive grants (job, iteration) of different
     jobs on node 0 within [lo, hi], the fraction that node 1 granted in the same relative order."""
-    seq0 = [(e["job"], e["iteration"]) for e in ev0 if e["event"] == "grant" and lo <= e["t"] <= hi]
-    pos1 = {(e["job"], e["iteration"]): i for i, e in enumerate(x for x in ev1 if x["event"] == "grant")}
+    seq0 = [(e.job, e.get("iteration")) for e in typed(ev0) if e.name is EventName.GRANT and lo <= e.t <= hi]
+    pos1 = {(e.job, e.get("iteration")): i for i, e in enumerate(x for x in typed(ev1) if x.name is EventName.GRANT)}
     seq0 = [k for k in seq0 if k in pos1]
     pairs = [(a, b) for a, b in zip(seq0, seq0[1:]) if a[0] != b[0]]
     if not pairs:

@@ -58,7 +58,7 @@ from bench.emulated_report import plot_timeline
 from bench.emulated_scenarios import CPU_HANDOVER, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
-from crossover.protos.event_file import read_jsonl
+from crossover.protos.event_file import EventName, read_jsonl, typed
 from tools import checkout_on_path
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.harness.daemon import kill_group, queue_state
@@ -177,7 +177,7 @@ def check_release(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         time.sleep(0.5)
         events = read_jsonl(d.events)
     probe = rank_summaries(out)[0]
-    releases = [e["t"] for e in events if e["event"] == "release" and e.get("job_name") == "release-probe"]
+    releases = [e.t for e in typed(events) if e.name is EventName.RELEASE and e.get("job_name") == "release-probe"]
     return judge_release(probe["launched"], releases, probe["sleep_s"])
 
 
@@ -215,8 +215,8 @@ def _spec(args: argparse.Namespace, rate: float) -> ClusterSpec:
 
 def _phases(events: list[dict[str, Any]], skip: int) -> tuple[float, float]:
     """Medians of the GPU node's compute (grant→release) and comm phases, after `skip` of each."""
-    c = [e["held_s"] for e in events if e["event"] == "release" and "held_s" in e][skip:]
-    m = [e["duration_s"] for e in events if e["event"] == "comm_end"][skip:]
+    c = [e.fields["held_s"] for e in typed(events) if e.name is EventName.RELEASE and "held_s" in e.fields][skip:]
+    m = [e.fields["duration_s"] for e in typed(events) if e.name is EventName.COMM_END][skip:]
     return statistics.median(c), statistics.median(m)
 
 

@@ -71,7 +71,7 @@ from crossover.client.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from crossover.protos.event_file import read_events
+from crossover.protos.event_file import EventName, read_events
 from crossover.protos.identity import RankIdentity
 from tools.harness.daemon import DaemonProc
 
@@ -298,8 +298,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     lost = lost_requests(requested, set(daemon_waits), refused)
     log_lines = daemon.log.read_text(errors="replace").splitlines() if daemon.log.exists() else []
     levels = Counter(w for line in log_lines for w in line.split()[:4] if w in ("WARNING", "ERROR", "CRITICAL"))
-    kinds = Counter(e.get("event") for e in events)
-    kinds.update(f"leave ({e.get('reason')})" for e in events if e.get("event") == "leave")
+    kinds = Counter(str(e.name) for e in events)
+    kinds.update(f"leave ({e.get('reason')})" for e in events if e.name is EventName.LEAVE)
     return {
         "sessions": args.sessions, "seconds": round(wall, 2), "procs": len(split(args.sessions, args.procs)),
         "devices": args.devices,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.results import git_commit, machine, write_json
+from crossover.protos.event_file import EventName, typed
 from tools.harness.daemon import DaemonProc
 from tools.harness.jobs import horovodrun, with_import
 
@@ -55,7 +56,7 @@ def run_once(mode: str, jobs: int, iters: int, window_s: float, workdir: Path) -
             if job.wait(900) != 0:
                 raise RuntimeError(f"{job.name} failed under {mode}: {job.output()[-2000:]}")
         rates = [middle_rate(job.summaries()[0]["iter_times"]) for job in started]
-        sharing = [(e["mode"], e["reason"]) for e in daemon.events() if e["event"] == "sharing"]
+        sharing = [(e.get("mode"), e.get("reason")) for e in typed(daemon.events()) if e.name is EventName.SHARING]
         return {"rates": rates, "sum": sum(rates), "sharing": sharing}
     finally:
         daemon.stop()

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["FORMAT", "Event", "EventName", "UnsupportedLog", "encode", "header", "read_events", "read_jsonl",
-           "rotated_paths"]
+           "rotated_paths", "typed"]
 
 FORMAT = 1
 """The file format this code writes and reads; a log of a higher one is refused (`UnsupportedLog`)."""
@@ -118,6 +118,11 @@ class Event:
         wall = obj.get("wall")
         fields = {k: v for k, v in obj.items() if k not in ("t", "wall", "event")}
         return cls(known, float(t), float(wall) if isinstance(wall, (int, float)) else 0.0, fields)
+
+
+def typed(entries: Iterable[Mapping[str, Any]]) -> list[Event]:
+    """The events among line objects (an in-memory log's entries, or `read_jsonl`'s), in their order."""
+    return [e for e in map(Event.from_json, entries) if e is not None]
 
 
 def header(**about: Any) -> str:
