@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Protocol
 
+from crossover.protos.turn_page import PAGE_BYTES, WORD, reached
+
 __all__ = ["DeviceTurns", "TurnHandover"]
 
 _log = logging.getLogger(__name__)
@@ -65,66 +67,86 @@ class TurnHandover:
         self.ready = False
         self._ticket = 0
 
-    def page(self, page: int, own: bool, fd: int) -> bool:
-        """A page from the daemon; True when the rank just became ready (the daemon is to be told)."""
+    def page(self, page: int, own: bool, fd: int) -> None:
+        """A page from the daemon (on the session's receiving thread): kept for the training thread, which
+        makes every device call (a GPU's context is current there, not here)."""
         with self._lock:
             self._fds.append(fd)
-            if own:
-                if self._own is not None:
-                    return False
+            if own and self._own is None:
                 self._own = fd
-                return self._attach_locked()
-            self._peers[page] = fd
-            return False
+            elif not own:
+                self._peers[page] = fd
 
     def use(self, device: DeviceTurns) -> bool:
-        """The rank's device can wait and store; True when the rank just became ready."""
+        """The rank's device can wait and store (on the training thread); True when the rank just became ready."""
         with self._lock:
             if self.device is not None:
                 return False
             self.device = device
-            return self._attach_locked()
+        return self.attach_pending()
 
-    def _attach_locked(self) -> bool:
-        if self.device is None or self._own is None or self.ready:
-            return False
+    def attach_pending(self) -> bool:
+        """On the training thread: map the own page on the device once both are there; True when the rank just
+        became ready (the daemon is to be told)."""
+        with self._lock:
+            device, own = self.device, self._own
+            if device is None or own is None or self.ready:
+                return False
+            fd = os.dup(own)  # `close` on the receiving thread may close the original meanwhile
         try:
-            self.device.attach_own(self._own)
+            device.attach_own(fd)
         except Exception as exc:  # a device that cannot map it: the usual release stays
             _log.warning("crossover: %s cannot map this rank's turn page (%s); its CPU waits for the device "
-                         "before each release", self.device.name, exc)
+                         "before each release", device.name, exc)
             return False
-        self.ready = True
-        _log.info("crossover: turns end on the device (%s)", self.device.name)
-        return True
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.ready = self._own is not None
+        if self.ready:
+            _log.info("crossover: turns end on the device (%s)", device.name)
+        return self.ready
 
     def wait_after(self, page: int, ticket: int) -> None:
-        """Queue the wait for the previous holder's ticket before this turn's work. Where the device cannot
-        wait on that page, this rank's CPU waits for it instead: the order holds either way."""
+        """Order this turn's work after the previous holder's ticket: on the device where it can, else on this
+        rank's CPU (which polls the page read-only, at most `cpu_wait_limit_s`): the order holds either way."""
         with self._lock:
             device = self.device
-            if not self.ready or device is None or not page:
-                return
             fd = self._peers.get(page)
-            if fd is None:
-                _log.warning("crossover: a grant names turn page %d, which the daemon never sent", page)
+            if not page or fd is None:
+                if page:
+                    _log.warning("crossover: a grant names turn page %d, which the daemon never sent", page)
                 return
+            fd = os.dup(fd)
             first = page not in self._mapped
-            self._mapped.add(page)
+            on_device = self.ready and device is not None
+            if on_device:
+                self._mapped.add(page)
         try:
-            if first:
-                device.attach_peer(page, fd)
-            device.wait(page, ticket)
-        except Exception as exc:
-            if first:
-                _log.warning("crossover: %s cannot wait on turn page %d (%s); this rank's CPU waits for it",
-                             device.name, page, exc)
+            if on_device and device is not None:
+                try:
+                    if first:
+                        device.attach_peer(page, fd)
+                    device.wait(page, ticket)
+                    return
+                except Exception as exc:
+                    if first:
+                        _log.warning("crossover: %s cannot wait on turn page %d (%s); this rank's CPU waits for "
+                                     "it", device.name, page, exc)
             self._wait_here(fd, ticket)
+        finally:
+            os.close(fd)
 
-    @staticmethod
-    def _wait_here(fd: int, ticket: int, poll_s: float = 200e-6) -> None:
-        with mmap.mmap(fd, 4, prot=mmap.PROT_READ) as word:
-            while int.from_bytes(word[:4], "little") < ticket:
+    cpu_wait_limit_s = 30.0
+
+    def _wait_here(self, fd: int, ticket: int, poll_s: float = 200e-6) -> None:
+        deadline = time.monotonic() + self.cpu_wait_limit_s
+        with mmap.mmap(fd, PAGE_BYTES, prot=mmap.PROT_READ) as page:
+            while not reached(WORD.unpack_from(page, 0)[0], ticket):
+                if time.monotonic() > deadline:
+                    _log.warning("crossover: turn ticket %d never came (its holder and the daemon gone?); going "
+                                 "on after %.0f s", ticket, self.cpu_wait_limit_s)
+                    return
                 time.sleep(poll_s)
 
     def end_turn(self) -> int:

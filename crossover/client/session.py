@@ -1,11 +1,8 @@
-"""A rank's session with its node's daemon.
+"""A rank's session with its node's daemon, fail-open by construction.
 
-Fail-open by construction: when the daemon is absent, dies or stops answering,
-every call returns at once and training continues unscheduled; a background
-thread re-attaches when the daemon is back. A daemon that is there but frozen
-(SIGSTOP, swapped out) is noticed by its unanswered heartbeats within about a
-second (CROSSOVER_DAEMON_SILENCE); its ranks train unscheduled until it answers. The first loss of contact is
-logged once as a warning, later ones at INFO.
+When the daemon is absent, dies or stops answering, every call returns at once and training continues
+unscheduled; a background thread re-attaches when it is back. A frozen daemon (SIGSTOP, swapped out) is
+noticed by its unanswered heartbeats (`daemon_silence`). The first loss of contact is a warning, later ones INFO.
 """
 from __future__ import annotations
 
@@ -92,6 +89,8 @@ class Session:
         nobody waits for (policy that does not block, or a lease) is sent with the release,
         and such iterations are reported a few at a time (CROSSOVER_REPORT_INTERVAL).
         """
+        if self.turns.attach_pending():  # a turn page arrived since: this thread maps it on the device
+            self._say_ready()
         with self._cond:
             if not self._attached:
                 return False
@@ -147,9 +146,12 @@ class Session:
     def use_device(self, device: DeviceTurns) -> None:
         """The rank's device can wait on turn pages and store into them (see `device_turns`)."""
         if self.turns.use(device):
-            with self._cond:
-                if self._attached:
-                    self._send(pb.RankEvent(kind=pb.HANDOVER_READY))
+            self._say_ready()
+
+    def _say_ready(self) -> None:
+        with self._cond:
+            if self._attached:
+                self._send(pb.RankEvent(kind=pb.HANDOVER_READY))
 
     def release(self, iteration: int, duration_s: float = 0.0, comm_begins: bool = False,
                 yields: bool = False, ticket: int = 0) -> None:
@@ -272,10 +274,6 @@ class Session:
                          "answers again", silent)
             self._cond.notify_all()
 
-    def _heard(self) -> None:
-        if self._silence.heard():
-            _log.warning("crossoverd answers again; training is scheduled again")
-
     def _attach(self) -> None:
         s = self.settings
         if self._channel is None:
@@ -318,7 +316,8 @@ class Session:
         try:
             for d in stream.receive():
                 with self._cond:
-                    self._heard()
+                    if self._silence.heard():
+                        _log.warning("crossoverd answers again; training is scheduled again")
                     if d.HasField("alive"):
                         self._silence.answers = True
                     elif d.HasField("grant"):
@@ -352,12 +351,12 @@ class Session:
                     self._lost(f"lost crossoverd ({reason})")
 
     def _page(self, stream: SessionStream, page: pb.HandoverPage) -> None:
-        """A turn page and its descriptor, which rode on the same frame."""
+        """A turn page and its descriptor, which rode on the same frame (the training thread maps it)."""
         fd = stream.take_fd()
         if fd is None:
             _log.warning("crossover: the daemon sent turn page %d without its descriptor", page.page)
-        elif self.turns.page(page.page, page.own, fd):
-            self._send(pb.RankEvent(kind=pb.HANDOVER_READY))
+        else:
+            self.turns.page(page.page, page.own, fd)
 
     def _job_class(self, update: pb.JobClassUpdate) -> None:
         """The job's class on this node changed (or a class the rank asked for was refused: one line, once)."""

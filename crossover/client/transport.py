@@ -178,8 +178,10 @@ class FrameStream:
 
     def _recv(self, n: int) -> bytes:
         """`recv` that keeps the descriptors a frame brings (they ride on its first byte), in order."""
-        data, fds, _flags, _addr = socket.recv_fds(self._sock, n, _MAX_FDS)
+        data, fds, flags, _addr = socket.recv_fds(self._sock, n, _MAX_FDS)
         self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:  # a descriptor was dropped (no room for it): later pages would pair wrongly
+            raise OSError("a turn page's descriptor was lost (this process is out of file descriptors?)")
         return data
 
     def receive(self) -> Iterator[pb.Directive]:

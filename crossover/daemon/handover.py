@@ -24,15 +24,14 @@ import itertools
 import logging
 import mmap
 import os
-import struct
 from dataclasses import dataclass, field
+
+from crossover.protos.turn_page import PAGE_BYTES, WORD, reached
 
 __all__ = ["PAGE_BYTES", "Page", "Pages", "PagesUnavailable"]
 
 _log = logging.getLogger(__name__)
 
-PAGE_BYTES = 4096
-_WORD = struct.Struct("<I")
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python names it from 3.12 on
 
@@ -54,14 +53,14 @@ class Page:
 
     @property
     def word(self) -> int:
-        return int(_WORD.unpack_from(self._map, 0)[0])
+        return int(WORD.unpack_from(self._map, 0)[0])
 
     def reached(self, ticket: int) -> bool:
-        return self.word >= ticket
+        return reached(self.word, ticket)
 
     def store(self, ticket: int) -> None:
         """What the rank's device would store; the daemon does it for a rank that cannot any more."""
-        _WORD.pack_into(self._map, 0, ticket)
+        WORD.pack_into(self._map, 0, ticket)
 
 
 class Pages:
@@ -95,7 +94,13 @@ class Pages:
         except OSError as exc:
             os.close(fd)
             raise PagesUnavailable(f"sealing a turn page: {exc}") from exc
-        page = Page(next(self._ids), fd, ro_fd, mmap.mmap(fd, PAGE_BYTES))
+        try:
+            mapped = mmap.mmap(fd, PAGE_BYTES)
+        except OSError as exc:
+            os.close(ro_fd)
+            os.close(fd)
+            raise PagesUnavailable(f"mapping a turn page: {exc}") from exc
+        page = Page(next(self._ids), fd, ro_fd, mapped)
         self._by_session[session_id] = page
         return page
 

@@ -333,7 +333,9 @@ class Scheduler(Steering):
             d = Decision()
             doomed = self.liveness.sweep(now, d)
             pages = self._phases.pages
-            for sid in pages.overdue(now, self.liveness.overdue_after_s) if pages is not None else ():
+            # A turn may queue as much work as a holder may hold its device (`--max-hold`): owed past that, the
+            # holder's device is taken for stuck, and the ticket is stored for it.
+            for sid in pages.overdue(now, self.liveness.max_hold_s) if pages is not None else ():
                 sess = self._sessions.find(sid)
                 if sess is not None:
                     self._rescue(sess, "its device did not end its turn", d)

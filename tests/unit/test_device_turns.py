@@ -46,24 +46,33 @@ def _page() -> int:
     return fd
 
 
+def _ready(device: Device) -> TurnHandover:
+    turns = TurnHandover()
+    turns.page(1, True, _page())
+    assert turns.use(device) and turns.ready
+    return turns
+
+
 @pytest.mark.parametrize("device_first", [True, False])
 def test_a_rank_is_ready_once_it_has_both_its_page_and_a_device_in_either_order(device_first):
     turns, device = TurnHandover(), Device()
-    fd = _page()
-    steps = [lambda: turns.use(device), lambda: turns.page(1, True, fd)]
-    first, second = steps if device_first else steps[::-1]
-    assert first() is False and not turns.ready
-    assert second() is True and turns.ready
-    assert device.calls == [("own", fd)]
+    if device_first:
+        assert turns.use(device) is False and not turns.ready
+        turns.page(1, True, _page())  # on the receiving thread: nothing touches the device there
+        assert device.calls == [] and not turns.ready
+        assert turns.attach_pending() is True  # the training thread's next acquire maps it
+    else:
+        turns.page(1, True, _page())
+        assert turns.use(device) is True
+    assert turns.ready and [c[0] for c in device.calls] == ["own"] and turns.attach_pending() is False
     assert turns.end_turn() == 1 and turns.end_turn() == 2
     turns.close()
     assert not turns.ready and turns.end_turn() == 0
 
 
 def test_a_peer_page_is_mapped_once_and_each_grant_waits_on_it():
-    turns, device = TurnHandover(), Device()
-    turns.use(device)
-    turns.page(1, True, _page())
+    device = Device()
+    turns = _ready(device)
     turns.page(7, False, _page())
     turns.wait_after(7, 3)
     turns.wait_after(7, 4)
@@ -71,10 +80,24 @@ def test_a_peer_page_is_mapped_once_and_each_grant_waits_on_it():
     assert device.calls[1:] == [("peer", 7), ("wait", 7, 3), ("wait", 7, 4)]
 
 
+def test_a_rank_that_cannot_hand_over_still_waits_for_a_named_page_on_its_cpu():
+    turns = TurnHandover()  # no device at all: a grant that names a page still orders its work
+    peer = _page()
+    turns.page(7, False, os.open(f"/proc/self/fd/{peer}", os.O_RDONLY))
+    os.pwrite(peer, (0xFFFFFFF0).to_bytes(4, "little"), 0)  # far ahead is behind: the comparison wraps
+    turns.cpu_wait_limit_s = 0.2
+    start = time.monotonic()
+    turns.wait_after(7, 5)
+    assert time.monotonic() - start >= 0.19  # it waited (then gave up: nobody will store it)
+    os.pwrite(peer, (5).to_bytes(4, "little"), 0)
+    start = time.monotonic()
+    turns.wait_after(7, 5)
+    assert time.monotonic() - start < 0.1
+    os.close(peer)
+
+
 def test_a_device_that_cannot_wait_leaves_the_wait_to_the_cpu_and_the_order_holds():
-    turns, device = TurnHandover(), Device(fail="wait")
-    turns.use(device)
-    turns.page(1, True, _page())
+    turns = _ready(Device(fail="wait"))
     peer = _page()
     turns.page(7, False, os.open(f"/proc/self/fd/{peer}", os.O_RDONLY))
     released = threading.Timer(0.1, lambda: os.pwrite(peer, (5).to_bytes(4, "little"), 0))
@@ -87,9 +110,7 @@ def test_a_device_that_cannot_wait_leaves_the_wait_to_the_cpu_and_the_order_hold
 
 
 def test_a_device_that_cannot_end_a_turn_sends_the_rank_back_to_its_cpu():
-    turns, device = TurnHandover(), Device(fail="signal")
-    turns.use(device)
-    turns.page(1, True, _page())
+    turns = _ready(Device(fail="signal"))
     assert turns.end_turn() == 0 and not turns.ready
 
 

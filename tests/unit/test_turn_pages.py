@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from crossover.daemon.handover import PAGE_BYTES, Pages
+from crossover.daemon.handover import Pages
+from crossover.protos.turn_page import PAGE_BYTES, reached
 
 
 def _word(fd: int) -> int:
@@ -48,4 +49,15 @@ def test_once_sealed_nobody_maps_a_page_writable_again_but_the_daemon_still_stor
     assert fcntl.fcntl(page.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL
     pages.released("s1", 2, now=0.0)
     assert pages.rescue("s1") == 2 and page.word == 2
+    pages.close_all()
+
+
+def test_a_word_far_ahead_of_its_ticket_has_not_reached_it_so_a_rank_cannot_hide_a_debt_that_way():
+    assert reached(5, 5) and reached(6, 5) and reached(2, 0xFFFFFFFE)  # tickets wrap
+    assert not reached(4, 5) and not reached(0xFFFFFFFF, 5) and not reached(0, 1)
+    pages = Pages()
+    page = pages.open("s1")
+    pages.released("s1", 3, now=0.0)
+    os.pwrite(page.fd, (0xFFFFFFFF).to_bytes(4, "little"), 0)  # the GPU's wait for 3 would never pass
+    assert pages.overdue(now=10.0, after_s=3.0) == ["s1"] and pages.rescue("s1") == 3 and page.word == 3
     pages.close_all()

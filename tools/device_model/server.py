@@ -6,7 +6,8 @@ operations, like a CUDA stream. Lines it may send:
     compute <seconds>   `submit <seconds>` then `sync`: the server answers `done` when that work is finished
     submit <seconds>    enqueue that much device work (at full speed); no answer
     sync                answer `done` once everything enqueued before it has finished
-    wait <id> <ticket>  no later op starts until peer page <id>'s word >= ticket (unsigned 32-bit compare)
+    wait <id> <ticket>  no later op starts until peer page <id>'s word has reached ticket (cyclic 32-bit,
+                        as CUDA compares: `crossover.protos.turn_page.reached`)
     signal <ticket>     when the stream reaches it, store ticket into this context's own page
     page own            with one fd (SCM_RIGHTS, same sendmsg): this context's own page, mapped read-write
     page <id>           with one fd: peer page <id>, which `wait` may name; mapped read-only (the fd may be O_RDONLY)
@@ -53,6 +54,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+from crossover.protos.turn_page import reached
 
 from .model import DeviceModel, DeviceParams
 
@@ -216,7 +219,7 @@ class DeviceServer:
                     self.model.submit(ctx, op.work_s, time.monotonic())
                     ctx.running = True
                 return
-            if op.kind == "wait" and _word(ctx.peers[op.page]) < op.ticket:
+            if op.kind == "wait" and not reached(_word(ctx.peers[op.page]), op.ticket):
                 return
             if op.kind == "signal" and ctx.own is not None:
                 struct.pack_into("<I", ctx.own, 0, op.ticket)

@@ -38,8 +38,10 @@ def ranks(bed: Bed):  # noqa: F811 (the imported fixture)
         made.append(s)
         wait_for(lambda: s.attached)
         turns = ModelTurns(bed.connect())
+        if device and handover:
+            wait_for(lambda: s.turns._own is not None)  # its page came on the receiving thread
         if device:
-            s.use_device(turns)
+            s.use_device(turns)  # this thread maps it
         return s, turns
 
     yield make
