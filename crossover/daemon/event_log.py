@@ -13,7 +13,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from crossover.protos.event_file import EventName, encode, header, rotated_paths
+from crossover.protos.event_file import Event, EventName, encode, header, rotated_paths, typed
 
 __all__ = ["EventLog"]
 
@@ -114,8 +114,13 @@ class EventLog:
         self._listeners.append(listener)
 
     def snapshot(self) -> list[dict[str, Any]]:
+        """The entries in memory, as the objects of their lines."""
         with self._lock:
             return list(self._events)
+
+    def events(self) -> list[Event]:
+        """The entries in memory, typed (`crossover.protos.event_file.Event`)."""
+        return typed(self.snapshot())
 
     def flush(self) -> None:
         """Write the events recorded since the last flush to the file (if any); after a failed write,

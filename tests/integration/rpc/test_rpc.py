@@ -75,8 +75,8 @@ def test_bad_requests_get_clear_statuses_and_the_daemon_keeps_serving(serve, cha
     assert good.attached and good.registration.policy == "exclusive"
     assert good.acquire(0) is True
     good.release(0, duration_s=0.01)
-    wait_for(lambda: any(e["event"] == "release" and e["job_name"] == "good-job" for e in d.core.events.snapshot()))
-    assert [e["event"] for e in d.core.events.snapshot() if e.get("job_name") == "good-job"][:5] == [
+    wait_for(lambda: any(e.name == "release" and e.fields["job_name"] == "good-job" for e in d.core.events.events()))
+    assert [e.name for e in d.core.events.events() if e.get("job_name") == "good-job"][:5] == [
         "register", "request", "grant", "lease", "release"]  # alone on its device: leased
 
 
@@ -188,7 +188,7 @@ def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_p
     state = unix.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1), timeout=5)
     assert [dev.draining for dev in state.devices] == [False, False]
     assert unix.ListJobs(pb.JobsRequest(protocol_version=VERSION), timeout=5).jobs == []
-    assert not any(e["event"] in ("register", "policy", "drain", "resume") for e in d.core.events.snapshot())
+    assert not any(e.name in ("register", "policy", "drain", "resume") for e in d.core.events.events())
     rank_token = [(TOKEN_METADATA_KEY, "s3cret")]  # every rank holds it: it may look, not steer
     err = rpc_error(admin.Drain, pb.DeviceRequest(protocol_version=VERSION, device=1), timeout=5, metadata=rank_token)
     assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "admin token" in err.details()

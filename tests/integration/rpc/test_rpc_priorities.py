@@ -89,10 +89,10 @@ def test_the_operator_sets_a_class_and_a_low_holder_yields_to_a_high_request(ser
     low.release(0, 0.01, yields=True)  # what the plugin does at its next gradient
     assert granted.wait(5)
     waiter.join(5)
-    events = [e["event"] for e in d.core.events.snapshot() if e["event"] in ("preempt", "job_class")]
+    events = [e.name for e in d.core.events.events() if e.name in ("preempt", "job_class")]
     assert "preempt" in events and "job_class" in events
-    set_by = [e for e in d.core.events.snapshot() if e["event"] == "job_class_set"]
-    assert {e["job"] for e in set_by} == {"id-prod", "id-sweep"}
+    set_by = [e for e in d.core.events.events() if e.name == "job_class_set"]
+    assert {e.fields["job"] for e in set_by} == {"id-prod", "id-sweep"}
 
 
 def test_the_operator_call_refuses_what_it_cannot_do(serve, channels, ranks):

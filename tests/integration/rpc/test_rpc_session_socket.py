@@ -87,8 +87,8 @@ def test_sessions_use_the_session_socket_and_contend_exactly_as_over_grpc(serve,
     t.start()
     t.join(5)
     assert got == [True]
-    grants = [e for e in d.core.events.snapshot() if e["event"] == "grant"]
-    assert [e["job_name"] for e in grants] == ["frames", "grpc-stream", "frames"]
+    grants = [e for e in d.core.events.events() if e.name == "grant"]
+    assert [e.fields["job_name"] for e in grants] == ["frames", "grpc-stream", "frames"]
     d.stop(grace=0.5)
     assert not os.path.exists(d.session_socket) and not os.path.exists(d.socket_path)
 
@@ -220,11 +220,11 @@ def test_a_batch_over_the_limit_is_refused_and_nothing_of_it_is_logged(serve, ch
     reg = register(stub, job="flood", world=1)
     done = pb.RankEvent(kind=pb.COMPUTE_DONE, requested=True, duration_s=0.001)
     batch = pb.RankEvent(kind=pb.BATCH, batch=[done] * 8000)
-    before = len(d.core.events.snapshot())
+    before = len(d.core.events.events())
     c = frame_client(d.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), batch)
     err = read_directive(c)
     assert err.error.code == "INVALID_ARGUMENT" and "limit is 256" in err.error.message
-    logged = [e["event"] for e in d.core.events.snapshot()[before:]]
+    logged = [e.name for e in d.core.events.events()[before:]]
     assert "compute" not in logged and "done" not in logged and len(logged) <= 3, logged
     c.close()
 

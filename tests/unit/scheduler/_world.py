@@ -71,20 +71,20 @@ def _phase(s: Scheduler, sid: str) -> Phase:
 
 
 def _events_of(s: Scheduler, rank: int, job: str = "job-a") -> list[str]:
-    return [e["event"] for e in s.events.snapshot() if e.get("job") == job and e.get("rank") == rank]
+    return [e.name for e in s.events.events() if e.get("job") == job and e.get("rank") == rank]
 
 
 def holders_over_time(s: Scheduler, device: int = 0) -> int:
     """The most ranks the event log ever shows holding ``device`` at once."""
     held: set = set()
     most = 0
-    for e in s.events.snapshot():
+    for e in s.events.events():
         if e.get("device") != device:
             continue
-        if e["event"] == "grant":
-            held.add((e["job"], e["rank"]))
-        elif e["event"] in ("release", "leave"):
-            held.discard((e["job"], e["rank"]))
+        if e.name == "grant":
+            held.add((e.fields["job"], e.fields["rank"]))
+        elif e.name in ("release", "leave"):
+            held.discard((e.fields["job"], e.fields["rank"]))
         most = max(most, len(held))
     return most
 

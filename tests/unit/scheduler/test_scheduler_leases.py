@@ -22,7 +22,7 @@ def test_a_lone_rank_is_leased_and_then_not_sent_grants(make):
     # a request made before the rank read its lease is still answered: it is waiting for that grant
     s.event(a, "compute_request", iteration=3, seq=4)
     assert drain_outbox(box) == [GrantMsg(4, 3, 0.0)]
-    log = [e["event"] for e in s.events.snapshot()]
+    log = [e.name for e in s.events.events()]
     assert log.count("grant") == 4 and log.count("release") == 3 and log.count("lease") == 1
 
 
@@ -85,7 +85,7 @@ def test_a_newcomer_waits_for_the_holders_requests_in_flight(make):
     assert drain_outbox(box_a) == []
     s.event(b, "compute_done", iteration=0)
     assert drain_outbox(box_a) == [GrantMsg(3, 2, 0.0)]
-    events = [e["event"] for e in s.events.snapshot()]
+    events = [e.name for e in s.events.events()]
     assert events.count("lease_revoke") == 1 and events.count("lease_released") == 1
 
 
@@ -145,7 +145,7 @@ def test_a_held_back_request_can_be_withdrawn(make):
     s.event(b, "compute_done")  # gave up waiting: no error, and no grant later
     s.event(a, "lease_released")
     assert drain_outbox(box_b) == []
-    assert [e["event"] for e in s.events.snapshot() if e.get("job") == "new"][-1] == "cancel"
+    assert [e.name for e in s.events.events() if e.get("job") == "new"][-1] == "cancel"
 
 
 def test_a_suspended_holder_loses_its_lease_and_may_regain_it_alone(make, clock):
@@ -170,7 +170,7 @@ def test_a_holder_that_never_answers_loses_the_device_after_the_heartbeat_timeou
         s.event(b, "heartbeat")
         s.reap()
     assert drain_outbox(box_b) == [GrantMsg(7, 0, pytest.approx(0.6))]
-    assert "lease_expired" in [e["event"] for e in s.events.snapshot()]
+    assert "lease_expired" in [e.name for e in s.events.events()]
 
 
 def test_a_switch_to_a_blocking_policy_waits_for_the_ranks_that_computed_without_grants(make):
@@ -207,4 +207,4 @@ def test_drain_and_policy_switch_revoke_the_lease(make, how):
     else:
         s.set_policy("crossover")
         assert drain_outbox(box) == [LeaseMsg(False), PolicyMsg("crossover", True)]
-    assert [e["reason"] for e in s.events.snapshot() if e["event"] == "lease_revoke"][0]
+    assert [e.fields["reason"] for e in s.events.events() if e.name == "lease_revoke"][0]

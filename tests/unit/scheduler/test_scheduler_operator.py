@@ -37,7 +37,7 @@ def test_set_policy_requeues_and_announces(make):
     # both finish normally under the new policy
     s.event(a, "compute_done")
     s.event(b, "compute_done")
-    assert [e["new"] for e in s.events.snapshot() if e["event"] == "policy"] == ["passthrough"]
+    assert [e.fields["new"] for e in s.events.events() if e.name == "policy"] == ["passthrough"]
 
 
 def test_passthrough_records_grants_but_sends_none(make):
@@ -47,7 +47,7 @@ def test_passthrough_records_grants_but_sends_none(make):
         s.event(a, "compute_request", iteration=i, seq=i + 1)
         s.event(a, "compute_done", iteration=i, comm_begins=True)
     assert drain_outbox(box_a) == []
-    assert [e["event"] for e in s.events.snapshot() if e.get("rank") == 0].count("grant") == 3
+    assert [e.name for e in s.events.events() if e.get("rank") == 0].count("grant") == 3
 
 
 def test_a_compute_done_can_stand_for_its_request_too_and_is_dated_back(make, clock):
@@ -60,10 +60,10 @@ def test_a_compute_done_can_stand_for_its_request_too_and_is_dated_back(make, cl
     t0 = clock.t
     clock.advance(0.5)
     s.event(a, "compute_done", iteration=1, seq=2, duration_s=0.1, requested=True, comm_s=0.4, comm_begins=True)
-    log = [e for e in s.events.snapshot() if e.get("job") == "job-a"][-5:]
-    assert [e["event"] for e in log] == ["comm_end", "request", "grant", "release", "comm_begin"]
-    assert [e["t"] - t0 for e in log] == pytest.approx([0.4, 0.4, 0.4, 0.5, 0.5])
-    assert log[0]["duration_s"] == 0.4 and log[3]["held_s"] == pytest.approx(0.1)
+    log = [e for e in s.events.events() if e.get("job") == "job-a"][-5:]
+    assert [e.name for e in log] == ["comm_end", "request", "grant", "release", "comm_begin"]
+    assert [e.t - t0 for e in log] == pytest.approx([0.4, 0.4, 0.4, 0.5, 0.5])
+    assert log[0].fields["duration_s"] == 0.4 and log[3].fields["held_s"] == pytest.approx(0.1)
     rank = s.snapshot()[1][0]
     assert (rank.iteration, rank.phase, rank.mean_comm_s) == (1, Phase.COMM, pytest.approx(0.4))
     assert rank.mean_compute_s == pytest.approx((0.03 + 0.1) / 2)
@@ -83,12 +83,12 @@ def test_a_rank_s_dated_events_never_fall_before_its_previous_one(make, clock):
     clock.advance(0.0044 - 0.0008 + 0.0001)  # iteration 1 ran 0.4 ms after it for 4 ms, then a faster batch
     s.event(a, "compute_done", iteration=1, seq=2, duration_s=0.004, requested=True, comm_s=0.0003,
             comm_begins=True, ago_s=0.0001)
-    log = [e for e in s.events.snapshot() if e.get("job") == "job-a"]
-    grants = [e["t"] for e in log if e["event"] == "grant"]
-    releases = [e["t"] for e in log if e["event"] == "release"]
+    log = [e for e in s.events.events() if e.get("job") == "job-a"]
+    grants = [e.t for e in log if e.name == "grant"]
+    releases = [e.t for e in log if e.name == "release"]
     assert releases[0] == pytest.approx(end0)
     assert grants[1] >= releases[0]  # without the clamp: 0.3 ms before it
-    assert all(b["t"] >= a_["t"] for a_, b in zip(log, log[1:]))
+    assert all(b.t >= a_.t for a_, b in zip(log, log[1:]))
 
 
 def test_one_decision_is_logged_at_one_instant_so_a_rank_s_phases_never_overlap(clock, pids):
@@ -104,9 +104,9 @@ def test_one_decision_is_logged_at_one_instant_so_a_rank_s_phases_never_overlap(
         clock.advance(0.0044)  # the next phase began 5 us after that one ended
         s.event(a, "compute_done", iteration=1, seq=2, duration_s=0.0044 - 5e-6, requested=True,
                 comm_s=0.0003, comm_begins=True)
-        log = [e for e in s.events.snapshot() if e.get("job") == "job-a"]
+        log = [e for e in s.events.events() if e.get("job") == "job-a"]
         assert overlaps([iv for ivs in compute_intervals(log).values() for iv in ivs]) == []
-        assert all(b["t"] >= a_["t"] for a_, b in zip(log, log[1:]))
+        assert all(b.t >= a_.t for a_, b in zip(log, log[1:]))
     finally:
         s.shutdown()
 
@@ -148,7 +148,7 @@ def test_decisions_are_logged_in_the_order_they_are_made_even_when_a_thread_is_p
         ty.start()
         tx.join(5)
         ty.join(5)
-        times = [e["t"] for e in s.events.snapshot()]
+        times = [e.t for e in s.events.events()]
         assert times == sorted(times)
     finally:
         s.shutdown()
@@ -165,7 +165,7 @@ def test_compute_done_can_begin_the_allreduce_in_the_same_message(make, clock):
     s.event(a, "compute_request", iteration=1, seq=2)  # ends the comm the done began
     rank = s.snapshot()[1][0]
     assert rank.mean_compute_s == pytest.approx(0.1) and rank.mean_comm_s == pytest.approx(0.3)
-    assert [e["event"] for e in s.events.snapshot() if e.get("rank") == 0][-5:] == [
+    assert [e.name for e in s.events.events() if e.get("rank") == 0][-5:] == [
         "release", "comm_begin", "comm_end", "request", "grant"]
 
 
@@ -242,7 +242,7 @@ def test_drain_refuses_new_ranks_and_resume_accepts_them(make):
     s.register(ident(job="during", device=0))
     with pytest.raises(InvalidRequest, match="does not exist"):
         s.drain(5, True)
-    assert [e["event"] for e in s.events.snapshot() if e["event"] in ("drain", "resume")] == ["drain", "resume"]
+    assert [e.name for e in s.events.events() if e.name in ("drain", "resume")] == ["drain", "resume"]
 
 
 def test_snapshot_shows_holder_waiting_order_and_stats(make, clock):
@@ -287,14 +287,14 @@ def test_event_log_records_grants_and_releases_with_device(make, clock):
     s.event(a, "compute_request", iteration=2, seq=1)
     clock.advance(0.05)
     s.event(a, "compute_done", iteration=2)
-    log = [e for e in s.events.snapshot() if e.get("job") == "job-a"]
-    assert [e["event"] for e in log] == ["register", "request", "grant", "release"]
+    log = [e for e in s.events.events() if e.get("job") == "job-a"]
+    assert [e.name for e in log] == ["register", "request", "grant", "release"]
     grant, release = log[2], log[3]
-    assert grant["device"] == 1 and release["device"] == 1
-    assert grant["node"] == "node-t" and grant["rank"] == 0 and grant["job_name"] == "name-job-a"
-    assert grant["iteration"] == 2
-    assert release["t"] - grant["t"] == pytest.approx(0.05)
-    assert release["held_s"] == pytest.approx(0.05)
+    assert grant.fields["device"] == 1 and release.fields["device"] == 1
+    assert grant.fields["node"] == "node-t" and grant.fields["rank"] == 0 and grant.fields["job_name"] == "name-job-a"
+    assert grant.fields["iteration"] == 2
+    assert release.t - grant.t == pytest.approx(0.05)
+    assert release.fields["held_s"] == pytest.approx(0.05)
 
 
 def test_uptime_follows_the_clock(make, clock):
@@ -312,10 +312,10 @@ def test_a_new_cpu_rank_goes_around_a_drained_device_and_a_gpu_rank_is_refused_p
     with pytest.raises(FailedPrecondition, match="drained by this node's operator.*trains on it unscheduled"):
         s.register(ident(job="b", rank=0, world=1, local_rank=0, device=-1))
     assert s.drain_refusals(0) == 1 and s.drain_refusals(1) == 0
-    refused = [e for e in s.events.snapshot() if e["event"] == "drain_refused"]
-    assert [(e["device"], e["job_name"]) for e in refused] == [(0, "name-b")]
-    drains = [e for e in s.events.snapshot() if e["event"] == "drain"]
-    assert drains[0]["caller"] == "admin socket, user ops (as the client says)"
+    refused = [e for e in s.events.events() if e.name == "drain_refused"]
+    assert [(e.fields["device"], e.fields["job_name"]) for e in refused] == [(0, "name-b")]
+    drains = [e for e in s.events.events() if e.name == "drain"]
+    assert drains[0].fields["caller"] == "admin socket, user ops (as the client says)"
     s.drain(0, False)
     assert s.drain_refusals(0) == 0  # a resume starts the count again
 

@@ -34,7 +34,7 @@ def test_a_yield_frees_the_device_and_the_pieces_count_as_one_compute_phase(make
     assert rank.iteration == 3
     assert rank.mean_compute_s == pytest.approx(0.040)  # both pieces, one phase
     assert s._sessions[a].stats.compute_n == 1 and s._sessions[a].stats.compute_ema == pytest.approx(0.040)
-    yields = [e for e in s.events.snapshot() if e["event"] == "release" and e.get("yields")]
+    yields = [e for e in s.events.events() if e.name == "release" and e.get("yields")]
     assert len(yields) == 1
 
 
@@ -58,7 +58,7 @@ def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_serv
     assert s.liveness.overdue_total == 1
     per_dev, _ = s.snapshot()
     assert [r.phase for r in per_dev[0].others] == [Phase.OVERDUE]
-    assert [e["event"] for e in s.events.snapshot()].count("overdue") == 1
+    assert [e.name for e in s.events.events()].count("overdue") == 1
     s.event(a, "compute_done", iteration=3, duration_s=1.2, comm_begins=True)  # its late end is no error
     s.event(b, "compute_done", iteration=0, duration_s=0.01, comm_begins=True)
     s.event(a, "compute_request", iteration=4, seq=5)
@@ -178,8 +178,8 @@ def test_no_holder_keeps_a_waited_for_device_past_max_hold(make, clock):
     clock.advance(2.0)
     s.reap()
     assert s.liveness.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
-    overdue = [e for e in s.events.snapshot() if e["event"] == "overdue"]
-    assert overdue[0]["limit_s"] == pytest.approx(60.0)
+    overdue = [e for e in s.events.events() if e.name == "overdue"]
+    assert overdue[0].fields["limit_s"] == pytest.approx(60.0)
 
 
 def test_a_backdated_request_cannot_jump_the_queue(make, clock):
@@ -194,8 +194,8 @@ def test_a_backdated_request_cannot_jump_the_queue(make, clock):
     s.event(honest, "compute_request", iteration=0, seq=1)
     clock.advance(0.5)
     s.event(cheat, "compute_request", iteration=0, seq=1, ago_s=100.0)  # "asked long ago"
-    requests = [e for e in s.events.snapshot() if e["event"] == "request" and e["job"] == "cheat"]
-    assert requests[0]["t"] == clock()  # a request that waits is dated when it arrived
+    requests = [e for e in s.events.events() if e.name == "request" and e.fields["job"] == "cheat"]
+    assert requests[0].t == clock()  # a request that waits is dated when it arrived
     s.event(holder, "compute_done", iteration=0, duration_s=0.1, comm_begins=True)
     assert [m for m in drain_outbox(box_h) if isinstance(m, GrantMsg)]
     assert not [m for m in drain_outbox(box_c) if isinstance(m, GrantMsg)]

@@ -47,8 +47,8 @@ def test_an_open_device_leases_every_rank_and_grants_its_waiters_then_closes(clo
     s.event(a, "comm_end", duration_s=0.01)
     s.event(a, "compute_request", iteration=1, seq=2, no_wait=True)
     assert _phase(s, a) is Phase.COMPUTE and drain_outbox(box_a) == []
-    sharing = [e for e in s.events.snapshot() if e["event"] == "sharing"]
-    assert [(e["device"], e["mode"]) for e in sharing] == [(0, "unscheduled")]
+    sharing = [e for e in s.events.events() if e.name == "sharing"]
+    assert [(e.fields["device"], e.fields["mode"]) for e in sharing] == [(0, "unscheduled")]
     assert s.sharing(0).mode is Mode.UNSCHEDULED
 
     judge.told = Verdict(Mode.SCHEDULED, "grants pay: 1.10x the progress unscheduled", 1.1)
@@ -114,7 +114,7 @@ def test_the_operator_switches_adapt_off_and_every_open_device_closes(clock, pid
     assert drain_outbox(box_a) == [LeaseMsg(False)] and drain_outbox(box_b) == [LeaseMsg(False)]
     s.adapt()  # off: no judge samples, nothing opens again
     assert drain_outbox(box_a) == [] and s.sharing(0) is None
-    assert [e["on"] for e in s.events.snapshot() if e["event"] == "adapt"] == [False]
+    assert [e.fields["on"] for e in s.events.events() if e.name == "adapt"] == [False]
     assert s.set_adapt(True) is True and s.adapting and 0 not in s._judges  # noqa: SLF001 (measured afresh)
 
 

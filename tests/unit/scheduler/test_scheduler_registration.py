@@ -126,7 +126,7 @@ def test_a_rank_never_hears_of_a_grant_or_lease_before_the_event_log_shows_it(ma
     def deliver(msg) -> None:
         if isinstance(msg, (GrantMsg, LeaseMsg)):
             kind = "grant" if isinstance(msg, GrantMsg) else "lease" if msg.held else "lease_revoke"
-            seen.append((kind, sum(e["event"] == kind for e in s.events.snapshot())))
+            seen.append((kind, sum(e.name == kind for e in s.events.events())))
 
     a = s.register(ident(rank=0), accepts_leases=True).session_id
     s.attach(a, deliver)
