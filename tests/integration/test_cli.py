@@ -154,9 +154,9 @@ def test_drain_and_resume(run, daemon):
     assert "DRAINING" in run("queue").stdout
 
     me = pwd.getpwuid(os.getuid()).pw_name
-    drains = [e for e in daemon.core.events.snapshot() if e["event"] == "drain"]
-    assert drains and f"user {me} (as the client says)" in drains[-1]["caller"]
-    assert drains[-1]["caller"].startswith("admin socket")
+    drains = [e for e in daemon.core.events.events() if e.name == "drain"]
+    assert drains and f"user {me} (as the client says)" in drains[-1].get("caller")
+    assert drains[-1].get("caller").startswith("admin socket")
     # a GPU-less test daemon: a CPU rank that lets the daemon choose goes around the drained device,
     # one that insists on it is refused, counted and shown
     with pytest.raises(FailedPrecondition, match="drained by this node's operator"):

@@ -95,7 +95,7 @@ def test_a_failing_listener_never_stops_the_scheduler(core: Scheduler) -> None:
     core.events.add_listener(broken)
     a = _rank(core, "a", 0)
     core.event(a, "compute_request", iteration=1, seq=1)
-    assert [e["event"] for e in core.events.snapshot()][-1] == "grant"
+    assert [e.name for e in core.events.events()][-1] == "grant"
 
 
 def test_device_time_is_counted_by_class_and_preemptions_by_device(clock: FakeClock) -> None:
