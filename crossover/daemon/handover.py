@@ -11,8 +11,8 @@ Each page is a 4096-byte memfd created here, sealed against resizing. Its
 rank gets it writable and maps it; once the rank says so (`seal`), the page
 is sealed against every new writable mapping and write, and only then does a
 rank granted after it get a descriptor (read-only, and reopening it through
-/proc cannot make it writable), so a rank writes only its own word. A wrong value there moves only its successor's
-start, as overstaying a turn would. The daemon keeps its own writable
+/proc cannot make it writable), so a rank writes only its own word. A wrong
+value there moves only its successor's start, as overstaying a turn would. The daemon keeps its own writable
 mapping and stores the ticket itself when a rank's session ends, or its
 device has not stored it long after the release, so no dead or stuck holder
 strands the rank after it. No CUDA here: the daemon stays a plain process.
@@ -55,8 +55,10 @@ class Page:
     def word(self) -> int:
         return int(WORD.unpack_from(self._map, 0)[0])
 
-    def reached(self, ticket: int) -> bool:
-        return reached(self.word, ticket)
+    @property
+    def owes(self) -> bool:
+        """Whether the rank's device has a ticket still to store."""
+        return bool(self.owed) and not reached(self.word, self.owed)
 
     def store(self, ticket: int) -> None:
         """What the rank's device would store; the daemon does it for a rank that cannot any more."""
@@ -131,7 +133,7 @@ class Pages:
     def rescue(self, session_id: str) -> int:
         """Store the ticket the session's device still owes (its rank is gone or stuck); the ticket, or 0."""
         page = self._by_session.get(session_id)
-        if page is None or not page.owed or page.reached(page.owed):
+        if page is None or not page.owes:
             return 0
         page.store(page.owed)
         return page.owed
@@ -139,7 +141,7 @@ class Pages:
     def overdue(self, now: float, after_s: float) -> list[str]:
         """The sessions whose device has owed its ticket for longer than `after_s`."""
         return [sid for sid, page in self._by_session.items()
-                if page.owed and now - page.owed_since > after_s and not page.reached(page.owed)]
+                if page.owes and now - page.owed_since > after_s]
 
     def close(self, session_id: str) -> int:
         """The session ended: store what it owed (see `rescue`) and free its page; the ticket stored, or 0."""

@@ -213,7 +213,7 @@ class PhaseMachine:
                 or owner == sess.id:
             return 0, 0
         page = self.pages.of(owner)
-        if page is None or not page.owed or page.reached(page.owed):
+        if page is None or not page.owes:
             return 0, 0
         if page.id not in sess.pages_sent:
             sess.pages_sent.add(page.id)

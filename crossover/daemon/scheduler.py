@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Callable
 
@@ -106,7 +106,8 @@ class Scheduler(Steering):
         self._class_settings = class_settings
         self._phases = PhaseMachine(policies.create(policy, class_settings) if isinstance(policy, str) else policy,
                                     self._sessions, self._leases, Pages.if_possible() if handover else None)
-        self._phases.classes_differ = self._classes_differ
+        self._phases.classes_differ = lambda device: self._classes_differ(
+            {s.ref.key.job_id for s in self._sessions.on_device(device)})
         self._rules = class_rules or ClassRules()
         self._classes: dict[str, tuple[JobClass, str]] = {}  # job -> its class as the policy has it, and by what
         self._set_by_operator: dict[str, JobClass] = {}  # job -> the class `crossover priority/share` set
@@ -134,9 +135,8 @@ class Scheduler(Steering):
         self._wall = wall
         self._judges: dict[int, PayoffJudge] = {}
 
-    def _classes_differ(self, device: int) -> bool:
-        """Whether the jobs on the device are of different classes or weights (lock held)."""
-        jobs = {s.ref.key.job_id for s in self._sessions.on_device(device)}
+    def _classes_differ(self, jobs: Iterable[str]) -> bool:
+        """Whether these jobs are of different classes or weights on this node (lock held)."""
         return len({self._classes.get(job, (JobClass(), ""))[0] for job in jobs}) > 1
 
     # ---- rank lifecycle ------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Callable
 
 from crossover.daemon import policies
 from crossover.daemon.api import FailedPrecondition, InvalidRequest, NotFound, Phase
@@ -54,6 +54,7 @@ class Steering:
     node: str
 
     _commit: Callable[[Decision, float], None]  # the scheduler's
+    _classes_differ: Callable[[Iterable[str]], bool]
     close: Callable[..., bool]
 
     def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
@@ -122,8 +123,7 @@ class Steering:
                 progress = by_device.get(i, {})
                 judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
                 before = judge.verdict
-                classes = {self._classes.get(job, (JobClass(), ""))[0] for job in progress}
-                if len(classes) > 1:  # priorities need grants, whatever they cost the jobs together
+                if self._classes_differ(progress):  # priorities need grants, whatever they cost the jobs together
                     judge.verdict = verdict = Verdict(Mode.SCHEDULED, "its jobs differ in priority class or weight")
                 else:
                     verdict = judge.sample(wall, progress)
