@@ -144,8 +144,9 @@ class Session:
         return self.turns.end_turn()
 
     def use_device(self, device: DeviceTurns) -> None:
-        """The rank's device can wait on turn pages and store into them (see `device_turns`)."""
-        if self.turns.use(device):
+        """The rank's device can wait on turn pages and store into them (see `device_turns`); nothing with
+        CROSSOVER_HANDOVER=0."""
+        if self.settings.handover and self.turns.use(device):
             self._say_ready()
 
     def _say_ready(self) -> None:

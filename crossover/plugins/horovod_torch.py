@@ -80,7 +80,7 @@ def use_device(turns: DeviceTurns) -> None:
     if phases is not None:
         phases.settle = turns.drain
     session: Session | None = _state["session"]
-    if session is not None and session.settings.handover:
+    if session is not None:
         session.use_device(turns)
 
 
@@ -185,7 +185,7 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
     if settings.pin:
         session.on_attach = _pin
     _state["session"] = session.start()
-    if _state["device"] is not None and settings.handover:
+    if _state["device"] is not None:
         session.use_device(_state["device"])
     # Close the stream on exit: the daemon then sees a clean end at once instead of
     # waiting for heartbeats that stop while the interpreter shuts down.

@@ -69,7 +69,8 @@ class DeviceClient:
         self._send(line, fds=[fd])
 
     def wait(self, page: int, ticket: int) -> None:
-        """Work enqueued after this starts once peer page `page`'s word is >= `ticket`; returns at once."""
+        """Work enqueued after this starts once peer page `page`'s word has reached `ticket` (cyclic, as the GPU
+        compares: `crossover.protos.turn_page.reached`); returns at once."""
         self._send(f"wait {_uint32('page', page)} {_uint32('ticket', ticket)}\n")
 
     def signal(self, ticket: int) -> None:
