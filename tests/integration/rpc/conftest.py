@@ -83,7 +83,7 @@ def streams():
 
 @pytest.fixture
 def sessions():
-    """Real `crossover.client.session.Session` clients, closed at teardown."""
+    """Real `crossover.client.session.Session` clients, closed at teardown; other keywords are `PluginSettings`."""
     made: list[Session] = []
 
     def make(target: str, job: str, rank: int = 0, world: int = 1, **kw) -> Session:
@@ -91,7 +91,7 @@ def sessions():
                                   grant_timeout_s=kw.pop("grant_timeout_s", 5.0),
                                   connect_timeout_s=kw.pop("connect_timeout_s", 2.0), reconnect_interval_s=30.0,
                                   pin=False, transport=kw.pop("transport", "auto"),
-                                  cool_off_s=kw.pop("cool_off_s", 10.0))
+                                  cool_off_s=kw.pop("cool_off_s", 10.0), **kw)
         info = RankIdentity(job_id=f"id-{job}", job_name=job, rank=rank, local_rank=rank, world_size=world,
                             local_size=world, device=settings.device)
         s = Session(info, settings)

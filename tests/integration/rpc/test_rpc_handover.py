@@ -11,12 +11,10 @@ import time
 import pytest
 
 from crossover.client.session import Session
-from crossover.client.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import Event, EventName
-from crossover.protos.identity import RankIdentity
 from tests.integration.rpc._world import wait_for
 from tests.unit.test_device_model_streams import Bed, bed  # noqa: F401 (the fixture)
 from tools.device_model.turns import ModelTurns
@@ -25,17 +23,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def ranks(bed: Bed):  # noqa: F811 (the imported fixture)
-    """`make(target, job, handover=True, device=True)` → a started session whose device is the bed's (handed to
-    the session unless `device` is False), closed at teardown."""
-    made: list[Session] = []
-
+def ranks(bed: Bed, sessions):  # noqa: F811 (the imported fixture)
+    """`make(target, job, handover=True, device=True)` → an attached session whose device is the bed's (handed
+    to the session unless `device` is False), closed at teardown."""
     def make(target: str, job: str, handover: bool = True, device: bool = True) -> tuple[Session, ModelTurns]:
-        settings = PluginSettings(target=target, job_name=job, device=0, grant_timeout_s=5.0, connect_timeout_s=2.0,
-                                  reconnect_interval_s=30.0, pin=False, lease=False, handover=handover)
-        s = Session(RankIdentity(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
-                                 device=0), settings).start()
-        made.append(s)
+        s = sessions(target, job, lease=False, handover=handover)
         wait_for(lambda: s.attached)
         turns = ModelTurns(bed.connect())
         if device and handover:
@@ -44,9 +36,7 @@ def ranks(bed: Bed):  # noqa: F811 (the imported fixture)
             s.use_device(turns)  # this thread maps it
         return s, turns
 
-    yield make
-    for s in made:
-        s.close()
+    return make
 
 
 def _events(d, name: EventName) -> list[Event]:

@@ -10,33 +10,24 @@ import grpc
 import pytest
 
 from crossover.client.session import Session
-from crossover.client.settings import PluginSettings
 from crossover.daemon.class_rules import ClassRules, parse_rule
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from crossover.protos.identity import RankIdentity
 from tests.integration.rpc._world import rpc_error, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def ranks():
-    made: list[Session] = []
-
+def ranks(sessions):
+    """`make(target, job, priority="")` → an attached session of a one-rank job that asks for `priority`."""
     def make(target: str, job: str, priority: str = "") -> Session:
-        settings = PluginSettings(target=target, job_name=job, device=0, grant_timeout_s=5.0, connect_timeout_s=2.0,
-                                  reconnect_interval_s=30.0, pin=False, priority=priority, lease=False)
-        s = Session(RankIdentity(job_id=f"id-{job}", job_name=job, rank=0, local_rank=0, world_size=1, local_size=1,
-                                 device=0), settings).start()
-        made.append(s)
+        s = sessions(target, job, priority=priority, lease=False)
         wait_for(lambda: s.attached)
         return s
 
-    yield make
-    for s in made:
-        s.close()
+    return make
 
 
 def _jobs(admin: pb_grpc.AdminStub) -> dict[str, pb.JobState]:
