@@ -68,7 +68,7 @@ from bench.emulated_report import plot_timeline, render
 from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.settings import SettingError, parse_cpu_list
-from crossover.protos import PROTOCOL_VERSION, admin_socket_path
+from crossover.protos import PROTOCOL_VERSION, admin_socket_path, switches
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import EventName, read_events, read_jsonl, typed
@@ -166,11 +166,8 @@ class ClusterAdmin:
     def set_policy(self, name: str, adapt: bool | None = None, handover: bool | None = None) -> None:
         """Switch every daemon to policy `name`; `adapt` also switches whether devices measure if grants pay,
         `handover` whether ranks end their turns on their device."""
-        def switch(on: bool | None) -> pb.Adapt:
-            return pb.ADAPT_UNCHANGED if on is None else pb.ADAPT_ON if on else pb.ADAPT_OFF
-
-        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=switch(adapt),
-                               handover=switch(handover))
+        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=switches.to_wire(adapt),
+                               handover=switches.to_wire(handover))
         for stub in self._stubs:
             stub.SetPolicy(req, timeout=5)
 

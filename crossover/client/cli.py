@@ -34,6 +34,7 @@ from crossover.protos import (
     USER_METADATA_KEY,
     admin_socket_path,
     default_socket_path,
+    switches,
 )
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -319,16 +320,13 @@ _POLICY_HELP += ("\n\nWith --adapt each device measures, in windows aligned on t
               help="Let ranks that can end their turns on their device (or make every rank's CPU wait for it).")
 def policy(name: str | None, adapt: bool | None, handover: bool | None, **kw: Any) -> None:
     ctx = _ctx(kw)
-    req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "", adapt=_switch(adapt),
-                           handover=_switch(handover))
+    req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name or "", adapt=switches.to_wire(adapt),
+                           handover=switches.to_wire(handover))
     reply = ctx.call("SetPolicy" if name or adapt is not None or handover is not None else "GetPolicy", req)
     ctx.emit("policy", reply, lambda d: f"policy {d['name']}, adapt {'on' if d.get('adapt') else 'off'}, "
                                         f"hand-over {'on' if d.get('handover') else 'off'} "
                                         f"(available: {', '.join(d['available'])})")
 
-
-def _switch(on: bool | None) -> pb.Adapt:
-    return pb.ADAPT_UNCHANGED if on is None else pb.ADAPT_ON if on else pb.ADAPT_OFF
 
 
 def _device_cmd(method: str, verb: str) -> Callable[..., None]:
