@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -63,7 +62,7 @@ import grpc
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.emulated_judge import summarize
+from bench.emulated_judge import phase_medians, summarize
 from bench.emulated_report import plot_timeline, render
 from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
@@ -150,9 +149,8 @@ def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) 
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"calibration failed:\n{job.output()[-3000:]}")
         events = [e for n in cluster.nodes for e in read_events(n.event_log)]
-    c = [e.fields["held_s"] for e in events if e.name is EventName.RELEASE and "held_s" in e.fields][8:]
-    m = [e.fields["duration_s"] for e in events if e.name is EventName.COMM_END][8:]
-    return {"rate_mbit": rate, "batch": batch, "C": statistics.median(c), "M": statistics.median(m),
+    c, m = phase_medians(events, skip=8)
+    return {"rate_mbit": rate, "batch": batch, "C": c, "M": m,
             "params": rank_summaries(workdir / "out")[0]["params"]}
 
 

@@ -14,6 +14,13 @@ from crossover.protos.event_file import Event, EventName, typed
 from crossover.protos.event_phases import HOLDS, read_phases
 
 
+def phase_medians(events: list[Event], skip: int) -> tuple[float, float]:
+    """Medians of the compute (grant to release) and comm phases in `events`, after the first `skip` of each."""
+    c = [e.fields["held_s"] for e in events if e.name is EventName.RELEASE and "held_s" in e.fields][skip:]
+    m = [e.fields["duration_s"] for e in events if e.name is EventName.COMM_END][skip:]
+    return statistics.median(c), statistics.median(m)
+
+
 def phase_intervals(events: list[dict[str, Any]],
                     phases: frozenset[str] = HOLDS) -> dict[str, list[tuple[float, float]]]:
     """Per job name, the [start, end) intervals of one node's event log in `phases` (default: holding the

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.emulated import ClusterAdmin, job_ids, wait_warm
-from bench.emulated_judge import summarize
+from bench.emulated_judge import phase_medians, summarize
 from bench.emulated_report import plot_timeline
 from bench.emulated_scenarios import CPU_HANDOVER, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
@@ -213,13 +212,6 @@ def _spec(args: argparse.Namespace, rate: float) -> ClusterSpec:
                        gpu_nodes=() if args.dry_run else (0,), cores=(usable[0], usable[-1]))
 
 
-def _phases(events: list[dict[str, Any]], skip: int) -> tuple[float, float]:
-    """Medians of the GPU node's compute (grant→release) and comm phases, after `skip` of each."""
-    c = [e.fields["held_s"] for e in typed(events) if e.name is EventName.RELEASE and "held_s" in e.fields][skip:]
-    m = [e.fields["duration_s"] for e in typed(events) if e.name is EventName.COMM_END][skip:]
-    return statistics.median(c), statistics.median(m)
-
-
 def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, iters: int, workdir: Path
              ) -> dict[str, Any]:
     """One job alone (policy passthrough): its summaries, events and measured window."""
@@ -262,7 +254,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
         raise RuntimeError("cannot build the emulated cluster: " + "; ".join(reasons))
     cal = run_solo("calibration", args, args.ref_rate, 0.0, args.warmup + args.calibration_iters,
                    workdir / "calibration")
-    c, m = _phases(cal["events"]["node0"], args.warmup)
+    c, m = phase_medians(typed(cal["events"]["node0"]), args.warmup)
     rate = float(round(min(args.max_rate, max(args.min_rate, m * args.ref_rate / (args.ratio * c)))))
     _log(f"calibration: compute {1000 * c:.1f} ms, allreduce {1000 * m:.1f} ms at {args.ref_rate:g} Mbit/s "
          f"-> link {rate:g} Mbit/s for comm:compute {args.ratio:g}")
