@@ -47,7 +47,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from collections import deque
@@ -55,14 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from crossover.protos.turn_page import reached
+from crossover.protos.turn_page import PAGE_BYTES, WORD, reached
 
 from .model import DeviceModel, DeviceParams
 
 _log = logging.getLogger("tools.device_model")
 _MAX_LINE = 256
 _MAX_FDS = 4  # fds one recv takes; more than one on a line drops the context anyway
-PAGE_BYTES = 4096
 _POLL_S = 200e-6  # how often pages are read while a stream waits on one
 _EPOLL_TICK_S = 1e-3  # epoll's resolution: shorter waits sleep instead
 _RECV_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
@@ -119,7 +117,7 @@ def _seconds(word: str) -> float:
 
 
 def _word(page: mmap.mmap) -> int:
-    value: int = struct.unpack_from("<I", page, 0)[0]
+    value: int = WORD.unpack_from(page, 0)[0]
     return value
 
 
@@ -222,7 +220,7 @@ class DeviceServer:
             if op.kind == "wait" and not reached(_word(ctx.peers[op.page]), op.ticket):
                 return
             if op.kind == "signal" and ctx.own is not None:
-                struct.pack_into("<I", ctx.own, 0, op.ticket)
+                WORD.pack_into(ctx.own, 0, op.ticket)
             ctx.ops.popleft()
             if op.kind == "sync":
                 self._send(ctx, b"done\n")
