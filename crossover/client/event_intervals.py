@@ -10,6 +10,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from crossover.errors import CrossoverError
 from crossover.protos.event_phases import (
     HOLDS,
     DeviceKey,
@@ -87,7 +88,7 @@ class Stats:
     sharing_gain: float = 0.0
 
 
-class UnknownJob(ValueError):
+class UnknownJob(CrossoverError, ValueError):
     """A job asked for by name or id that the log does not contain."""
 
 

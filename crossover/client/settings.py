@@ -9,11 +9,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from crossover.errors import CrossoverError
 from crossover.protos import default_socket_path
 
 __all__ = ["AggregationSettings", "PluginSettings", "PLUGIN_SETTINGS", "SettingError", "parse_cpu_list"]
 
-class SettingError(ValueError):
+class SettingError(CrossoverError, ValueError):
     """A `CROSSOVER_*` variable or flag has a value we cannot use."""
 
 

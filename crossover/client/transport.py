@@ -21,6 +21,7 @@ from typing import Protocol
 import grpc
 
 from crossover.client.settings import PluginSettings
+from crossover.errors import CrossoverError
 from crossover.protos import PROTOCOL_VERSION, TOKEN_METADATA_KEY, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -35,7 +36,7 @@ _CLOSE = object()
 _MAX_FDS = 4
 
 
-class Unreachable(Exception):
+class Unreachable(CrossoverError):
     """No daemon to attach to, or one that refused this rank: `why`, and what the rank does next (`then`)."""
 
     def __init__(self, why: str, then: str = "") -> None:
@@ -78,7 +79,7 @@ def connect(settings: PluginSettings, identity: pb.RankIdentity, channel: grpc.C
     return reg, GrpcStream(stub, metadata, first)
 
 
-class StreamBroken(Exception):
+class StreamBroken(CrossoverError):
     """The stream ended other than by the daemon closing it cleanly; the message says why."""
 
 

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from crossover.errors import CrossoverError
 from crossover.protos import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
@@ -154,10 +155,6 @@ class Policy(Protocol):
     def is_waiting(self, key: RankKey) -> bool: ...
 
     def view(self, device: int) -> DeviceView: ...
-
-
-class CrossoverError(Exception):
-    """Base class of every error Crossover raises on purpose."""
 
 
 class InvalidRequest(CrossoverError, ValueError):

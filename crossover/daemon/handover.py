@@ -26,6 +26,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 
+from crossover.errors import CrossoverError
 from crossover.protos.turn_page import PAGE_BYTES, WORD, reached
 
 __all__ = ["PAGE_BYTES", "Page", "Pages", "PagesUnavailable"]
@@ -36,7 +37,7 @@ _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python names it from 3.12 on
 
 
-class PagesUnavailable(OSError):
+class PagesUnavailable(CrossoverError, OSError):
     """This kernel or Python cannot make sealed shared pages (no memfd_create): ranks take the usual path."""
 
 

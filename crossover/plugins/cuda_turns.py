@@ -19,6 +19,8 @@ import os
 from ctypes import byref, c_char_p, c_int, c_long, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
 from typing import Callable
 
+from crossover.errors import CrossoverError
+
 __all__ = ["CudaTurns", "CudaUnavailable", "StreamMemory"]
 
 PAGE_BYTES = 4096
@@ -27,7 +29,7 @@ _REGISTER_PORTABLE, _REGISTER_DEVICEMAP, _REGISTER_READ_ONLY = 0x01, 0x02, 0x08
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-class CudaUnavailable(RuntimeError):
+class CudaUnavailable(CrossoverError, RuntimeError):
     """A driver call failed or is missing; the message names the call and the driver's error."""
 
 

@@ -9,13 +9,14 @@ import os
 from typing import Any, Literal, Optional
 
 from crossover.client.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
+from crossover.errors import CrossoverError
 
 __all__ = ["AggregationError", "Rule", "current_rule", "prepare_horovod", "set_aggregation", "settings"]
 
 Rule = Literal["average", "sum", "adasum", "weighted", "group_async"]
 
 
-class AggregationError(ValueError):
+class AggregationError(CrossoverError, ValueError):
     """The requested aggregation cannot be applied as asked (the message says why and what to do)."""
 
 

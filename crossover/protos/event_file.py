@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crossover.errors import CrossoverError
+
 __all__ = ["FORMAT", "Event", "EventName", "UnsupportedLog", "encode", "header", "read_events", "read_jsonl",
            "rotated_paths", "typed"]
 
@@ -65,7 +67,7 @@ class EventName(str, enum.Enum):
         return self.value
 
 
-class UnsupportedLog(ValueError):
+class UnsupportedLog(CrossoverError, ValueError):
     """An event log this code cannot read: written in a newer format."""
 
 

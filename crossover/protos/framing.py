@@ -11,6 +11,8 @@ import socket
 import struct
 from typing import Callable, TypeVar
 
+from crossover.errors import CrossoverError
+
 __all__ = ["HEADER", "MAX_FRAME", "FrameError", "FrameReader", "encode", "frame_length", "shut"]
 
 _M = TypeVar("_M")
@@ -20,7 +22,7 @@ MAX_FRAME = 1 << 20  # the largest event (a BATCH of a few hundred iterations) i
 _LEN = struct.Struct(">I")
 
 
-class FrameError(ValueError):
+class FrameError(CrossoverError, ValueError):
     """A frame header that cannot start a valid message, or a stream that ends inside a frame."""
 
 

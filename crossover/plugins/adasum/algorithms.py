@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Literal, Optional, Protocol
 
 import torch
 
+from crossover.errors import CrossoverError
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -80,7 +82,7 @@ only when the size is not a power of two); each rank sends and receives about
 """
 
 
-class AdasumError(ValueError):
+class AdasumError(CrossoverError, ValueError):
     """Inputs to an Adasum function do not fit together (shape, dtype, size)."""
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from crossover.errors import CrossoverError
+
 __all__ = ["GroupingError", "parse_groups", "speed_groups", "static_groups", "steps_per_group"]
 
 Groups = tuple[tuple[int, ...], ...]
 
 
-class GroupingError(ValueError):
+class GroupingError(CrossoverError, ValueError):
     """A group spec that does not partition the ranks."""
 
 

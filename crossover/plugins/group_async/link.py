@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from crossover.errors import CrossoverError
 from crossover.plugins.group_async.codec import Codec, as_bytes, decode
 from crossover.plugins.group_async.wire import WireError, node_identity, recv_frame, send_frame
 
@@ -95,7 +96,7 @@ class _Slots:
                 pass
 
 
-class ServiceError(RuntimeError):
+class ServiceError(CrossoverError, RuntimeError):
     """The service refused a call (its message says why): a misuse, not an outage, so it is raised."""
 
 

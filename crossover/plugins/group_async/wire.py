@@ -14,13 +14,15 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from crossover.errors import CrossoverError
+
 __all__ = ["MAX_HEADER", "WireError", "node_identity", "recv_frame", "send_frame"]
 
 MAX_HEADER = 1 << 20
 _LEN = struct.Struct(">I")
 
 
-class WireError(ConnectionError):
+class WireError(CrossoverError, ConnectionError):
     """The peer closed the connection or sent something that is not a frame."""
 
 

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
+from crossover.errors import CrossoverError
+
 __all__ = [
     "BatchSizeConfig",
     "BatchSizeConfigError",
@@ -20,7 +22,7 @@ Method = Literal["ema", "numerical"]
 _METHODS = ("ema", "numerical")
 
 
-class BatchSizeError(ValueError):
+class BatchSizeError(CrossoverError, ValueError):
     """Base class of the errors raised by this module."""
 
 

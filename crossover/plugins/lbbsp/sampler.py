@@ -26,6 +26,7 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Protocol, Union, runtime_checkable
 
+from crossover.errors import CrossoverError
 from crossover.plugins.lbbsp.apportion import apportion
 from crossover.plugins.lbbsp.controller import BatchSizeController
 from crossover.plugins.lbbsp.state import LBBSPState
@@ -35,7 +36,7 @@ __all__ = ["LBBSPSampler", "SamplerError", "SizeSource", "SupportsSizes", "Weigh
 logger = logging.getLogger(__name__)
 
 
-class SamplerError(ValueError):
+class SamplerError(CrossoverError, ValueError):
     """Bad sampler argument, or a size source returned an invalid assignment."""
 
 
