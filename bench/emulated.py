@@ -66,11 +66,11 @@ from bench.emulated_judge import phase_medians, summarize
 from bench.emulated_report import plot_timeline, render
 from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
-from crossover.client.settings import SettingError, parse_cpu_list
+from crossover.plugins.hook.settings import SettingError, parse_cpu_list
 from crossover.protos import PROTOCOL_VERSION, admin_socket_path, switches
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from crossover.protos.event_file import EventName, read_events, read_jsonl, typed
+from crossover.protos.event_file import EventName, read_events, typed
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.device_model import DeviceParams
 from tools.harness.jobs import WORKLOADS, rank_summaries, with_import
@@ -249,7 +249,7 @@ def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Names
                           name=name, env=args.job_env)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"solo {name} failed:\n{job.output()[-3000:]}")
-        events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
+        events = {n.name: read_events(n.event_log) for n in cluster.nodes}
     ranks = rank_summaries(workdir / f"out_{name}")
     r0 = min(ranks, key=lambda r: r["rank"])
     its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
@@ -327,7 +327,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
         for j in jobs:
             if j.wait(args.job_timeout) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
-        events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
+        events = {n.name: read_events(n.event_log) for n in cluster.nodes}
     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batches}: {names[-1]} alone")
     if not mixed:
         solos.append(run_solo(names[-1], 1000 + len(names) - 1, rate, batches[-1], args, workdir / "solo_last"))

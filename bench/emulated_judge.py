@@ -9,7 +9,7 @@ from typing import Any
 
 from bench.emulated_scenarios import MODES, Scenario
 from bench.lib.judge import percentile
-from crossover.client.event_intervals import covered_length
+from crossover.client.cli.event_intervals import covered_length
 from crossover.protos.event_file import Event, EventName, typed
 from crossover.protos.event_phases import HOLDS, read_phases
 
@@ -21,7 +21,7 @@ def phase_medians(events: list[Event], skip: int) -> tuple[float, float]:
     return statistics.median(c), statistics.median(m)
 
 
-def phase_intervals(events: list[dict[str, Any]],
+def phase_intervals(events: list[Event],
                     phases: frozenset[str] = HOLDS) -> dict[str, list[tuple[float, float]]]:
     """Per job name, the [start, end) intervals of one node's event log in `phases` (default: holding the
     device, a grant to its release), as `crossover.protos.event_phases` reads them."""
@@ -37,7 +37,7 @@ def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) ->
     return covered_length((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
 
 
-def turn_agreement(ev0: list[dict[str, Any]], ev1: list[dict[str, Any]], lo: float, hi: float) -> float | None:
+def turn_agreement(ev0: list[Event], ev1: list[Event], lo: float, hi: float) -> float | None:
     """How often two nodes granted in the same order: over consecutive grants (job, iteration) of different
     jobs on node 0 within [lo, hi], the fraction that node 1 granted in the same relative order."""
     seq0 = [(e.job, e.get("iteration")) for e in typed(ev0) if e.name is EventName.GRANT and lo <= e.t <= hi]
@@ -76,7 +76,7 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
         comp = phase_intervals(events)  # a paused job may hold a passthrough grant: skip it
         busy[node] = _union_length([iv for job in seg["running"] for iv in comp.get(job, [])], lo, hi) / (hi - lo)
         last_release = None
-        for e in filter(None, map(Event.from_json, events)):
+        for e in typed(events):
             if not lo <= e.t <= hi:
                 continue
             if e.name is EventName.RELEASE and "held_s" in e.fields:

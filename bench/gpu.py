@@ -57,7 +57,7 @@ from bench.emulated_report import plot_timeline
 from bench.emulated_scenarios import CPU_HANDOVER, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
-from crossover.protos.event_file import EventName, read_jsonl, typed
+from crossover.protos.event_file import EventName, read_events
 from tools import checkout_on_path
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.harness.daemon import kill_group, queue_state
@@ -174,9 +174,9 @@ def check_release(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if res.returncode != 0:
             raise RuntimeError(f"release probe exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}")
         time.sleep(0.5)
-        events = read_jsonl(d.events)
+        events = read_events(d.events)
     probe = rank_summaries(out)[0]
-    releases = [e.t for e in typed(events) if e.name is EventName.RELEASE and e.get("job_name") == "release-probe"]
+    releases = [e.t for e in events if e.name is EventName.RELEASE and e.get("job_name") == "release-probe"]
     return judge_release(probe["launched"], releases, probe["sleep_s"])
 
 
@@ -222,7 +222,7 @@ def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, i
                           env=args.job_env)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"{name} failed:\n{job.output()[-3000:]}")
-        events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
+        events = {n.name: read_events(n.event_log) for n in cluster.nodes}
     ranks = rank_summaries(workdir / f"out_{name}")
     r0 = min(ranks, key=lambda r: r["rank"])
     its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
@@ -254,7 +254,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
         raise RuntimeError("cannot build the emulated cluster: " + "; ".join(reasons))
     cal = run_solo("calibration", args, args.ref_rate, 0.0, args.warmup + args.calibration_iters,
                    workdir / "calibration")
-    c, m = phase_medians(typed(cal["events"]["node0"]), args.warmup)
+    c, m = phase_medians(cal["events"]["node0"], args.warmup)
     rate = float(round(min(args.max_rate, max(args.min_rate, m * args.ref_rate / (args.ratio * c)))))
     _log(f"calibration: compute {1000 * c:.1f} ms, allreduce {1000 * m:.1f} ms at {args.ref_rate:g} Mbit/s "
          f"-> link {rate:g} Mbit/s for comm:compute {args.ratio:g}")
@@ -299,7 +299,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
         for j in jobs:
             if j.wait(args.job_timeout) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
-        events = {n.name: read_jsonl(n.event_log) for n in cluster.nodes}
+        events = {n.name: read_events(n.event_log) for n in cluster.nodes}
     _log("job1 alone")
     solo = run_solo("job1", args, rate, peer_ms, args.warmup + args.solo_iters, workdir / "solo")
     scenario = Scenario(f"gpu {args.model} b{args.batch} comm:compute {args.ratio:g} x{args.jobs}", args.ratio,

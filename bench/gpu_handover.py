@@ -215,8 +215,8 @@ def _worker(kind: str, role: int, cfg: dict[str, Any], parent: Connection, peer:
 
 
 def _run_daemon_path(role: int, cfg: dict[str, Any], parent: Connection, peer: Connection | None) -> dict[str, Any]:
-    from crossover.client.session import Session
-    from crossover.client.settings import PluginSettings
+    from crossover.client.rank.session import Session
+    from crossover.plugins.hook.settings import PluginSettings
     from crossover.protos.identity import RankIdentity
 
     dev = _device(cfg)

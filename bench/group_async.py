@@ -306,8 +306,8 @@ def exchange_cost(console: Console, sizes: tuple[int, ...] = EXCHANGE_SIZES) -> 
     that moved since its last answer and waits for the new one: the figure is the whole call."""
     import torch
 
-    from crossover.plugins.group_async.codec import Codec
-    from crossover.plugins.group_async.link import ServiceLink, ServiceProcess
+    from crossover.plugins.aggregation.group_async.codec import Codec
+    from crossover.plugins.aggregation.group_async.link import ServiceLink, ServiceProcess
 
     rows = []
     for numel in sizes:

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from crossover.plugins.aggregation import replay_decisions
-from crossover.plugins.lbbsp.config import BatchSizeConfig, BatchSizeConfigError
+from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig, BatchSizeConfigError
 
 _OVERRIDES = ("period", "ema_alpha", "method", "warmup", "hysteresis")
 # The settings a results file without `lbbsp_config` (or `lbbsp_min_gain`) was recorded with.

@@ -66,8 +66,8 @@ import psutil
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
 from bench.load_analysis import Key, grant_records, leak_suspected, lost_requests, net_of_queueing, split
-from crossover.client.session import Session
-from crossover.client.settings import PluginSettings
+from crossover.client.rank.session import Session
+from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc

@@ -41,7 +41,7 @@ from rich.table import Table
 from bench.lib.jobs import WORKLOAD, finish_job, start_job
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
-from crossover.client.settings import SettingError, parse_cpu_list
+from crossover.plugins.hook.settings import SettingError, parse_cpu_list
 from tools.harness.daemon import DaemonProc
 from tools.harness.jobs import with_import
 

@@ -12,10 +12,10 @@ one warning.
 import logging as _logging
 import os as _os
 
-from crossover.client.settings import PluginSettings as _PluginSettings
-from crossover.client.settings import SettingError as _SettingError
-from crossover.plugins import horovod_torch as _hook
-from crossover.plugins.horovod_torch import use_device, waiting
+from crossover.plugins.hook import horovod_torch as _hook
+from crossover.plugins.hook.horovod_torch import use_device, waiting
+from crossover.plugins.hook.settings import PluginSettings as _PluginSettings
+from crossover.plugins.hook.settings import SettingError as _SettingError
 
 __all__ = ["use_device", "waiting"]
 

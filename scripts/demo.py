@@ -23,8 +23,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from crossover.client.event_intervals import merge_logs, policy_changes
-from crossover.protos.event_file import read_jsonl
+from crossover.client.cli.event_intervals import merge_logs, policy_changes
+from crossover.protos.event_file import read_events
 from tools.cluster import preflight
 from tools.harness.daemon import BIN
 
@@ -37,7 +37,7 @@ _WINDOW_S = 3.0
 def _window(logs: list[Path], policy: str) -> tuple[float, float] | None:
     """Seconds (from the logs' first event, on the clock `crossover timeline` uses) of a stretch under
     `policy`, after the switch has settled."""
-    events = merge_logs([read_jsonl(log) for log in logs])
+    events = merge_logs([read_events(log) for log in logs])
     switches = [t for t, new in policy_changes(events) if new == policy]
     if not switches:
         return None

@@ -1,4 +1,4 @@
-"""Rewrite the README's settings table from crossover.client.settings.PLUGIN_SETTINGS.
+"""Rewrite the README's settings table from crossover.plugins.hook.settings.PLUGIN_SETTINGS.
 
 Usage: python -m scripts.gen_settings_table   (tests/unit/test_readme.py fails while they differ)
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crossover.client.settings import PLUGIN_SETTINGS
+from crossover.plugins.hook.settings import PLUGIN_SETTINGS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 _BEGIN = "<!-- settings-table"

@@ -4,7 +4,7 @@
   timer (`%globaltimer`, one clock for every context on the GPU) at `addr`;
 * `spin(stream, ns)`: a one-thread kernel that runs for `ns` nanoseconds;
 * `wait_value` / `write_value` and `register_host`: the product's own stream
-  memory operations (`crossover.plugins.cuda_turns.StreamMemory`), which the
+  memory operations (`crossover.plugins.hook.cuda_turns.StreamMemory`), which the
   plugin's hand-over on the GPU uses, so the check measures the same calls.
 
 The kernels are PTX text JIT-compiled by the driver at load (ISA 6.0, sm_60
@@ -16,8 +16,8 @@ from __future__ import annotations
 import ctypes
 from ctypes import byref, c_char_p, c_uint, c_uint64, c_void_p
 
-from crossover.plugins.cuda_turns import CudaUnavailable as CudaError
-from crossover.plugins.cuda_turns import StreamMemory
+from crossover.plugins.hook.cuda_turns import CudaUnavailable as CudaError
+from crossover.plugins.hook.cuda_turns import StreamMemory
 
 __all__ = ["CudaDriver", "CudaError"]
 
@@ -53,7 +53,7 @@ $Lspin:
 """
 
 class CudaDriver(StreamMemory):
-    """The product's stream memory operations (`crossover.plugins.cuda_turns.StreamMemory`) and two timer
+    """The product's stream memory operations (`crossover.plugins.hook.cuda_turns.StreamMemory`) and two timer
     kernels, on the current context."""
 
     def __init__(self) -> None:

@@ -1,3 +1,7 @@
-"""The rank's and the operator's side of the wire: the session a rank keeps with its
-node's crossoverd, the transports under it, the rank's phase reporter, the plugin's
-settings and the `crossover` CLI."""
+"""The client side of the wire, cut by who uses it.
+
+- `rank/`: a training rank's session with its node's crossoverd and the transports under it
+  (used by the Horovod hook, `crossover.plugins.hook`).
+- `admin.py` and `cli/`: the operator's side, a typed `AdminClient` of the daemon's Admin service
+  and the `crossover` command (one module per command) that uses it and reads event logs.
+"""

@@ -122,9 +122,14 @@ class Event:
         return cls(known, float(t), float(wall) if isinstance(wall, (int, float)) else 0.0, fields)
 
 
-def typed(entries: Iterable[Mapping[str, Any]]) -> list[Event]:
-    """The events among line objects (an in-memory log's entries, or `read_jsonl`'s), in their order."""
-    return [e for e in map(Event.from_json, entries) if e is not None]
+def typed(entries: Iterable[Event | Mapping[str, Any]]) -> list[Event]:
+    """The events among `entries` (`Event`s, or line objects: an in-memory log's, `read_jsonl`'s), in order."""
+    out: list[Event] = []
+    for e in entries:
+        event = e if isinstance(e, Event) else Event.from_json(e) if isinstance(e, Mapping) else None
+        if event is not None:
+            out.append(event)
+    return out
 
 
 def header(**about: Any) -> str:

@@ -10,11 +10,11 @@ import logging
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Union
 
-from crossover.protos.event_file import EventName
+from crossover.protos.event_file import Event, EventName, typed
 
 __all__ = ["HOLDS", "DeviceKey", "Interval", "PhaseKind", "PhaseLog", "merge_logs", "operator_marks", "policy_changes",
            "read_phases"]
@@ -25,6 +25,9 @@ PhaseKind = Literal["compute", "comm", "wait", "overdue", "suspended"]
 DeviceKey = tuple[str, int]  # (node, device index)
 
 _OPERATOR_MARKS = (EventName.DRAIN, EventName.RESUME, EventName.EVICT)  # without a rank: about a device
+
+Events = Iterable[Union[Event, Mapping[str, Any]]]
+"""What the readers here take: `Event`s, or the objects of a log's lines (an in-memory log's entries)."""
 
 HOLDS: frozenset[str] = frozenset({"compute", "overdue"})
 """The phases in which a rank's compute runs on its device."""
@@ -71,32 +74,21 @@ class PhaseLog:
     last: float
 
 
-def merge_logs(logs: Iterable[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+def merge_logs(logs: Iterable[Events]) -> list[Event]:
     """One event list from several daemons' logs, each event's `t` in seconds since the earliest event.
 
     Each log's `t` is its own daemon's monotonic clock, which means nothing on another node; each log
     is shifted onto the wall clock by its median `wall - t` (robust to a clock step), keeping the
-    monotonic spacing inside a log. Entries without a numeric `t` or an `event` are dropped.
+    monotonic spacing inside a log. Entries that are no event (no name, no numeric `t`) are dropped.
     """
-    shifted: list[dict[str, Any]] = []
+    shifted: list[Event] = []
     for log in logs:
-        events = [dict(e) for e in log if _is_event(e)]
-        walls = [e["wall"] - e["t"] for e in events
-                 if isinstance(e.get("wall"), (int, float)) and math.isfinite(e["wall"])]
+        events = typed(log)
+        walls = [e.wall - e.t for e in events if e.wall and math.isfinite(e.wall)]
         offset = statistics.median(walls) if walls else 0.0
-        for e in events:
-            e["t"] = e["t"] + offset
-        shifted.extend(events)
-    if shifted:
-        origin = min(e["t"] for e in shifted)
-        for e in shifted:
-            e["t"] -= origin
-    return shifted
-
-
-def _is_event(e: Any) -> bool:
-    return (isinstance(e, Mapping) and isinstance(e.get("event"), str) and isinstance(e.get("t"), (int, float))
-            and not isinstance(e.get("t"), bool) and e["t"] == e["t"])
+        shifted.extend(replace(e, t=e.t + offset) for e in events)
+    origin = min((e.t for e in shifted), default=0.0)
+    return [replace(e, t=e.t - origin) for e in shifted]
 
 
 class _Rank:
@@ -132,47 +124,47 @@ class _Rank:
             self.end(phase, t, complete=False)
 
 
-def read_phases(events: Iterable[Mapping[str, Any]]) -> PhaseLog:
+def read_phases(events: Events) -> PhaseLog:
     """Pair the events of each rank (node, job, rank), in `t` order, into phases.
 
     An end without its beginning (the log was rotated or cut there) is kept only when it says how long
     the phase was: a `comm_end` by its `duration_s`, a grant's wait by its `waited_s`; a release without
     a grant is ignored. A phase still open at the end of its node's log ends there, incomplete.
     """
-    evs = [e for e in events if _is_event(e)]
+    evs = typed(events)
     jobs: dict[str, str] = {}
-    per_rank: dict[tuple[str, str, int], list[Mapping[str, Any]]] = defaultdict(list)
+    per_rank: dict[tuple[str, str, int], list[Event]] = defaultdict(list)
     node_last: dict[str, float] = {}
     for e in evs:
         node = str(e.get("node", ""))
-        node_last[node] = max(node_last.get(node, e["t"]), e["t"])
-        if "rank" not in e or "job" not in e:
+        node_last[node] = max(node_last.get(node, e.t), e.t)
+        if not e.about_rank:
             continue  # policy, drain, resume of a device: not about a rank
-        job = str(e["job"])
+        job = str(e.job)
         jobs.setdefault(job, str(e.get("job_name") or job))
-        per_rank[(node, job, _int(e["rank"]))].append(e)
+        per_rank[(node, job, _int(e.rank))].append(e)
     out: list[Interval] = []
     for (node, job, rank), rank_events in per_rank.items():
         state = _Rank(node, job, jobs[job], rank, out)
-        for e in sorted(rank_events, key=lambda e: e["t"]):
+        for e in sorted(rank_events, key=lambda e: e.t):
             _replay(state, e)
         state.end_all(node_last[node])
     out.sort(key=lambda iv: (iv.start, iv.end))
-    first = min((e["t"] for e in evs), default=0.0)
-    last = max((e["t"] for e in evs), default=0.0)
+    first = min((e.t for e in evs), default=0.0)
+    last = max((e.t for e in evs), default=0.0)
     return PhaseLog(tuple(out), jobs, first, last)
 
 
-def _replay(r: _Rank, e: Mapping[str, Any]) -> None:
-    ev, t, device = e["event"], float(e["t"]), _int(e.get("device", -1))
+def _replay(r: _Rank, e: Event) -> None:
+    ev, t, device = e.name, e.t, _int(e.get("device", -1))
     if ev == EventName.REQUEST:
         r.begin("wait", t, device)
     elif ev == EventName.GRANT:
         r.end_measured("wait", t, device, _float(e.get("waited_s")))
         r.begin("compute", t, device)
     elif ev == EventName.RELEASE:
-        if not r.end("compute", t, complete="held_s" in e and not e.get("yields")):
-            _log.debug("release without a grant ignored: %s", dict(e))
+        if not r.end("compute", t, complete="held_s" in e.fields and not e.get("yields")):
+            _log.debug("release without a grant ignored: %s", e)
     elif ev == EventName.OVERDUE:
         r.end("compute", t, complete=False)
         r.begin("overdue", t, device)
@@ -211,24 +203,24 @@ def _float(value: Any) -> float:
 
 
 
-def operator_marks(events: Iterable[Mapping[str, Any]]) -> list[tuple[float, str]]:
+def operator_marks(events: Events) -> list[tuple[float, str]]:
     """(t, text) of each drain, resume and eviction of a device or job, in time order, with its node."""
     out = []
-    for e in events:
-        if not _is_event(e) or "rank" in e or e["event"] not in _OPERATOR_MARKS:
+    for e in typed(events):
+        if "rank" in e.fields or e.name not in _OPERATOR_MARKS:
             continue
-        evicted = e["event"] == EventName.EVICT and e.get("job")
-        what = f"job {e['job']}"[:20] if evicted else f"dev{_int(e.get('device'))}"
-        out.append((float(e["t"]), f"{e['event']} {what} @{e.get('node', '?')}"))
+        evicted = e.name == EventName.EVICT and e.job
+        what = f"job {e.job}"[:20] if evicted else f"dev{_int(e.get('device'))}"
+        out.append((e.t, f"{e.name} {what} @{e.get('node', '?')}"))
     return sorted(out)
 
 
-def policy_changes(events: Iterable[Mapping[str, Any]], within_s: float = 1.0) -> list[tuple[float, str]]:
+def policy_changes(events: Events, within_s: float = 1.0) -> list[tuple[float, str]]:
     """(t, new policy) of each `policy` event, in time order; the same switch logged by several nodes
     within `within_s` of each other is one."""
     out: list[tuple[float, str]] = []
-    for e in sorted((e for e in events if _is_event(e) and e["event"] == EventName.POLICY), key=lambda e: e["t"]):
+    for e in sorted((e for e in typed(events) if e.name == EventName.POLICY), key=lambda e: e.t):
         new = str(e.get("new", "?"))
-        if not any(name == new and e["t"] - t <= within_s for t, name in out[-8:]):
-            out.append((e["t"], new))
+        if not any(name == new and e.t - t <= within_s for t, name in out[-8:]):
+            out.append((e.t, new))
     return out

@@ -64,7 +64,7 @@ def answers_within(d: DaemonProc, seconds: float) -> float:
 
 def grant_waits(d: DaemonProc, job_name: str) -> list[float]:
     """Every grant wait the daemon logged for a job, in seconds."""
-    return [e.get("waited_s", 0.0) for e in d.events() if e["event"] == "grant" and e.get("job_name") == job_name]
+    return [e.get("waited_s", 0.0) for e in d.events() if e.name == "grant" and e.get("job_name") == job_name]
 
 
 def stops_on_sigterm(d: DaemonProc, grace_s: float = 5.0) -> float:
@@ -77,4 +77,4 @@ def stops_on_sigterm(d: DaemonProc, grace_s: float = 5.0) -> float:
 
 
 def event_kinds(d: DaemonProc) -> list[Any]:
-    return [e["event"] for e in d.events()]
+    return [e.name for e in d.events()]

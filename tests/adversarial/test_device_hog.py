@@ -60,7 +60,7 @@ def test_a_heartbeating_holder_is_moved_aside_within_the_floor(daemon_factory, j
     waits = grant_waits(d, "victim")
     # The first grant waits out the hog's hold (floor 3 s, reaped every 0.1 s); then the two jobs alternate.
     assert waits and max(waits) < 4.5, sorted(waits)[-3:]
-    overdue = [e for e in d.events() if e["event"] == "overdue" and e.get("job_name") == "hog"]
+    overdue = [e for e in d.events() if e.name == "overdue" and e.get("job_name") == "hog"]
     assert len(overdue) == 1 and overdue[0]["limit_s"] == pytest.approx(3.0)
     assert answers_within(d, 1.0) < 1.0
     held.kill()
@@ -93,4 +93,4 @@ def test_the_operator_takes_the_device_back_and_removes_the_job(daemon_factory, 
                 for r in dev[key] if r.get("job_name") == "hog"]
     assert victim.wait(150) == 0, victim.output()[-3000:]
     assert max(grant_waits(d, "victim")[1:]) < 2.0
-    assert [e["event"] for e in d.events()].count("evict") == 2
+    assert [e.name for e in d.events()].count("evict") == 2

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from attack_bed import NOBODY, NOGROUP, answers_within, grant_waits, start_victim, stops_on_sigterm
 
-from crossover.client.transport import FrameStream
+from crossover.client.rank.transport import FrameStream
 from crossover.protos import PROTOCOL_VERSION, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from crossover.protos.event_file import Event
 from tools.harness.daemon import DaemonProc, cli, set_policy
 from tools.harness.jobs import CHECKOUT, Job
 from tools.harness.oracles import compute_intervals, overlaps
@@ -55,7 +56,7 @@ def _rounds(warm_up: bool, blocking: tuple[str, ...]) -> tuple[str, ...]:
 def run_pair_in_rounds(daemon_factory: Callable[..., DaemonProc], jobs: list[Job], tmp: Path, devices: str,
                        label: str, start_job: Callable[[str, tuple[str, ...], dict[str, str]], Job],
                        warm_up: bool = True, blocking: tuple[str, ...] = POLICY_ROUNDS,
-                       switch_every_s: float = 1.0) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                       switch_every_s: float = 1.0) -> tuple[dict[str, float], list[Event]]:
     """Two co-located 2-rank jobs, A and B, through their rounds on a daemon of `devices` CPU devices.
 
     `start_job(name, flags, env)` starts job NAME through `with_crossover.py` with `flags` (the round
@@ -132,32 +133,32 @@ def _drive_rounds(daemon: DaemonProc, jobs: list[Job], folder: Path, ranks: int,
     return walls
 
 
-def events_by_policy(events: list[dict[str, Any]], first: str = POLICY_ROUNDS[0]) -> dict[str, list[dict[str, Any]]]:
+def events_by_policy(events: list[Event], first: str = POLICY_ROUNDS[0]) -> dict[str, list[Event]]:
     """The event log cut at each policy switch: what happened under each policy, the daemon started
     under `first`. (Between rounds every rank waits, its device free, so no grant spans a cut.)"""
-    out: dict[str, list[dict[str, Any]]] = {name: [] for name in POLICY_ROUNDS}
+    out: dict[str, list[Event]] = {name: [] for name in POLICY_ROUNDS}
     current = first
     for e in events:
-        if e["event"] == "policy":
-            current = e["new"]
+        if e.name == "policy":
+            current = e.fields["new"]
         else:
             out.setdefault(current, []).append(e)
     return out
 
 
-def _under(events: list[dict[str, Any]], policies: tuple[str, ...],
-           first: str = POLICY_ROUNDS[0]) -> list[dict[str, Any]]:
+def _under(events: list[Event], policies: tuple[str, ...],
+           first: str = POLICY_ROUNDS[0]) -> list[Event]:
     """The events logged while the daemon ran one of `policies`, in their order."""
     out, current = [], first
     for e in events:
-        if e["event"] == "policy":
-            current = e["new"]
+        if e.name == "policy":
+            current = e.fields["new"]
         elif current in policies:
             out.append(e)
     return out
 
 
-def judge_rounds(label: str, placement: str, walls: dict[str, float], events: list[dict[str, Any]],
+def judge_rounds(label: str, placement: str, walls: dict[str, float], events: list[Event],
                  row: dict[str, Any]) -> None:
     """Every blocking round of a co-located pair, against its unscheduled round.
 
@@ -183,10 +184,10 @@ def judge_rounds(label: str, placement: str, walls: dict[str, float], events: li
     for policy in POLICY_ROUNDS[1:]:
         what, mine = f"{label} under {policy}", cut[policy]
         # (no overlap check on one policy's cut alone: a phase that spans switches would be misread there)
-        assert any(e["event"] == "grant" for e in mine), f"{what}: the daemon granted nothing"
-        overdue = [e for e in mine if e["event"] == "overdue"]
+        assert any(e.name == "grant" for e in mine), f"{what}: the daemon granted nothing"
+        overdue = [e for e in mine if e.name == "overdue"]
         assert overdue == [], f"{what}: a holder stalled while holding its device: {overdue[:3]}"
-        row[f"{policy}_yields"] = sum(1 for e in mine if e["event"] == "release" and e.get("yields"))
+        row[f"{policy}_yields"] = sum(1 for e in mine if e.name == "release" and e.get("yields"))
         if policy in walls:
             wall_s = walls[policy]
             ratio, limit = wall_s / base_s, RATIO_LIMIT[placement]

@@ -131,12 +131,12 @@ def test_horovod_suite_matches_plain_horovod(daemon_factory, tmp_path, plain, pl
         f"{placement}: with the import {got}, plain Horovod {plain}"
     cut = events_by_policy(events, first=ALTERNATE[0])
     # A rank alone on its device holds a lease (no grant per iteration): both count as served.
-    served = {policy: sum(e["event"] in ("grant", "lease") for e in cut[policy]) for policy in ALTERNATE}
+    served = {policy: sum(e.name in ("grant", "lease") for e in cut[policy]) for policy in ALTERNATE}
     assert sum(served.values()) > 100 and min(served.values()) >= 10, \
         f"{placement}: the suite was hardly scheduled (grants and leases per policy: {served})"
     for dev, intervals in compute_intervals(events).items():
         assert overlaps(intervals) == [], f"{placement}: compute phases overlap on device {dev}"
-    overdue = [e for e in events if e["event"] == "overdue"]
+    overdue = [e for e in events if e.name == "overdue"]
     assert overdue == [], f"{placement}: a rank kept its device while waiting: {overdue[:3]}"
     record_conformance({"pair": "peer:test_torch.py", "placement": placement,
                         "plain_s": round(plain["wall_s"], 2), "plain_recorded": plain["recorded"],

@@ -55,7 +55,7 @@ def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout: floa
 
 
 def _registered(d) -> list[tuple[str, int]]:
-    return [(e["event"], e["rank"]) for e in d.events() if e["event"] in ("register", "leave")]
+    return [(e.name, e.rank) for e in d.events() if e.name in ("register", "leave")]
 
 
 def _grow_and_shrink(proc: subprocess.Popen, log: Path, hosts: Path, d) -> int:
@@ -105,13 +105,13 @@ def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tm
     assert "Total img/sec on 2 CPU(s)" in text, f"the job did not end with two workers:\n{text[-2000:]}"
     d.stop()
     events = d.events()
-    worlds = {r: [e["world_size"] for e in events if e["event"] == "register" and e["rank"] == r] for r in (0, 1)}
+    worlds = {r: [e.fields["world_size"] for e in events if e.name == "register" and e.rank == r] for r in (0, 1)}
     assert worlds == {0: [2, 3, 2], 1: [2, 3, 2]}, f"the daemon saw these worlds per rank: {worlds}"
     assert ("leave", 2) in _registered(d), "the removed rank never left the daemon"
     for dev, intervals in compute_intervals(events).items():
         assert overlaps(intervals) == [], f"compute phases overlap on device {dev}"
     cut = events_by_policy(events, first=ALTERNATE[0])
-    grants = {policy: sum(e["event"] == "grant" for e in cut[policy]) for policy in ALTERNATE}
+    grants = {policy: sum(e.name == "grant" for e in cut[policy]) for policy in ALTERNATE}
     assert all(grants.values()), f"a policy granted nothing while the job ran: {grants}"
     record_conformance({"pair": "peer:elastic", "placement": "2 -> 3 -> 2 workers on 2 devices",
                         "scheduled_s": round(wall, 2), "policy_switches": len(switches), "grants": grants})

@@ -17,12 +17,12 @@ from typing import Any, Callable
 import grpc
 from hypothesis import strategies as st
 
-from crossover.client.session import Session
-from crossover.client.settings import PluginSettings
+from crossover.client.rank.session import Session
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
+from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc

@@ -14,13 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 from crossover.client.cli import ExitCode, main
-from crossover.client.session import Session
-from crossover.client.settings import PluginSettings
+from crossover.client.rank.session import Session
 from crossover.daemon.api import FailedPrecondition
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
+from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.identity import RankIdentity
 
 pytestmark = pytest.mark.timeout(60)

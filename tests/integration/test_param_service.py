@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from crossover.plugins.group_async.codec import Codec
-from crossover.plugins.group_async.link import ServiceError, ServiceLink
-from crossover.plugins.group_async.service import GlobalModel, ParameterService
+from crossover.plugins.aggregation.group_async.codec import Codec
+from crossover.plugins.aggregation.group_async.link import ServiceError, ServiceLink
+from crossover.plugins.aggregation.group_async.service import GlobalModel, ParameterService
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "t0ken"

@@ -72,7 +72,7 @@ def test_a_second_user_may_look_and_train_but_not_steer(shared_daemon):
     assert raw.stdout.strip() == "PERMISSION_DENIED", raw.stderr
     state = queue_state(d.socket)
     assert state["policy"] == "exclusive" and [dev["draining"] for dev in state["devices"]] == [False]
-    assert not [e for e in d.events() if e["event"] in ("drain", "resume", "policy")]
+    assert not [e for e in d.events() if e.name in ("drain", "resume", "policy")]
 
     cli("drain", "0", socket=d.socket)  # the daemon's own user steers through the admin socket
     assert [dev["draining"] for dev in queue_state(d.socket)["devices"]] == [True]

@@ -64,7 +64,7 @@ def test_plugin_adasum_matches_horovods_native_adasum_under_mpi(jobs, tmp_path):
 
 def _single_process_reference(sizes: list[int], steps: int, lr: float) -> list[list[float]]:
     """One process, one optimizer, the whole global batch of B = Σ b_i samples per step."""
-    from crossover.plugins.lbbsp.sampler import WeightedBatchSampler
+    from crossover.plugins.aggregation.lbbsp.sampler import WeightedBatchSampler
     from tools.workloads.aggregation_check import weighted_dataset, weighted_model
 
     x, y = weighted_dataset()

@@ -51,7 +51,7 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
     while names != {"alpha", "beta"} and looks < 5 and all(j.proc.poll() is None for j in jobs):
         names = _job_names(json.loads(cli("queue", "--json", socket=d.socket).stdout))
         looks += 1
-    leaves = [(e["job_name"], e.get("reason")) for e in d.events() if e["event"] == "leave"]
+    leaves = [(e.fields["job_name"], e.get("reason")) for e in d.events() if e.name == "leave"]
     assert names == {"alpha", "beta"}, (f"`crossover queue --json` showed {names} in {looks} looks; "
                                         f"exit codes {[j.proc.poll() for j in jobs]}; ranks that left: {leaves}")
 
@@ -70,7 +70,7 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
     for dev, intervals in per_dev.items():
         assert {job for _, _, job, _ in intervals}.__len__() == 2, f"device {dev} did not serve both jobs"
         assert overlaps(intervals) == [], f"compute phases overlap on device {dev}"
-    assert sum(1 for e in events if e["event"] == "grant") >= steps
+    assert sum(1 for e in events if e.name == "grant") >= steps
 
 
 def test_killed_grant_holder_frees_device_within_one_second(daemon_factory, jobs, tmp_path):
@@ -100,13 +100,13 @@ def test_killed_grant_holder_frees_device_within_one_second(daemon_factory, jobs
     granted_at = None
     while time.monotonic() < deadline and granted_at is None:
         for e in d.events():
-            if e["event"] == "grant" and e["job_name"] == "fast" and e["t"] > killed_at:
-                granted_at = e["t"]
+            if e.name == "grant" and e.fields["job_name"] == "fast" and e.t > killed_at:
+                granted_at = e.t
                 break
         time.sleep(0.05)
     assert granted_at is not None, "the waiting job was never granted after the holder died"
     assert granted_at - killed_at <= 1.0, f"device freed {granted_at - killed_at:.3f}s after the kill"
-    leave = [e for e in d.events() if e["event"] == "leave" and e["job_name"] == "slow"]
+    leave = [e for e in d.events() if e.name == "leave" and e.fields["job_name"] == "slow"]
     assert leave and ("gone" in leave[0]["reason"] or "stream" in leave[0]["reason"])
     assert fast.wait(120) == 0, fast.output()[-3000:]
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from crossover.plugins.aggregation import replay_decisions
-from crossover.plugins.lbbsp.config import BatchSizeConfig
+from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig
 from tools.harness.jobs import WORKLOADS, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]

@@ -40,7 +40,7 @@ def test_daemon_killed_mid_run_then_restarted_job_reattaches(daemon_factory, job
     env = {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_RECONNECT_INTERVAL": "0.3"}
     job = horovodrun("phoenix", script, tmp_path, np=2, args=("--iters", "700"), env=env)
     jobs.append(job)
-    _wait_for(lambda: sum(e["event"] == "grant" for e in d.events()) >= 20, 60, "first grants")
+    _wait_for(lambda: sum(e.name == "grant" for e in d.events()) >= 20, 60, "first grants")
 
     d.proc.send_signal(signal.SIGKILL)  # no clean shutdown: streams just break
     d.proc.wait()
@@ -50,7 +50,7 @@ def test_daemon_killed_mid_run_then_restarted_job_reattaches(daemon_factory, job
     d2 = DaemonProc(socket=d.socket, event_log=tmp_path / "d2.events.jsonl", log=tmp_path / "d2.log",
                     args=["--cpu-devices", "2", "--policy", "exclusive"]).start()
     try:
-        _wait_for(lambda: sum(e["event"] == "grant" and e["job_name"] == "phoenix" for e in d2.events()) >= 4,
+        _wait_for(lambda: sum(e.name == "grant" and e.fields["job_name"] == "phoenix" for e in d2.events()) >= 4,
                   60, "grants from the restarted daemon")
         assert job.wait(120) == 0, job.output()[-3000:]
     finally:
@@ -68,7 +68,7 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
     for name in ("one", "two"):  # long enough that neither finishes before the other starts (start-up spread)
         jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "4000", "--stop-file", str(stop)),
                                env=env))
-    _wait_for(lambda: {e["job_name"] for e in d.events() if e["event"] == "grant"} == {"one", "two"}, 60,
+    _wait_for(lambda: {e.fields["job_name"] for e in d.events() if e.name == "grant"} == {"one", "two"}, 60,
               "both jobs scheduled")
     t0 = time.monotonic()  # CLOCK_MONOTONIC, the event log's clock
     assert d.stop(signal.SIGTERM, timeout=10) == 0
@@ -78,16 +78,16 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
     for j in jobs:
         assert j.wait(120) == 0, j.output()[-3000:]
     events = d.events()
-    assert not [e for e in events if e["event"] == "leave" and e["t"] < t0], "a job left before the SIGTERM"
-    assert sorted((e["job_name"], e["reason"]) for e in events if e["event"] == "leave") == [
+    assert not [e for e in events if e.name == "leave" and e.t < t0], "a job left before the SIGTERM"
+    assert sorted((e.fields["job_name"], e.fields["reason"]) for e in events if e.name == "leave") == [
         ("one", "daemon shutdown"), ("two", "daemon shutdown")]
 
 
 def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daemon_factory, tmp_path):
     """SIGSTOP: a rank waiting for a grant stops waiting once its heartbeat goes unanswered
     (CROSSOVER_DAEMON_SILENCE), not after the 30 s grant timeout; after SIGCONT it waits for grants again."""
-    from crossover.client.session import Session
-    from crossover.client.settings import PluginSettings
+    from crossover.client.rank.session import Session
+    from crossover.plugins.hook.settings import PluginSettings
     from crossover.protos.identity import RankIdentity
 
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease", "--overdue-after", "600",
@@ -114,7 +114,7 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
         holder.release(0)
         assert waiter.acquire(2) is True, "after the daemon answers again the rank is scheduled again"
         waiter.release(2)
-        _wait_for(lambda: any(e["event"] == "grant" and e["job_name"] == "waiter" for e in d.events()), 5,
+        _wait_for(lambda: any(e.name == "grant" and e.fields["job_name"] == "waiter" for e in d.events()), 5,
                   "the thawed daemon's grant to the waiter in its event log")
     finally:
         d.proc.send_signal(signal.SIGCONT)

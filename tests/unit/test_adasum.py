@@ -8,7 +8,7 @@ from fake_collectives import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.plugins.adasum.algorithms import (
+from crossover.plugins.aggregation.adasum.algorithms import (
     AdasumError,
     adasum_allreduce,
     adasum_allreduce_tensors,

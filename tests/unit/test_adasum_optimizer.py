@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from fake_collectives import FakeCollectives, FakeGroup, run_ranks
 
-from crossover.plugins.adasum.algorithms import adasum_reference
 from crossover.plugins.aggregation import AdasumOptimizer, AggregationError
+from crossover.plugins.aggregation.adasum.algorithms import adasum_reference
 from tests.unit._aggregation_fixtures import _clean, sgd  # noqa: F401
 
 # --- plugin Adasum optimizer over threads -------------------------------------

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from crossover.client.settings import AggregationSettings, SettingError
 from crossover.plugins import aggregation
 from crossover.plugins.aggregation import (
     AdasumFacts,
@@ -17,6 +16,7 @@ from crossover.plugins.aggregation import (
     set_aggregation,
     weight_scale,
 )
+from crossover.plugins.hook.settings import AggregationSettings, SettingError
 from tests.unit._aggregation_fixtures import FakeHvd, FakeProcessSet, _clean, fake_factory, sgd  # noqa: F401
 
 # --- selection and settings ---------------------------------------------------

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.plugins.lbbsp.apportion import aggregation_weights, apportion
-from crossover.plugins.lbbsp.config import (
+from crossover.plugins.aggregation.lbbsp.apportion import aggregation_weights, apportion
+from crossover.plugins.aggregation.lbbsp.config import (
     BatchSizeConfig,
     BatchSizeConfigError,
     BatchSizeError,
     Measurement,
     MeasurementError,
 )
-from crossover.plugins.lbbsp.controller import BatchSizeController
+from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
 
 Curve = Callable[[int], float]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from crossover.client.device_turns import DeviceTurns
+from crossover.client.rank.device_turns import DeviceTurns
 from tools.device_model import DeviceParams
 from tools.device_model.client import DeviceClient, DeviceGone
 from tools.device_model.server import DeviceServer

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from crossover.client.device_turns import TurnHandover
-from crossover.plugins.cuda_turns import CudaTurns, CudaUnavailable, StreamMemory
+from crossover.client.rank.device_turns import TurnHandover
+from crossover.plugins.hook.cuda_turns import CudaTurns, CudaUnavailable, StreamMemory
 
 
 class Device:

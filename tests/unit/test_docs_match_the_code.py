@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from crossover.client.formatting import _QUEUE_COLUMNS
+from crossover.client.cli.formatting import _QUEUE_COLUMNS
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.main import main as crossoverd
 from crossover.daemon.metrics import DaemonMetrics

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from crossover.client.event_intervals import (
+from crossover.client.cli.event_intervals import (
     Interval,
     UnknownJob,
     clip,
@@ -196,7 +196,7 @@ def test_logs_of_two_nodes_are_put_on_one_clock_by_their_wall_time():
     n1 = [{"t": 1005.5, "wall": 100.5, "event": "grant"}, {"t": 1007.0, "wall": 102.0, "event": "release"},
           {"t": "x", "event": "junk"}, ["not", "an", "event"]]
     merged = merge_logs([n0, n1])
-    assert [e["t"] for e in merged] == [0.0, 1.0, 0.5, 2.0]
+    assert [e.t for e in merged] == [0.0, 1.0, 0.5, 2.0]
     assert n0[0]["t"] == 5.0, "the caller's events are left as they were"
 
 

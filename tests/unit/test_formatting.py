@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from crossover.client.formatting import jobs_table, queue_tables, shown
+from crossover.client.cli.formatting import jobs_table, queue_tables, shown
 
 HOSTILE = "[/bold]\x1b[2J\x1b]0;pwned\x07[link=http://x]y[/link]"
 
@@ -31,7 +31,7 @@ def test_a_long_name_is_cut():
 
 
 def test_json_keeps_numbers_numbers_and_unmeasured_figures_null():
-    from crossover.client.formatting import to_json
+    from crossover.client.cli.formatting import to_json
     from crossover.protos import crossover_v1_pb2 as pb
 
     state = pb.QueueState()
@@ -47,7 +47,7 @@ def test_json_keeps_numbers_numbers_and_unmeasured_figures_null():
 
 
 def test_an_80_column_queue_drops_columns_by_priority_instead_of_cutting_values():
-    from crossover.client.formatting import to_json
+    from crossover.client.cli.formatting import to_json
     from crossover.protos import crossover_v1_pb2 as pb
 
     state = pb.QueueState()

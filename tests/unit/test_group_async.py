@@ -10,17 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crossover.plugins.group_async.balance import member_batches, step_time
-from crossover.plugins.group_async.clock import SSPClock
-from crossover.plugins.group_async.codec import Codec, decode
-from crossover.plugins.group_async.grouping import (
+from crossover.plugins.aggregation.group_async.balance import member_batches, step_time
+from crossover.plugins.aggregation.group_async.clock import SSPClock
+from crossover.plugins.aggregation.group_async.codec import Codec, decode
+from crossover.plugins.aggregation.group_async.grouping import (
     GroupingError,
     parse_groups,
     speed_groups,
     static_groups,
     steps_per_group,
 )
-from crossover.plugins.group_async.schedule import Schedule
+from crossover.plugins.aggregation.group_async.schedule import Schedule
 
 # ---- SSP clock -------------------------------------------------------------
 
@@ -263,7 +263,7 @@ def test_topk_sends_a_fraction_and_error_feedback_loses_nothing():
 @pytest.mark.parametrize("values", ["random", "all equal", "two values"])
 @pytest.mark.parametrize("k", [1, 7, 500, 9_999, 10_000])
 def test_the_services_topk_picks_the_k_largest_entries_even_among_ties(values: str, k: int):
-    from crossover.plugins.group_async.codec import _largest
+    from crossover.plugins.aggregation.group_async.codec import _largest
 
     rng = np.random.default_rng(k)
     magnitude = {"random": np.abs(rng.standard_normal(10_000)), "all equal": np.full(10_000, 0.5),

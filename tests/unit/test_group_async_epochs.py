@@ -8,9 +8,9 @@ from typing import Optional
 
 import pytest
 
-from crossover.client.settings import AggregationSettings
-from crossover.plugins.group_async.runtime import GroupRuntime
-from crossover.plugins.selection import AggregationError
+from crossover.plugins.aggregation.group_async.runtime import GroupRuntime
+from crossover.plugins.aggregation.selection import AggregationError
+from crossover.plugins.hook.settings import AggregationSettings
 
 
 class _Hvd:
@@ -184,7 +184,7 @@ def _member(rank: int, balance: bool = True) -> GroupRuntime:
 
 
 def test_a_group_re_splits_at_its_epoch_start_and_its_members_cover_its_region_exactly_once():
-    from crossover.plugins.group_async.sampler import GroupSampler
+    from crossover.plugins.aggregation.group_async.sampler import GroupSampler
 
     members = [_member(2), _member(3)]
     batches = []
@@ -214,7 +214,7 @@ def test_a_measured_pace_is_per_sample_at_the_members_own_share():
 
 
 def test_with_balance_off_shares_stay_equal():
-    from crossover.plugins.group_async.sampler import GroupSampler
+    from crossover.plugins.aggregation.group_async.sampler import GroupSampler
 
     rt = _member(3, balance=False)
     sampler = GroupSampler(rt, dataset_length=1280, global_batch=128, shuffle=False)

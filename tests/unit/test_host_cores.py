@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from crossover.client.settings import PluginSettings, SettingError, parse_cpu_list
-from crossover.plugins import horovod_torch
-from crossover.plugins.horovod_torch import _affinity_plan
+from crossover.plugins.hook import horovod_torch
+from crossover.plugins.hook.horovod_torch import _affinity_plan
+from crossover.plugins.hook.settings import PluginSettings, SettingError, parse_cpu_list
 
 
 @pytest.mark.parametrize("raw,cores", [("", ()), ("3", (3,)), ("2-4,8", (2, 3, 4, 8)), ("1,0,1", (0, 1)),

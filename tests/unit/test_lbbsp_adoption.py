@@ -6,8 +6,8 @@ import random
 import pytest
 
 from crossover.plugins.aggregation import apply_measurements, decide, replay_decisions
-from crossover.plugins.lbbsp.config import BatchSizeConfig, Measurement
-from crossover.plugins.lbbsp.controller import BatchSizeController
+from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig, Measurement
+from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
 from tests.unit._aggregation_fixtures import _clean  # noqa: F401
 
 

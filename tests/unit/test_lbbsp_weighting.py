@@ -5,10 +5,10 @@ import torch
 import torch.nn as nn
 
 from crossover.plugins import aggregation
-from crossover.plugins.lbbsp.config import BatchSizeConfig
-from crossover.plugins.lbbsp.controller import BatchSizeController
-from crossover.plugins.lbbsp.state import LBBSPState
-from crossover.plugins.lbbsp.weighting import WeightingHook
+from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig
+from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
+from crossover.plugins.aggregation.lbbsp.state import LBBSPState
+from crossover.plugins.aggregation.lbbsp.weighting import WeightingHook
 from tests.unit._aggregation_fixtures import FakeHvd, _clean  # noqa: F401
 
 # --- weighted: sampler bookkeeping and hooks on one rank -----------------------

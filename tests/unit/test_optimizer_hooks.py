@@ -6,7 +6,7 @@ from typing import Optional
 import pytest
 
 torch = pytest.importorskip("torch")
-from crossover.plugins.optimizer_hooks import OptimizerHook, hooks_of  # noqa: E402
+from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of  # noqa: E402
 
 
 class SyncSGD(torch.optim.SGD):

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from crossover.client.settings import AggregationSettings
-from crossover.plugins.group_async.optimizer import GroupAsyncOptimizer
-from crossover.plugins.group_async.runtime import GroupRuntime
-from crossover.plugins.optimizer_state import _broadcast_composed
+from crossover.plugins.aggregation.group_async.optimizer import GroupAsyncOptimizer
+from crossover.plugins.aggregation.group_async.runtime import GroupRuntime
+from crossover.plugins.hook.optimizer_state import _broadcast_composed
+from crossover.plugins.hook.settings import AggregationSettings
 
 
 class _Hvd:

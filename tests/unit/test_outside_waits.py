@@ -5,8 +5,8 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("horovod.torch")
-from crossover.client.phase_reporter import PhaseReporter  # noqa: E402
-from crossover.plugins import horovod_torch  # noqa: E402
+from crossover.plugins.hook import horovod_torch  # noqa: E402
+from crossover.plugins.hook.phase_reporter import PhaseReporter  # noqa: E402
 from tests.unit.test_phase_reporter import Clock, Session  # noqa: E402
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from crossover.client.phase_reporter import PhaseReporter
+from crossover.plugins.hook.phase_reporter import PhaseReporter
 
 
 class Clock:
@@ -96,7 +96,7 @@ def test_a_failing_session_never_reaches_training(caplog):
             raise RuntimeError("daemon gone")
 
     reporter = PhaseReporter(Broken())
-    with caplog.at_level(logging.ERROR, logger="crossover.client.phase_reporter"):
+    with caplog.at_level(logging.ERROR, logger="crossover.plugins.hook.phase_reporter"):
         assert reporter.ensure_holding() is None
     assert "continuing unscheduled" in caplog.text
     assert not reporter.holding

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossover.client.phase_reporter import PhaseReporter as RankPhases
+from crossover.plugins.hook.phase_reporter import PhaseReporter as RankPhases
 
 
 class RecordingSession:
@@ -79,7 +79,7 @@ def test_horovods_waits_route_through_the_rank_phases():
     import horovod.torch.functions as hvd_functions
     import horovod.torch.mpi_ops as mpi_ops
 
-    from crossover.plugins import horovod_waits
+    from crossover.plugins.hook import horovod_waits
 
     original, original_poll = mpi_ops.synchronize, mpi_ops.poll
     s = RecordingSession()

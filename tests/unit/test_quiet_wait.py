@@ -5,8 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("horovod.torch")
-from crossover.client.phase_reporter import PhaseReporter as RankPhases  # noqa: E402
-from crossover.plugins import phase_tracking as ht  # noqa: E402
+from crossover.plugins.hook import phase_tracking as ht  # noqa: E402
+from crossover.plugins.hook.phase_reporter import PhaseReporter as RankPhases  # noqa: E402
 
 
 class FakeSession:

@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from crossover.client.settings import PLUGIN_SETTINGS
+from crossover.plugins.hook.settings import PLUGIN_SETTINGS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

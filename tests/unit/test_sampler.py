@@ -8,9 +8,9 @@ from typing import Optional
 
 import pytest
 
-from crossover.plugins.lbbsp.config import BatchSizeConfig
-from crossover.plugins.lbbsp.controller import BatchSizeController
-from crossover.plugins.lbbsp.sampler import SamplerError, WeightedBatchSampler
+from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig
+from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
+from crossover.plugins.aggregation.lbbsp.sampler import SamplerError, WeightedBatchSampler
 
 
 class Schedule:

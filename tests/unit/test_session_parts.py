@@ -1,8 +1,8 @@
 """The session's pure parts on their own: late reports of a rank that does not wait, and a silent daemon."""
 from __future__ import annotations
 
-from crossover.client.daemon_silence import Silence
-from crossover.client.late_reports import LateReports
+from crossover.client.rank.daemon_silence import Silence
+from crossover.client.rank.late_reports import LateReports
 from crossover.protos import MAX_BATCH_EVENTS
 from crossover.protos import crossover_v1_pb2 as pb
 

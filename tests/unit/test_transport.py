@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from crossover.client.transport import FrameStream, StreamBroken
+from crossover.client.rank.transport import FrameStream, StreamBroken
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import framing
 

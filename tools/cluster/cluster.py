@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from crossover.protos.event_file import Event
 from tools.harness.daemon import kill_group
 
 from .launch import ClusterJob, launch_job, start_daemon, start_device, wait_daemon, wait_device
@@ -289,11 +290,12 @@ class Cluster:
         """Every process inside a node's namespace (its daemon, the ranks placed there)."""
         return ns_pids(self._require().nodes[node].netns)
 
-    def events(self, node: int) -> list[dict[str, Any]]:
-        """That node's daemon event log (JSON lines) as it stands now; still readable after teardown."""
-        from crossover.protos.event_file import read_jsonl
+    def events(self, node: int) -> list[Event]:
+        """That node's daemon event log (typed: `crossover.protos.event_file`) as it stands now; still readable
+        after teardown."""
+        from crossover.protos.event_file import read_events
 
         if self.state is None:
             raise ClusterError("the cluster was never built")
         path = self.state.nodes[node].event_log
-        return read_jsonl(path) if os.path.exists(path) else []
+        return read_events(path)

@@ -4,7 +4,7 @@ The emulated form of a GPU-side hand-over (cuStreamWaitValue32 /
 cuStreamWriteValue32 on host-mapped memory): a rank's device work waits on a
 peer's page word, and the device writes the rank's own page word when its work
 is done, so the next rank's work starts without a round trip through the host.
-`ModelTurns` is the emulated device's `crossover.client.device_turns.DeviceTurns`,
+`ModelTurns` is the emulated device's `crossover.client.rank.device_turns.DeviceTurns`,
 which a rank hands to the plugin (`crossover.auto.use_device`).
 """
 from __future__ import annotations

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crossover.protos.event_file import Event
+
 __all__ = ["BIN", "DaemonProc", "cli", "kill_group", "queue_state", "set_policy"]
 
 BIN = Path(sys.executable).parent  # the virtualenv's console scripts: crossoverd, crossover, horovodrun
@@ -93,10 +95,11 @@ class DaemonProc:
             kill_group(self.proc)
             self.proc.wait()
 
-    def events(self) -> list[dict[str, Any]]:
-        from crossover.protos.event_file import read_jsonl
+    def events(self) -> list[Event]:
+        """Its event log as it stands now (typed: `crossover.protos.event_file`); still readable after it stopped."""
+        from crossover.protos.event_file import read_events
 
-        return read_jsonl(self.event_log) if self.event_log.exists() else []
+        return read_events(self.event_log)
 
     def __enter__(self) -> DaemonProc:
         return self if self.proc is not None else self.start()
@@ -121,7 +124,7 @@ def queue_state(socket: Path, timeout: float = 5.0) -> dict[str, Any]:
     """The daemon's queue as `crossover queue --json` prints it, fetched in-process (cheap enough to poll)."""
     import grpc
 
-    from crossover.client.formatting import to_json
+    from crossover.client.cli.formatting import to_json
     from crossover.protos import PROTOCOL_VERSION
     from crossover.protos import crossover_v1_pb2 as pb
     from crossover.protos import crossover_v1_pb2_grpc as pb_grpc

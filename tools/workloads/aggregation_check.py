@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from crossover.plugins import aggregation
-from crossover.plugins.adasum.algorithms import adasum_allreduce_tensors, adasum_reference
+from crossover.plugins.aggregation.adasum.algorithms import adasum_allreduce_tensors, adasum_reference
 from tools.workloads.summary import write_rank_summary
 
 SHAPES = [(17,), (5, 7), (64,), (3, 4, 5), (1,)]

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from crossover.plugins import aggregation
-from crossover.plugins.lbbsp.sampler import LBBSPSampler
+from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
 from tools.faults import Stall, Straggler
 from tools.workloads.summary import write_rank_summary
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from crossover.client.session import Session
-from crossover.client.settings import PluginSettings
+from crossover.client.rank.session import Session
 from crossover.daemon.limits import StreamLimits
 from crossover.daemon.server import Daemon
+from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
@@ -83,7 +83,7 @@ def streams():
 
 @pytest.fixture
 def sessions():
-    """Real `crossover.client.session.Session` clients, closed at teardown; other keywords are `PluginSettings`."""
+    """Real `crossover.client.rank.session.Session` clients, closed at teardown; other keywords are `PluginSettings`."""
     made: list[Session] = []
 
     def make(target: str, job: str, rank: int = 0, world: int = 1, **kw) -> Session:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from crossover.client.session import Session
+from crossover.client.rank.session import Session
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc

@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 
-from crossover.client.session import Session
+from crossover.client.rank.session import Session
 from crossover.daemon.class_rules import ClassRules, parse_rule
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
@@ -37,7 +37,7 @@ def _jobs(admin: pb_grpc.AdminStub) -> dict[str, pb.JobState]:
 def test_a_rank_asking_above_its_class_is_refused_in_one_line_and_trains_at_its_own(serve, channels, ranks, caplog):
     d = serve(policy="crossover")
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
-    with caplog.at_level(logging.WARNING, logger="crossover.client.session"):
+    with caplog.at_level(logging.WARNING, logger="crossover.client.rank.session"):
         s = ranks(f"unix://{d.socket_path}", "eager", priority="high")
         wait_for(lambda: [r for r in caplog.records if "refused" in r.getMessage()])
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]

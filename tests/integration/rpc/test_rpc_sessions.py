@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from crossover.client.session import Session
+from crossover.client.rank.session import Session
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -98,7 +98,7 @@ def test_policy_switch_reaches_connected_sessions(serve, channels, sessions, cap
     s = sessions(target, "switcher")
     assert s.registration.policy_blocks is True
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
-    with caplog.at_level(logging.INFO, logger="crossover.client.session"):
+    with caplog.at_level(logging.INFO, logger="crossover.client.rank.session"):
         admin.SetPolicy(pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name="passthrough"), timeout=5)
         wait_for(lambda: "switched policy to passthrough" in caplog.text)
     assert s.acquire(0) is True
@@ -326,11 +326,11 @@ def test_a_plugin_of_another_protocol_is_refused_plainly_and_trains_unscheduled(
                                                                                  monkeypatch):
     """Daemon and plugin ship together; a mismatched pair (here a protocol-1 plugin, which still sent
     turn_base and called TurnFloor) is told which versions differ at registration, and never waits."""
-    import crossover.client.transport as client_transport
+    import crossover.client.rank.transport as client_transport
 
     d = serve(policy="exclusive")
     monkeypatch.setattr(client_transport, "PROTOCOL_VERSION", 1)
-    with caplog.at_level(logging.WARNING, logger="crossover.client.session"):
+    with caplog.at_level(logging.WARNING, logger="crossover.client.rank.session"):
         s = sessions(f"unix://{d.socket_path}", "old-plugin")
         wait_for(lambda: "protocol_version=1 is not supported" in caplog.text)
         t0 = time.monotonic()

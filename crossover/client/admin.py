@@ -1,0 +1,188 @@
+"""A typed client of a daemon's Admin service: what `crossover`, the test beds and the benchmarks call.
+
+`AdminClient` speaks to one crossoverd (its Unix socket, or `host:port` over TCP with a token and
+TLS), sends the protocol version and, on a steering call, who asks; it goes to the daemon's admin
+socket by itself when it was given the rank-side one. A failed call raises one `AdminError`
+subclass that says, in one line, what is wrong and what to do: the gRPC status is translated here
+and nowhere else.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import socket
+from types import TracebackType
+
+import grpc
+
+from crossover.client.rank.transport import channel_for, untrusted_socket
+from crossover.errors import CrossoverError
+from crossover.protos import PROTOCOL_VERSION, STEERING_CALLS, USER_METADATA_KEY, admin_socket_path, switches
+from crossover.protos import crossover_v1_pb2 as pb
+from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.priority import to_wire
+
+__all__ = ["AdminClient", "AdminError", "BadSetting", "DaemonUnreachable", "NotAllowed", "RequestRefused",
+           "TokenRefused"]
+
+
+class AdminError(CrossoverError):
+    """A call to the daemon's Admin service failed; the message is one line for a person."""
+
+
+class DaemonUnreachable(AdminError):
+    """No daemon answered at the target (not running, stale socket, frozen, filtered)."""
+
+
+class TokenRefused(AdminError):
+    """The daemon refused the token."""
+
+
+class NotAllowed(AdminError):
+    """This user or token may not make the call (a steering call off the admin socket, say)."""
+
+
+class RequestRefused(AdminError):
+    """The daemon answered and rejected the request (unknown device or policy, bad value, ...)."""
+
+
+class BadSetting(AdminError):
+    """The client's own settings are unusable (a CA file it cannot read)."""
+
+
+def _user() -> str:
+    """This process's user name, for the daemon's record of a steering call."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def _unreachable(target: str, code: grpc.StatusCode, timeout: float) -> str:
+    """One line: which daemon was tried, what is wrong with it (not running, or answering not at all), what next."""
+    where = "set CROSSOVER_SOCKET or pass --socket (or --address HOST:PORT)"
+    if not target.startswith("unix://"):
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"crossoverd at {target} did not answer within {timeout:g} s (frozen, overloaded or filtered)"
+        return f"no crossoverd answers at {target} (not running, or unreachable from here); check --address"
+    path = target[len("unix://"):]
+    if not os.path.exists(path):
+        return f"no daemon socket at {path}: crossoverd is not running there; start it, or {where}"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return f"{path} is a stale socket (nobody listens): crossoverd is not running; start it, or {where}"
+    except OSError as exc:
+        return f"cannot connect to {path}: {exc.strerror or exc}; {where}"
+    finally:
+        probe.close()
+    return (f"crossoverd at {path} accepts connections but did not answer within {timeout:g} s: it is frozen "
+            "(stopped: `ps -o stat` of its pid shows T) or overloaded")
+
+
+def translate(exc: grpc.RpcError, target: str, timeout: float) -> AdminError:
+    """The AdminError a failed call's status stands for."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return DaemonUnreachable(_unreachable(target, code, timeout))
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return TokenRefused(f"daemon refused the token: {exc.details()}")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return NotAllowed(f"not allowed: {exc.details()}")
+    return RequestRefused(f"{exc.details()} ({code.name})")
+
+
+class AdminClient:
+    """One daemon's Admin service. Give `socket` (a Unix socket path) or `address` (`host:port`).
+
+    Steering calls (policy, drain, resume, priorities, evict) made through a daemon's rank-side
+    socket go to its admin socket beside it (`NotAllowed` when this user may not open it).
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None, address: str | None = None, *,
+                 token: str = "", tls_ca: str = "", timeout: float = 3.0) -> None:
+        if not socket and not address:
+            raise ValueError("AdminClient needs a socket path or an address")
+        self.socket = None if address else os.fspath(socket)  # type: ignore[arg-type]
+        self.target = address or f"unix://{self.socket}"
+        self.token, self.tls_ca, self.timeout = token, tls_ca, timeout
+        self._channel: grpc.Channel | None = None
+        self._metadata: list[tuple[str, str]] = []
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def call(self, method: str, request: object) -> object:
+        """One Admin call by its RPC name; `AdminError` when it fails."""
+        if method in STEERING_CALLS and self.socket is not None:
+            self._use_admin_socket(method)
+        if self._channel is None:
+            untrusted = untrusted_socket(self.target)
+            if untrusted:
+                raise NotAllowed(untrusted)
+            try:
+                self._channel, self._metadata = channel_for(self.target, self.token, self.tls_ca)
+            except OSError as exc:
+                raise BadSetting(f"cannot read --tls-ca {self.tls_ca}: {exc.strerror}") from None
+        metadata = list(self._metadata)
+        if method in STEERING_CALLS:
+            metadata.append((USER_METADATA_KEY, _user()))
+        try:
+            return getattr(pb_grpc.AdminStub(self._channel), method)(request, timeout=self.timeout,
+                                                                      metadata=metadata)
+        except grpc.RpcError as exc:
+            raise translate(exc, self.target, self.timeout) from None
+
+    def _use_admin_socket(self, method: str) -> None:
+        assert self.socket is not None
+        path = admin_socket_path(self.socket)
+        if self.target == f"unix://{path}":
+            return
+        if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+            raise NotAllowed(f"{method} needs the daemon's admin socket {path}, which this user may not open "
+                             "(it belongs to the daemon's user, or to crossoverd --admin-group)")
+        self.close()
+        self.target = f"unix://{path}"
+
+    def queue(self, device: int = -1) -> pb.QueueState:
+        """Every device's queue (or one device's)."""
+        return self.call("GetQueue", pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=device))  # type: ignore[return-value]
+
+    def jobs(self) -> pb.JobList:
+        return self.call("ListJobs", pb.JobsRequest(protocol_version=PROTOCOL_VERSION))  # type: ignore[return-value]
+
+    def policy(self) -> pb.PolicyInfo:
+        return self.call("GetPolicy", pb.PolicyRequest(protocol_version=PROTOCOL_VERSION))  # type: ignore[return-value]
+
+    def set_policy(self, name: str = "", *, adapt: bool | None = None, handover: bool | None = None) -> pb.PolicyInfo:
+        """Switch the policy to `name` ("" keeps it) and turn adapting or hand-over on or off (None: as is)."""
+        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=switches.to_wire(adapt),
+                               handover=switches.to_wire(handover))
+        return self.call("SetPolicy", req)  # type: ignore[return-value]
+
+    def drain(self, device: int) -> pb.DeviceAck:
+        return self.call("Drain", pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=device))  # type: ignore[return-value]
+
+    def resume(self, device: int) -> pb.DeviceAck:
+        return self.call("Resume", pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=device))  # type: ignore[return-value]
+
+    def set_job_class(self, job: str, priority: str | None = None, weight: float | None = None) -> pb.JobState:
+        """Set a job's priority class (`high`, `normal`, `low`; None keeps it) and weight (None keeps it)."""
+        req = pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=job, weight=weight or 0.0,
+                                 **({"priority": to_wire(priority)} if priority else {}))
+        return self.call("SetJobClass", req)  # type: ignore[return-value]
+
+    def evict(self, device: int | None = None, job: str = "") -> pb.EvictReply:
+        """Take a device back from its holder, and/or close every session of a job."""
+        req = pb.EvictRequest(protocol_version=PROTOCOL_VERSION, device=-1 if device is None else device, job=job)
+        return self.call("Evict", req)  # type: ignore[return-value]

@@ -1,0 +1,333 @@
+"""How a job's gradients are combined: ``average``, ``sum``, ``adasum``, ``weighted`` (LB-BSP) or ``group_async``.
+
+The rule comes from ``CROSSOVER_AGGREGATION`` or from :func:`set_aggregation`
+(which wins; :mod:`.selection`). Without either, nothing changes: Horovod does
+what the script asked for. The Horovod hook (:mod:`crossover.plugins.hook.horovod_torch`)
+builds every ``hvd.DistributedOptimizer`` through :func:`distributed_optimizer`;
+a script that does not use ``import crossover.auto`` can call
+:func:`DistributedOptimizer` from this module instead. This module is the
+public face of aggregation: every name in ``__all__`` is importable from here.
+
+Rules
+-----
+``average`` / ``sum``
+    Horovod's own optimizer with ``op=hvd.Average`` / ``op=hvd.Sum``.
+
+``adasum``
+    Adasum of the optimizer deltas, Horovod's native kernel where it can run
+    and the plugin's :class:`AdasumOptimizer` elsewhere
+    (:mod:`crossover.plugins.aggregation.adasum`).
+
+``weighted``
+    LB-BSP: per-rank batch sizes from :func:`batch_sampler` that follow each
+    rank's speed, gradients weighted by the sizes on Horovod's averaging
+    optimizer (:mod:`crossover.plugins.aggregation.lbbsp`).
+
+``group_async``
+    Synchronous data-parallel SGD inside groups of ranks (a Horovod process
+    set each), asynchronous exchanges between groups through a parameter
+    service with an SSP staleness bound; :func:`batch_sampler` shares each
+    epoch among groups by pace (:mod:`crossover.plugins.aggregation.group_async`).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+from crossover.plugins.aggregation.adasum.collectives import HorovodCollectives
+from crossover.plugins.aggregation.adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
+from crossover.plugins.aggregation.adasum.optimizer import AdasumOptimizer
+from crossover.plugins.aggregation.group_async.optimizer import GroupAsyncOptimizer
+from crossover.plugins.aggregation.group_async.runtime import GroupRuntime
+from crossover.plugins.aggregation.group_async.sampler import GroupSampler
+from crossover.plugins.aggregation.lbbsp.adoption import decide
+from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig
+from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
+from crossover.plugins.aggregation.lbbsp.exchange import apply_measurements
+from crossover.plugins.aggregation.lbbsp.replay import replay_decisions
+from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
+from crossover.plugins.aggregation.lbbsp.state import LBBSPState, SamplerLink
+from crossover.plugins.aggregation.lbbsp.weighting import WeightingHook, weight_scale
+from crossover.plugins.aggregation.selection import (
+    AggregationError,
+    Rule,
+    current_rule,
+    prepare_horovod,
+    set_aggregation,
+    settings,
+)
+from crossover.plugins.hook import optimizer_state
+from crossover.plugins.hook.composed_optimizer import ComposedOptimizer
+from crossover.plugins.hook.settings import LBBSP_METHODS, AggregationSettings
+
+__all__ = [
+    "AdasumDecision",
+    "AdasumFacts",
+    "AdasumOptimizer",
+    "AggregationError",
+    "DistributedOptimizer",
+    "HorovodCollectives",
+    "LBBSPSampler",
+    "Rule",
+    "adasum_path",
+    "aggregation_of",
+    "apply_measurements",
+    "batch_sampler",
+    "decide",
+    "current_rule",
+    "distributed_optimizer",
+    "end_group_async",
+    "group_async_stats",
+    "lbbsp_stats",
+    "replay_decisions",
+    "resolve_algorithm",
+    "set_aggregation",
+    "weight_scale",
+]
+
+logger = logging.getLogger(__name__)
+
+# The newest LB-BSP sampler's state, handed to every weighted optimizer this process builds.
+_lbbsp = SamplerLink()
+# This process's group_async runtime, shared by its sampler and its optimizer (one per process).
+_groups: dict[str, GroupRuntime] = {}
+
+prepare_horovod()
+
+
+def _group_runtime(hvd: Any, chosen: AggregationSettings) -> GroupRuntime:
+    if "runtime" not in _groups:
+        _groups["runtime"] = GroupRuntime(hvd, chosen)
+    return _groups["runtime"]
+
+
+def group_async_stats() -> Optional[dict[str, Any]]:
+    """Groups, stage, exchanges, the staleness (clock gap) histogram and the boundary history of this
+    rank's group_async runtime (``None`` if there is none); on rank 0 also the service's own figures."""
+    runtime = _groups.get("runtime")
+    return None if runtime is None else runtime.stats()
+
+
+def end_group_async() -> None:
+    """End group_async training on every rank together (call it on all of them): wait for all, mix the
+    groups' models into the one final model every rank then holds, stop the service, and forget the
+    runtime, so that a script training several models one after another starts each afresh. Horovod's
+    shutdown does this by itself."""
+    runtime = _groups.pop("runtime", None)
+    if runtime is not None:
+        runtime.finish()
+
+
+_reentry = threading.local()
+
+
+def _bind(factory: Callable[..., Any], optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Horovod's arguments by name (positional ones included), without the optimizer."""
+    signature = inspect.signature(factory)
+    bound = signature.bind(optimizer, *args, **kwargs)
+    named: dict[str, Any] = {}
+    for index, (name, value) in enumerate(bound.arguments.items()):
+        kind = signature.parameters[name].kind
+        if index == 0:
+            continue  # the optimizer
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise AggregationError("pass DistributedOptimizer's arguments after the optimizer by name")
+        else:
+            named[name] = value
+    return named
+
+
+def _is_global(hvd: Any, process_set: Any) -> bool:
+    return process_set is None or process_set is hvd.global_process_set or getattr(
+        process_set, "process_set_id", None) == 0
+
+
+def _homogeneous(hvd: Any) -> bool:
+    """``is_homogeneous()`` lives in ``horovod.torch.mpi_ops`` (not re-exported by ``horovod.torch``)."""
+    check = getattr(hvd, "is_homogeneous", None) or getattr(getattr(hvd, "mpi_ops", None), "is_homogeneous", None)
+    return bool(check()) if callable(check) else True
+
+
+def _mark(opt: Any, description: str) -> Any:
+    try:
+        opt._crossover_aggregation = description
+    except AttributeError:  # pragma: no cover - objects without a __dict__
+        pass
+    return opt
+
+
+def aggregation_of(optimizer: Any) -> Optional[str]:
+    """What :func:`distributed_optimizer` made of this optimizer, e.g. ``"adasum:plugin/allgather"``."""
+    return getattr(optimizer, "_crossover_aggregation", None)
+
+
+def distributed_optimizer(
+    hvd: Any, factory: Callable[..., Any], optimizer: Any, args: Sequence[Any] = (),
+    kwargs: Optional[dict[str, Any]] = None,
+) -> Any:
+    """Build ``hvd.DistributedOptimizer(optimizer, *args, **kwargs)`` with the selected rule.
+
+    ``factory`` is Horovod's own ``DistributedOptimizer`` (the hook passes the
+    original it wrapped). Without a rule this is exactly
+    ``factory(optimizer, *args, **kwargs)``. Raises :class:`AggregationError`
+    when the rule contradicts the script's arguments (for instance ``sum``
+    with a ``gradient_predivide_factor``); Horovod's own errors pass through.
+    A nested call (a factory that itself calls this function) passes through.
+    """
+    kwargs = dict(kwargs or {})
+    chosen = settings()
+    if not chosen.rule or getattr(_reentry, "active", False):
+        return factory(optimizer, *args, **kwargs)
+    _reentry.active = True
+    try:
+        built = _build(hvd, factory, optimizer, args, kwargs, chosen)
+    finally:
+        _reentry.active = False
+    if isinstance(built, ComposedOptimizer):
+        optimizer_state.install()  # its state must be broadcast without stepping it on some ranks only
+    return built
+
+
+def _build(hvd: Any, factory: Callable[..., Any], optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any],
+           chosen: AggregationSettings) -> Any:
+    try:
+        named = _bind(factory, optimizer, args, kwargs)
+    except TypeError:
+        return factory(optimizer, *args, **kwargs)  # let Horovod report the bad call its own way
+    rule = chosen.rule
+    predivide = float(named.get("gradient_predivide_factor", 1.0))
+    if predivide != 1.0 and rule != "average" and rule != "weighted":
+        raise AggregationError(f"gradient_predivide_factor={predivide} only applies to averaging; remove it or "
+                               f"use CROSSOVER_AGGREGATION=average instead of {rule}")
+    pset = named.get("process_set")
+    asked = named.get("op", hvd.Average)
+    if pset is not None and callable(getattr(pset, "included", None)) and not pset.included():
+        return factory(optimizer, **named)  # this rank combines nothing with this optimizer
+    if rule == "group_async":
+        if not _is_global(hvd, pset):
+            raise AggregationError("group_async forms its own process sets; build the optimizer on the global one")
+        grouped = GroupAsyncOptimizer(optimizer, hvd, _group_runtime(hvd, chosen))
+        return _mark(grouped, f"group_async:{chosen.grouping}/{chosen.group_schedule}")
+    if rule in ("average", "sum"):
+        named["op"] = hvd.Average if rule == "average" else hvd.Sum
+        return _mark(factory(optimizer, **named), rule)
+    if rule == "weighted":
+        if asked not in (hvd.Average, None):
+            logger.warning("CROSSOVER_AGGREGATION=weighted replaces the script's op with a weighted average")
+        named["op"] = hvd.Average
+        opt = factory(optimizer, **named)
+        WeightingHook(hvd, opt, pset, link=_lbbsp).attach()
+        return _mark(opt, "weighted")
+    # adasum
+    size = int(pset.size()) if pset is not None else int(hvd.size())
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    facts = AdasumFacts(
+        size=size, global_set=_is_global(hvd, pset), mpi_enabled=bool(hvd.mpi_enabled()),
+        cuda=any(p.is_cuda for p in params), nccl_built=bool(hvd.nccl_built()), local_size=int(hvd.local_size()),
+        homogeneous=_homogeneous(hvd),
+    )
+    decision = adasum_path(facts, chosen.adasum_impl)
+    if decision.path == "native":
+        logger.info("adasum: Horovod's native Adasum (%s)", decision.reason)
+        named["op"] = hvd.Adasum
+        return _mark(factory(optimizer, **named), "adasum:native")
+    algorithm = resolve_algorithm(chosen.adasum_algorithm, size)
+    logger.info("adasum: plugin Adasum, %s (%s)", algorithm, decision.reason)
+    if named.get("groups") or named.get("num_groups"):
+        logger.warning("adasum: the plugin's Adasum fuses all tensors of a dtype; 'groups' is ignored")
+    opt = AdasumOptimizer(
+        optimizer, HorovodCollectives(hvd, pset), compression=named.get("compression"),
+        backward_passes_per_step=int(named.get("backward_passes_per_step", 1)), algorithm=algorithm,
+    )
+    return _mark(opt, f"adasum:plugin/{algorithm}")
+
+
+def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
+    """``hvd.DistributedOptimizer`` with the selected rule, for scripts without ``import crossover.auto``."""
+    import horovod.torch as hvd
+
+    return distributed_optimizer(hvd, hvd.DistributedOptimizer, optimizer, args, kwargs)
+
+
+def batch_sampler(
+    dataset_length: int,
+    global_batch: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+    initial_sizes: Optional[Sequence[int]] = None,
+    min_batch: int = 1,
+    max_batch: Optional[Sequence[int] | int] = None,
+    period: Optional[int] = None,
+    method: Optional[str] = None,
+    hysteresis: Optional[float] = None,
+    ema_alpha: Optional[float] = None,
+    min_gain: Optional[float] = None,
+    warmup: Optional[int] = None,
+    process_set: Any = None,
+) -> LBBSPSampler | GroupSampler:
+    """The one change an LB-BSP script makes: ``DataLoader(ds, batch_sampler=batch_sampler(len(ds), B))``.
+
+    Call it after ``hvd.init()`` on every rank of the optimizer's process set,
+    with the same arguments. ``global_batch`` is ``B``; sizes start even (or
+    at ``initial_sizes``) and, under the ``weighted`` rule, follow the
+    controller. Unset controller settings come from the ``CROSSOVER_LBBSP_*``
+    variables. The newest sampler is the one the weighted optimizer follows.
+    """
+    import horovod.torch as hvd
+
+    pset = process_set if process_set is not None else hvd.global_process_set
+    chosen = settings()
+    if chosen.rule == "group_async":
+        return GroupSampler(_group_runtime(hvd, chosen), dataset_length, global_batch, shuffle=shuffle,
+                            seed=seed)
+    caps: Optional[Sequence[int] | int] = max_batch
+    if caps is None and chosen.lbbsp_max_batch:
+        env_caps = chosen.lbbsp_max_batch
+        caps = env_caps[0] if len(env_caps) == 1 else tuple(env_caps)
+    method_name = method or chosen.lbbsp_method
+    if method_name not in LBBSP_METHODS:
+        raise AggregationError(f"unknown LB-BSP method {method_name!r}; use one of {', '.join(LBBSP_METHODS)}")
+    config = BatchSizeConfig(
+        global_batch=global_batch,
+        world_size=int(pset.size()),
+        min_batch=min_batch,
+        max_batch=caps if caps is None or isinstance(caps, int) else tuple(caps),
+        period=period if period is not None else chosen.lbbsp_period,
+        hysteresis=hysteresis if hysteresis is not None else chosen.lbbsp_hysteresis,
+        ema_alpha=ema_alpha if ema_alpha is not None else chosen.lbbsp_ema_alpha,
+        method=method_name,  # type: ignore[arg-type]
+        warmup=warmup if warmup is not None else chosen.lbbsp_warmup,
+    )
+    state = LBBSPState(
+        controller=BatchSizeController(config, initial_sizes),
+        rank=int(pset.rank()),
+        world_size=int(pset.size()),
+        dataset_length=dataset_length,
+        min_gain=min_gain if min_gain is not None else chosen.lbbsp_min_gain,
+    )
+    _lbbsp.state = state
+    return LBBSPSampler(state, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+def lbbsp_stats() -> Optional[dict[str, Any]]:
+    """Sizes, their history and the controller's cost so far (``None`` before :func:`batch_sampler`).
+
+    ``overhead_s`` is the time spent in the weighting hooks and at controller
+    boundaries (measurement exchange and decision), ``step_s`` the wall time
+    of the steps it was measured over (each from its ``zero_grad()``, so
+    evaluations and other pauses between steps are left out), so
+    ``overhead_s / step_s`` is the controller's share of training time. ``trace`` holds what the ranks
+    shared of their first 5000 steps, ``[step][rank] = [batch, compute
+    seconds]`` (seconds NaN where a step was not measured), in the order the
+    controller saw them, for replaying a run offline.
+    """
+    state = _lbbsp.state
+    return None if state is None else state.stats()

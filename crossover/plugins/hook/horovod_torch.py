@@ -1,0 +1,318 @@
+"""Hook `horovod.torch.DistributedOptimizer` so each rank's iteration is scheduled.
+
+Every optimizer the script builds goes through the aggregation rule
+(`aggregation`) and then reports its phase points (`phase_tracking`) to the
+rank's one `PhaseReporter` (one iteration counter), which the first optimizer
+makes together with the rank's session; every other wait for peers frees the
+device through `horovod_waits`.
+Nothing here changes gradients, parameters or Horovod's calls: with the
+`passthrough` policy a script computes bit-identical results. Every hook
+swallows its own errors (logged) so Crossover can never break training.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from crossover.client.rank.device_turns import DeviceTurns
+from crossover.client.rank.session import Session
+from crossover.plugins.hook import horovod_waits
+from crossover.plugins.hook.phase_reporter import PhaseReporter
+from crossover.plugins.hook.phase_tracking import track_phases
+from crossover.plugins.hook.settings import PluginSettings
+from crossover.protos.identity import RankIdentity
+
+__all__ = ["install", "uninstall", "current_session", "use_device", "waiting"]
+
+_log = logging.getLogger(__name__)
+
+_state: dict[str, Any] = {"original": None, "session": None, "settings": None, "phases": None, "device": None}
+
+
+def current_session() -> Session | None:
+    """The rank's session once the first DistributedOptimizer exists (None before, or when disabled)."""
+    return _state["session"]
+
+
+@contextlib.contextmanager
+def waiting(resume: bool = True) -> Iterator[None]:
+    """Around a wait outside Horovod (a file, a queue, a remote service): the device is free during it.
+
+    Horovod's own waits free it already; a rank that holds its device while it waits
+    for something else keeps every co-located job from computing, and past the
+    daemon's overdue floor it is passed over. A holder asks for the device again as
+    the block ends, with the same iteration; with ``resume=False`` only at its next
+    phase point (``zero_grad``, an allreduce's end), for a wait after which the script
+    does other work first (building a model, writing a checkpoint). Without a session
+    this does nothing.
+    """
+    phases: PhaseReporter | None = _state["phases"]
+    if phases is None:
+        yield
+    elif resume:
+        with phases.waiting_for_peers():
+            yield
+    else:
+        phases.pause()
+        yield
+
+
+def use_device(turns: DeviceTurns) -> None:
+    """This rank's device is not CUDA but can order its work: hand turns over on it (see `device_turns`).
+
+    For a device the plugin does not know (CUDA GPUs it finds itself): `turns` waits on
+    the daemon's turn pages and stores into them in the order of the device's work, and
+    drains it (each release waits for that where the turn does not end on the device).
+    Call it once, before or after the first DistributedOptimizer.
+    """
+    _state["device"] = turns
+    phases: PhaseReporter | None = _state["phases"]
+    if phases is not None:
+        phases.settle = turns.drain
+    session: Session | None = _state["session"]
+    if session is not None:
+        session.use_device(turns)
+
+
+def install(settings: PluginSettings | None = None) -> bool:
+    """Wrap `horovod.torch.DistributedOptimizer`; idempotent. False when Horovod is missing or disabled."""
+    settings = settings or PluginSettings.from_env(_script_name())
+    if settings.disabled:
+        _log.info("CROSSOVER_DISABLE is set; not hooking Horovod")
+        return False
+    try:
+        import horovod.torch as hvd
+        import horovod.torch.optimizer as hvd_opt
+    except ImportError as exc:
+        _log.warning("horovod.torch is not importable (%s); crossover does nothing", exc)
+        return False
+    from crossover.plugins.aggregation.selection import prepare_horovod
+
+    prepare_horovod()
+    if _state["original"] is not None:
+        return True
+    original = hvd.DistributedOptimizer
+    _state["original"] = original
+    _state["settings"] = settings
+
+    @functools.wraps(original)
+    def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
+        # The aggregation rule (CROSSOVER_AGGREGATION) decides how the optimizer is built;
+        # without one this is exactly Horovod's own call. A rule that contradicts the
+        # script's arguments raises AggregationError here, at start-up, with the reason.
+        from crossover.plugins import aggregation
+
+        opt = aggregation.distributed_optimizer(hvd, original, optimizer, args, kwargs)
+        try:
+            pset = kwargs.get("process_set")
+            if pset is not None and not pset.included():
+                _log.info("this rank is outside the optimizer's process set; nothing to schedule")
+                return opt
+            phases = _ensure_phases(hvd, pset)
+            track_phases(opt, phases, quiet_wait=settings.quiet_wait)
+        except Exception:  # never break the user's script
+            _log.exception("crossover could not hook this optimizer; it trains unscheduled")
+        return opt
+
+    DistributedOptimizer._crossover_original = original  # type: ignore[attr-defined]
+    hvd.DistributedOptimizer = DistributedOptimizer
+    hvd_opt.DistributedOptimizer = DistributedOptimizer
+    return True
+
+
+def uninstall() -> None:
+    """Restore Horovod's factory and close the session (tests use it)."""
+    original = _state["original"]
+    if original is not None:
+        import horovod.torch as hvd
+        import horovod.torch.optimizer as hvd_opt
+
+        hvd.DistributedOptimizer = original
+        hvd_opt.DistributedOptimizer = original
+    horovod_waits.uninstall()
+    if _state["session"] is not None:
+        _state["session"].close()
+    _state.update(original=None, session=None, phases=None, device=None)
+
+
+def _script_name() -> str:
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else ""
+    return Path(argv0).stem if argv0 else ""
+
+
+def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:
+    """The rank's one phase state, made with its session by the first DistributedOptimizer.
+
+    From then on Horovod's waits yield the device (`horovod_waits`), whoever calls them.
+    """
+    if _state["phases"] is None:
+        session = _ensure_session(hvd, process_set)
+        device: DeviceTurns | None = _state["device"]
+        phases = PhaseReporter(session, settle=None if device is None else device.drain)
+        horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))
+        _state["phases"] = phases
+    return _state["phases"]
+
+
+def _ensure_session(hvd: Any, process_set: Any) -> Session:
+    if _state["session"] is not None:
+        return _state["session"]
+    settings: PluginSettings = _state["settings"]
+    job_id = _agree_job_id(hvd, process_set)
+    device = settings.device
+    try:
+        import torch
+
+        if device < 0 and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+    except Exception:  # torch without CUDA runtime: let the daemon choose
+        pass
+    info = RankIdentity(job_id=job_id, job_name=settings.job_name, rank=hvd.rank(), local_rank=hvd.local_rank(),
+                    world_size=hvd.size(), local_size=hvd.local_size(), device=device)
+    session = Session(info, settings)
+    if settings.pin:
+        session.on_attach = _pin
+    _state["session"] = session.start()
+    if _state["device"] is not None:
+        session.use_device(_state["device"])
+    # Close the stream on exit: the daemon then sees a clean end at once instead of
+    # waiting for heartbeats that stop while the interpreter shuts down.
+    atexit.register(_close_session)
+    if settings.stats_file:
+        atexit.register(_write_stats, settings.stats_file.replace("{rank}", str(info.rank)))
+    return session
+
+
+def _close_session() -> None:
+    if _state["session"] is not None:
+        _state["session"].close()
+
+
+def _follow_reinit(hvd: Any) -> None:
+    """After `hvd.init()` again (an elastic reset): register anew if the rank's place changed.
+
+    Workers were added or removed, so this rank's rank, world size or local rank may
+    differ: the daemon's view follows with a new session of the same job. The phase
+    state and its iteration counter stay.
+    """
+    old: Session | None = _state["session"]
+    phases: PhaseReporter | None = _state["phases"]
+    if old is None or phases is None:
+        return
+    place = (hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size())
+    if place == (old.info.rank, old.info.local_rank, old.info.world_size, old.info.local_size):
+        return
+    info = replace(old.info, rank=place[0], local_rank=place[1], world_size=place[2], local_size=place[3],
+                   pid=0, node="")
+    new = Session(info, old.settings)
+    new.on_attach = old.on_attach
+    old.close()
+    _state["session"] = phases.session = new.start()
+    _log.info("re-registered after a Horovod re-init: rank %d of %d (was %d of %d)", info.rank, info.world_size,
+              old.info.rank, old.info.world_size)
+
+
+def _write_stats(path: str) -> None:
+    session: Session | None = _state["session"]
+    if session is None:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
+                       "grant_waits_s": session.grant_waits, "leased_acquires": session.leased_acquires,
+                       "transport": session.transport,
+                       "yields": _state["phases"].yields if _state["phases"] is not None else 0}, f)
+    except OSError as exc:
+        _log.warning("could not write CROSSOVER_STATS_FILE %s: %s", path, exc)
+
+
+def _elastic() -> bool:
+    """Launched by `horovodrun` with elastic settings (Gloo only, in Horovod 0.28)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def _agree_job_id(hvd: Any, process_set: Any) -> str:
+    """One id for the whole job: rank 0 (of the optimizer's process set) draws it, Horovod broadcasts it.
+
+    Every rank of the set builds the optimizer at the same point of the script,
+    so the broadcast is a collective they all reach. Not so in an elastic job: a
+    worker added mid-run builds its optimizer while the others synchronise state,
+    and a collective only it makes would wait forever (Horovod forbids them there).
+    Its workers share the launcher's rendezvous address instead, for the whole run.
+    """
+    if _elastic():
+        env = os.environ
+        where = f"{env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR', '')}:{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}"
+        return uuid.uuid5(uuid.NAMESPACE_URL, f"horovod-elastic://{where}").hex
+    mine = uuid.uuid4().hex
+    if hvd.size() == 1:
+        return mine
+    kwargs: dict[str, Any] = {"name": "crossover.job_id"}
+    root = 0
+    ranks = getattr(process_set, "ranks", None) if process_set is not None else None
+    if ranks:
+        kwargs["process_set"] = process_set
+        root = ranks[0]
+    return str(hvd.broadcast_object(mine, root_rank=root, **kwargs))
+
+
+def _affinity_plan(tids: list[int], compute_tid: int, device_cores: set[int], host_cores: set[int],
+                  usable: set[int]) -> dict[int, set[int]]:
+    """Which cores each thread of a rank may run on.
+
+    Without host cores (or none of them usable, or all of them device cores) every
+    thread goes to the device's cores: the emulated device is then the whole rank.
+    With them, only the compute thread stays on the device's cores and every other
+    thread (Horovod's background loop, which runs Gloo; gRPC's pollers) moves to the
+    host cores, as a GPU's host threads run beside it rather than on it. Threads
+    created later inherit their creator's cores, so intra-op threads the compute
+    thread starts stay on the device.
+    """
+    host = (host_cores & usable) - device_cores
+    if not host:
+        return {tid: set(device_cores) for tid in tids}
+    return {tid: set(device_cores) if tid == compute_tid else set(host) for tid in tids}
+
+
+def _pin(reg: Any) -> None:
+    """CPU devices: pin the rank's threads to the device's cores (and host cores, `CROSSOVER_HOST_CORES`)."""
+    cores = set(reg.cpu_affinity)
+    if not cores:
+        return
+    settings: PluginSettings | None = _state["settings"]
+    wanted = set(settings.host_cores) if settings is not None else set()
+    usable = os.sched_getaffinity(0) | cores
+    if wanted and not (wanted & usable) - cores:
+        _log.warning("CROSSOVER_HOST_CORES %s names no usable core outside the device's %s; every thread stays "
+                     "on the device's cores", sorted(wanted), sorted(cores))
+    tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    plan = _affinity_plan(tids, threading.main_thread().native_id or os.getpid(), cores, wanted, usable)
+    for tid, allowed in plan.items():
+        try:
+            os.sched_setaffinity(tid, allowed)
+        except OSError:  # the thread ended meanwhile
+            pass
+    try:
+        import torch
+
+        torch.set_num_threads(len(cores))
+    except Exception:
+        pass
+    host = sorted(set().union(*plan.values()) - cores)
+    if host:
+        _log.info("compute thread pinned to cores %s (device %d), %d other threads to host cores %s",
+                  sorted(cores), reg.device, len(plan) - 1, host)
+    else:
+        _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)

@@ -1,0 +1,106 @@
+"""Hand the device back whenever a rank waits for other ranks inside Horovod.
+
+Every blocking Horovod call of `horovod.torch` ends in one function,
+`mpi_ops.synchronize(handle)`: allreduce, grouped_allreduce, allgather,
+broadcast, alltoall, reducescatter (and their `*_async` handles when a script
+synchronizes them), `join`, `barrier`, and everything built on them
+(`broadcast_parameters`, `broadcast_optimizer_state`, `broadcast_object`,
+`allgather_object`, SyncBatchNorm, elastic state sync), on any process set.
+Wrapping it (and `poll`, `shutdown`) is enough for a holder to yield its
+device for the length of every such wait, whoever calls it: a script, the
+optimizer, or Crossover's own aggregation.
+
+`poll` does not block, but a loop on it does: a poll that finds the
+operation unfinished yields the device, and the rank asks for it again when
+a poll finds it done (or at its next phase point). `shutdown` may wait for
+the other ranks too; the device is asked for again only if the rank trains on
+(elastic re-initialisation).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+from crossover.plugins.hook.phase_reporter import PhaseReporter
+
+__all__ = ["install", "uninstall"]
+
+_log = logging.getLogger(__name__)
+
+_state: dict[str, Any] = {"phases": None, "originals": {}, "on_init": None}  # originals: Horovod's own, by name
+
+
+def install(phases: PhaseReporter, on_init: Callable[[], None] | None = None) -> None:
+    """Route Horovod's waits through `phases` (the latest call wins); idempotent.
+
+    `on_init` runs after every later `init` (an elastic reset re-initialises Horovod).
+    """
+    import horovod.torch.mpi_ops as mpi_ops
+
+    first = _state["phases"] is None
+    _state["phases"] = phases
+    _state["on_init"] = on_init
+    if first:
+        _state["originals"] = {name: getattr(mpi_ops, name) for name in _WRAPPERS}
+        _swap({_state["originals"][name]: wrapper for name, wrapper in _WRAPPERS.items()})
+
+
+def uninstall() -> None:
+    """Restore Horovod's functions everywhere they were replaced (tests use it)."""
+    if _state["phases"] is not None:
+        _swap({wrapper: _state["originals"][name] for name, wrapper in _WRAPPERS.items()})
+    _state["phases"] = None
+    _state["on_init"] = None
+
+
+def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
+    """Replace each function in every loaded `horovod.torch` module that imported it by name."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "horovod.torch" or name.startswith("horovod.torch.")):
+            continue
+        for attr in _WRAPPERS:
+            current = getattr(module, attr, None)
+            if current is not None and current in replace:
+                setattr(module, attr, replace[current])
+
+
+def _synchronize(handle: Any) -> Any:
+    phases: PhaseReporter | None = _state["phases"]
+    if phases is None:  # a reference kept past `uninstall`
+        return _state["originals"]["synchronize"](handle)
+    with phases.waiting_for_peers():
+        return _state["originals"]["synchronize"](handle)
+
+
+def _poll(handle: Any) -> bool:
+    done = bool(_state["originals"]["poll"](handle))
+    phases: PhaseReporter | None = _state["phases"]
+    if phases is not None:
+        if done:
+            phases.resume()
+        else:
+            phases.pause()
+    return done
+
+
+def _shutdown(*args: Any, **kwargs: Any) -> Any:
+    phases: PhaseReporter | None = _state["phases"]
+    if phases is not None:
+        phases.pause()
+    return _state["originals"]["shutdown"](*args, **kwargs)
+
+
+def _init(*args: Any, **kwargs: Any) -> Any:
+    result = _state["originals"]["init"](*args, **kwargs)
+    on_init = _state["on_init"]
+    if on_init is not None:
+        try:
+            on_init()
+        except Exception:  # never break training
+            _log.exception("crossover could not follow Horovod's re-init")
+    return result
+
+
+_WRAPPERS: dict[str, Callable[..., Any]] = {"synchronize": _synchronize, "poll": _poll, "shutdown": _shutdown,
+                                            "init": _init}

@@ -1,0 +1,155 @@
+"""An optimizer's phase points, reported to the rank's `PhaseReporter` through the optimizer's hook chain.
+
+Phase brackets, per optimizer (docs/plugin.md, "Phases"):
+  * comm: around Horovod's `synchronize()` (for Horovod's Adasum optimizer,
+    whose `synchronize()` is a no-op, around `step()`);
+  * compute: a grant is requested as soon as comm ends (before the update) or
+    at `zero_grad()` when not yet held (first iteration), and released when the
+    last gradient of the step has been accumulated and the device work is
+    complete (a CUDA event on GPUs), or at the latest on entering comm;
+  * every other wait for peers (a metric allreduce, a broadcast, `join`, ...)
+    frees the device for its length (`horovod_waits`).
+
+Nothing here changes gradients, parameters or Horovod's calls.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import horovod.torch.optimizer as hvd_opt
+
+from crossover.client.rank.session import Session
+from crossover.plugins.hook.cuda_turns import CudaUnavailable, torch_cuda_turns, wait_for_device
+from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of
+from crossover.plugins.hook.phase_reporter import PhaseReporter
+
+__all__ = ["track_phases"]
+
+_log = logging.getLogger(__name__)
+
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 250e-6
+
+
+def track_phases(opt: Any, phases: PhaseReporter, quiet_wait: bool = True) -> None:
+    """Report ``opt``'s phase points to ``phases`` (the rank's one reporter)."""
+    _PhaseTracker(opt, phases, quiet_wait=quiet_wait).attach()
+
+
+def _use_cuda_turns(phases: PhaseReporter) -> None:
+    """End this rank's turns on its GPU where the driver can (`cuda_turns`); else its CPU keeps waiting."""
+    session = phases.session
+    if not isinstance(session, Session) or not session.settings.handover or session.turns.device is not None:
+        return
+    try:
+        session.use_device(torch_cuda_turns())
+    except CudaUnavailable as exc:
+        _log.info("crossover: turns end on the CPU, not the GPU (%s)", exc)
+
+
+def _wait_quietly(opt: Any) -> None:
+    """Sleep until every allreduce the optimizer has submitted is done, then let Horovod collect them.
+
+    Horovod 0.28's ``synchronize()`` keeps the calling thread busy while it
+    waits; on a CPU device that steals the core from the job whose turn it is
+    to compute. Polling with sleeps (50 µs, doubling to 250 µs) hands the core
+    back. Only when every gradient already has its own submitted handle:
+    otherwise Horovod still has to submit some (or a group is incomplete),
+    and its own wait is the only safe one.
+    """
+    from horovod.torch.mpi_ops import poll
+
+    handles = getattr(opt, "_handles", None)
+    needed = getattr(opt, "_requires_update", None)
+    if not handles or needed is None:
+        return
+    covered: set[Any] = set()
+    for key, (handle, _ctx) in handles.items():
+        if not isinstance(handle, int):
+            return
+        covered.update(key if isinstance(key, tuple) else (key,))
+    if not needed <= covered:
+        return
+    pause = _POLL_MIN_S
+    for handle, _ctx in list(handles.values()):
+        while not poll(handle):
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+
+
+class _QuietWait(OptimizerHook):
+    """Inside the comm bracket, before Horovod's own wait: `_wait_quietly` while the device is shared."""
+
+    def __init__(self, opt: Any, phases: PhaseReporter) -> None:
+        self.opt = opt
+        self.phases = phases
+
+    def before_synchronize(self) -> None:
+        if self.phases.session.shares_device:  # alone, nobody needs the core
+            _wait_quietly(self.opt)
+
+
+class _PhaseTracker(OptimizerHook):
+    """One optimizer's phase points, reported to the rank's shared `PhaseReporter`."""
+
+    def __init__(self, opt: Any, phases: PhaseReporter, quiet_wait: bool = True) -> None:
+        self.opt = opt
+        self.phases = phases
+        self.quiet_wait = quiet_wait
+        self.passes = 0  # backward passes done in this compute phase
+        self._comm_start = 0.0
+        self._chain = hooks_of(opt)
+        self.expected = max(1, int(getattr(opt, "backward_passes_per_step", 1)))
+        if any(p.is_cuda for p in self._chain.params):
+            phases.settle = wait_for_device
+            _use_cuda_turns(phases)
+        # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
+        self._adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
+
+    def attach(self) -> None:
+        self.phases.on_phase_start.append(self._new_phase)
+        chain = self._chain
+        if self.quiet_wait and not self._adasum:
+            chain.add(_QuietWait(self.opt, self.phases))  # inside the comm bracket
+        chain.add(self)
+
+    def _comm_begin(self) -> None:
+        self.phases.comm_begin()
+        self._comm_start = time.perf_counter()
+
+    def _comm_end(self) -> None:
+        self.phases.comm_end(time.perf_counter() - self._comm_start)
+
+    def before_step(self) -> None:
+        if self._adasum:
+            self._comm_begin()
+
+    def after_step(self, raised: bool) -> None:
+        if self._adasum:
+            self._comm_end()
+        elif not raised:
+            self.phases.ensure_holding()
+
+    def before_synchronize(self) -> None:
+        if not self._adasum:
+            self._comm_begin()
+
+    def after_synchronize(self, raised: bool) -> None:
+        if not self._adasum:
+            self._comm_end()
+
+    def before_zero_grad(self) -> None:
+        self.phases.ensure_holding()
+
+    def _new_phase(self) -> None:
+        self.passes = 0
+
+    def on_gradient(self, index: int, grad: Any) -> None:
+        self.phases.yield_if_asked()
+        return None
+
+    def on_backward_done(self) -> None:
+        self.passes += 1
+        if self.passes >= self.expected:
+            self.phases.compute_done()
