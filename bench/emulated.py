@@ -58,7 +58,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-import grpc
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -66,10 +65,8 @@ from bench.emulated_judge import phase_medians, summarize
 from bench.emulated_report import plot_timeline, render
 from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
+from crossover.client.admin import AdminClient
 from crossover.plugins.hook.settings import SettingError, parse_cpu_list
-from crossover.protos import PROTOCOL_VERSION, admin_socket_path, switches
-from crossover.protos import crossover_v1_pb2 as pb
-from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import EventName, read_events, typed
 from tools.cluster import Cluster, ClusterSpec, Link, preflight
 from tools.device_model import DeviceParams
@@ -155,31 +152,26 @@ def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) 
 
 
 class ClusterAdmin:
-    """SetPolicy on every daemon of the cluster, back to back over channels opened once (also bench.gpu)."""
+    """Steer every daemon of the cluster, back to back over clients opened once (also bench.gpu)."""
 
     def __init__(self, cluster: Cluster) -> None:
-        self._channels = [grpc.insecure_channel(f"unix://{admin_socket_path(n.socket)}") for n in cluster.nodes]
-        self._stubs = [pb_grpc.AdminStub(ch) for ch in self._channels]
+        self._admins = [AdminClient(n.socket, timeout=5) for n in cluster.nodes]
 
     def set_policy(self, name: str, adapt: bool | None = None, handover: bool | None = None) -> None:
         """Switch every daemon to policy `name`; `adapt` also switches whether devices measure if grants pay,
         `handover` whether ranks end their turns on their device."""
-        req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=switches.to_wire(adapt),
-                               handover=switches.to_wire(handover))
-        for stub in self._stubs:
-            stub.SetPolicy(req, timeout=5)
+        for admin in self._admins:
+            admin.set_policy(name, adapt=adapt, handover=handover)
 
     def set_class(self, jobs: list[str], low: bool) -> None:
         """Put `jobs` (ids) in class `low` on every daemon, or back in `normal` (`crossover priority`'s call)."""
-        cls = pb.PRIORITY_LOW if low else pb.PRIORITY_NORMAL
-        for stub in self._stubs:
+        for admin in self._admins:
             for job in jobs:
-                stub.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=job, priority=cls),
-                                 timeout=5)
+                admin.set_job_class(job, "low" if low else "normal")
 
     def close(self) -> None:
-        for ch in self._channels:
-            ch.close()
+        for admin in self._admins:
+            admin.close()
 
 
 class _Visitor(NamedTuple):

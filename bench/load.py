@@ -60,17 +60,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import psutil
 
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
 from bench.load_analysis import Key, grant_records, leak_suspected, lost_requests, net_of_queueing, split
+from crossover.client.admin import AdminClient
 from crossover.client.rank.session import Session
 from crossover.plugins.hook.settings import PluginSettings
-from crossover.protos import PROTOCOL_VERSION
-from crossover.protos import crossover_v1_pb2 as pb
-from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import EventName, read_events
 from crossover.protos.identity import RankIdentity
 from tools.harness.daemon import DaemonProc
@@ -182,16 +179,16 @@ class Watch:
         return self.peak_rss
 
 
-def registered_ranks(admin: pb_grpc.AdminStub, prefix: str = "") -> int:
+def registered_ranks(admin: AdminClient, prefix: str = "") -> int:
     """Ranks the daemon has registered now (of jobs whose id starts with ``prefix``)."""
-    jobs = admin.ListJobs(pb.JobsRequest(protocol_version=PROTOCOL_VERSION), timeout=10)
+    jobs = admin.jobs()
     return sum(len(j.ranks) for j in jobs.jobs if j.job_id.startswith(prefix))
 
 
 # ---- the run -------------------------------------------------------------
 
 
-def wave(ctx: Any, args: argparse.Namespace, tag: str, seconds: float, socket: str, admin: pb_grpc.AdminStub,
+def wave(ctx: Any, args: argparse.Namespace, tag: str, seconds: float, socket: str, admin: AdminClient,
          watch: Watch, procs: list[Any]) -> tuple[list[dict[str, Any]], float, float]:
     """Register ``args.sessions`` sessions, let them loop for ``seconds``, close them.
 
@@ -237,7 +234,7 @@ def wave(ctx: Any, args: argparse.Namespace, tag: str, seconds: float, socket: s
     return collected, (run_end or time.monotonic()) - t0, cpu_s
 
 
-def settle(admin: pb_grpc.AdminStub, watch: Watch, timeout: float) -> tuple[int, int]:
+def settle(admin: AdminClient, watch: Watch, timeout: float) -> tuple[int, int]:
     """After a close: wait (bounded) until the daemon has dropped every rank and its thread count holds still
     for half a second; (ranks, threads) then."""
     end, last = time.monotonic() + timeout, -1
@@ -254,9 +251,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     daemon = DaemonProc.in_dir(workdir, "--cpu-devices", str(args.devices), "--policy", "exclusive",
                                "--log-level", "WARNING", *(["--no-lease"] if args.no_lease else [])).start()
     procs: list[Any] = []
-    channel = grpc.insecure_channel(f"unix://{daemon.socket}")
+    admin = AdminClient(daemon.socket, timeout=10)  # start() returned once it answered
     try:
-        admin = pb_grpc.AdminStub(channel)  # start() returned once it answered
         watch = Watch(daemon.pid)
         threads_idle = watch.sample()
         collected, wall, cpu_s = wave(ctx, args, "load", args.seconds, str(daemon.socket), admin, watch, procs)
@@ -273,7 +269,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             threads_waves.append(threads)
             left_waves.append(n)
     finally:
-        channel.close()
+        admin.close()
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -122,27 +122,17 @@ def cli(*args: str, socket: Path, check: bool = True, timeout: float = 20.0) -> 
 
 def queue_state(socket: Path, timeout: float = 5.0) -> dict[str, Any]:
     """The daemon's queue as `crossover queue --json` prints it, fetched in-process (cheap enough to poll)."""
-    import grpc
-
+    from crossover.client.admin import AdminClient
     from crossover.client.cli.formatting import to_json
-    from crossover.protos import PROTOCOL_VERSION
-    from crossover.protos import crossover_v1_pb2 as pb
-    from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(f"unix://{socket}") as ch:
-        reply = pb_grpc.AdminStub(ch).GetQueue(pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=-1),
-                                               timeout=timeout)
-    return to_json("queue", reply)
+    with AdminClient(socket, timeout=timeout) as admin:
+        return to_json("queue", admin.queue())
 
 
 def set_policy(socket: Path, name: str, timeout: float = 5.0) -> None:
     """Switch the daemon's policy as `crossover policy NAME` does (on its admin socket), in-process: cheap
     enough to repeat every second or two while a job runs."""
-    import grpc
+    from crossover.client.admin import AdminClient
 
-    from crossover.protos import PROTOCOL_VERSION, admin_socket_path
-    from crossover.protos import crossover_v1_pb2 as pb
-    from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(f"unix://{admin_socket_path(str(socket))}") as ch:
-        pb_grpc.AdminStub(ch).SetPolicy(pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name), timeout=timeout)
+    with AdminClient(socket, timeout=timeout) as admin:
+        admin.set_policy(name)
