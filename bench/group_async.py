@@ -307,7 +307,8 @@ def exchange_cost(console: Console, sizes: tuple[int, ...] = EXCHANGE_SIZES) -> 
     import torch
 
     from crossover.plugins.aggregation.group_async.codec import Codec
-    from crossover.plugins.aggregation.group_async.link import ServiceLink, ServiceProcess
+    from crossover.plugins.aggregation.group_async.link import ServiceLink
+    from crossover.plugins.aggregation.group_async.service_process import ServiceProcess
 
     rows = []
     for numel in sizes:

@@ -51,8 +51,8 @@ def test_the_install_holds_exactly_what_the_source_view_shows(installed):
     pkg = installed / "crossover"
     got = {str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert got == _source_view()
-    for name in ("daemon/scheduler.py", "client/cli/__init__.py", "protos/crossover_v1.proto", "protos/crossover_v1_pb2.pyi",
-                 "plugins/hook/horovod_torch.py", "auto.py", "py.typed"):
+    for name in ("daemon/scheduler.py", "client/cli/__init__.py", "protos/crossover_v1.proto",
+                 "protos/crossover_v1_pb2.pyi", "plugins/hook/horovod_torch.py", "auto.py", "py.typed"):
         assert name in got
     assert not [p for p in installed.rglob("*") if p.is_symlink()], "the install must hold copies, not links"
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from crossover.plugins.aggregation.group_async.codec import Codec
+from crossover.plugins.aggregation.group_async.global_model import GlobalModel
 from crossover.plugins.aggregation.group_async.link import ServiceError, ServiceLink
-from crossover.plugins.aggregation.group_async.service import GlobalModel, ParameterService
+from crossover.plugins.aggregation.group_async.service import ParameterService
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "t0ken"

@@ -43,13 +43,13 @@ def _runtime(rank: int = 0, service: bool = True, samples: int = 1408, batch: in
     rt._batch = batch
     rt._enter_epoch(0, samples)  # an even plan: 11 steps per group of 2 ranks
     if expected is not math.inf:
-        rt._expected = expected
+        rt.account.expected = expected
     return rt
 
 
 def test_without_the_service_a_group_takes_the_steps_it_was_planned():
     rt = _runtime(service=False)
-    assert rt.nominal == [11, 11] and not rt.counted
+    assert rt.account.nominal == [11, 11] and not rt.counted
     assert not rt.epoch_done(10) and rt.epoch_done(11)
 
 
@@ -57,7 +57,7 @@ def test_a_counted_group_runs_past_its_plan_until_the_epoch_is_used_up_or_it_alo
     rt = _runtime()
     assert rt.counted and not rt.epoch_done(11) and not rt.epoch_done(21)
     assert rt.epoch_done(22)  # 1408 samples in steps of 2 x 32: the whole epoch for this group alone
-    rt.epoch_over = True
+    rt.account.over = True
     assert rt.epoch_done(3)
 
 
@@ -83,8 +83,8 @@ def test_the_next_epoch_expects_the_share_the_group_took_of_the_last():
     for _ in range(4):
         rt.step_flags()
     rt._enter_epoch(1, 1408)  # this group took 256 of the 1408 samples
-    assert rt.steps_in_epoch == 0 and not rt.epoch_over
-    assert math.isclose(rt._expected, 4.0)
+    assert rt.account.steps == 0 and not rt.account.over
+    assert math.isclose(rt.account.expected, 4.0)
 
 
 class _SlowLink:
@@ -129,7 +129,7 @@ def test_a_group_whose_step_outlasts_the_period_ticks_once_per_period_worked_not
     rt.link = link  # type: ignore[assignment]
     ticks = []
     for worked in (0.25, 0.25, 0.12, 0.05):  # a slow step, another, then a quick one, then a very quick one
-        rt._last_exchange -= worked  # as if the group had worked that long since its last answer
+        rt.account.last_exchange -= worked  # as if the group had worked that long since its last answer
         rt.exchange()
         ticks.append(link.ticks)
     # 2.5 periods: 2, the half carried; 2.5 + 0.5: 3; 1.2: 1 with 0.2 carried; 0.7: still at least 1
@@ -208,7 +208,7 @@ def test_a_group_re_splits_at_its_epoch_start_and_its_members_cover_its_region_e
 def test_a_measured_pace_is_per_sample_at_the_members_own_share():
     rt = _member(3)
     rt._batch = 32
-    rt._shares = (51, 13)
+    rt.members.split = (51, 13)
     rt.observe(0.052)
     assert math.isclose(rt.member_pace(), 0.004)
 

@@ -1,4 +1,4 @@
-"""A group leader's link to the parameter service, and rank 0's keeper of the service process.
+"""A group leader's link to the parameter service (rank 0 keeps the service process: `service_process`).
 
 Fail-open: when the service cannot be reached, :meth:`ServiceLink.exchange`
 returns ``None`` (warned once per outage), the group keeps training
@@ -19,35 +19,29 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import secrets
-import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from crossover.errors import CrossoverError
 from crossover.plugins.aggregation.group_async.codec import Codec, as_bytes, decode
+from crossover.plugins.aggregation.group_async.flat_params import Model, flatten, parts
 from crossover.plugins.aggregation.group_async.wire import WireError, node_identity, recv_frame, send_frame
 
-__all__ = ["ServiceLink", "ServiceProcess", "ServiceError", "flatten"]
+__all__ = ["SHM_DIR", "ServiceError", "ServiceLink", "shared_memory_usable"]
 
 _log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 
-Model = Union[torch.Tensor, Sequence[torch.Tensor]]
-"""What a leader exchanges: its parameters (any shapes, dtypes, devices), or one flat float32 tensor."""
 
 
-def _shared_memory_usable() -> bool:
+def shared_memory_usable() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
@@ -194,7 +188,7 @@ class ServiceLink:
         self._slots = None
         self._held = None  # a new connection's first answer is the whole model
         if self.shared_memory and self.base is not None and reply.get("node") and reply["node"] == node_identity() \
-                and _shared_memory_usable():
+                and shared_memory_usable():
             self._map_slots(self.base)
         if self.lost_since is not None:
             _log.warning("group %d: re-attached to the parameter service after %.1fs (version %d)", self.group,
@@ -244,7 +238,7 @@ class ServiceLink:
             out = torch.empty(self.base.numel(), dtype=torch.float32)
         offset = 0
         with torch.no_grad():
-            for p in _parts(model):
+            for p in parts(model):
                 src = p.detach().reshape(-1)
                 if src.dtype != torch.float32 or src.device.type != "cpu":
                     src = src.to("cpu", torch.float32)
@@ -376,78 +370,3 @@ class ServiceLink:
         if self._slots is not None and self.base is not None:
             self.base = self.base.clone()  # the slots go with the connection
         self._slots = None
-
-
-def _parts(model: Model) -> list[torch.Tensor]:
-    return [model] if isinstance(model, torch.Tensor) else list(model)
-
-
-def flatten(model: Model) -> torch.Tensor:
-    """The model's parameters as one contiguous fp32 vector on the CPU: what an exchange carries."""
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in _parts(model)])
-
-
-class ServiceProcess:
-    """Rank 0's parameter service: started at the first boundary, restarted on the same port if it dies."""
-
-    def __init__(self, host: str, bound: int, state_dir: str = "", port: int = 0, start_version: int = 0) -> None:
-        self.host = host
-        self.bound = bound
-        self.port = port
-        self.start_version = start_version  # a resumed run's version (what its state directory holds wins)
-        # Without a directory of the user's, the job's own in memory (the model is rewritten every exchange).
-        self.owns_state = not state_dir
-        self.state_dir = state_dir or tempfile.mkdtemp(prefix="crossover-params-",
-                                                       dir=SHM_DIR if _shared_memory_usable() else None)
-        Path(self.state_dir).mkdir(parents=True, exist_ok=True)
-        self.token = secrets.token_hex(16)
-        self._dir = Path(tempfile.mkdtemp(prefix="crossover-service-"))
-        (self._dir / "token").write_text(self.token)
-        os.chmod(self._dir / "token", 0o600)
-        self.proc: Optional[subprocess.Popen[bytes]] = None
-        self.restarts = 0
-
-    def start(self, timeout_s: float = 30.0) -> tuple[str, int]:
-        port_file = self._dir / "port"
-        port_file.unlink(missing_ok=True)
-        log = open(self._dir / "service.log", "ab")
-        cmd = [sys.executable, "-m", "crossover.plugins.aggregation.group_async.service", "--host", self.host,
-               "--port", str(self.port), "--bound", str(self.bound), "--state-dir", self.state_dir,
-               "--token-file", str(self._dir / "token"), "--port-file", str(port_file),
-               "--parent-pid", str(os.getpid()), "--start-version", str(self.start_version)] + \
-            (["--remove-state-with-parent"] if self.owns_state else [])
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # in the job's process group
-        log.close()
-        (Path(self.state_dir) / "service.pid").write_text(str(self.proc.pid))
-        deadline = time.monotonic() + timeout_s
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise ServiceError(f"the parameter service did not start; see {self._dir / 'service.log'}")
-            time.sleep(0.02)
-        self.port = int(port_file.read_text())
-        _log.info("parameter service pid %d on %s:%d, state in %s", self.proc.pid, self.host, self.port,
-                  self.state_dir)
-        return self.host, self.port
-
-    def ensure_running(self) -> None:
-        """Restart the service if it died (same port, resuming from its state directory)."""
-        if self.proc is not None and self.proc.poll() is not None:
-            self.restarts += 1
-            _log.warning("the parameter service (pid %d) exited with %s; restarting it (restart %d)",
-                         self.proc.pid, self.proc.returncode, self.restarts)
-            try:
-                self.start()
-            except ServiceError as exc:
-                _log.warning("%s", exc)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.owns_state:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
-        shutil.rmtree(self._dir, ignore_errors=True)

@@ -80,7 +80,7 @@ class GroupAsyncOptimizer(ComposedOptimizer):
             code = round(float(reduced[-1][0]) * members)  # only the leader's flags are non-zero
             exchange, over = bool(code & 1), bool(code & 2)
             rt.note_member_paces([float(v) * members for v in reduced[-1][1:]])
-        rt.epoch_over = rt.epoch_over or over
+        rt.account.over = rt.account.over or over
         if exchange:
             rt.exchange()
         self._synchronized = True

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import json
 import logging
 import mmap
 import os
@@ -39,233 +38,18 @@ import socket
 import socketserver
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from crossover.plugins.aggregation.group_async.clock import SSPClock
 from crossover.plugins.aggregation.group_async.codec import decode, encode_answer
-from crossover.plugins.aggregation.group_async.wire import WireError, node_identity, recv_frame, send_frame
+from crossover.plugins.aggregation.group_async.global_model import GlobalModel
+from crossover.plugins.aggregation.group_async.wire import WireError, recv_frame, send_frame
 
 __all__ = ["GlobalModel", "ParameterService", "main"]
 
 _log = logging.getLogger(__name__)
-
-
-class GlobalModel:
-    """The global model, its version, the SSP clocks and what the service has measured; thread-safe."""
-
-    def __init__(self, bound: int, state_dir: Path | None = None, silent_after_s: float = 30.0,
-                 wait_limit_s: float = 120.0, start_version: int = 0) -> None:
-        self.clock = SSPClock(bound)
-        self.state_dir = state_dir
-        self.silent_after_s = silent_after_s
-        self.wait_limit_s = wait_limit_s
-        self.model: np.ndarray | None = None
-        self.version = start_version  # a run resumed from a checkpoint counts on; a saved state wins
-        self.start_version = start_version
-        self.last_seq: dict[int, int] = {}
-        self.last_seen: dict[int, float] = {}
-        self.gaps: Counter[int] = Counter()
-        self.waits_s: list[float] = []
-        self.taken: dict[int, dict[int, int]] = {}  # samples taken by epoch and group (running totals)
-        self.resumed_from: int | None = None
-        self._current = self._FILES[0]
-        self._spare: np.ndarray | None = None
-        self._cond = threading.Condition()
-        if state_dir is not None:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            self._load()
-
-    # ---- persistence ---------------------------------------------------
-
-    _FILES = ("model-a.f32", "model-b.f32")
-
-    def _mapped(self, name: str, numel: int) -> np.ndarray:
-        assert self.state_dir is not None
-        path = self.state_dir / name
-        with open(path, "a+b") as f:
-            if os.fstat(f.fileno()).st_size != numel * 4:
-                f.truncate(numel * 4)
-            mm = mmap.mmap(f.fileno(), max(1, numel * 4))
-        return np.frombuffer(mm, dtype=np.float32, count=numel)
-
-    def _keep(self, current: str, numel: int, model: Optional[np.ndarray] = None) -> None:
-        """Hold the model in the state directory's file ``current`` (``model`` copied in when given; else
-        the file already holds it), the other file spare."""
-        self._current = current
-        self.model = self._mapped(current, numel)
-        if model is not None:
-            np.copyto(self.model, model)
-        self._spare = self._mapped(next(n for n in self._FILES if n != current), numel)
-
-    def _load(self) -> None:
-        assert self.state_dir is not None
-        meta_path = self.state_dir / "global.json"
-        if not meta_path.exists():
-            return
-        meta = json.loads(meta_path.read_text())
-        if meta["model"].endswith(".npy"):  # written by an older service: one file per version
-            old = np.load(self.state_dir / meta["model"])
-            self._keep(self._FILES[0], old.size, old)
-        else:
-            self._keep(meta["model"], int(meta["numel"]))
-        assert self.model is not None
-        self.version = int(meta["version"])
-        self.last_seq = {int(g): int(s) for g, s in meta["last_seq"].items()}
-        self.clock.clocks = {int(g): int(c) for g, c in meta["clocks"].items()}
-        self.clock.parked = set(self.clock.clocks)  # nobody is waited for until it speaks again
-        self.taken = {int(e): {int(g): int(n) for g, n in by.items()} for e, by in meta.get("taken", {}).items()}
-        self.resumed_from = self.version
-        _log.warning("parameter service resumed from version %d (%d parameters) in %s", self.version,
-                     self.model.size, self.state_dir)
-
-    def _save(self) -> None:
-        """Name the file now holding the model, with the version, clocks and sequence numbers."""
-        if self.state_dir is None or self.model is None:
-            return
-        meta = {"model": self._current, "numel": int(self.model.size), "version": self.version,
-                "last_seq": self.last_seq, "clocks": self.clock.clocks, "taken": self.taken}
-        tmp = self.state_dir / "global.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, self.state_dir / "global.json")
-
-    def _add(self, update: np.ndarray) -> None:
-        """The model plus ``update``: in place, or (kept on disk) into the spare file, which the saved
-        record then names, so a crash in between leaves the last saved model whole."""
-        assert self.model is not None
-        if self.state_dir is None:
-            np.add(self.model, update, out=self.model)
-            return
-        np.add(self.model, update, out=self._spare)
-        self.model, self._spare = self._spare, self.model
-        self._current = next(n for n in self._FILES if n != self._current)
-
-    # ---- operations ----------------------------------------------------
-
-    def hello(self, group: int, init: bytes, numel: int) -> dict[str, Any]:
-        with self._cond:
-            if self.model is None:
-                if not init:
-                    raise ValueError("the service holds no model yet: the first leader must send it")
-                model = np.frombuffer(init, dtype=np.float32, count=numel).copy()
-                if self.state_dir is not None:
-                    self._keep(self._FILES[0], numel, model)
-                else:
-                    self.model = model
-                self._save()
-            elif self.model.size != numel:
-                raise ValueError(f"the service's model has {self.model.size} parameters, the group's {numel}")
-            self.last_seen[group] = time.monotonic()
-            self.clock.activate(group)
-            return {"version": self.version, "last_seq": self.last_seq.get(group, -1), "node": node_identity()}
-
-    def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray | np.ndarray, numel: int,
-                 wait: bool, epoch: int = -1, taken: int = 0, ticks: int = 1) -> dict[str, Any]:
-        """Apply a group's update (once per ``seq``), then wait until the group is within the bound.
-        ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does; ``ticks``, the
-        exchange periods the group worked since its last exchange (its clock advances by as many)."""
-        with self._cond:
-            if self.model is None:
-                raise ValueError("exchange before hello")
-            consumed = self._count(group, epoch, taken)
-            duplicate = seq <= self.last_seq.get(group, -1)
-            if not duplicate:
-                self._add(decode(kind, payload, numel))
-                self.version += 1
-                self.last_seq[group] = seq
-                self.clock.tick(group, ticks)
-                self._save()
-            self.last_seen[group] = time.monotonic()
-            self._cond.notify_all()
-            waited = 0.0
-            if wait:
-                started = time.monotonic()
-                while not self.clock.may_proceed(group):
-                    if time.monotonic() - started > self.wait_limit_s:
-                        break
-                    self._cond.wait(0.05)
-                    self._park_silent(group)
-                waited = time.monotonic() - started
-                self.waits_s.append(waited)
-            else:
-                self.clock.park(group)
-                self._cond.notify_all()
-            gap = self.clock.gap(group)
-            if wait:  # the staleness of a model a group trains on; a pushing group that does not wait discards it
-                self.gaps[gap] += 1
-            return {"version": self.version, "gap": gap, "duplicate": duplicate, "waited_s": waited,
-                    "consumed": consumed}
-
-    def _count(self, group: int, epoch: int, taken: int) -> int | None:
-        if epoch < 0:
-            return None
-        if taken < 0:
-            raise ValueError(f"taken must be >= 0, not {taken}")
-        by_group = self.taken.setdefault(epoch, {})
-        by_group[group] = max(by_group.get(group, 0), taken)
-        return sum(by_group.values())
-
-    def progress(self, group: int, epoch: int, taken: int) -> dict[str, Any]:
-        """Group ``group`` has taken ``taken`` samples of ``epoch`` so far (a running total: repeats and
-        lost answers count once). The answer's ``consumed``, what all groups have taken from the epoch,
-        tells a group when the epoch is used up; no model moves and no clock ticks."""
-        with self._cond:
-            self.last_seen[group] = time.monotonic()
-            return {"consumed": self._count(group, epoch, taken)}
-
-    def _park_silent(self, asking: int) -> None:
-        now = time.monotonic()
-        for group, seen in self.last_seen.items():
-            if group != asking and group not in self.clock.parked and now - seen > self.silent_after_s:
-                _log.warning("group %d silent for %.1fs: no longer waited for", group, now - seen)
-                self.clock.park(group)
-
-    def park(self, group: int) -> None:
-        with self._cond:
-            self.clock.park(group)
-            self.last_seen[group] = time.monotonic()
-            self._cond.notify_all()
-
-    def level(self) -> None:
-        with self._cond:
-            self.clock.level()
-            self._cond.notify_all()
-
-    def regroup(self, leaders: list[int]) -> None:
-        """Groups were re-formed after a full mix: the new groups' clocks start level, the old ones go."""
-        with self._cond:
-            top = max(self.clock.clocks.values(), default=0)
-            self.clock.clocks = {g: top for g in leaders}
-            self.clock.parked = set()
-            now = time.monotonic()
-            for g in leaders:
-                self.last_seen[g] = now
-            self._cond.notify_all()
-
-    def snapshot(self, into: Optional[np.ndarray] = None) -> bytes:
-        """The global model's bytes; with ``into`` (a leader's shared buffer), copied there instead."""
-        with self._cond:
-            if self.model is None:
-                raise ValueError("the service holds no model yet")
-            if into is not None:
-                if into.size != self.model.size:
-                    raise ValueError(f"a buffer of {into.size} values for a model of {self.model.size}")
-                np.copyto(into, self.model)
-                return b""
-            return self.model.tobytes()
-
-    def stats(self) -> dict[str, Any]:
-        with self._cond:
-            waits = sorted(self.waits_s)
-            return {"version": self.version, "bound": self.clock.bound, "clocks": dict(self.clock.clocks),
-                    "gaps": {str(k): v for k, v in sorted(self.gaps.items())}, "exchanges": sum(self.gaps.values()),
-                    "wait_p50_s": waits[len(waits) // 2] if waits else 0.0, "wait_max_s": waits[-1] if waits else 0.0,
-                    "resumed_from": self.resumed_from, "start_version": self.start_version,
-                    "samples": {str(e): {str(g): n for g, n in sorted(by.items())}
-                                for e, by in sorted(self.taken.items())}}
 
 
 def _map_slots(slots: list[dict[str, Any]], numel: int) -> list[np.ndarray]:
