@@ -181,34 +181,15 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
       crossoverd --listen 0.0.0.0:7070 --token-file /etc/crossover/token
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if token and click.get_current_context().get_parameter_source("token") is click.core.ParameterSource.COMMANDLINE:
-        logging.getLogger("crossover.daemon").warning(
-            "--token on the command line is visible to every user in `ps`; prefer --token-file or CROSSOVER_TOKEN")
-    token = _read_secret(token, token_file, "token")
-    admin_token = _read_secret(None, admin_token_file, "admin token")
-    if admin_token and admin_token == token:
-        raise click.UsageError("the admin token must differ from the token every rank holds")
-    if bool(tls_cert) != bool(tls_key):
-        raise click.UsageError("--tls-cert and --tls-key go together")
-    for flag, address in (("--metrics-address", metrics_address), ("--health-address", health_address)):
-        if address:
-            try:
-                parse_address(address)
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint=flag) from None
-    try:
-        rules = ClassRules(tuple(parse_rule(r) for r in class_rules))
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--class-rule") from None
+    token, admin_token, rules = _checked_options(token, token_file, admin_token_file, tls_cert, tls_key,
+                                                 metrics_address, health_address, class_rules)
     metrics = None
     try:
         cores = parse_cpu_devices(cpu_devices, os.cpu_count() or 1) if cpu_devices else None
-        inventory = Inventory.detect(cores)
         log = EventLog(maxlen=event_log_size, path=event_log, max_bytes=int(event_log_max_mb * (1 << 20)),
                        backups=event_log_backups)
-        heartbeat_interval = min(0.2, heartbeat_timeout / 4)
-        core = Scheduler(inventory, policy, node=node_name, event_log=log,
-                         heartbeat_interval_s=heartbeat_interval, heartbeat_timeout_s=heartbeat_timeout,
+        core = Scheduler(Inventory.detect(cores), policy, node=node_name, event_log=log,
+                         heartbeat_interval_s=min(0.2, heartbeat_timeout / 4), heartbeat_timeout_s=heartbeat_timeout,
                          evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
                          overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
                          max_sessions=2 * max_connections,
@@ -235,7 +216,37 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
             metrics.close()
         click.echo(f"crossoverd: cannot start: {exc}", err=True)
         sys.exit(1)
+    _serve(daemon, metrics)
 
+
+def _checked_options(
+    token: str | None, token_file: str | None, admin_token_file: str | None, tls_cert: str | None,
+    tls_key: str | None, metrics_address: str | None, health_address: str | None, class_rules: tuple[str, ...],
+) -> tuple[str | None, str | None, ClassRules]:
+    """The tokens and class rules the flags give, each checked; a usage error names the flag at fault."""
+    if token and click.get_current_context().get_parameter_source("token") is click.core.ParameterSource.COMMANDLINE:
+        logging.getLogger("crossover.daemon").warning(
+            "--token on the command line is visible to every user in `ps`; prefer --token-file or CROSSOVER_TOKEN")
+    token = _read_secret(token, token_file, "token")
+    admin_token = _read_secret(None, admin_token_file, "admin token")
+    if admin_token and admin_token == token:
+        raise click.UsageError("the admin token must differ from the token every rank holds")
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    for flag, address in (("--metrics-address", metrics_address), ("--health-address", health_address)):
+        if address:
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint=flag) from None
+    try:
+        return token, admin_token, ClassRules(tuple(parse_rule(r) for r in class_rules))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--class-rule") from None
+
+
+def _serve(daemon: Daemon, metrics: DaemonMetrics | None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop: waiting ranks are released and keep training."""
     def on_signal(signum: int, frame: FrameType | None) -> None:
         _log.info("received %s, shutting down", signal.Signals(signum).name)
         daemon.stop()
@@ -249,7 +260,6 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     daemon.wait()
     if metrics is not None:
         metrics.close()
-
 
 if __name__ == "__main__":
     main()

@@ -90,7 +90,6 @@ def draw_timeline(intervals: Sequence[Interval], since: float, until: float, pat
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     jobs = {iv.job: iv.job_name for iv in sorted(intervals, key=lambda iv: (iv.job_name, iv.job))}
     names = job_labels(jobs)
@@ -131,7 +130,25 @@ def draw_timeline(intervals: Sequence[Interval], since: float, until: float, pat
             y += 1
         ax.axhline(y + 0.2, color="0.8", linewidth=0.6)
         y += 0.4
-    level_free_at = [float("-inf")] * 4  # marks closer than a label's width go one line lower
+    _draw_marks(ax, marks, since, until, origin)
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_ylim(max(y - 0.4, 1), 0)
+    ax.set_xlim(since - origin, until - origin)
+    ax.set_xlabel("seconds since the first event")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(handles=_legend(intervals, {_label(names[j]): colors[j] for j in jobs}), loc="upper left",
+              bbox_to_anchor=(1.005, 1), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(_label(title, 200), fontsize=10, loc="left")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def _draw_marks(ax: Any, marks: Sequence[tuple[float, str]], since: float, until: float, origin: float) -> None:
+    """Each mark (t, text) inside the window as a labelled dashed line; marks closer than a label's width
+    go one line lower."""
+    level_free_at = [float("-inf")] * 4
     for t, text in sorted(marks):
         if since <= t <= until:
             x = t - origin
@@ -141,13 +158,13 @@ def draw_timeline(intervals: Sequence[Interval], since: float, until: float, pat
             ax.text(x, 0.995 - 0.05 * level, f" {_label(text)}", fontsize=7, va="top", ha="left", color="0.2",
                     transform=ax.get_xaxis_transform(),
                     bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0, "pad": 1})
-    ax.set_yticks(ticks)
-    ax.set_yticklabels(labels, fontsize=8)
-    ax.set_ylim(max(y - 0.4, 1), 0)
-    ax.set_xlim(since - origin, until - origin)
-    ax.set_xlabel("seconds since the first event")
-    ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(facecolor=colors[j], label=_label(names[j])) for j in jobs]
+
+
+def _legend(intervals: Sequence[Interval], job_colors: dict[str, str]) -> list[Any]:
+    """One patch per job, then one per kind of phase drawn (overdue and suspended only where there are any)."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=color, label=label) for label, color in job_colors.items()]
     handles += [Patch(facecolor="0.4", label="compute (holds the device)"),
                 Patch(facecolor="0.4", alpha=0.35, hatch="///", edgecolor="0.4", label="allreduce"),
                 Patch(facecolor="0.4", alpha=0.3, label="waiting for a grant")]
@@ -155,8 +172,4 @@ def draw_timeline(intervals: Sequence[Interval], since: float, until: float, pat
         handles.append(Patch(facecolor="0.4", hatch="xx", edgecolor="red", label="overdue (served past)"))
     if any(iv.phase == "suspended" for iv in intervals):
         handles.append(Patch(facecolor="none", edgecolor="red", linestyle=":", label="suspended (silent)"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=8, frameon=False)
-    if title:
-        ax.set_title(_label(title, 200), fontsize=10, loc="left")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
+    return handles
