@@ -40,9 +40,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 VPY="$VENV/bin/python"
-# --no-compile: pip would byte-compile every file of every package (torch alone: ~12 s of one core);
-# Python compiles the modules a run imports, once, as it imports them.
-PIP=("$VPY" -m pip install -q --disable-pip-version-check --no-compile)
+PIP=("$VPY" -m pip install -q --disable-pip-version-check)
 
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   log "installing torch==$TORCH_VERSION (CPU build)"

@@ -15,9 +15,14 @@ from typing import IO, Any, Callable
 
 from crossover.protos.event_file import Event, EventName, encode, header, rotated_paths, typed
 
-__all__ = ["EventLog"]
+__all__ = ["BACKUPS", "EventLog", "MAXLEN"]
 
 _log = logging.getLogger(__name__)
+
+MAXLEN = 100_000
+"""Events kept in memory by default (crossoverd --event-log-size)."""
+BACKUPS = 3
+"""Rotated files kept by default (crossoverd --event-log-backups)."""
 
 
 class EventLog:
@@ -41,13 +46,13 @@ class EventLog:
 
     def __init__(
         self,
-        maxlen: int = 100_000,
+        maxlen: int = MAXLEN,
         path: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         flush_interval_s: float = 0.1,
         max_bytes: int = 0,
-        backups: int = 3,
+        backups: int = BACKUPS,
         retry_s: float = 1.0,
     ) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=maxlen)

@@ -13,6 +13,7 @@ keeps a device past `max_hold_s` while another rank waits, whatever it reports.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 from crossover.daemon.api import InvalidRequest, Phase
@@ -22,9 +23,25 @@ from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.registry import Registry, Session
 from crossover.protos.event_file import EventName
 
-__all__ = ["Liveness"]
+__all__ = ["Liveness", "LivenessSettings"]
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LivenessSettings:
+    """The liveness defaults, written once: crossoverd's flags, the scheduler and `Liveness` read them here.
+
+    `heartbeat_timeout_s`: silent this long, a rank is suspended; `evict_after_s`: silent this long, it is
+    removed; a holder past `overdue_factor` times its compute time and past `overdue_after_s` (its first
+    phase: `overdue_warmup_s`), or past `max_hold_s` whatever it computes, is treated as stalled."""
+
+    heartbeat_timeout_s: float = 0.8
+    evict_after_s: float = 10.0
+    overdue_factor: float = 10.0
+    overdue_after_s: float = 3.0
+    overdue_warmup_s: float = 30.0
+    max_hold_s: float = 120.0
 
 
 class Liveness:
@@ -32,7 +49,8 @@ class Liveness:
 
     def __init__(self, registry: Registry, leases: Leases, phases: PhaseMachine, pid_alive: Callable[[int], bool],
                  heartbeat_timeout_s: float, evict_after_s: float, overdue_factor: float,
-                 overdue_after_s: float, overdue_warmup_s: float, max_hold_s: float = 120.0) -> None:
+                 overdue_after_s: float, overdue_warmup_s: float,
+                 max_hold_s: float = LivenessSettings.max_hold_s) -> None:
         if evict_after_s < heartbeat_timeout_s:
             raise InvalidRequest(
                 f"evict_after_s={evict_after_s} is shorter than heartbeat_timeout_s={heartbeat_timeout_s}")

@@ -12,6 +12,7 @@ from types import FrameType
 import click
 
 from crossover import __version__
+from crossover.daemon import event_log as event_log_file
 from crossover.daemon import policies
 from crossover.daemon.api import CrossoverError
 from crossover.daemon.class_rules import ClassRules, parse_rule
@@ -19,6 +20,7 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.grant_payoff import PayoffSettings
 from crossover.daemon.inventory import Inventory, parse_cpu_devices
 from crossover.daemon.limits import StreamLimits
+from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.scheduler import Scheduler
@@ -80,17 +82,18 @@ def _group(name: str | None, flag: str) -> int | None:
               help="Name this node reports; must be unique in the cluster.")
 @click.option("--event-log", type=click.Path(dir_okay=False),
               help="Append every phase change to this JSON-lines file (written every 0.1 s, off the grant path).")
-@click.option("--event-log-size", type=click.IntRange(1), default=100_000, show_default=True,
+@click.option("--event-log-size", type=click.IntRange(1), default=event_log_file.MAXLEN, show_default=True,
               help="Events kept in memory.")
 @click.option("--event-log-max-mb", type=click.FloatRange(0.001), default=64.0, show_default=True,
               help="Rotate --event-log before it grows past this many MiB: FILE becomes FILE.1, and so on.")
-@click.option("--event-log-backups", type=click.IntRange(0, 100), default=3, show_default=True,
+@click.option("--event-log-backups", type=click.IntRange(0, 100), default=event_log_file.BACKUPS, show_default=True,
               help="Rotated event-log files kept (FILE.1 .. FILE.N); older ones are deleted.")
 @click.option("--max-events-per-s", type=click.FloatRange(0), default=StreamLimits.events_per_s, show_default=True,
               help="Events a session may send per second, sustained (bursts of twice that pass); a session "
               "past it is closed with RESOURCE_EXHAUSTED and its rank trains unscheduled. 0: no limit.")
 @click.option("--max-connections", type=click.IntRange(1, 1 << 20), default=StreamLimits.max_connections,
-              show_default=True, help="Session streams served at once; one more is refused with "
+              show_default=True,
+              help="Session streams served at once; one more is refused with "
               "RESOURCE_EXHAUSTED (the rank trains unscheduled and retries). `crossover queue` shows the count. "
               "Registered ranks are capped at twice this.")
 @click.option("--max-connections-per-user", type=click.IntRange(1, 1 << 20),
@@ -98,24 +101,30 @@ def _group(name: str | None, flag: str) -> int | None:
               help="Session socket streams one local user (the kernel's uid of the connection) may hold open; one "
               "more from that user is refused with RESOURCE_EXHAUSTED, so no user can take every slot.")
 @click.option("--idle-timeout", type=click.FloatRange(1, 86_400), default=StreamLimits.idle_timeout_s,
-              show_default=True, help="Seconds a session socket connection may stay silent before it is closed "
+              show_default=True,
+              help="Seconds a session socket connection may stay silent before it is closed "
               "(ranks send a heartbeat every 0.2 s); one that sends no OPEN is closed after 5 s.")
-@click.option("--heartbeat-timeout", type=click.FloatRange(0.05, 60), default=0.8, show_default=True,
+@click.option("--heartbeat-timeout", type=click.FloatRange(0.05, 60), default=LivenessSettings.heartbeat_timeout_s,
+              show_default=True,
               help="Seconds without a heartbeat before a rank is suspended: its grant is freed and it leaves "
               "the rotation until it speaks again.")
-@click.option("--evict-after", type=click.FloatRange(0.05, 3600), default=10.0, show_default=True,
+@click.option("--evict-after", type=click.FloatRange(0.05, 3600), default=LivenessSettings.evict_after_s,
+              show_default=True,
               help="Seconds without a heartbeat before a suspended rank is removed (its stream is closed; "
               "the rank re-registers). At least --heartbeat-timeout.")
-@click.option("--overdue-factor", type=click.FloatRange(1.5, 1e6), default=10.0, show_default=True,
+@click.option("--overdue-factor", type=click.FloatRange(1.5, 1e6), default=LivenessSettings.overdue_factor,
+              show_default=True,
               help="A holder past this many times its measured compute time (and past --overdue-after) is "
               "treated as stalled: the next waiting rank gets the device and the event log records `overdue`.")
-@click.option("--overdue-after", type=click.FloatRange(0.01, 86_400), default=3.0, show_default=True,
+@click.option("--overdue-after", type=click.FloatRange(0.01, 86_400), default=LivenessSettings.overdue_after_s,
+              show_default=True,
               help="Seconds a rank may hold its device before it can be treated as stalled, whatever its "
               "compute time (the floor under --overdue-factor).")
-@click.option("--overdue-warmup", type=click.FloatRange(0.01, 86_400), default=30.0, show_default=True,
+@click.option("--overdue-warmup", type=click.FloatRange(0.01, 86_400), default=LivenessSettings.overdue_warmup_s,
+              show_default=True,
               help="The limit for a rank's first compute phase, before it has a measured compute time: a first "
               "step pays for lazy initialisation (allocators, autotuned kernels) and must not read as a stall.")
-@click.option("--max-hold", type=click.FloatRange(0.1, 86_400), default=120.0, show_default=True,
+@click.option("--max-hold", type=click.FloatRange(0.1, 86_400), default=LivenessSettings.max_hold_s, show_default=True,
               help="Seconds any rank may hold its device while another rank waits, whatever its measured "
               "compute time: past it, the holder is treated as stalled (`overdue`) and the next rank is served.")
 @click.option("--lease/--no-lease", default=True, show_default=True,
@@ -127,7 +136,7 @@ def _group(name: str | None, flag: str) -> int | None:
               "without grants, and the faster mode is kept for --adapt-window x 20 seconds, then probed again "
               "(and at once when a job comes or goes). Where grants do not pay the device is unscheduled: every "
               "rank on it holds a lease. `crossover queue` says which mode each device is in and why.")
-@click.option("--adapt-window", type=click.FloatRange(0.5, 600), default=3.0, show_default=True,
+@click.option("--adapt-window", type=click.FloatRange(0.5, 600), default=PayoffSettings.window_s, show_default=True,
               help="Seconds of one measuring window of --adapt, aligned on the wall clock so that every node "
               "probes in the same windows; its first quarter is left out while a switch takes effect.")
 @click.option("--class-rule", "class_rules", multiple=True, metavar="SUBJECT=CLASS[:WEIGHT]",
@@ -136,7 +145,7 @@ def _group(name: str | None, flag: str) -> int | None:
               "group:batch=low. Repeat for several; a user's rule wins over its group's. Others get normal; a "
               "rank may lower its class (CROSSOVER_PRIORITY), never raise it. Classes are the crossover "
               "policy's.")
-@click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=0.05, show_default=True,
+@click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=ClassSettings.guard_share, show_default=True,
               help="The device time every job of a lower class is guaranteed beside higher ones (0.05: a "
               "twentieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,

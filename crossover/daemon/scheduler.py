@@ -38,7 +38,7 @@ from crossover.daemon.grant_payoff import PayoffJudge, PayoffSettings
 from crossover.daemon.handover import Pages, PagesUnavailable
 from crossover.daemon.inventory import Inventory
 from crossover.daemon.leases import Leases
-from crossover.daemon.liveness import Liveness
+from crossover.daemon.liveness import Liveness, LivenessSettings
 from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PageMsg, PreemptMsg
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
@@ -84,15 +84,15 @@ class Scheduler(Steering):
         node: str = "",
         event_log: EventLog | None = None,
         heartbeat_interval_s: float = 0.2,
-        heartbeat_timeout_s: float = 0.8,
+        heartbeat_timeout_s: float = LivenessSettings.heartbeat_timeout_s,
         clock: Callable[[], float] = time.monotonic,
         pid_alive: Callable[[int], bool] = psutil.pid_exists,
-        evict_after_s: float = 10.0,
+        evict_after_s: float = LivenessSettings.evict_after_s,
         lease: bool = True,
-        overdue_factor: float = 10.0,
-        overdue_after_s: float = 3.0,
-        overdue_warmup_s: float = 30.0,
-        max_hold_s: float = 120.0,
+        overdue_factor: float = LivenessSettings.overdue_factor,
+        overdue_after_s: float = LivenessSettings.overdue_after_s,
+        overdue_warmup_s: float = LivenessSettings.overdue_warmup_s,
+        max_hold_s: float = LivenessSettings.max_hold_s,
         max_sessions: int = 2048,
         payoff: PayoffSettings | None = None,
         wall: Callable[[], float] = time.time,

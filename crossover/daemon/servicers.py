@@ -68,8 +68,11 @@ class _Service:
 
 
 def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A unary call's one way in: the request's protocol version is checked first, and a `CrossoverError`
+    ends the call with its status (`refusal`)."""
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            _check_version(request.protocol_version)
             return fn(self, request, context)
         except CrossoverError as exc:
             context.abort(*refusal(exc))
@@ -88,7 +91,6 @@ class SchedulerService(_Service, pb_grpc.SchedulerServicer):
 
     @_unary
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
-        _check_version(request.protocol_version)
         if not request.HasField("identity"):
             raise InvalidRequest("identity is missing")
         reg = self._core.register(RankIdentity.from_pb(request.identity), accepts_leases=request.accepts_leases,
@@ -138,7 +140,6 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def GetQueue(self, request: pb.QueueRequest, context: grpc.ServicerContext) -> pb.QueueState:
-        _check_version(request.protocol_version)
         if request.device >= 0:
             self._core.inventory.by_index(request.device)
         per_device, _ = self._core.snapshot()
@@ -163,7 +164,6 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def ListJobs(self, request: pb.JobsRequest, context: grpc.ServicerContext) -> pb.JobList:
-        _check_version(request.protocol_version)
         _, ranks = self._core.snapshot()
         jobs: dict[str, pb.JobState] = {}
         for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
@@ -177,7 +177,6 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def GetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
-        _check_version(request.protocol_version)
         return self._policy_info()
 
     def _policy_info(self) -> pb.PolicyInfo:
@@ -186,7 +185,6 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
-        _check_version(request.protocol_version)
         if not request.name and request.adapt == request.handover == pb.ADAPT_UNCHANGED:
             raise InvalidRequest("name is empty; give the policy to switch to")
         for what, value in (("adapt", request.adapt), ("handover", request.handover)):
@@ -202,18 +200,15 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def Drain(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
-        _check_version(request.protocol_version)
         return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, True, _caller(context)))
 
     @_unary
     def Resume(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
-        _check_version(request.protocol_version)
         return pb.DeviceAck(device=request.device,
                             draining=self._core.drain(request.device, False, _caller(context)))
 
     @_unary
     def SetJobClass(self, request: pb.JobClassRequest, context: grpc.ServicerContext) -> pb.JobState:
-        _check_version(request.protocol_version)
         if not request.job:
             raise InvalidRequest("name the job (its id or name; `crossover jobs` lists them)")
         asked = _priority(request.priority)
@@ -228,7 +223,6 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
-        _check_version(request.protocol_version)
         if request.device < 0 and not request.job:
             raise InvalidRequest("name a device or a job to evict")
         return pb.EvictReply(done=self._core.evict(request.device, request.job, _caller(context)))

@@ -103,12 +103,13 @@ def _idx(path: Path, array) -> None:
 
 def _mnist(root: Path, n_train: int, n_test: int) -> None:
     import numpy as np
-    from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    images = np.kron(digits.images / 16.0 * 255.0, np.ones((3, 3))).round().astype(np.uint8)  # 24x24
+    from tools.workloads.digits import load_digits
+
+    pixels, target = load_digits()
+    images = np.kron(pixels.reshape(-1, 8, 8) / 16.0 * 255.0, np.ones((3, 3))).round().astype(np.uint8)  # 24x24
     images = np.pad(images, ((0, 0), (2, 2), (2, 2)))  # 28x28, centred like MNIST
-    labels = digits.target.astype(np.uint8)
+    labels = target.astype(np.uint8)
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)
     for prefix, sl in (("train", slice(0, n_train)), ("t10k", slice(n_train, n_train + n_test))):

@@ -12,6 +12,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
+from tools.workloads.digits import load_digits
 from tools.workloads.summary import model_digest, write_rank_summary
 
 
@@ -37,11 +38,9 @@ def main() -> None:
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from sklearn.datasets import load_digits
-
-    x_all, y_all = load_digits(return_X_y=True)
-    x_all = torch.tensor(x_all / 16.0, dtype=torch.float32)
-    y_all = torch.tensor(y_all, dtype=torch.int64)
+    pixels, labels = load_digits()
+    x_all = torch.tensor(pixels / 16.0, dtype=torch.float32)
+    y_all = torch.tensor(labels, dtype=torch.int64)
     x, y, x_val, y_val = x_all[:1400], y_all[:1400], x_all[1400:], y_all[1400:]
     data = torch.utils.data.TensorDataset(x, y)
     sampler: Any  # either has set_epoch

@@ -60,9 +60,9 @@ DEFAULT_RUN: dict = {
 
 def load_data(name: str, cache: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     if name == "digits":
-        from sklearn.datasets import load_digits
+        from tools.workloads.digits import load_digits
 
-        x, y = load_digits(return_X_y=True)
+        x, y = load_digits()
         x = (x / 16.0).astype(np.float32)
         order = np.random.default_rng(0).permutation(len(x))
         cut = int(0.8 * len(x))
