@@ -40,7 +40,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 VPY="$VENV/bin/python"
-PIP=("$VPY" -m pip install -q --disable-pip-version-check)
+# pip byte-compiles each package on one core; compileall below does all of them on every core, once.
+PIP=("$VPY" -m pip install -q --disable-pip-version-check --no-compile)
 
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   log "installing torch==$TORCH_VERSION (CPU build)"
@@ -93,4 +94,8 @@ if ! "$VPY" -c 'import horovod.torch' 2>/dev/null; then
 fi
 
 "${PIP[@]}" --no-deps -e "$ROOT"
+# Byte-compiled now, or never: where PYTHONDONTWRITEBYTECODE is set (as on CI) every process would
+# compile torch from source at each import. Files pip would not compile either (templates) are skipped.
+SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+"$VPY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
 log "ready: $VENV ($("$VPY" -c 'import torch, horovod; print("torch", torch.__version__, "horovod", horovod.__version__)'))"
