@@ -26,11 +26,10 @@ setup(
         "psutil",
         "click>=8.1",
         "rich>=13",
-        "torch",
-        "numpy",  # plugins.group_async
-        "horovod",
     ],
-    extras_require={"plots": ["matplotlib"]},  # crossover timeline
+    # The daemon and the CLI need none of the training stack: a node image installs the package alone,
+    # a training image `horovod-crossover[plugin]` (torch, Horovod; numpy for group_async).
+    extras_require={"plugin": ["torch", "numpy", "horovod"], "plots": ["matplotlib"]},  # plots: crossover timeline
     entry_points={
         "console_scripts": [
             "crossoverd = crossover.daemon.main:main",
