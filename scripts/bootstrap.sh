@@ -42,12 +42,33 @@ fi
 VPY="$VENV/bin/python"
 # pip byte-compiles each package on one core; compileall below does all of them on every core, once.
 PIP=("$VPY" -m pip install -q --disable-pip-version-check --no-compile)
+# Byte-compiled here, or never: where PYTHONDONTWRITEBYTECODE is set (as on CI) every process, the
+# checks below included, would compile torch from source at each import. On every core; what is
+# already compiled is skipped; packages' own test folders are left out; files pip would not compile
+# either (templates) fail quietly.
+compile_site() {
+  "$VPY" -m compileall -q -j 0 -x '/tests?/' \
+    "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+}
 
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
   log "installing torch==$TORCH_VERSION (CPU build)"
   "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
-"${PIP[@]}" -r "$ROOT/requirements-dev.txt"
+compile_site
+# The test and tooling wheels (and Horovod's own dependencies) are downloaded once into a wheelhouse
+# beside the Horovod wheel, keyed by the requirements, and installed from there without the network.
+PYTAG="$("$VPY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+DEPS="$CACHE/deps-$PYTAG-$(cat "$ROOT/requirements-dev.txt" | sha256sum | cut -c1-12)"
+HOROVOD_DEPS=(cloudpickle psutil pyyaml packaging cffi)
+if [ ! -e "$DEPS/.complete" ]; then
+  log "downloading the test and tooling wheels once (cached in $DEPS)"
+  mkdir -p "$DEPS"
+  "$VPY" -m pip download -q --disable-pip-version-check -d "$DEPS" -r "$ROOT/requirements-dev.txt" \
+    "${HOROVOD_DEPS[@]}" && touch "$DEPS/.complete"
+fi
+"${PIP[@]}" --no-index --find-links "$DEPS" -r "$ROOT/requirements-dev.txt" \
+  || "${PIP[@]}" -r "$ROOT/requirements-dev.txt"  # a wheelhouse gone stale: the index, as before
 
 # torchvision, for Horovod's own examples in the conformance tier. PyPI has no CPU build:
 # its wheel requires the CUDA torch, so it goes in without dependencies, at the version
@@ -67,7 +88,6 @@ fi
 if ! "$VPY" -c 'import horovod.torch' 2>/dev/null; then
   TORCH_TAG="$("$VPY" -c 'import torch; print(torch.__version__.replace("+", "_"))')"
   CUDA="$("$VPY" -c 'import torch; print("cuda" if torch.version.cuda else "cpu")')"
-  PYTAG="$("$VPY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
   KEY="$CACHE/$PYTAG-torch$TORCH_TAG-$CUDA"
   WHEEL="$(ls "$KEY"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || true)"
   if [ -z "$WHEEL" ]; then
@@ -90,12 +110,9 @@ if ! "$VPY" -c 'import horovod.torch' 2>/dev/null; then
     log "using cached Horovod wheel $WHEEL"
   fi
   "${PIP[@]}" --no-deps "$WHEEL"
-  "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi
+  "${PIP[@]}" --no-index --find-links "$DEPS" "${HOROVOD_DEPS[@]}" || "${PIP[@]}" "${HOROVOD_DEPS[@]}"
 fi
 
 "${PIP[@]}" --no-deps -e "$ROOT"
-# Byte-compiled now, or never: where PYTHONDONTWRITEBYTECODE is set (as on CI) every process would
-# compile torch from source at each import. Files pip would not compile either (templates) are skipped.
-SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-"$VPY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
+compile_site
 log "ready: $VENV ($("$VPY" -c 'import torch, horovod; print("torch", torch.__version__, "horovod", horovod.__version__)'))"
