@@ -4,7 +4,7 @@ and Adasum vs averaging at 8x the global batch. 4 ranks under `horovodrun --gloo
 Scenarios (per dataset/model pair, all runs of one dataset in one 4-rank job, so
 its start-up cost is paid once; a one-epoch warm-up run goes first):
 
-* straggler: rank 3 runs 3x slower (`tools.faults`, factor
+* straggler: rank 3 runs 3x slower (`testbed.faults`, factor
   3.0). `sync` = plain synchronous Horovod (even split of each global batch,
   averaging); `lbbsp` = `CROSSOVER_AGGREGATION=weighted` with the LB-BSP
   sampler. Both train on the same global batches in the same order, so per
@@ -32,7 +32,7 @@ its start-up cost is paid once; a one-epoch warm-up run goes first):
   (`--base-reference` also trains at the baseline batch). Reported: epochs to
   the target accuracy. Not paced: only epochs matter here.
 
-Device emulation (`--pace`, see tools/workloads/train_classifier.py): this
+Device emulation (`--pace`, see testbed/workloads/train_classifier.py): this
 machine has fewer cores than ranks, so each rank's compute phase is stretched
 to `pace x` its CPU time, making every rank behave like an independent device;
 `auto` derives the factor from the load average before each job (other

@@ -1,5 +1,5 @@
 """Running the convergence benchmark: one 4-rank `horovodrun` job per dataset that trains its planned runs
-one after another (tools/workloads/train_classifier.py), paced to emulate independent devices."""
+one after another (testbed/workloads/train_classifier.py), paced to emulate independent devices."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.convergence_judge import summarise
 from bench.lib.jobs import finish_job, start_job
-from tools.harness.jobs import WORKLOADS
+from testbed.harness.jobs import WORKLOADS
 
 WORKLOAD = WORKLOADS / "train_classifier.py"
 _MIN_PACE = 6.0  # see choose_pace

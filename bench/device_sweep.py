@@ -1,6 +1,6 @@
 """Where scheduling pays on a GPU-like device: the device model's parameters swept in the simulator.
 
-The emulated cluster's device model (`tools.device_model`: time slices, a
+The emulated cluster's device model (`testbed.device_model`: time slices, a
 context-switch cost, compute slowed beside an allreduce) has parameters that
 no vendor publishes exactly (docs/emulated-cluster.md, "The device model").
 `bench.sim_vs_emulated` checks the simulator against the emulated bed at the
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.lib.results import machine, write_json
-from tools.simulator import simulate_small
+from testbed.simulator import simulate_small
 
 SWITCH = (0.04, 0.1, 0.25, 0.5)
 INTERFERENCE = (0.0, 0.19, 0.4)

@@ -1,12 +1,12 @@
 """Crossover on an emulated cluster: co-located Horovod jobs, with and without scheduling.
 
-Two nodes (network namespaces on one machine, `tools.cluster`), each with
+Two nodes (network namespaces on one machine, `testbed.cluster`), each with
 one device (a CPU core its ranks are pinned to) and a tc-shaped link; three in
 `span x2`, where job0 runs on nodes 0-1 and job1 on nodes 1-2, so they share
 only node 1's device (on a 2-core machine nodes 0 and 2 share a core, which no
 daemon schedules: see docs/emulated-cluster.md). Every
 job is a real PyTorch MLP classifier trained data-parallel under Horovod
-(tools/workloads/train_bench.py with `import crossover.auto` prepended), one
+(testbed/workloads/train_bench.py with `import crossover.auto` prepended), one
 rank per node. A calibration measures compute time per sample and allreduce
 time per link rate; each scenario picks the rate and batch that give the wanted
 comm:compute ratio at about --iter-ms per iteration.
@@ -35,7 +35,7 @@ C and M measured alone), and how often the two nodes granted in the same order.
     python -m bench.emulated --quick            # 1:1 with two jobs (~3 min)
     python -m bench.emulated --host-wait spin   # stock Horovod waiting (see _POLL_SHIM)
     python -m bench.emulated --host-cores 2-15  # device cores run only compute (needs spare cores)
-    python -m bench.emulated --device model     # a GPU-like emulated device per node (tools.device_model)
+    python -m bench.emulated --device model     # a GPU-like emulated device per node (testbed.device_model)
     python -m bench.emulated --device model --adaptive --switch-us 0   # also the default's adaptive rule
 
 With `--device model` a node's device is not a core: each rank submits its compute
@@ -68,9 +68,9 @@ from bench.lib.results import ROOT, machine, write_json
 from crossover.client.admin import AdminClient
 from crossover.plugins.hook.settings import SettingError, parse_cpu_list
 from crossover.protos.event_file import EventName, read_events, typed
-from tools.cluster import Cluster, ClusterSpec, Link, preflight
-from tools.device_model import DeviceParams
-from tools.harness.jobs import WORKLOADS, rank_summaries, with_import
+from testbed.cluster import Cluster, ClusterSpec, Link, preflight
+from testbed.device_model import DeviceParams
+from testbed.harness.jobs import WORKLOADS, rank_summaries, with_import
 
 WORKLOAD = WORKLOADS / "train_bench.py"
 console = Console(stderr=True)

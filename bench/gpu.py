@@ -12,14 +12,14 @@ runs four checks and writes `gpu.json` and `gpu_timeline.png` under --out:
   inventory  a crossoverd without --cpu-devices: the GPUs NVML reports, as
              `crossover queue --json` shows them.
   release    a one-rank job whose last gradient leaves `--sleep-ms` of work
-             queued on the GPU (tools/workloads/release_probe.py): every grant
+             queued on the GPU (testbed/workloads/release_probe.py): every grant
              must be released only after that work is done, as the daemon's
              event log records it.
   speedup    --jobs (2) jobs of a torchvision ResNet on synthetic images share the
              GPU. Each is a two-node job on an emulated cluster
-             (`tools.cluster`, network namespaces): node 0's daemon schedules
+             (`testbed.cluster`, network namespaces): node 0's daemon schedules
              the real GPU and runs each job's rank 0; node 1 stands in for the
-             other node (tools/workloads/train_gpu.py, a rank that waits the
+             other node (testbed/workloads/train_gpu.py, a rank that waits the
              compute time measured alone and allreduces gradients of the same
              shapes), behind a tc-shaped link. So the GPU sees what one node
              of a two-node job sees: its compute phases and real allreduces
@@ -58,10 +58,10 @@ from bench.emulated_scenarios import CPU_HANDOVER, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, read_events
-from tools import checkout_on_path
-from tools.cluster import Cluster, ClusterSpec, Link, preflight
-from tools.harness.daemon import kill_group, queue_state
-from tools.harness.jobs import WORKLOADS, rank_summaries, with_import
+from testbed import checkout_on_path
+from testbed.cluster import Cluster, ClusterSpec, Link, preflight
+from testbed.harness.daemon import kill_group, queue_state
+from testbed.harness.jobs import WORKLOADS, rank_summaries, with_import
 
 MODES = ("unscheduled", "exclusive", "crossover", "crossover-cpu")  # crossover-cpu: every turn ends on the CPU
 PRIORITY_MODES = ("unscheduled", "crossover", "classes")  # --priority: job0 the production job, the others low

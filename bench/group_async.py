@@ -1,7 +1,7 @@
 """Group-level async training against sync, LB-BSP and fully asynchronous training, on real data.
 
 One `horovodrun --gloo` job per workload and repeat (4 ranks, or --ranks)
-trains every run in sequence (tools/workloads/train_classifier.py, paced like
+trains every run in sequence (testbed/workloads/train_classifier.py, paced like
 bench/convergence.py so each rank behaves like its own device). The fault is
 always on the last rank. Scenarios:
 
@@ -51,7 +51,7 @@ from bench.convergence_judge import first_reaching
 from bench.convergence_run import choose_pace
 from bench.lib.jobs import finish_job, start_job
 from bench.lib.plot import pyplot, save
-from tools.harness.jobs import WORKLOADS, rank_summaries
+from testbed.harness.jobs import WORKLOADS, rank_summaries
 
 WORKLOAD = WORKLOADS / "train_classifier.py"
 SLOWDOWN = 4.0  # the straggler: delayed by 300 %

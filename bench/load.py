@@ -70,7 +70,7 @@ from crossover.client.rank.session import Session
 from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.event_file import EventName, read_events
 from crossover.protos.identity import RankIdentity
-from tools.harness.daemon import DaemonProc
+from testbed.harness.daemon import DaemonProc
 
 _log = logging.getLogger("bench.load")
 

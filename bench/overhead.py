@@ -42,8 +42,8 @@ from bench.lib.jobs import WORKLOAD, finish_job, start_job
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
 from crossover.plugins.hook.settings import SettingError, parse_cpu_list
-from tools.harness.daemon import DaemonProc
-from tools.harness.jobs import with_import
+from testbed.harness.daemon import DaemonProc
+from testbed.harness.jobs import with_import
 
 # exclusive: each rank is alone on its device, so it computes under a lease (no round trip per
 # iteration); exclusive-no-lease (crossoverd --no-lease) measures the round trip every contended request pays,

@@ -10,12 +10,12 @@ relative to its speed alone (1.0: as if alone), in three modes measured in one r
 
 Beds:
 
-  --bed sim    the simulator (`tools.simulator`, the daemon's own policy classes):
+  --bed sim    the simulator (`testbed.simulator`, the daemon's own policy classes):
                two nodes x one device, 1:1 and comm-bound (1:2), with one and two
                low jobs, at the device model's interference (0.19) and without it;
                a node without gaps (jobs that barely communicate); and 64 nodes x 8
                devices with churn (the low jobs come and go). Seconds.
-  --bed model  the emulated cluster with the device model (`tools.device_model`):
+  --bed model  the emulated cluster with the device model (`testbed.device_model`):
                real Horovod jobs, real daemons; two nodes; the low job's class is
                switched on both daemons (`crossover priority`'s call) per segment,
                interleaved over --cycles. Minutes.
@@ -43,7 +43,7 @@ from rich.table import Table
 
 from bench.lib.judge import percentile
 from bench.lib.results import machine, write_json
-from tools.simulator import JobSpec, SimConfig, simulate
+from testbed.simulator import JobSpec, SimConfig, simulate
 
 MODES = ("unscheduled", "equal", "classes")
 _SIM_POLICY = {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}
@@ -139,9 +139,9 @@ def _sim_table(result: dict[str, Any]) -> Table:
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
     from bench.emulated import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
-    from tools.cluster import Cluster, ClusterSpec, Link
-    from tools.device_model import DeviceParams
-    from tools.harness.jobs import rank_summaries
+    from testbed.cluster import Cluster, ClusterSpec, Link
+    from testbed.device_model import DeviceParams
+    from testbed.harness.jobs import rank_summaries
 
     args.device_params = DeviceParams(interference=args.interference) if args.bed == "model" else None
     args.job_env = {"CROSSOVER_REPORT_INTERVAL": "0"}

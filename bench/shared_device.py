@@ -1,6 +1,6 @@
 """Jobs whose ranks all share one CPU device, as a new user would first run Crossover.
 
-Two-rank `horovodrun` jobs (`tools/workloads/train_mlp.py`, with `--metric`: every
+Two-rank `horovodrun` jobs (`testbed/workloads/train_mlp.py`, with `--metric`: every
 rank allreduces its loss after every step, as Horovod's examples do) on one real
 `crossoverd --cpu-devices 1`, alone and two side by side, under each mode:
 
@@ -26,8 +26,8 @@ from typing import Any
 
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, typed
-from tools.harness.daemon import DaemonProc
-from tools.harness.jobs import horovodrun, with_import
+from testbed.harness.daemon import DaemonProc
+from testbed.harness.jobs import horovodrun, with_import
 
 MODES: dict[str, tuple[str, ...]] = {
     "unscheduled": ("--policy", "passthrough"),

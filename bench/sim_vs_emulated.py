@@ -6,7 +6,7 @@ interference factor x. While a compute phase and an allreduce share a device,
 each runs at 1/(1+x). x comes from the same run's phase times: how much longer
 a compute phase took under `crossover` than alone. Only phase lengths go in;
 throughput is what is compared. Each mode is simulated with both link models
-(`fifo` and `fair`; see `tools.simulator`).
+(`fifo` and `fair`; see `testbed.simulator`).
 
 A run on the device model (`bench.emulated --device model`) needs no
 estimate: the simulator gets the model's own switch penalty and interference
@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.lib.results import machine, write_json
-from tools.simulator import simulate_small
+from testbed.simulator import simulate_small
 
 MODES = {"sequential": "sequential", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}
 LINKS = ("fifo", "fair")

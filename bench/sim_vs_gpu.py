@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.lib.results import machine, write_json
-from tools.simulator import LINK_SHARING, JobSpec, SimConfig, simulate
+from testbed.simulator import LINK_SHARING, JobSpec, SimConfig, simulate
 
 MODES = {"unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}
 PENALTIES = (0.0, 0.04, 0.08, 0.12, 0.16, 0.2)

@@ -1,6 +1,6 @@
 """Cluster simulation: the daemon's policies on 64 nodes x 8 GPUs, and on the emulated cluster's small scenarios.
 
-Large scenarios (`tools.simulator`, one policy instance per node):
+Large scenarios (`testbed.simulator`, one policy instance per node):
   static-k  k = 2, 3, 4 jobs per GPU. Jobs span 8-64 nodes with one GPU per node,
             placed so that different jobs share GPUs in different combinations.
             Each job has its own compute time C (30-70 ms) and comm:compute ratio
@@ -23,7 +23,7 @@ nodes (job A on nodes 0-1, B on 1-2, ...), so every device has different partner
   span-4-churn  span-4, plus a job that arrives at 2 s and one that leaves at 4 s
 each with exact phases (jitter 0) and with jitter 0.1. For the static ones the
 table also gives the share of an offline reference: the best fixed cyclic order
-on every device, found by simulating every combination (`tools.simulator.reference`).
+on every device, found by simulating every combination (`testbed.simulator.reference`).
 
 Small scenarios (`--small`, or part of the default run): the emulated-cluster
 benchmark's set, 2 nodes x 1 device, 2 and 3 identical jobs, comm:compute 1:1,
@@ -53,8 +53,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from bench.lib.results import machine, write_json
-from tools.simulator import LINK_SHARING, POLICIES, SMALL_POLICIES, JobSpec, SimConfig, simulate, simulate_small
-from tools.simulator.reference import best_cyclic_orders, run_orders
+from testbed.simulator import LINK_SHARING, POLICIES, SMALL_POLICIES, JobSpec, SimConfig, simulate, simulate_small
+from testbed.simulator.reference import best_cyclic_orders, run_orders
 
 N_NODES, GPUS = 64, 8
 LARGE = ("static-2", "static-3", "static-4", "uniform-3", "churn-3")

@@ -25,8 +25,8 @@ from rich.console import Console
 
 from crossover.client.cli.event_intervals import merge_logs, policy_changes
 from crossover.protos.event_file import read_events
-from tools.cluster import preflight
-from tools.harness.daemon import BIN
+from testbed.cluster import preflight
+from testbed.harness.daemon import BIN
 
 console = Console()
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,11 +9,11 @@ import pytest
 
 # Before anything imports gRPC: the tests fork+exec daemons and ranks while this process holds
 # gRPC channels, and gRPC's fork handlers can deadlock inside fork() (grpc/grpc#37259).
-# tools.cluster sets the same default, but only if it is imported first.
+# testbed.cluster sets the same default, but only if it is imported first.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from tools.harness.daemon import DaemonProc  # noqa: E402
-from tools.harness.jobs import Job  # noqa: E402
+from testbed.harness.daemon import DaemonProc  # noqa: E402
+from testbed.harness.jobs import Job  # noqa: E402
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
-"""Real `horovodrun` jobs for benchmarks, started through `tools.harness` like the tests' jobs."""
+"""Real `horovodrun` jobs for benchmarks, started through `testbed.harness` like the tests' jobs."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from tools.harness.daemon import kill_group
-from tools.harness.jobs import WORKLOADS, horovodrun, rank_summaries
+from testbed.harness.daemon import kill_group
+from testbed.harness.jobs import WORKLOADS, horovodrun, rank_summaries
 
 __all__ = ["WORKLOAD", "finish_job", "start_job"]
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tools.harness.jobs import CHECKOUT
+from testbed.harness.jobs import CHECKOUT
 
 __all__ = ["ROOT", "git_commit", "machine", "portable", "write_json"]
 

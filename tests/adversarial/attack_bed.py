@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.harness.daemon import DaemonProc, queue_state
-from tools.harness.jobs import Job, horovodrun, with_import
+from testbed.harness.daemon import DaemonProc, queue_state
+from testbed.harness.jobs import Job, horovodrun, with_import
 
 VICTIM_ITERS = "150"
 NOBODY, NOGROUP = 65534, 65534  # the second local user, and the socket group it is in

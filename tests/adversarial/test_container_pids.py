@@ -18,7 +18,7 @@ import time
 import pytest
 from attack_bed import grant_waits, start_victim, stop_after_grants
 
-from tools.harness.daemon import BIN, DaemonProc, queue_state
+from testbed.harness.daemon import BIN, DaemonProc, queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
 

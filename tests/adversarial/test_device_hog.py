@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from attack_bed import answers_within, grant_waits, start_victim, stops_on_sigterm
 
-from tools import checkout_on_path
-from tools.harness.daemon import cli, queue_state
+from testbed import checkout_on_path
+from testbed.harness.daemon import cli, queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
 

@@ -26,7 +26,7 @@ from crossover.protos import PROTOCOL_VERSION, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
-from tools.harness.daemon import queue_state
+from testbed.harness.daemon import queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
 

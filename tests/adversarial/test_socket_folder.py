@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from attack_bed import NOBODY, NOGROUP, answers_within, drop_to_nobody, grant_waits, start_victim, stops_on_sigterm
 
-from tools.harness.daemon import BIN, DaemonProc
+from testbed.harness.daemon import BIN, DaemonProc
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
 

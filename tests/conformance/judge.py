@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from crossover.protos.event_file import Event
-from tools.harness.daemon import DaemonProc, cli, set_policy
-from tools.harness.jobs import CHECKOUT, Job
-from tools.harness.oracles import compute_intervals, overlaps
+from testbed.harness.daemon import DaemonProc, cli, set_policy
+from testbed.harness.jobs import CHECKOUT, Job
+from testbed.harness.oracles import compute_intervals, overlaps
 
 # The wall times of the last run, outside the checkout (no test writes there); CROSSOVER_CONFORMANCE_OUT moves them.
 CONFORMANCE_RESULTS = Path(os.environ.get("CROSSOVER_CONFORMANCE_OUT", "")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed.harness.jobs import WORKLOADS, Job, horovodrun, rank_summaries
 from tests.conformance.judge import (
     ALTERNATING_ROUNDS,
     PLACEMENTS,
@@ -27,7 +28,6 @@ from tests.conformance.judge import (
     record_conformance,
     run_pair_in_rounds,
 )
-from tools.harness.jobs import WORKLOADS, Job, horovodrun, rank_summaries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.harness.daemon import BIN, kill_group
+from testbed.harness.oracles import compute_intervals, overlaps
 from tests.conformance.judge import (
     ALTERNATE,
     PEER,
@@ -35,8 +37,6 @@ from tests.conformance.judge import (
     events_by_policy,
     record_conformance,
 )
-from tools.harness.daemon import BIN, kill_group
-from tools.harness.oracles import compute_intervals, overlaps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed.harness.jobs import Job, horovodrun
 from tests.conformance.judge import (
     ALTERNATING_ROUNDS,
     PEER,
@@ -60,7 +61,6 @@ from tests.conformance.judge import (
     record_conformance,
     run_pair_in_rounds,
 )
-from tools.harness.jobs import Job, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.timeout(600)]
 
@@ -104,7 +104,7 @@ def _idx(path: Path, array) -> None:
 def _mnist(root: Path, n_train: int, n_test: int) -> None:
     import numpy as np
 
-    from tools.workloads.digits import load_digits
+    from testbed.workloads.digits import load_digits
 
     pixels, target = load_digits()
     images = np.kron(pixels.reshape(-1, 8, 8) / 16.0 * 255.0, np.ones((3, 3))).round().astype(np.uint8)  # 24x24

@@ -6,7 +6,7 @@
 
 The conformance tier launches Horovod's own examples and test suite from
 `../shared/peer/` this way under `horovodrun`. One thing the machine forces:
-torchvision's CPU import needs two op schemas declared (`tools.workloads.vision`).
+torchvision's CPU import needs two op schemas declared (`testbed.workloads.vision`).
 Every rank imports it first, whether its script needs it or not: what the import
 loads (about a second of CPU), torch would load in the script's first step anyway
 (measured: left out, the first round grew by as much).
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import crossover.auto  # noqa: F401  (first, as a user adds it)
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, last: `tools` is never installed
-from tools.workloads.vision import import_torchvision  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, last: `testbed` is never installed
+from testbed.workloads.vision import import_torchvision  # noqa: E402
 
 
 def _import_torchvision() -> None:

@@ -58,7 +58,7 @@ def test_the_install_holds_exactly_what_the_source_view_shows(installed):
 
 
 def test_nothing_generic_at_the_top_of_site_packages(installed):
-    generic = {"daemon", "client", "plugins", "protos", "scripts", "tests", "bench", "tools"}
+    generic = {"daemon", "client", "plugins", "protos", "scripts", "tests", "bench", "testbed"}
     top = {p.name.removesuffix(".py") for p in installed.iterdir()}
     assert not generic & top, f"generic top-level names installed: {sorted(generic & top)}"
     dist_infos = list(installed.glob("horovod_crossover-*.dist-info"))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.harness.daemon import cli, queue_state
+from testbed.harness.daemon import cli, queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

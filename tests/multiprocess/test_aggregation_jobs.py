@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tools.harness.jobs import WORKLOADS, horovodrun
+from testbed.harness.jobs import WORKLOADS, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
@@ -65,7 +65,7 @@ def test_plugin_adasum_matches_horovods_native_adasum_under_mpi(jobs, tmp_path):
 def _single_process_reference(sizes: list[int], steps: int, lr: float) -> list[list[float]]:
     """One process, one optimizer, the whole global batch of B = Σ b_i samples per step."""
     from crossover.plugins.aggregation.lbbsp.sampler import WeightedBatchSampler
-    from tools.workloads.aggregation_check import weighted_dataset, weighted_model
+    from testbed.workloads.aggregation_check import weighted_dataset, weighted_model
 
     x, y = weighted_dataset()
     model = weighted_model()

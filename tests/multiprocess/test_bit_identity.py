@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.harness.jobs import WORKLOADS, horovodrun, with_import
+from testbed.harness.jobs import WORKLOADS, horovodrun, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

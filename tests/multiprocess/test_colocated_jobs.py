@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from tools.harness.daemon import cli, queue_state
-from tools.harness.jobs import horovodrun, with_import
-from tools.harness.oracles import compute_intervals, overlaps
+from testbed.harness.daemon import cli, queue_state
+from testbed.harness.jobs import horovodrun, with_import
+from testbed.harness.oracles import compute_intervals, overlaps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -10,7 +10,7 @@ import pytest
 
 from crossover.plugins.aggregation import replay_decisions
 from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig
-from tools.harness.jobs import WORKLOADS, horovodrun
+from testbed.harness.jobs import WORKLOADS, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tools.harness.daemon import DaemonProc
-from tools.harness.jobs import horovodrun, with_import
+from testbed.harness.daemon import DaemonProc
+from testbed.harness.jobs import horovodrun, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

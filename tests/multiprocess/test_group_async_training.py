@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.harness.jobs import WORKLOADS, horovodrun
+from testbed.harness.jobs import WORKLOADS, horovodrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from crossover.protos import admin_socket_path
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
-from tools.harness.jobs import horovodrun, with_import
+from testbed.harness.jobs import horovodrun, with_import
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

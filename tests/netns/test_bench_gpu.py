@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.cluster import preflight
-from tools.cluster.netns import netns_list
-from tools.harness.jobs import CHECKOUT
+from testbed.cluster import preflight
+from testbed.cluster.netns import netns_list
+from testbed.harness.jobs import CHECKOUT
 
 _REASONS = preflight()
 

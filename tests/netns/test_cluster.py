@@ -1,4 +1,4 @@
-"""The emulated cluster (`tools.cluster`): namespaces, shaped links, daemons, real jobs, teardown.
+"""The emulated cluster (`testbed.cluster`): namespaces, shaped links, daemons, real jobs, teardown.
 
 Needs root, `ip` and `tc`; skips with the reason where they are missing. Under
 `make test` (CROSSOVER_TEST_STRICT=1) on a machine that has them, nothing here
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cluster import (
+from testbed.cluster import (
     Cluster,
     ClusterSpec,
     Link,
@@ -25,8 +25,8 @@ from tools.cluster import (
     netem_available,
     preflight,
 )
-from tools.harness.jobs import WORKLOADS, with_import
-from tools.harness.oracles import compute_intervals, overlaps
+from testbed.harness.jobs import WORKLOADS, with_import
+from testbed.harness.oracles import compute_intervals, overlaps
 
 STRICT = os.environ.get("CROSSOVER_TEST_STRICT") == "1"
 _REASONS = preflight()
@@ -178,7 +178,7 @@ def test_colocated_jobs_never_overlap_and_take_turns_in_the_same_order(cluster_f
 
 @pytest.mark.timeout(240)
 def test_a_device_model_serves_the_ranks_compute_and_shares_it_when_unscheduled(cluster_factory, tmp_path):
-    from tools.device_model import DeviceParams
+    from testbed.device_model import DeviceParams
 
     bench = WORKLOADS / "train_bench.py"
     c = cluster_factory(nodes=2, link=Link(rate_mbit=400), policy="passthrough",
@@ -237,7 +237,7 @@ def test_teardown_after_an_exception_inside_the_context(tmp_path):
 
 def _start_up(tmp_path: Path, name: str) -> tuple[subprocess.Popen, dict]:
     workdir = tmp_path / name
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cluster", "up", "--nodes", "2", "--rate", "100mbit",
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cluster", "up", "--nodes", "2", "--rate", "100mbit",
                              "--policy", "exclusive", "--workdir", str(workdir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
@@ -266,7 +266,7 @@ def test_down_stale_cleans_up_after_a_sigkilled_owner(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert set(names) <= _netns()  # nobody could clean up
-    res = subprocess.run([sys.executable, "-m", "tools.cluster", "down", "--stale"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "testbed.cluster", "down", "--stale"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert not set(names) & _netns(), res.stdout
@@ -274,7 +274,7 @@ def test_down_stale_cleans_up_after_a_sigkilled_owner(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_cli_run_builds_runs_and_removes_an_ephemeral_cluster(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cluster", "run", "--nodes", "2", "--rate", "300mbit",
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cluster", "run", "--nodes", "2", "--rate", "300mbit",
                              "--policy", "exclusive", "--job-name", "cli", "--", sys.executable,
                              str(WORKLOADS / "train_mlp.py"), "--iters", "5", "--out", str(tmp_path / "o")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -287,7 +287,7 @@ def test_cli_run_builds_runs_and_removes_an_ephemeral_cluster(tmp_path):
 
 
 def test_bad_input_is_refused_with_a_clear_message():
-    from tools.cluster import ClusterError, parse_rate
+    from testbed.cluster import ClusterError, parse_rate
 
     assert parse_rate("200mbit") == 200 and parse_rate("1gbit") == 1000 and parse_rate("0") is None
     with pytest.raises(ClusterError, match="not understood"):
@@ -296,6 +296,6 @@ def test_bad_input_is_refused_with_a_clear_message():
         Link(rate_mbit=10, jitter_ms=2)
     with pytest.raises(ClusterError, match="do not exist"):
         ClusterSpec(nodes=2, links={5: Link(rate_mbit=1)})
-    res = subprocess.run([sys.executable, "-m", "tools.cluster", "run", "--cluster", "no-such-cluster", "--",
+    res = subprocess.run([sys.executable, "-m", "testbed.cluster", "run", "--cluster", "no-such-cluster", "--",
                           "true"], capture_output=True, text=True, timeout=30)
     assert res.returncode != 0 and "no cluster 'no-such-cluster'" in res.stderr

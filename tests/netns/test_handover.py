@@ -10,11 +10,11 @@ import time
 
 import pytest
 
+from testbed.cluster import Link
+from testbed.device_model import DeviceParams
+from testbed.harness.jobs import WORKLOADS, with_import
 from tests.integration.rpc._world import wait_for
 from tests.netns.test_cluster import _REASONS, cluster_factory  # noqa: F401 (the fixture)
-from tools.cluster import Link
-from tools.device_model import DeviceParams
-from tools.harness.jobs import WORKLOADS, with_import
 
 pytestmark = [
     pytest.mark.netns,

@@ -6,7 +6,7 @@ import random
 from typing import Callable
 
 from crossover.daemon.api import Policy, RankKey, RankRef
-from tools.simulator.turns import TurnsPolicy, TurnsSettings
+from testbed.simulator.turns import TurnsPolicy, TurnsSettings
 
 S = TurnsSettings()
 

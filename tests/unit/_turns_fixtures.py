@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from crossover.daemon.api import RankKey, RankRef
-from tools.simulator.turns import TurnsPolicy, TurnsSettings
+from testbed.simulator.turns import TurnsPolicy, TurnsSettings
 
 S = TurnsSettings()
 

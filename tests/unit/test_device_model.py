@@ -1,4 +1,4 @@
-"""The emulated device's arithmetic (tools.device_model.model) and its server, on a real Unix socket."""
+"""The emulated device's arithmetic (testbed.device_model.model) and its server, on a real Unix socket."""
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tools.device_model import DeviceModel, DeviceParams
-from tools.device_model.client import DeviceClient, DeviceGone
+from testbed.device_model import DeviceModel, DeviceParams
+from testbed.device_model.client import DeviceClient, DeviceGone
 
 P = DeviceParams(slice_us=1000.0, switch_us=50.0, interference=0.25)
 
@@ -80,7 +80,7 @@ def test_rate_matches_the_simulators_processor_sharing() -> None:
 
 def test_server_serves_two_contexts_on_a_real_socket(tmp_path) -> None:
     path = tmp_path / "dev.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "tools.device_model.server", "--socket", str(path),
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.device_model.server", "--socket", str(path),
                              "--slice-us", "1000", "--switch-us", "0", "--interference", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

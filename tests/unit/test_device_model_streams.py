@@ -1,4 +1,4 @@
-"""The emulated device's streams: work, syncs, page waits and signals (tools.device_model), served in a thread.
+"""The emulated device's streams: work, syncs, page waits and signals (testbed.device_model), served in a thread.
 
 A context's ops run in order; `wait` holds its stream until a shared page's word
 reaches a ticket, `signal` stores one into the context's own page: a hand-over
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from crossover.client.rank.device_turns import DeviceTurns
-from tools.device_model import DeviceParams
-from tools.device_model.client import DeviceClient, DeviceGone
-from tools.device_model.server import DeviceServer
-from tools.device_model.turns import ModelTurns
+from testbed.device_model import DeviceParams
+from testbed.device_model.client import DeviceClient, DeviceGone
+from testbed.device_model.server import DeviceServer
+from testbed.device_model.turns import ModelTurns
 
 PARAMS = DeviceParams(slice_us=1000.0, switch_us=0.0, interference=0.0)
 

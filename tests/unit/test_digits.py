@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tools.workloads.digits import load_digits
+from testbed.workloads.digits import load_digits
 
 
 def test_the_digits_are_scikit_learns_own():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu import judge_release, main
-from tools.cluster import ClusterError, ClusterSpec
+from testbed.cluster import ClusterError, ClusterSpec
 
 
 def test_a_release_after_the_device_work_passes() -> None:

@@ -1,7 +1,7 @@
 """The test bed's event-log oracle: two jobs never compute on one device at once."""
 from __future__ import annotations
 
-from tools.harness.oracles import overlaps
+from testbed.harness.oracles import overlaps
 
 
 def test_overlaps_reports_only_pairs_of_different_jobs():

@@ -32,7 +32,7 @@ def test_order_ignores_ties_the_emulation_cannot_resolve(sve):
 
 
 def test_a_run_the_simulator_itself_produced_passes_and_a_distorted_one_fails(sve):
-    from tools.simulator import simulate_small
+    from testbed.simulator import simulate_small
 
     x = 230 / 200 - 1
     sim = {mode: simulate_small(0.2, 0.2, 2, policy, iterations=200, link_sharing="fifo",
@@ -46,7 +46,7 @@ def test_a_run_the_simulator_itself_produced_passes_and_a_distorted_one_fails(sv
 
 
 def test_a_device_model_run_is_simulated_with_the_models_own_parameters(sve):
-    from tools.simulator import simulate_small
+    from testbed.simulator import simulate_small
 
     device = {"slice_us": 1000.0, "switch_us": 50.0, "interference": 0.25}
     world = {"switch_penalty": 0.05, "comm_interference": 0.0, "n_nodes": 4}

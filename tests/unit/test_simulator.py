@@ -12,7 +12,7 @@ import pytest
 from crossover.daemon import policies
 from crossover.daemon.api import RankKey
 from crossover.daemon.policies import ExclusivePolicy
-from tools.simulator import (
+from testbed.simulator import (
     POLICIES,
     SMALL_POLICIES,
     JobSpec,
@@ -22,7 +22,7 @@ from tools.simulator import (
     simulate,
     simulate_small,
 )
-from tools.simulator.turns import TurnsPolicy
+from testbed.simulator.turns import TurnsPolicy
 
 C = M = 0.05
 TWO_NODES = ((0, 0), (1, 0))

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from crossover.daemon import policies
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, create
+from testbed.simulator import POLICIES
+from testbed.simulator.link import LinkPolicy, LinkSettings
 from tests.unit._lockstep import assert_skewed_nodes_never_drift
 from tests.unit._service import assert_first_in_line_served_within
-from tools.simulator import POLICIES
-from tools.simulator.link import LinkPolicy, LinkSettings
 
 
 def _policy(*jobs: str, settings: LinkSettings | None = None, world_size: int = 2) -> LinkPolicy:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from crossover.daemon.api import RankKey, RankRef
-from tools.simulator import JobSpec, SimConfig, simulate
-from tools.simulator.reference import FixedOrderPolicy, best_cyclic_orders, run_orders
+from testbed.simulator import JobSpec, SimConfig, simulate
+from testbed.simulator.reference import FixedOrderPolicy, best_cyclic_orders, run_orders
 
 
 def _ref(job: str) -> RankRef:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.faults import (
+from testbed.faults import (
     Straggler,
     StragglerSpecError,
     make_matmul_work,

@@ -15,9 +15,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from crossover.daemon.api import RankKey, RankRef
+from testbed.simulator.turns import TurnsPolicy, TurnsSettings
 from tests.unit._lockstep import inversions, lockstep
 from tests.unit._turns_fixtures import S, joined, ref
-from tools.simulator.turns import TurnsPolicy, TurnsSettings
 
 # ---- properties: consistent order across nodes ------------------------------------------------------
 

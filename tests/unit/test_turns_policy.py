@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from crossover.daemon.api import RankKey, RankRef
+from testbed.simulator.turns import TurnsPolicy, TurnsSettings
 from tests.unit._turns_fixtures import A, B, C, S, joined, ref
-from tools.simulator.turns import TurnsPolicy, TurnsSettings
 
 NOSYNC = TurnsSettings(tiebreak="join_order")
 

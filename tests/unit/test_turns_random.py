@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossover.daemon.api import RankKey, RankRef
+from testbed.simulator.turns import TurnsPolicy
 from tests.unit._turns_fixtures import S, ref
-from tools.simulator.turns import TurnsPolicy
 
 # ---- properties: random event sequences ---------------------------------------------------------
 

@@ -12,8 +12,8 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import GrantMsg, PolicyMsg
 from crossover.daemon.scheduler import Scheduler
+from testbed.harness.oracles import compute_intervals, overlaps
 from tests.unit.scheduler._world import _phase, drain_outbox, holders_over_time, ident, join
-from tools.harness.oracles import compute_intervals, overlaps
 
 # ---- operator side -----------------------------------------------------
 

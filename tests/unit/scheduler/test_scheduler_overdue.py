@@ -10,8 +10,8 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import AliveMsg, GrantMsg
 from crossover.daemon.scheduler import Scheduler
+from testbed.harness.oracles import compute_intervals, overlaps
 from tests.unit.scheduler._world import _KINDS, FakeClock, drain_outbox, ident, join
-from tools.harness.oracles import compute_intervals, overlaps
 
 # ---- yields and overdue holders ----------------------------------------
 

@@ -12,8 +12,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
-from tools.workloads.digits import load_digits
-from tools.workloads.summary import model_digest, write_rank_summary
+from testbed.workloads.digits import load_digits
+from testbed.workloads.summary import model_digest, write_rank_summary
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from crossover.plugins import aggregation
 from crossover.plugins.aggregation.adasum.algorithms import adasum_allreduce_tensors, adasum_reference
-from tools.workloads.summary import write_rank_summary
+from testbed.workloads.summary import write_rank_summary
 
 SHAPES = [(17,), (5, 7), (64,), (3, 4, 5), (1,)]
 

@@ -27,15 +27,15 @@ leaving the `with` block (exception or not), on SIGTERM/SIGHUP (turned into
 `SystemExit`), on Ctrl-C (`KeyboardInterrupt`) and at interpreter exit.
 `down --stale` removes what a SIGKILLed owner left behind.
 
-    python -m tools.cluster up --nodes 2 --rate 200mbit --policy crossover --name demo
-    python -m tools.cluster run --cluster demo -- python train.py      # another terminal
-    python -m tools.cluster run --nodes 2 --rate 100mbit -- python train.py  # ephemeral
-    python -m tools.cluster shape --cluster demo --node 1 --rate 50mbit
-    python -m tools.cluster down demo | down --stale
+    python -m testbed.cluster up --nodes 2 --rate 200mbit --policy crossover --name demo
+    python -m testbed.cluster run --cluster demo -- python train.py      # another terminal
+    python -m testbed.cluster run --nodes 2 --rate 100mbit -- python train.py  # ephemeral
+    python -m testbed.cluster shape --cluster demo --node 1 --rate 50mbit
+    python -m testbed.cluster down demo | down --stale
 
 Modules: `spec` (what to build, what was built), `netns` (namespaces, veth,
 bridge, teardown), `shaping` (tc), `launch` (daemons and jobs inside the
-namespaces), `cluster` (`Cluster`, which owns one), `cli` (`python -m tools.cluster`).
+namespaces), `cluster` (`Cluster`, which owns one), `cli` (`python -m testbed.cluster`).
 """
 from __future__ import annotations
 

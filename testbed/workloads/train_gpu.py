@@ -10,7 +10,7 @@ same names and shapes. Its optimizer never updates its copy: only the GPU
 rank's model is trained, and the GPU sees exactly one node's share of a
 two-node job, comm phases included.
 
-Each rank writes the JSON summary of `tools/workloads/train_bench.py` to --out.
+Each rank writes the JSON summary of `testbed/workloads/train_bench.py` to --out.
 """
 import argparse
 import os
@@ -20,8 +20,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
-from tools.workloads.summary import write_rank_summary
-from tools.workloads.vision import import_torchvision
+from testbed.workloads.summary import write_rank_summary
+from testbed.workloads.vision import import_torchvision
 
 
 def main():

@@ -32,7 +32,7 @@ The server sleeps until the next context finishes or a line arrives, so it
 costs no CPU while ranks compute; while a stream waits on a page, it polls the
 pages every 200 µs.
 
-    python -m tools.device_model.server --socket /run/x/node0.device.sock [--slice-us 1024 --switch-us 40
+    python -m testbed.device_model.server --socket /run/x/node0.device.sock [--slice-us 1024 --switch-us 40
                                                                           --interference 0.19]
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ from crossover.protos.turn_page import PAGE_BYTES, WORD, reached
 
 from .model import DeviceModel, DeviceParams
 
-_log = logging.getLogger("tools.device_model")
+_log = logging.getLogger("testbed.device_model")
 _MAX_LINE = 256
 _MAX_FDS = 4  # fds one recv takes; more than one on a line drops the context anyway
 _POLL_S = 200e-6  # how often pages are read while a stream waits on one

@@ -1,6 +1,6 @@
 """The event loop: ranks join, request, compute, allreduce and leave; each node's policy decides the grants.
 
-The model it implements is described in the package's docstring (`tools.simulator`).
+The model it implements is described in the package's docstring (`testbed.simulator`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies.classes import JobClass, Priority
-from tools.device_model.model import compute_rate
+from testbed.device_model.model import compute_rate
 
 from .spec import JobSpec, PolicyFactory, SimConfig, SimulationError
 from .state import (

@@ -11,7 +11,7 @@ the start-up cost of a 4-rank job is paid once. Per run: model and width
 (default: --model, --width), aggregation rule
 (`rule`: average, sum, adasum, weighted, or null for plain Horovod), global
 batch, learning rate, epochs, an optional straggler (`"3:3.0"`, see
-`tools.faults`; `straggler_work` `busy` or `sleep`), LB-BSP
+`testbed.faults`; `straggler_work` `busy` or `sleep`), LB-BSP
 settings. Test accuracy is measured on every rank several times per epoch on
 a clock that excludes evaluation. Each rank writes `rank{r}.json` to --out.
 Consecutive runs with the same `interleave` key train together, a few steps
@@ -46,8 +46,8 @@ import torch.nn as nn
 
 from crossover.plugins import aggregation
 from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
-from tools.faults import Stall, Straggler
-from tools.workloads.summary import write_rank_summary
+from testbed.faults import Stall, Straggler
+from testbed.workloads.summary import write_rank_summary
 
 DEFAULT_RUN: dict = {
     "name": "run", "rule": None, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "epochs": 5, "seed": 0,
@@ -60,7 +60,7 @@ DEFAULT_RUN: dict = {
 
 def load_data(name: str, cache: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     if name == "digits":
-        from tools.workloads.digits import load_digits
+        from testbed.workloads.digits import load_digits
 
         x, y = load_digits()
         x = (x / 16.0).astype(np.float32)

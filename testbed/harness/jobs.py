@@ -13,14 +13,14 @@ from typing import Any
 
 import psutil
 
-from tools import CHECKOUT, checkout_on_path
-from tools.workloads.stop_file import request_stop
+from testbed import CHECKOUT, checkout_on_path
+from testbed.workloads.stop_file import request_stop
 
 from .daemon import BIN, kill_group
 
 __all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "rank_summaries", "with_import"]
 
-WORKLOADS = CHECKOUT / "tools" / "workloads"
+WORKLOADS = CHECKOUT / "testbed" / "workloads"
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Job:
 
     def stop(self, ahead: int = 20) -> int:
         """Have a stoppable job's ranks all stop before iteration N, `ahead` past the last progress rank 0
-        published (`tools.workloads.stop_file`); returns N."""
+        published (`testbed.workloads.stop_file`); returns N."""
         assert self.stop_file is not None, f"job {self.name} was not started stoppable"
         return request_stop(self.stop_file, ahead)
 
@@ -81,7 +81,7 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
 
     `--out OUT` comes before `args` for our workloads; `out_flag=False` leaves it off for scripts
     that do not take it (someone else's, run through a launcher given as `script`). The checkout
-    is on the ranks' PYTHONPATH because the shared workloads import `tools`, which is never installed.
+    is on the ranks' PYTHONPATH because the shared workloads import `testbed`, which is never installed.
     `stoppable`: `--stop-file` goes after `args` (our workloads), so `Job.stop()` can end the run early.
     """
     out = tmp / f"out_{name}"
@@ -103,7 +103,7 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
 
 
 def with_import(tmp: Path, script: str | Path = "train_mlp.py", prelude: str = "") -> Path:
-    """A copy of a workload (a name in tools/workloads, or a path) with `import crossover.auto` as its
+    """A copy of a workload (a name in testbed/workloads, or a path) with `import crossover.auto` as its
     first line and `prelude` after it, nothing else changed."""
     src = Path(script) if Path(script).is_absolute() else WORKLOADS / script
     out = tmp / f"xo_{src.name}"

@@ -33,9 +33,9 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
-from tools.device_model.client import DeviceClient
-from tools.device_model.turns import ModelTurns
-from tools.workloads.summary import write_rank_summary
+from testbed.device_model.client import DeviceClient
+from testbed.device_model.turns import ModelTurns
+from testbed.workloads.summary import write_rank_summary
 
 
 def build(in_dim: int, width: int, depth: int, classes: int) -> nn.Module:

@@ -11,5 +11,5 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 def checkout_on_path(env: Mapping[str, str]) -> str:
-    """`env`'s PYTHONPATH with the checkout first: a child that imports `tools` (never installed) needs it."""
+    """`env`'s PYTHONPATH with the checkout first: a child that imports `testbed` (never installed) needs it."""
     return os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH")]))

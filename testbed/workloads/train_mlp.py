@@ -12,8 +12,8 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
-from tools.workloads.stop_file import publish_progress, stop_before
-from tools.workloads.summary import model_digest, write_rank_summary
+from testbed.workloads.stop_file import publish_progress, stop_before
+from testbed.workloads.summary import model_digest, write_rank_summary
 
 
 def main():
@@ -38,7 +38,7 @@ def main():
     p.add_argument("--stop-file", default="",
                    help="stop before --iters once this file exists: before the iteration it names, or at once if "
                         "it is empty (one-rank jobs only: a larger job's ranks would stop at different steps). "
-                        "Rank 0 writes how far it got to FILE.at every 10 iterations (`tools.workloads.stop_file`)")
+                        "Rank 0 writes how far it got to FILE.at every 10 iterations (`testbed.workloads.stop_file`)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools import checkout_on_path
-from tools.device_model import SOCKET_ENV
-from tools.harness.daemon import kill_group, queue_state
+from testbed import checkout_on_path
+from testbed.device_model import SOCKET_ENV
+from testbed.harness.daemon import kill_group, queue_state
 
 from .spec import IFACE, ClusterError, ClusterSpec, ClusterState, Node
 
@@ -68,10 +68,10 @@ def start_daemon(node: Node, spec: ClusterSpec) -> subprocess.Popen:
 
 
 def start_device(node: Node, spec: ClusterSpec) -> subprocess.Popen:
-    """The node's emulated device server (`tools.device_model.server`), logging beside the daemon's log."""
+    """The node's emulated device server (`testbed.device_model.server`), logging beside the daemon's log."""
     params = spec.device_model
     assert params is not None and node.device_socket
-    return _popen(_python_m("tools.device_model.server", "--socket", node.device_socket,
+    return _popen(_python_m("testbed.device_model.server", "--socket", node.device_socket,
                             "--slice-us", str(params.slice_us), "--switch-us", str(params.switch_us),
                             "--interference", str(params.interference)),
                   Path(node.log).with_suffix(".device.log"), {**os.environ, "PYTHONPATH": checkout_on_path(os.environ)})
@@ -189,8 +189,8 @@ def launch_job(state: ClusterState, command: Sequence[str], *, name: str, ranks_
     job_env.update(env or {})
     job_env.setdefault("CROSSOVER_JOB_NAME", name)
     job_env["PYTHONUNBUFFERED"] = "1"
-    job_env["PYTHONPATH"] = checkout_on_path(job_env)  # the hub's launcher imports `tools`
-    argv = ["ip", "netns", "exec", state.hub_netns, *_python_m("tools.cluster", "launch", str(spec_path))]
+    job_env["PYTHONPATH"] = checkout_on_path(job_env)  # the hub's launcher imports `testbed`
+    argv = ["ip", "netns", "exec", state.hub_netns, *_python_m("testbed.cluster", "launch", str(spec_path))]
     proc = _popen(argv, log, job_env)
     return ClusterJob(name, proc, log, np)
 
@@ -233,6 +233,6 @@ def launch_in_hub(spec_path: str) -> int:
     try:
         launch_gloo(spec["command"], exec_command, settings, [spec["iface"]], env, spec["server_ip"])
     except RuntimeError as exc:
-        print(f"tools.cluster: {exc}", file=sys.stderr, flush=True)
+        print(f"testbed.cluster: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -31,11 +31,11 @@ deadlines. Only the world around the policies is modelled:
   Only while some device has waiting ranks and no holder: the only state in
   which a tick can change anything.
 
-`turns` is the rotation the daemon retired (`tools.simulator.turns`), kept
+`turns` is the rotation the daemon retired (`testbed.simulator.turns`), kept
 for comparison; `turns-nosync` is `turns` without crossover synchronization
 (`TurnsSettings(tiebreak="join_order")`): identical keys, backfilling and
 bounded waits, but ties are broken by the order jobs joined *that node*, so
-nodes may disagree. `crossover-link` (`tools.simulator.link`) is `crossover` with
+nodes may disagree. `crossover-link` (`testbed.simulator.link`) is `crossover` with
 allreduces kept apart on each device's link, which wins here and lost on the
 device-model bed with real daemons, so the daemon does not carry it.
 `reference` searches fixed serve orders offline.

@@ -18,7 +18,7 @@ from types import FrameType
 from typing import Any
 
 from crossover.protos.event_file import Event
-from tools.harness.daemon import kill_group
+from testbed.harness.daemon import kill_group
 
 from .launch import ClusterJob, launch_job, start_daemon, start_device, wait_daemon, wait_device
 from .netns import (
@@ -37,7 +37,7 @@ from .netns import (
 from .shaping import shape_node
 from .spec import HUB_HOST, STATE_ROOT, SUBNET, ClusterError, ClusterSpec, ClusterState, Link, Node, Unsupported
 
-_log = logging.getLogger("tools.cluster")  # the test bed logs under its package name
+_log = logging.getLogger("testbed.cluster")  # the test bed logs under its package name
 
 _live: list[Cluster] = []
 _live_lock = threading.Lock()

@@ -16,7 +16,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
-from tools.workloads.summary import write_rank_summary
+from testbed.workloads.summary import write_rank_summary
 
 
 def _cycles_for(ms: float) -> tuple[int, float]:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.device_model import DeviceParams
+from testbed.device_model import DeviceParams
 
 SUBNET = "10.77.0"
 HUB_HOST = 254
@@ -95,7 +95,7 @@ class ClusterSpec:
     # Nodes whose daemon schedules this machine's GPUs (found through NVML) instead of a core:
     # one GPU node beside CPU-core nodes emulates one node of a multi-node GPU job (bench.gpu).
     gpu_nodes: tuple[int, ...] = ()
-    # A GPU-like device per node (tools.device_model): ranks submit their compute phases to it
+    # A GPU-like device per node (testbed.device_model): ranks submit their compute phases to it
     # instead of running them on the node's core. None: the core is the device.
     device_model: DeviceParams | None = None
 
@@ -173,4 +173,4 @@ class ClusterState:
             return cls.from_json(json.loads((path / "cluster.json").read_text()))
         except FileNotFoundError:
             raise ClusterError(f"no cluster {name_or_dir!r}: neither a work dir nor a name under {STATE_ROOT} "
-                               "(start one with `python -m tools.cluster up --name NAME`)") from None
+                               "(start one with `python -m testbed.cluster up --name NAME`)") from None

@@ -1,4 +1,4 @@
-"""`python -m tools.cluster`: the click commands up, run, shape, down, ls (and the hub's hidden launch)."""
+"""`python -m testbed.cluster`: the click commands up, run, shape, down, ls (and the hub's hidden launch)."""
 from __future__ import annotations
 
 import json
@@ -61,7 +61,7 @@ def _cli() -> Any:
 
     class _Fail(click.ClickException):
         def show(self, file: Any = None) -> None:
-            click.echo(f"tools.cluster: {self.format_message()}", err=True)
+            click.echo(f"testbed.cluster: {self.format_message()}", err=True)
 
     @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
     @click.option("--log-level", default="WARNING", show_default=True)
@@ -86,7 +86,7 @@ def _cli() -> Any:
             for n, link in zip(state.nodes, state.links):
                 click.echo(f"  {n.name}: netns {n.netns}  {n.address}  core {n.core}  {link.describe()}  "
                            f"CROSSOVER_SOCKET={n.socket}")
-            click.echo(f"jobs: python -m tools.cluster run --cluster {name or state.workdir} -- CMD ...   "
+            click.echo(f"jobs: python -m testbed.cluster run --cluster {name or state.workdir} -- CMD ...   "
                        "(Ctrl-C here tears down)", err=True)
             sys.stdout.flush()
             while True:
@@ -203,4 +203,4 @@ def _follow(job: ClusterJob) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    _cli()(args=list(argv) if argv is not None else None, prog_name="python -m tools.cluster")
+    _cli()(args=list(argv) if argv is not None else None, prog_name="python -m testbed.cluster")

@@ -13,7 +13,7 @@ the server says it is done (`client`). The server runs `model.DeviceModel`:
 
 The defaults come from published measurements (docs/emulated-cluster.md,
 "The device model"); `bench.emulated --device model` sweeps them. The
-simulator (`tools.simulator`) shares `DeviceParams.compute_rate`, so both
+simulator (`testbed.simulator`) shares `DeviceParams.compute_rate`, so both
 models of a device are one.
 """
 from __future__ import annotations

@@ -1,4 +1,0 @@
-"""`python -m tools.cluster`: build, shape, run on and tear down an emulated cluster."""
-from .cli import main
-
-main()
