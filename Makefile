@@ -24,7 +24,7 @@ test: bootstrap
 	wait $$mypy && exit $$tests
 	CROSSOVER_TEST_STRICT=1 $(PY) -m pytest -ra --durations=25 $(addprefix --ignore=,$(IN_PROCESS))
 
-# The inner loop: lint, then the unit and integration tiers (in-process daemons; about 30 s on 2 cores).
+# The inner loop: lint, then the unit and integration tiers (in-process daemons; about 50 s on 2 cores).
 test-fast: bootstrap
 	.venv/bin/ruff check .
 	$(PY) -m pytest -ra -q -n 3 --dist loadfile tests/unit tests/integration
