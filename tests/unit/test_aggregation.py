@@ -185,3 +185,9 @@ def test_a_nested_call_passes_through():
 
     opt = distributed_optimizer(hvd, hooked, sgd(nn.Linear(3, 2)), (), {"op": "avg"})
     assert opt.given["op"] == "sum"
+
+
+def test_every_rule_the_setting_accepts_has_a_builder_and_no_other():
+    from crossover.plugins.hook.settings import AGGREGATION_RULES
+
+    assert sorted(aggregation._RULES) == sorted(AGGREGATION_RULES)  # noqa: SLF001 - the registry itself

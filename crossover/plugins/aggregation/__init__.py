@@ -35,6 +35,7 @@ import inspect
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from crossover.plugins.aggregation.adasum.collectives import HorovodCollectives
@@ -206,27 +207,46 @@ def _build(hvd: Any, factory: Callable[..., Any], optimizer: Any, args: Sequence
         raise AggregationError(f"gradient_predivide_factor={predivide} only applies to averaging; remove it or "
                                f"use CROSSOVER_AGGREGATION=average instead of {rule}")
     pset = named.get("process_set")
-    asked = named.get("op", hvd.Average)
     if pset is not None and callable(getattr(pset, "included", None)) and not pset.included():
         return factory(optimizer, **named)  # this rank combines nothing with this optimizer
-    if rule == "group_async":
-        if not _is_global(hvd, pset):
-            raise AggregationError("group_async forms its own process sets; build the optimizer on the global one")
-        grouped = GroupAsyncOptimizer(optimizer, hvd, _group_runtime(hvd, chosen))
-        return _mark(grouped, f"group_async:{chosen.grouping}/{chosen.group_schedule}")
-    if rule in ("average", "sum"):
-        named["op"] = hvd.Average if rule == "average" else hvd.Sum
-        return _mark(factory(optimizer, **named), rule)
-    if rule == "weighted":
-        if asked not in (hvd.Average, None):
-            logger.warning("CROSSOVER_AGGREGATION=weighted replaces the script's op with a weighted average")
-        named["op"] = hvd.Average
-        opt = factory(optimizer, **named)
-        WeightingHook(hvd, opt, pset, link=_lbbsp).attach()
-        return _mark(opt, "weighted")
-    # adasum
+    return _RULES[rule](_Request(hvd, factory, optimizer, named, pset, chosen))
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What a rule's builder gets: Horovod, its own factory, the script's optimizer and its arguments by
+    name, the process set they name (None: the global one) and the settings that chose the rule."""
+
+    hvd: Any
+    factory: Callable[..., Any]
+    optimizer: Any
+    named: dict[str, Any]
+    pset: Any
+    chosen: AggregationSettings
+
+
+def _op_rule(req: _Request) -> Any:
+    """``average`` and ``sum``: Horovod's own optimizer with that op."""
+    rule = req.chosen.rule
+    req.named["op"] = req.hvd.Average if rule == "average" else req.hvd.Sum
+    return _mark(req.factory(req.optimizer, **req.named), str(rule))
+
+
+def _weighted_rule(req: _Request) -> Any:
+    """``weighted`` (LB-BSP): Horovod's averaging optimizer, gradients weighted by the batch sizes."""
+    if req.named.get("op", req.hvd.Average) not in (req.hvd.Average, None):
+        logger.warning("CROSSOVER_AGGREGATION=weighted replaces the script's op with a weighted average")
+    req.named["op"] = req.hvd.Average
+    opt = req.factory(req.optimizer, **req.named)
+    WeightingHook(req.hvd, opt, req.pset, link=_lbbsp).attach()
+    return _mark(opt, "weighted")
+
+
+def _adasum_rule(req: _Request) -> Any:
+    """``adasum``: Horovod's native kernel where it can run, the plugin's AdasumOptimizer elsewhere."""
+    hvd, pset, named, chosen = req.hvd, req.pset, req.named, req.chosen
     size = int(pset.size()) if pset is not None else int(hvd.size())
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in req.optimizer.param_groups for p in group["params"]]
     facts = AdasumFacts(
         size=size, global_set=_is_global(hvd, pset), mpi_enabled=bool(hvd.mpi_enabled()),
         cuda=any(p.is_cuda for p in params), nccl_built=bool(hvd.nccl_built()), local_size=int(hvd.local_size()),
@@ -236,16 +256,32 @@ def _build(hvd: Any, factory: Callable[..., Any], optimizer: Any, args: Sequence
     if decision.path == "native":
         logger.info("adasum: Horovod's native Adasum (%s)", decision.reason)
         named["op"] = hvd.Adasum
-        return _mark(factory(optimizer, **named), "adasum:native")
+        return _mark(req.factory(req.optimizer, **named), "adasum:native")
     algorithm = resolve_algorithm(chosen.adasum_algorithm, size)
     logger.info("adasum: plugin Adasum, %s (%s)", algorithm, decision.reason)
     if named.get("groups") or named.get("num_groups"):
         logger.warning("adasum: the plugin's Adasum fuses all tensors of a dtype; 'groups' is ignored")
     opt = AdasumOptimizer(
-        optimizer, HorovodCollectives(hvd, pset), compression=named.get("compression"),
+        req.optimizer, HorovodCollectives(hvd, pset), compression=named.get("compression"),
         backward_passes_per_step=int(named.get("backward_passes_per_step", 1)), algorithm=algorithm,
     )
     return _mark(opt, f"adasum:plugin/{algorithm}")
+
+
+def _group_async_rule(req: _Request) -> Any:
+    """``group_async``: synchronous inside groups of ranks, asynchronous between them."""
+    if not _is_global(req.hvd, req.pset):
+        raise AggregationError("group_async forms its own process sets; build the optimizer on the global one")
+    grouped = GroupAsyncOptimizer(req.optimizer, req.hvd, _group_runtime(req.hvd, req.chosen))
+    return _mark(grouped, f"group_async:{req.chosen.grouping}/{req.chosen.group_schedule}")
+
+
+_RULES: dict[str, Callable[[_Request], Any]] = {
+    "average": _op_rule, "sum": _op_rule, "weighted": _weighted_rule, "adasum": _adasum_rule,
+    "group_async": _group_async_rule,
+}
+"""Each rule `CROSSOVER_AGGREGATION` names, and what builds its optimizer (as `crossover.daemon.policies`
+names each policy)."""
 
 
 def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
