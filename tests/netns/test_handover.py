@@ -27,10 +27,14 @@ def test_jobs_hand_over_on_the_device_and_a_killed_holder_strands_nobody(cluster
     c = cluster_factory(nodes=2, link=Link(rate_mbit=400), policy="crossover",
                         device_model=DeviceParams(slice_us=1000, switch_us=40, interference=0.0))
     script = with_import(tmp_path, WORKLOADS / "train_bench.py")
-    args = ["--iters", "100000", "--width", "128", "--batch", "200", "--device-ms-per-sample", "1.0",
-            "--queue-device-work", "--stop-file", str(tmp_path / "stop")]
-    c.run([sys.executable, str(script), *args, "--out", str(tmp_path / "doomed")], name="doomed")
-    steady = c.run([sys.executable, str(script), *args, "--out", str(tmp_path / "steady")], name="steady")
+    args = ["--iters", "100000", "--width", "128", "--batch", "200", "--queue-device-work",
+            "--stop-file", str(tmp_path / "stop")]
+    # doomed's turns keep its device busy for a second after it releases (200 samples x 5 ms), so the
+    # kill below lands while its device still owes the ticket, however long reading the log took
+    c.run([sys.executable, str(script), *args, "--device-ms-per-sample", "5.0", "--out", str(tmp_path / "doomed")],
+          name="doomed")
+    steady = c.run([sys.executable, str(script), *args, "--device-ms-per-sample", "1.0",
+                    "--out", str(tmp_path / "steady")], name="steady")
     try:
         # Both jobs' ranks end their turns on the device, and grants name the ticket to wait for.
         wait_for(lambda: sum(e.name == "handover" for e in c.events(0)) >= 2, 90, 0.2)
