@@ -39,12 +39,11 @@ def read_record(state: dict[str, Any], world: int) -> Saved:
         schedule = state["schedule"]
     except (KeyError, TypeError, ValueError) as exc:
         raise AggregationError(f"group_async: not a state this optimizer saved ({exc})") from exc
+    boundaries, exchanges = int(state.get("boundaries", 0)), int(state.get("exchanges", 0))
     if saved_world != world:
         _log.warning("group_async: the checkpoint's %d ranks are %d now; its groups and paces are dropped",
                      saved_world, world)
-        return Saved(schedule, None, None, max(0, version), int(state.get("boundaries", 0)),
-                     int(state.get("exchanges", 0)))
+        return Saved(schedule, None, None, max(0, version), boundaries, exchanges)
     if sorted(r for g in groups for r in g) != list(range(world)) or len(paces) not in (0, world):
         raise AggregationError(f"group_async: the saved groups {groups} or paces do not fit {world} ranks")
-    return Saved(schedule, groups, paces, max(0, version), int(state.get("boundaries", 0)),
-                 int(state.get("exchanges", 0)))
+    return Saved(schedule, groups, paces, max(0, version), boundaries, exchanges)
