@@ -54,7 +54,7 @@ from typing import Any, Callable
 from bench.emulated import ClusterAdmin, job_ids, wait_warm
 from bench.emulated_judge import phase_medians, summarize
 from bench.emulated_report import plot_timeline
-from bench.emulated_scenarios import CPU_HANDOVER, POLICY, Scenario
+from bench.emulated_scenarios import ADAPTS, CPU_HANDOVER, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, read_events
@@ -209,7 +209,8 @@ def _job_cmd(script: Path, args: argparse.Namespace, out: Path, seed: int, peer_
 def _spec(args: argparse.Namespace, rate: float) -> ClusterSpec:
     usable = sorted(os.sched_getaffinity(0))
     return ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough",
-                       gpu_nodes=() if args.dry_run else (0,), cores=(usable[0], usable[-1]))
+                       gpu_nodes=() if args.dry_run else (0,), cores=(usable[0], usable[-1]),
+                       daemon_args=("--adapt-window", f"{args.adapt_window:g}"))
 
 
 def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, iters: int, workdir: Path
@@ -268,7 +269,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                             name=n, env=args.job_env) for k, n in enumerate(names)]
         admin = ClusterAdmin(cluster)
         seg_s = args.settle_s + args.segment_s
-        modes = PRIORITY_MODES if args.priority else MODES
+        modes = PRIORITY_MODES if args.priority else MODES + (("adaptive",) if args.adaptive else ())
         try:
             wait_warm(cluster, jobs, names, args.warmup, timeout=args.job_timeout)
             ids = job_ids(cluster)
@@ -280,11 +281,12 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                 k = cycle % len(modes)
                 for mode in modes[k:] + modes[:k]:
                     _log(f"cycle {cycle + 1}/{args.cycles}: {mode}")
-                    admin.set_policy(POLICY[mode], handover=mode not in CPU_HANDOVER)
+                    admin.set_policy(POLICY[mode], adapt=mode in ADAPTS, handover=mode not in CPU_HANDOVER)
                     if args.priority:
                         admin.set_class([ids[n] for n in names[1:]], low=mode == "classes")
                     t_switch = time.monotonic()
-                    time.sleep(args.settle_s)
+                    # An adaptive device's first verdict takes a probe (4 windows, from the next even one).
+                    time.sleep(args.settle_s + (6 * args.adapt_window if mode in ADAPTS else 0.0))
                     a = time.monotonic()
                     time.sleep(args.segment_s)
                     b = time.monotonic()
@@ -326,7 +328,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
 def _table(summary: dict[str, Any]) -> str:
     rows = [f"{'mode':<12} {'samples/s':>10} {'vs unsch.':>9} {'vs seq.':>8} {'of bound':>8} {'busy':>5} "
             f"{'C ms':>6} {'C GPU':>6} {'M ms':>6} {'cycles':>6}"]
-    for mode in ("sequential", *(m for m in (*MODES, "classes") if m in summary["modes"])):
+    for mode in ("sequential", *(m for m in (*MODES, "adaptive", "classes") if m in summary["modes"])):
         r = summary["modes"][mode]
 
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
@@ -372,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--priority", action="store_true", help="the speed-up check measures priorities instead: "
                    "job0 the production job, the others `low` in mode `classes`, beside unscheduled and crossover "
                    "with equal classes; each job's slowdown against alone is in the summary")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also measure `adaptive`: crossover with each device measuring whether its grants pay "
+                        "(crossoverd's default, --adapt); the other modes grant everywhere")
+    p.add_argument("--adapt-window", type=float, default=1.0,
+                   help="with --adaptive: the daemons' --adapt-window (s); a window should hold several iterations")
     p.add_argument("--mps", action="store_true", help="run the speed-up check's jobs under an MPS control "
                    "daemon of this run's own (unscheduled is then MPS alone; the GPU's settings are left as they are)")
     p.add_argument("--handover-turns", type=int, default=None, help="turns per process in each hand-over path "

@@ -21,6 +21,12 @@ PYV="${GPU_PYTHON_VERSION:-3.12}"
 TORCH="${GPU_TORCH:-2.11.0}"
 HOROVOD_VERSION=0.28.1
 log() { printf '[gpu_carry] %s\n' "$*" >&2; }
+cuda_home() {  # the toolkit with the runtime's headers; nvcc on PATH may be a wrapper outside it
+  for d in "${CUDA_HOME:-}" /usr/local/cuda /usr/local/cuda-*; do
+    if [ -n "$d" ] && [ -f "$d/include/cuda_runtime_api.h" ]; then echo "$d"; return; fi
+  done
+  dirname "$(dirname "$(command -v nvcc)")"
+}
 pin() { grep -E "^$1==" "$ROOT/requirements-dev.txt" | head -n1; }
 
 mkdir -p "$CARRY/wheels" "$CARRY/debs"
@@ -37,7 +43,10 @@ log "iproute2"
 (cd "$CARRY/debs" && apt-get download iproute2 libbpf1 libelf1 libmnl0 libxtables12 libcap2 2>/dev/null)
 
 if [ "${1:-}" = "--build" ]; then
-  PY="$(command -v "python$PYV")"
+  PY="${GPU_PYTHON:-python$PYV}"
+  if ! "$PY" -c '' 2>/dev/null && command -v pyenv >/dev/null; then  # a pyenv shim of a version not selected
+    PY="$(pyenv root)/versions/$(pyenv versions --bare | grep -m1 "^$PYV\.")/bin/python$PYV"
+  fi
   VENV="$(mktemp -d)/venv"
   "$PY" -m venv "$VENV"
   log "torch $TORCH and its CUDA libraries into $VENV (for the headers and a working import)"
@@ -48,7 +57,7 @@ if [ "${1:-}" = "--build" ]; then
   sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
   sed -i 's/CMAKE_CUDA_STANDARD 11/CMAKE_CUDA_STANDARD 17/' "$SRC/horovod/common/ops/cuda/CMakeLists.txt"
   log "building Horovod for sm_${GPU_CC:-90} (about 2.5 minutes on 2 cores)"
-  CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}" \
+  CUDA_HOME="$(cuda_home)" \
   HOROVOD_BUILD_CUDA_CC_LIST="${GPU_CC:-90}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
   HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
     "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation -w "$WORK/wheel" "$SRC"
