@@ -49,7 +49,10 @@ from testbed.simulator import LINK_SHARING, JobSpec, SimConfig, simulate
 
 MODES = {"unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover"}
 PENALTIES = (0.0, 0.04, 0.08, 0.12, 0.16, 0.2)
-HANDOVERS_MS = (0.3, 2.0, 4.0, 6.0, 8.0)
+MEASURED_HANDOVER_MS = {"on the GPU": 0.14, "through the daemon": 0.65}
+"""Median hand-over gaps that `bench.gpu --only handover` measured on an H200 (2026-11-27,
+`results/gpu/h200_resnet18_b256_i288_x2.json`): a turn ended by the GPU itself, and today's path."""
+HANDOVERS_MS = (*MEASURED_HANDOVER_MS.values(), 2.0, 4.0, 6.0, 8.0)
 
 
 def run_of(path: Path) -> dict[str, Any]:
