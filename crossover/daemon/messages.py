@@ -42,6 +42,7 @@ class ShareMsg:
 
     other_ranks: int
     handover: bool = False  # every rank on the device ends its turns on the device
+    outranked: bool = False  # a rank of a higher class shares the device
 
 
 @dataclass(frozen=True)

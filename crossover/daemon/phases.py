@@ -37,6 +37,7 @@ class PhaseMachine:
         # Priorities fit a lower job's turns into a higher one's gaps by their device time, which a turn
         # ended on the device hides from the daemon: where jobs' classes differ, turns end on the CPU.
         self.classes_differ: Callable[[int], bool] = lambda device: False
+        self.priority_of: Callable[[str], int] = lambda job: 0  # a job's class as a number; larger goes first
         self._registry = registry
         self._leases = leases
         self._owed: dict[int, str] = {}  # device -> the session that released it last, its ticket still owed
@@ -235,10 +236,11 @@ class PhaseMachine:
                 self._hand_to_policy(sess, now, d)
 
     def tell_share(self, device: int, d: Decision) -> None:
-        """Tell each rank on the device how many others share it (they joined or left), and whether every
-        rank there ends its turns on the device."""
+        """Tell each rank on the device how many others share it (they joined or left), whether every
+        rank there ends its turns on the device, and whether a rank of a higher class is there."""
         on_device = self._registry.on_device(device)
         handover = (self.pages is not None and self.handover_on and not self.classes_differ(device)
                     and all(s.handover == "device" for s in on_device))
+        top = max((self.priority_of(s.ref.key.job_id) for s in on_device), default=0)
         for sess in on_device:
-            d.post(sess, ShareMsg(len(on_device) - 1, handover))
+            d.post(sess, ShareMsg(len(on_device) - 1, handover, self.priority_of(sess.ref.key.job_id) < top))

@@ -108,6 +108,7 @@ class Scheduler(Steering):
                                     self._sessions, self._leases, Pages.if_possible() if handover else None)
         self._phases.classes_differ = lambda device: self._classes_differ(
             {s.ref.key.job_id for s in self._sessions.on_device(device)})
+        self._phases.priority_of = lambda job: int(self._classes.get(job, (JobClass(), ""))[0].priority)
         self._rules = class_rules or ClassRules()
         self._classes: dict[str, tuple[JobClass, str]] = {}  # job -> its class as the policy has it, and by what
         self._set_by_operator: dict[str, JobClass] = {}  # job -> the class `crossover priority/share` set

@@ -114,7 +114,8 @@ def directive(msg: Message) -> pb.Directive | None:
     if isinstance(msg, PolicyMsg):
         return pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy, policy_blocks=msg.blocks))
     if isinstance(msg, ShareMsg):
-        return pb.Directive(share=pb.DeviceShare(other_ranks=msg.other_ranks, handover=msg.handover))
+        return pb.Directive(share=pb.DeviceShare(other_ranks=msg.other_ranks, handover=msg.handover,
+                                                       outranked=msg.outranked))
     if isinstance(msg, AliveMsg):
         return pb.Directive(alive=pb.Alive())
     if isinstance(msg, ClassMsg):

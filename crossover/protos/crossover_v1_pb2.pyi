@@ -206,12 +206,14 @@ class Alive(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceShare(_message.Message):
-    __slots__ = ("other_ranks", "handover")
+    __slots__ = ("other_ranks", "handover", "outranked")
     OTHER_RANKS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    OUTRANKED_FIELD_NUMBER: _ClassVar[int]
     other_ranks: int
     handover: bool
-    def __init__(self, other_ranks: _Optional[int] = ..., handover: _Optional[bool] = ...) -> None: ...
+    outranked: bool
+    def __init__(self, other_ranks: _Optional[int] = ..., handover: _Optional[bool] = ..., outranked: _Optional[bool] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")

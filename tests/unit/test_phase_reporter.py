@@ -39,6 +39,7 @@ class Session:
         self.calls.append(("comm_begin", iteration))
 
     preempted = False
+    outranked = False
 
     def take_preempted(self) -> bool:
         asked, self.preempted = self.preempted, False
@@ -134,3 +135,20 @@ def test_a_rank_that_hands_over_on_its_device_queues_a_ticket_instead_of_settlin
     reporter.comm_end(0.1)
     reporter.compute_done()
     assert settled == [1] and session.calls[-1] == ("release", 2, 0.0, True, False)
+
+
+def test_an_outranked_holder_paces_at_each_boundary_and_then_yields_if_asked():
+    clock, session = Clock(), Session()
+    paced: list[int] = []
+    reporter = PhaseReporter(session, clock=clock, pace=lambda: paced.append(len(session.calls)))
+    reporter.at_boundary()  # not holding: nothing queued to bound
+    reporter.ensure_holding()
+    reporter.at_boundary()  # holding but nobody above it: its CPU may run ahead
+    assert paced == []
+    session.outranked = True
+    reporter.at_boundary()
+    assert paced == [1] and reporter.holding
+    session.preempted = True
+    reporter.at_boundary()  # paced first, so the yield finds little of its work still queued
+    assert paced == [1, 1]
+    assert session.calls[1:] == [("release", 0, 0.0, False, True), ("acquire", 0, None)]

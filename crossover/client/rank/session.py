@@ -64,6 +64,7 @@ class Session:
         self.transport = ""  # how the session stream travels: "session socket" or "grpc"
         self.job_class = ("normal", 1.0)  # this job's class on this node, as the daemon last said
         self.preempted = False  # a higher-class rank waits for this rank's device: yield at the next gradient
+        self.outranked = False  # a rank of a higher class shares this rank's device, as the daemon last said
         self.turns = TurnHandover()  # the hand-over on the device: pages, the device that uses them, tickets
         self._after = (0, 0)  # the latest grant's page and ticket to wait for on the device
         self._device_handover = False  # every rank on this device ends its turns on the device
@@ -331,6 +332,7 @@ class Session:
                     elif d.HasField("share"):
                         self._shares_device = d.share.other_ranks > 0
                         self._device_handover = d.share.handover
+                        self.outranked = d.share.outranked
                     elif d.HasField("handover_page"):
                         self._page(stream, d.handover_page)
                     elif d.HasField("job_class"):
@@ -380,6 +382,7 @@ class Session:
         self._leased = False
         self._shares_device = True
         self._device_handover = False
+        self.outranked = False
         self._after = (0, 0)
         self.turns.close()
         self._unsent = None

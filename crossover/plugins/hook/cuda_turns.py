@@ -16,12 +16,13 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections import deque
 from ctypes import byref, c_char_p, c_int, c_long, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
-from typing import Callable
+from typing import Any, Callable
 
 from crossover.errors import CrossoverError
 
-__all__ = ["CudaTurns", "CudaUnavailable", "StreamMemory"]
+__all__ = ["CudaTurns", "CudaUnavailable", "RunAhead", "StreamMemory"]
 
 PAGE_BYTES = 4096
 _WAIT_GEQ = 0x0
@@ -140,3 +141,37 @@ def torch_cuda_turns() -> CudaTurns:
         return int(torch.cuda.current_stream().cuda_stream)
 
     return CudaTurns(stream, wait_for_device)
+
+
+class RunAhead:
+    """How far a rank's CPU may run ahead of its GPU: each call marks the work queued so far and returns
+    once at most `depth` marks are still unfinished.
+
+    An outranked rank calls it at every layer boundary (`PhaseReporter.at_boundary`), so when it yields,
+    at most `depth` layers of its work stand between the higher-class rank and the GPU, not the rest of
+    a forward and backward that its CPU queued long before. `mark` records a point in the queue and
+    returns something with `synchronize()` (a CUDA event on torch's current stream by default).
+    """
+
+    def __init__(self, depth: int = 2, mark: Callable[[], Any] | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"depth {depth}: at least one mark must stay queued")
+        self.depth = depth
+        self._mark = mark or _cuda_mark
+        self._marks: deque[Any] = deque()
+        self.waits = 0  # how many calls found the device too far behind and waited for it
+
+    def __call__(self) -> None:
+        self._marks.append(self._mark())
+        if len(self._marks) > self.depth:
+            self.waits += 1
+        while len(self._marks) > self.depth:
+            self._marks.popleft().synchronize()
+
+
+def _cuda_mark() -> Any:
+    import torch
+
+    mark = torch.cuda.Event(blocking=True)  # its wait sleeps: the CPU stays free for the other jobs' ranks
+    mark.record()
+    return mark

@@ -28,7 +28,7 @@ from crossover.client.rank.device_turns import DeviceTurns
 from crossover.client.rank.session import Session
 from crossover.plugins.hook import horovod_waits
 from crossover.plugins.hook.phase_reporter import PhaseReporter
-from crossover.plugins.hook.phase_tracking import track_phases
+from crossover.plugins.hook.phase_tracking import remove_forward_boundaries, track_phases
 from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.identity import RankIdentity
 
@@ -140,6 +140,7 @@ def uninstall() -> None:
         hvd.DistributedOptimizer = original
         hvd_opt.DistributedOptimizer = original
     horovod_waits.uninstall()
+    remove_forward_boundaries()
     if _state["session"] is not None:
         _state["session"].close()
     _state.update(original=None, session=None, phases=None, device=None)

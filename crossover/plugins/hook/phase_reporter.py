@@ -15,7 +15,9 @@ rotation does not change, and goes on with its compute phase.
 Pure: time comes from an injected clock, and the wait for a device's queued
 work before a release is an injected ``settle`` callback (the plugin passes a
 CUDA event wait for GPU parameters), so the state machine runs in tests
-without a daemon, Horovod or torch. Where the session hands over on the
+without a daemon, Horovod or torch. So is ``pace``, which an outranked
+holder calls at every layer boundary to keep little work queued ahead of its
+device: a yield hands the device over only once that work is done. Where the session hands over on the
 device (`crossover.client.rank.device_turns`) a release queues its ticket on the
 device instead of settling.
 """
@@ -49,6 +51,8 @@ class PhaseSession(Protocol):
 
     def take_preempted(self) -> bool: ...
 
+    outranked: bool  # a rank of a higher class shares the device
+
     @property
     def hands_over(self) -> bool: ...
 
@@ -79,9 +83,10 @@ class PhaseReporter:
     """
 
     def __init__(self, session: PhaseSession, settle: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, pace: Callable[[], None] | None = None) -> None:
         self.session = session
         self.settle = settle
+        self.pace = pace
         self._clock = clock
         self._lock = threading.RLock()
         self.iteration = 0
@@ -150,6 +155,16 @@ class PhaseReporter:
             self.yielded = True
             self.yields += 1
             return True
+
+    @guarded
+    def at_boundary(self) -> None:
+        """At a layer boundary (a gradient, a module's forward): an outranked holder first waits until at
+        most a layer or two of its work is queued ahead of its device (``pace``); then it yields if asked.
+        A GPU's CPU otherwise queues a whole forward and backward long before they run, and a yield
+        would leave the higher-class rank waiting for all of it."""
+        if self.pace is not None and self.holding and self.session.outranked:
+            self.pace()
+        self.yield_if_asked()
 
     @guarded
     def yield_if_asked(self) -> None:

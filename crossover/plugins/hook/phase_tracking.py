@@ -21,11 +21,11 @@ from typing import Any
 import horovod.torch.optimizer as hvd_opt
 
 from crossover.client.rank.session import Session
-from crossover.plugins.hook.cuda_turns import CudaUnavailable, torch_cuda_turns, wait_for_device
+from crossover.plugins.hook.cuda_turns import CudaUnavailable, RunAhead, torch_cuda_turns, wait_for_device
 from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 
-__all__ = ["track_phases"]
+__all__ = ["remove_forward_boundaries", "track_phases"]
 
 _log = logging.getLogger(__name__)
 
@@ -46,6 +46,27 @@ def _use_cuda_turns(phases: PhaseReporter) -> None:
         session.use_device(torch_cuda_turns())
     except CudaUnavailable as exc:
         _log.info("crossover: turns end on the CPU, not the GPU (%s)", exc)
+
+
+_forward_boundaries: dict[int, Any] = {}  # id of a PhaseReporter -> its forward pre-hook's handle
+
+
+def _pace_on_gpu(phases: PhaseReporter) -> None:
+    """On a GPU, an outranked holder keeps at most two layers queued ahead (`RunAhead`), at every gradient
+    and before every module's forward, so that a yield frees the GPU within about a layer."""
+    if phases.pace is None:
+        phases.pace = RunAhead()
+    if id(phases) not in _forward_boundaries:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        _forward_boundaries[id(phases)] = register_module_forward_pre_hook(
+            lambda _module, _args: phases.at_boundary())
+
+
+def remove_forward_boundaries() -> None:
+    """Take the forward pre-hooks `_pace_on_gpu` put on every module back out (the plugin's uninstall)."""
+    while _forward_boundaries:
+        _forward_boundaries.popitem()[1].remove()
 
 
 def _wait_quietly(opt: Any) -> None:
@@ -104,6 +125,7 @@ class _PhaseTracker(OptimizerHook):
         if any(p.is_cuda for p in self._chain.params):
             phases.settle = wait_for_device
             _use_cuda_turns(phases)
+            _pace_on_gpu(phases)
         # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
         self._adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
 
@@ -146,7 +168,7 @@ class _PhaseTracker(OptimizerHook):
         self.passes = 0
 
     def on_gradient(self, index: int, grad: Any) -> None:
-        self.phases.yield_if_asked()
+        self.phases.at_boundary()
         return None
 
     def on_backward_done(self) -> None:

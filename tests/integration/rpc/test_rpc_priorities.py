@@ -69,6 +69,8 @@ def test_the_operator_sets_a_class_and_a_low_holder_yields_to_a_high_request(ser
     admin.SetJobClass(pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job="sweep", weight=2.0), timeout=5)
     assert _jobs(admin)["sweep"].weight == 2.0 and _jobs(admin)["prod"].class_set_by == "operator"
     wait_for(lambda: high.job_class == ("high", 1.0))
+    wait_for(lambda: low.outranked)  # so a low rank on a GPU keeps little work queued ahead of it
+    assert not high.outranked
 
     assert low.acquire(0) is True  # the low job holds the device
     granted = threading.Event()
