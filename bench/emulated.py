@@ -108,6 +108,8 @@ def _job_cmd(script: Path, args: argparse.Namespace, batch: int, out: Path, seed
         cmd += ["--device-ms-per-sample", str(args.device_ms_per_sample)]
         if getattr(args, "handover", False):  # turns can end before the device has done them (docs/handover.md)
             cmd += ["--queue-device-work"]
+        elif getattr(args, "device_in_backward", False):  # a yield at a gradient cuts the phase short
+            cmd += ["--device-in-backward"]
     return cmd + (["--stop-file", str(stop)] if stop else [])
 
 

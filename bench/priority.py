@@ -23,7 +23,9 @@ Beds:
 
 The simulator does not model the plugin's yield at a gradient (a low holder hands
 the device back when a high rank asks): its figures are without it. The device
-model's compute phase is one piece, so a yield waits for its end there too.
+model's compute phase is one piece, so a yield waits for its end there too, unless
+--device-in-backward runs it layer by layer in the backward, as a GPU whose queue
+the plugin bounds does (docs/priorities.md, rule 3).
 
     python -m bench.priority --bed sim [--out results/priority_sim.json]
     python -m bench.priority --bed model --cycles 3 [--out results/priority_model.json]
@@ -224,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo-iters", type=int, default=25)
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--device-ms-per-sample", type=float, default=1.0)
+    p.add_argument("--device-in-backward", action="store_true",
+                   help="model: each rank's device work runs layer by layer in its backward, so a low holder's "
+                        "yield at a gradient hands the device over within a layer (a GPU with a bounded queue)")
     p.add_argument("--out", type=Path)
     p.add_argument("--workdir", type=Path, help="model/core: keep the run's logs and event logs here")
     p.add_argument("--modes", default=",".join(MODES), help="model/core: the modes to cycle through")

@@ -79,6 +79,10 @@ def main():
                    "started but the job has not yet joined anything (a job arriving at a chosen moment)")
     p.add_argument("--device-ms-per-sample", type=float, default=0.0,
                    help="with an emulated device: its compute time per sample (ms)")
+    p.add_argument("--device-in-backward", action="store_true",
+                   help="run the device work inside the backward, a share of it before each parameter's "
+                        "gradient, as a GPU's backward kernels run layer by layer: a rank that yields at a "
+                        "gradient then hands its device over within one share, not after the whole phase")
     p.add_argument("--queue-device-work", action="store_true",
                    help="with an emulated device: queue the compute phase and go on (a GPU's launches), so a turn "
                         "can end before the device has done it; the allreduce is not held back for it")
@@ -87,6 +91,8 @@ def main():
     p.add_argument("--out", default="")
     args = p.parse_args()
     device = DeviceClient.from_env()
+    if args.device_in_backward and args.queue_device_work:
+        p.error("--device-in-backward runs the device work as the backward reaches it; it cannot also be queued")
     if device is not None and args.device_ms_per_sample <= 0:
         p.error("an emulated device is set (EMULATED_DEVICE_SOCKET): give --device-ms-per-sample > 0")
     plugin = sys.modules.get("crossover.auto")
@@ -113,6 +119,12 @@ def main():
         x_all = torch.randn(args.samples, args.in_dim, generator=gen)
         y_all = teacher(x_all).argmax(dim=1)
 
+    pieces: list[float] = []  # --device-in-backward: this iteration's device work, one share per parameter
+    if device is not None and args.device_in_backward:
+        params = list(model.parameters())
+        for p_ in params:
+            p_.register_hook(lambda g, n=len(params): (device.compute(pieces[0] / n) if pieces else None))
+
     starts, ends, losses = [], [], []
     n_batches = max(1, args.samples // args.batch)
     for i in range(args.iters):
@@ -124,7 +136,9 @@ def main():
         x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
         opt.zero_grad()
         work = args.batch * args.device_ms_per_sample / 1000
-        if device is not None and args.queue_device_work:
+        if device is not None and args.device_in_backward:
+            pieces[:] = [work]
+        elif device is not None and args.queue_device_work:
             device.submit(work)
         elif device is not None:
             device.compute(work)
