@@ -3,7 +3,8 @@
 The dry run takes every step the GPU run takes (the hand-over paths with a CPU
 thread for a stream, a daemon's inventory, the
 emulated two-node cluster, calibration, three co-located ResNet jobs as in
-the GPU figures, unscheduled, exclusive and crossover segments, a job alone,
+the GPU figures, unscheduled, exclusive, crossover (turns ended on the device
+and on the CPU) and adaptive segments, a job alone,
 the judge and the timeline) with node 0's device a CPU core and a small model on small images;
 only the release check and the interprocess-event paths, which need CUDA, are skipped and say so.
 """
@@ -31,7 +32,8 @@ pytestmark = [
 @pytest.mark.timeout(300)
 def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     before = netns_list()
-    res = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run", "--jobs", "3", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run", "--jobs", "3", "--adaptive",
+                          "--adapt-window", "0.5", "--out", str(tmp_path)],
                          cwd=CHECKOUT, capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
@@ -46,7 +48,7 @@ def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     assert "need CUDA" in handover["ipc"]["skipped"] and handover["thrash"]["slowdown"] > 0
     assert "no CUDA" in checks["release"]["skipped"]
     summary = checks["speedup"]["summary"]
-    for mode in ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu"):
+    for mode in ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive"):
         assert summary["modes"][mode]["aggregate_samples_per_s"] > 0, mode
     assert sorted(summary["modes"]["crossover"]["jobs"]) == ["job0", "job1", "job2"]
     assert sorted(summary["modes"]["crossover"]["C_ms_by_node"]) == ["node0", "node1"]  # the GPU node's own C
