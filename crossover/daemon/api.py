@@ -31,6 +31,7 @@ __all__ = [
     "FailedPrecondition",
     "UnsupportedVersion",
     "ResourceExhausted",
+    "PermissionDenied",
 ]
 
 
@@ -175,6 +176,10 @@ class FailedPrecondition(CrossoverError):
 
 class UnsupportedVersion(CrossoverError):
     """The client speaks a protocol version this daemon does not."""
+
+
+class PermissionDenied(CrossoverError, PermissionError):
+    """The caller may not do this: a rank of one user asked to join another user's job."""
 
 
 class ResourceExhausted(CrossoverError):

@@ -21,6 +21,7 @@ from crossover.daemon.api import (
     FailedPrecondition,
     InvalidRequest,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     UnsupportedVersion,
 )
@@ -59,6 +60,7 @@ def status_code(exc: Exception) -> grpc.StatusCode:
         (UnsupportedVersion, grpc.StatusCode.FAILED_PRECONDITION),
         (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
         (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     ):
         if isinstance(exc, cls):
             return code

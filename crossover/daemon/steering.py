@@ -59,10 +59,14 @@ class Steering:
 
     def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
         """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
-        Before the kernel names its user, a rank that asks for a class some rule may give it waits for that."""
+        Before the kernel names its user, a rank that asks for a class some rule may give it waits for that,
+        and so does a rank that asks to lower a job whose ranks here the kernel has named: it may be another
+        user's process, which `bind_peer` refuses."""
         given, by = self._rules.given(uid, gid)
-        if uid is None and sess.asked is not None and sess.asked > given.priority \
-                and self._rules.could_give(sess.asked):
+        if uid is None and sess.asked is not None and (
+                (sess.asked > given.priority and self._rules.could_give(sess.asked))
+                or (sess.asked < given.priority and any(
+                    s.uid is not None for s in self._sessions if s.ref.key.job_id == sess.ref.key.job_id))):
             sess.klass, sess.class_by = given, by
             return ""
         sess.klass, note = effective_class(sess.asked, given, by)

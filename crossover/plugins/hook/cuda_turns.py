@@ -159,12 +159,9 @@ class RunAhead:
         self.depth = depth
         self._mark = mark or _cuda_mark
         self._marks: deque[Any] = deque()
-        self.waits = 0  # how many calls found the device too far behind and waited for it
 
     def __call__(self) -> None:
         self._marks.append(self._mark())
-        if len(self._marks) > self.depth:
-            self.waits += 1
         while len(self._marks) > self.depth:
             self._marks.popleft().synchronize()
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound
+from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied
 from crossover.daemon.messages import GrantMsg, LeaseMsg, ShareMsg
+from crossover.daemon.policies.classes import Priority
 from tests.unit.scheduler._world import _PID, drain_outbox, ident, join
 
 # ---- registration ------------------------------------------------------
@@ -26,6 +27,26 @@ def test_each_rank_hears_how_many_others_share_its_device(make, pids):
     s.close(b, "stream ended")
     assert drain_outbox(box_a, shares=True) == [ShareMsg(0)]
     assert drain_outbox(box_c, shares=True) == []
+
+
+def test_a_job_on_a_node_is_its_first_named_users_and_no_other_user_joins_it(make):
+    s = make("crossover")
+    a, _ = join(s, job="job-a", rank=0, device=0)
+    s.bind_peer(a, 0, 1000)
+    b = s.register(ident(job="job-a", rank=1, device=0), asked=Priority.LOW).session_id
+    assert s.job_class("job-a")[0].priority is Priority.NORMAL  # its ask waits for the kernel to name its user
+    with pytest.raises(PermissionDenied, match="run by uid 1000; a rank of uid 1001 cannot join it"):
+        s.bind_peer(b, 0, 1001)
+    s.close(b, "refused")
+    assert s.job_class("job-a")[0].priority is Priority.NORMAL
+    c, _ = join(s, job="job-a", rank=1, device=0)
+    s.bind_peer(c, 0, 1000)  # the job's own user
+    d, _ = join(s, job="job-b", rank=0, device=0)
+    s.bind_peer(d, 0, 1001)  # another user's own job
+    s.close(a, "done")
+    s.close(c, "done")
+    e, _ = join(s, job="job-a", rank=0, device=0)
+    s.bind_peer(e, 0, 1001)  # once the job has left the node, its id is free again
 
 
 def test_register_returns_placement_and_policy(make):
