@@ -69,6 +69,6 @@ def test_on_a_gpu_every_module_forward_is_a_boundary_until_the_plugin_is_uninsta
         model(torch.zeros(1, 4))
         assert paced == ["pace"] * 3  # the Sequential and its two layers
     finally:
-        remove_forward_boundaries()
+        remove_forward_boundaries(phases)
     model(torch.zeros(1, 4))
     assert len(paced) == 3

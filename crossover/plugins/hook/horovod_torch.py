@@ -140,7 +140,8 @@ def uninstall() -> None:
         hvd.DistributedOptimizer = original
         hvd_opt.DistributedOptimizer = original
     horovod_waits.uninstall()
-    remove_forward_boundaries()
+    if _state["phases"] is not None:
+        remove_forward_boundaries(_state["phases"])
     if _state["session"] is not None:
         _state["session"].close()
     _state.update(original=None, session=None, phases=None, device=None)

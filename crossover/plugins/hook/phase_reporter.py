@@ -87,6 +87,7 @@ class PhaseReporter:
         self.session = session
         self.settle = settle
         self.pace = pace
+        self.forward_hook: Any = None  # the handle of a forward pre-hook that calls `at_boundary`, if one is set
         self._clock = clock
         self._lock = threading.RLock()
         self.iteration = 0

@@ -48,25 +48,22 @@ def _use_cuda_turns(phases: PhaseReporter) -> None:
         _log.info("crossover: turns end on the CPU, not the GPU (%s)", exc)
 
 
-_forward_boundaries: dict[int, Any] = {}  # id of a PhaseReporter -> its forward pre-hook's handle
-
-
 def _pace_on_gpu(phases: PhaseReporter) -> None:
     """On a GPU, an outranked holder keeps at most two layers queued ahead (`RunAhead`), at every gradient
     and before every module's forward, so that a yield frees the GPU within about a layer."""
     if phases.pace is None:
         phases.pace = RunAhead()
-    if id(phases) not in _forward_boundaries:
+    if phases.forward_hook is None:
         from torch.nn.modules.module import register_module_forward_pre_hook
 
-        _forward_boundaries[id(phases)] = register_module_forward_pre_hook(
-            lambda _module, _args: phases.at_boundary())
+        phases.forward_hook = register_module_forward_pre_hook(lambda _module, _args: phases.at_boundary())
 
 
-def remove_forward_boundaries() -> None:
-    """Take the forward pre-hooks `_pace_on_gpu` put on every module back out (the plugin's uninstall)."""
-    while _forward_boundaries:
-        _forward_boundaries.popitem()[1].remove()
+def remove_forward_boundaries(phases: PhaseReporter) -> None:
+    """Take the forward pre-hook `_pace_on_gpu` put on every module back out (the plugin's uninstall)."""
+    if phases.forward_hook is not None:
+        phases.forward_hook.remove()
+        phases.forward_hook = None
 
 
 def _wait_quietly(opt: Any) -> None:
