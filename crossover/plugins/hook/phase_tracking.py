@@ -49,18 +49,26 @@ def _use_cuda_turns(phases: PhaseReporter) -> None:
 
 
 def _pace_on_gpu(phases: PhaseReporter) -> None:
-    """On a GPU, an outranked holder keeps at most two layers queued ahead (`RunAhead`), at every gradient
-    and before every module's forward, so that a yield frees the GPU within about a layer."""
+    """On a GPU, an outranked holder keeps at most two layers queued ahead (`RunAhead`) at every boundary, so
+    that a yield frees the GPU within about a layer."""
     if phases.pace is None:
         phases.pace = RunAhead()
-    if phases.forward_hook is None:
+
+
+def _follow_outranked(phases: PhaseReporter) -> None:
+    """While a higher class shares the device, every module's forward is a boundary too (a global forward
+    pre-hook); otherwise no hook is there, so a rank nobody outranks (and a compiled model) never meets it."""
+    outranked = phases.session.outranked
+    if outranked and phases.forward_hook is None:
         from torch.nn.modules.module import register_module_forward_pre_hook
 
         phases.forward_hook = register_module_forward_pre_hook(lambda _module, _args: phases.at_boundary())
+    elif not outranked and phases.forward_hook is not None:
+        remove_forward_boundaries(phases)
 
 
 def remove_forward_boundaries(phases: PhaseReporter) -> None:
-    """Take the forward pre-hook `_pace_on_gpu` put on every module back out (the plugin's uninstall)."""
+    """Take the forward pre-hook `_follow_outranked` put on every module back out (also the plugin's uninstall)."""
     if phases.forward_hook is not None:
         phases.forward_hook.remove()
         phases.forward_hook = None
@@ -165,6 +173,8 @@ class _PhaseTracker(OptimizerHook):
         self.passes = 0
 
     def on_gradient(self, index: int, grad: Any) -> None:
+        if self.phases.pace is not None:  # on a GPU
+            _follow_outranked(self.phases)
         self.phases.at_boundary()
         return None
 
