@@ -10,12 +10,14 @@ liveness check believed pid 1), and a job name went into the log raw
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -113,29 +115,36 @@ def test_one_user_cannot_take_every_slot_and_refusals_do_not_flood_the_log(daemo
     assert stops_on_sigterm(d) < 5.0
 
 
+@contextlib.contextmanager
+def _session(channel: grpc.Channel, ident: RankIdentity) -> Iterator[FrameStream]:
+    """A rank's session, registered over `channel` and open on the session socket, one heartbeat sent."""
+    reg = pb_grpc.SchedulerStub(channel).Register(
+        pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=ident.to_pb()), timeout=5)
+    stream = FrameStream(reg.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), 5.0)
+    try:
+        stream.send(pb.RankEvent(kind=pb.HEARTBEAT))
+        yield stream
+    finally:
+        stream.close()
+        stream.dispose()
+
+
 def test_the_kernel_names_a_ranks_process_and_a_job_name_reaches_the_log_inert(daemon_factory):
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive")
     evil = "evil\n2026-11-25 00:00:00 crossoverd INFO everything is fine\x1b[2J"
     ident = RankIdentity(job_id="liar", job_name=evil, rank=0, local_rank=0, world_size=1, local_size=1,
                          device=0, pid=1)  # claims to be init
-    with grpc.insecure_channel(f"unix://{d.socket}") as ch:
-        reg = pb_grpc.SchedulerStub(ch).Register(
-            pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=ident.to_pb()), timeout=5)
-        stream = FrameStream(reg.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), 5.0)
-        try:
-            stream.send(pb.RankEvent(kind=pb.HEARTBEAT))
-            deadline = time.monotonic() + 5
-            while True:
-                ranks = [r for dev in queue_state(d.socket)["devices"] for key in ("holders", "waiting", "others")
-                         for r in dev.get(key, [])]
-                liar = [r for r in ranks if r.get("job_id") == "liar"]
-                if liar and int(liar[0]["pid"]) == os.getpid() or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            assert liar and int(liar[0]["pid"]) == os.getpid(), liar  # the kernel's pid, not the claimed 1
-            assert liar[0]["job_name"] == evil.encode("unicode_escape").decode().replace("\\\\", "\\")
-        finally:
-            stream.close()
+    with grpc.insecure_channel(f"unix://{d.socket}") as ch, _session(ch, ident):
+        deadline = time.monotonic() + 5
+        while True:
+            ranks = [r for dev in queue_state(d.socket)["devices"] for key in ("holders", "waiting", "others")
+                     for r in dev.get(key, [])]
+            liar = [r for r in ranks if r.get("job_id") == "liar"]
+            if liar and int(liar[0]["pid"]) == os.getpid() or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert liar and int(liar[0]["pid"]) == os.getpid(), liar  # the kernel's pid, not the claimed 1
+        assert liar[0]["job_name"] == evil.encode("unicode_escape").decode().replace("\\\\", "\\")
     log = d.log.read_text()
     assert "everything is fine" not in log.split("evil")[0]  # nothing before it was forged
     assert not any(line.startswith("2026-11-25 00:00:00") for line in log.splitlines())
@@ -173,21 +182,14 @@ def test_a_rank_of_another_user_cannot_join_a_job_and_lower_its_class(daemon_fac
                        socket=base / "run" / "d.sock")
     ident = RankIdentity(job_id="prod-id", job_name="prod", rank=0, local_rank=0, world_size=2, local_size=2,
                          device=0, pid=os.getpid())
-    with grpc.insecure_channel(f"unix://{d.socket}") as ch:
-        reg = pb_grpc.SchedulerStub(ch).Register(
-            pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, identity=ident.to_pb()), timeout=5)
-        stream = FrameStream(reg.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), 5.0)
-        try:
-            stream.send(pb.RankEvent(kind=pb.HEARTBEAT))
-            impostor = subprocess.run([sys.executable, "-c", _IMPOSTOR.format(uid=NOBODY, gid=NOGROUP), str(d.socket)],
-                                      capture_output=True, text=True, timeout=30)
-            assert "PERMISSION_DENIED" in impostor.stdout, impostor.stdout + impostor.stderr
-            assert f"run by uid {os.getuid()}; a rank of uid {NOBODY} cannot join it" in impostor.stdout
-            jobs = pb_grpc.AdminStub(ch).ListJobs(pb.JobsRequest(protocol_version=PROTOCOL_VERSION), timeout=5).jobs
-            prod = [j for j in jobs if j.job_name == "prod"]
-            assert prod and prod[0].priority == pb.PRIORITY_NORMAL  # not lowered, not even for a moment
-        finally:
-            stream.dispose()
+    with grpc.insecure_channel(f"unix://{d.socket}") as ch, _session(ch, ident):
+        impostor = subprocess.run([sys.executable, "-c", _IMPOSTOR.format(uid=NOBODY, gid=NOGROUP), str(d.socket)],
+                                  capture_output=True, text=True, timeout=30)
+        assert "PERMISSION_DENIED" in impostor.stdout, impostor.stdout + impostor.stderr
+        assert f"run by uid {os.getuid()}; a rank of uid {NOBODY} cannot join it" in impostor.stdout
+        jobs = pb_grpc.AdminStub(ch).ListJobs(pb.JobsRequest(protocol_version=PROTOCOL_VERSION), timeout=5).jobs
+        prod = [j for j in jobs if j.job_name == "prod"]
+        assert prod and prod[0].priority == pb.PRIORITY_NORMAL  # not lowered, not even for a moment
     kinds = [e.name for e in d.events() if e.get("job") == "prod-id"]
     assert "job_class" not in kinds, kinds
     assert stops_on_sigterm(d) < 5.0
