@@ -148,7 +148,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     args.device_params = DeviceParams(interference=args.interference) if args.bed == "model" else None
     args.job_env = {"CROSSOVER_REPORT_INTERVAL": "0"}
     args.device_cores = ()
-    args.width, args.depth, args.in_dim = 512, 2, 512
+    args.width, args.in_dim = 512, 512
     args.adapt_window = 3.0
     args.host_wait, args.nice = "poll", 0
     want_c = args.iter_ms / 1000 / (1 + args.ratio)
@@ -170,7 +170,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         alone[name] = (its[-1][1] - its[0][0]) / max(1, len(its))
     t_alone = statistics.median(alone.values())
     spec = ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", device_model=args.device_params,
-                       daemon_args=("--adapt-window", "3"))
+                       daemon_args=("--adapt-window", "3", "--quick-yield", f"{args.quick_yield:g}"))
     stop = workdir / "stop"
     script = _script(workdir, "poll")
     segments: list[dict[str, Any]] = []
@@ -231,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo-iters", type=int, default=25)
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--device-ms-per-sample", type=float, default=1.0)
+    p.add_argument("--quick-yield", type=float, default=0.1,
+                   help="model/core: the daemons' --quick-yield (0: a low phase only into gaps it fits)")
+    p.add_argument("--depth", type=int, default=2,
+                   help="model/core: hidden layers of each job's MLP; with --device-in-backward a yield point "
+                        "falls between two of its 2 x (depth + 1) parameters")
     p.add_argument("--device-in-backward", action="store_true",
                    help="model: each rank's device work runs layer by layer in its backward, so a low holder's "
                         "yield at a gradient hands the device over within a layer (a GPU with a bounded queue)")

@@ -148,6 +148,9 @@ def _group(name: str | None, flag: str) -> int | None:
 @click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=ClassSettings.guard_share, show_default=True,
               help="The device time every job of a lower class is guaranteed beside higher ones (0.05: a "
               "twentieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
+@click.option("--quick-yield", type=click.FloatRange(0.0, 1.0), default=ClassSettings.quick_yield, show_default=True,
+              help="A lower-class job that gives the device back within this share of the higher job's compute "
+              "phase when asked (measured) may start in any gap, not only in one it fits; 0: only gaps it fits.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
@@ -172,7 +175,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
          overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, class_rules: tuple[str, ...],
-         guard_share: float, session_socket: bool, handover: bool, metrics_address: str | None,
+         guard_share: float, quick_yield: float, session_socket: bool, handover: bool, metrics_address: str | None,
          health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -203,7 +206,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
                          max_sessions=2 * max_connections,
                          payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
-                         class_settings=ClassSettings(guard_share=guard_share), handover=handover)
+                         class_settings=ClassSettings(guard_share=guard_share, quick_yield=quick_yield),
+                         handover=handover)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)
