@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo-iters", type=int, default=25)
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--device-ms-per-sample", type=float, default=1.0)
-    p.add_argument("--quick-yield", type=float, default=0.1,
-                   help="model/core: the daemons' --quick-yield (0: a low phase only into gaps it fits)")
+    p.add_argument("--quick-yield", type=float, default=0.0,
+                   help="model/core: the daemons' --quick-yield (0, the default: a low phase only into gaps it fits)")
     p.add_argument("--depth", type=int, default=2,
                    help="model/core: hidden layers of each job's MLP; with --device-in-backward a yield point "
                         "falls between two of its 2 x (depth + 1) parameters")

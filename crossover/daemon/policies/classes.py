@@ -89,13 +89,14 @@ class ClassSettings:
     yields at gradients it waits less);
     `quick_yield`: a lower job whose yields (from the ask to its release, slower quartile of its latest)
     take at most this share of the higher job's compute phase may start in any gap, fitting or not: the
-    higher job back early waits for one such yield, not for the rest of a phase (0: gaps it fits only);
+    higher job back early waits for one such yield, not for the rest of a phase. Off (0: gaps it fits
+    only) by default: it buys the lower jobs device time with some of the higher job's speed;
     `window_s`: how far back recent device time counts, for weights."""
 
     guard_share: float = 0.05
     guard_window_s: float = 10.0
     fit_margin: float = 1.2
-    quick_yield: float = 0.1
+    quick_yield: float = 0.0
     window_s: float = 10.0
 
     def __post_init__(self) -> None:
