@@ -148,6 +148,9 @@ class Registry:
     def on_device(self, device: int) -> list[Session]:
         return [s for s in self._by_id.values() if s.ref.device == device]
 
+    def of_job(self, job_id: str) -> list[Session]:
+        return [s for s in self._by_id.values() if s.ref.key.job_id == job_id]
+
     def __iter__(self) -> Iterator[Session]:
         return iter(self._by_id.values())
 

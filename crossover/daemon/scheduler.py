@@ -291,12 +291,12 @@ class Scheduler(Steering):
             sess = self._sessions.find(session_id)
             if sess is None:
                 return
-            job = sess.ref.key.job_id
-            owners = {s.uid for s in self._sessions if s.ref.key.job_id == job and s is not sess and s.uid is not None}
+            owners = self._users_of(sess.ref.key.job_id, but=sess)
             if owners and uid not in owners:
+                job = sess.ident.job_name or sess.ref.key.job_id[:8]
                 raise PermissionDenied(
-                    f"job {sess.ident.job_name or job[:8]} on this node is run by uid {min(owners)}; a rank of uid "
-                    f"{uid} cannot join it (a job id is only a name: a job of your own needs an id of its own)")
+                    f"job {job} on this node is run by uid {min(owners)}; a rank of uid {uid} cannot join it "
+                    "(a job id is only a name: a job of your own needs an id of its own)")
             sess.uid = uid
             note = self._give_class(sess, uid, gid)
             d = Decision()

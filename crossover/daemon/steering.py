@@ -65,8 +65,7 @@ class Steering:
         given, by = self._rules.given(uid, gid)
         if uid is None and sess.asked is not None and (
                 (sess.asked > given.priority and self._rules.could_give(sess.asked))
-                or (sess.asked < given.priority and any(
-                    s.uid is not None for s in self._sessions if s.ref.key.job_id == sess.ref.key.job_id))):
+                or (sess.asked < given.priority and self._users_of(sess.ref.key.job_id))):
             sess.klass, sess.class_by = given, by
             return ""
         sess.klass, note = effective_class(sess.asked, given, by)
@@ -76,11 +75,15 @@ class Steering:
         sess.class_note = note
         return note
 
+    def _users_of(self, job_id: str, but: Session | None = None) -> set[int]:
+        """The users the kernel named (`bind_peer`) for the job's ranks on this node, `but` left out."""
+        return {s.uid for s in self._sessions.of_job(job_id) if s is not but and s.uid is not None}
+
     def _reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:
         """Give the job its class on this node (the operator's, else the lowest of its ranks'); when it
         changes, the policy decides again and every rank of the job is told. `tell`: a session to tell
         in any case, with its note (a new rank)."""
-        ranks = [s for s in self._sessions if s.ref.key.job_id == job_id]
+        ranks = self._sessions.of_job(job_id)
         if not ranks:
             self._classes.pop(job_id, None)
             self._set_by_operator.pop(job_id, None)
