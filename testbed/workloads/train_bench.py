@@ -119,11 +119,11 @@ def main():
         x_all = torch.randn(args.samples, args.in_dim, generator=gen)
         y_all = teacher(x_all).argmax(dim=1)
 
-    pieces: list[float] = []  # --device-in-backward: this iteration's device work, one share per parameter
-    if device is not None and args.device_in_backward:
+    work = args.batch * args.device_ms_per_sample / 1000  # an iteration's device work, the same in each
+    if device is not None and args.device_in_backward:  # a share before each parameter's gradient
         params = list(model.parameters())
         for p_ in params:
-            p_.register_hook(lambda g, n=len(params): (device.compute(pieces[0] / n) if pieces else None))
+            p_.register_hook(lambda g, share=work / len(params): device.compute(share))
 
     starts, ends, losses = [], [], []
     n_batches = max(1, args.samples // args.batch)
@@ -135,12 +135,9 @@ def main():
         rows = args.batch if device is None else min(args.batch, args.real_batch)
         x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
         opt.zero_grad()
-        work = args.batch * args.device_ms_per_sample / 1000
-        if device is not None and args.device_in_backward:
-            pieces[:] = [work]
-        elif device is not None and args.queue_device_work:
+        if device is not None and args.queue_device_work:
             device.submit(work)
-        elif device is not None:
+        elif device is not None and not args.device_in_backward:
             device.compute(work)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
