@@ -155,9 +155,8 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # The link is set with the device work in one piece: in the backward each gradient's allreduce overlaps
     # the layers still to compute, so the allreduce measured after the compute would read short and set a link
     # too slow for 1:1 (comm-bound jobs, which priorities on the device cannot help).
-    in_backward, args.device_in_backward = args.device_in_backward, False
-    cal = calibrate(200.0, 256, args, workdir / "calibration")
-    args.device_in_backward = in_backward
+    cal = calibrate(200.0, 256, argparse.Namespace(**{**vars(args), "device_in_backward": False}),
+                    workdir / "calibration")
     per_sample = cal["C"] / 256
     batch = max(16, int(round(want_c / per_sample / 16)) * 16)
     rate = float(round(min(2000.0, max(20.0, cal["M"] * 200.0 / (want_c * args.ratio)))))
