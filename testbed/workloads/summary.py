@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["model_digest", "write_rank_summary"]
+__all__ = ["model_digest", "timed_summary", "write_rank_summary"]
 
 
 def model_digest(model: torch.nn.Module) -> str:
@@ -26,3 +26,15 @@ def write_rank_summary(out: str | None, rank: int, summary: dict[str, Any]) -> N
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(summary, f)
+
+
+def timed_summary(network: torch.nn.Module, batch: int, starts: list[float], ends: list[float], losses: list[float],
+                  **extra: Any) -> dict[str, Any]:
+    """A benchmark rank's summary: who it was, its network's size, and when each iteration began and ended
+    (`time.monotonic()`, the daemons' clock), with `extra` fields of the workload's own."""
+    import horovod.torch as hvd
+
+    return {"rank": hvd.rank(), "size": hvd.size(), "batch": batch, "pid": os.getpid(), **extra,
+            "params": sum(p.numel() for p in network.parameters()),
+            "iter_start": starts, "iter_end": ends, "losses": losses,
+            "job_name": os.environ.get("CROSSOVER_JOB_NAME", "")}

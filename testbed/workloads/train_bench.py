@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from testbed.device_model.client import DeviceClient
 from testbed.device_model.turns import ModelTurns
-from testbed.workloads.summary import write_rank_summary
+from testbed.workloads.summary import timed_summary, write_rank_summary
 
 
 def build(in_dim: int, width: int, depth: int, classes: int) -> nn.Module:
@@ -152,13 +152,7 @@ def main():
         losses.append(float(loss.detach()))
 
     hvd.join()  # with --stop-file the ranks may have done different numbers of steps
-    summary = {
-        "rank": hvd.rank(), "size": hvd.size(), "batch": args.batch, "pid": os.getpid(),
-        "params": sum(p.numel() for p in model.parameters()),
-        "iter_start": starts, "iter_end": ends, "losses": losses,
-        "job_name": os.environ.get("CROSSOVER_JOB_NAME", ""),
-    }
-    write_rank_summary(args.out, hvd.rank(), summary)
+    write_rank_summary(args.out, hvd.rank(), timed_summary(model, args.batch, starts, ends, losses))
     hvd.shutdown()
 
 

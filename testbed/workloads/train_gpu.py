@@ -20,7 +20,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
-from testbed.workloads.summary import write_rank_summary
+from testbed.workloads.summary import timed_summary, write_rank_summary
 from testbed.workloads.vision import import_torchvision
 
 
@@ -81,14 +81,8 @@ def main():
         losses.append(loss)
 
     hvd.join()
-    summary = {
-        "rank": hvd.rank(), "size": hvd.size(), "batch": args.batch, "pid": os.getpid(), "peer": peer,
-        "device": str(device), "model": args.model,
-        "params": sum(q.numel() for q in model.parameters()),
-        "iter_start": starts, "iter_end": ends, "losses": losses,
-        "job_name": os.environ.get("CROSSOVER_JOB_NAME", ""),
-    }
-    write_rank_summary(args.out, hvd.rank(), summary)
+    write_rank_summary(args.out, hvd.rank(), timed_summary(model, args.batch, starts, ends, losses, peer=peer,
+                                                           device=str(device), model=args.model))
     hvd.shutdown()
 
 
