@@ -90,6 +90,15 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
                     last_release = None
             elif e.name is EventName.COMM_END:
                 m_comm.append(e.fields["duration_s"])
+    # Each job's own phases on the first node (a GPU run's GPU node): where a job's slowdown comes from.
+    first = next(iter(raw["events"].values()), [])
+    for name, j in per_job.items():
+        held = [e.fields["held_s"] for e in typed(first) if lo <= e.t <= hi and e.get("job_name") == name
+                and e.name is EventName.RELEASE and "held_s" in e.fields]
+        comm = [e.fields["duration_s"] for e in typed(first) if lo <= e.t <= hi and e.get("job_name") == name
+                and e.name is EventName.COMM_END]
+        j["C_ms"] = 1000 * statistics.median(held) if held else None
+        j["M_ms"] = 1000 * statistics.median(comm) if comm else None
     # Turn agreement compares two nodes that every running job is on: the scenarios with two nodes.
     logs = list(raw["events"].values())
     agreement = turn_agreement(logs[0], logs[-1], lo, hi) if len(logs) == 2 and seg["mode"] != "sequential" else None
@@ -156,7 +165,9 @@ def summarize(scn: Scenario, raw: dict[str, Any]) -> dict[str, Any]:
                                                               "M_ms", "progress", "progress_vs_unscheduled")}
         jobs = sorted({j for r in rows for j in r["jobs"]})
         med["jobs"] = {j: {"iter_s": _median([r["jobs"][j]["iter_s"] for r in rows if j in r["jobs"]]),
-                           "slowdown": _median([r["jobs"][j]["slowdown"] for r in rows if j in r["jobs"]])}
+                           "slowdown": _median([r["jobs"][j]["slowdown"] for r in rows if j in r["jobs"]]),
+                           **{k: _median([r["jobs"][j].get(k) for r in rows if j in r["jobs"]])
+                              for k in ("C_ms", "M_ms")}}
                        for j in jobs}
         nodes = sorted({n for r in rows for n in r.get("C_ms_by_node", {})})
         med["C_ms_by_node"] = {n: _median([r["C_ms_by_node"][n] for r in rows if n in r.get("C_ms_by_node", {})])

@@ -322,6 +322,9 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                                         if v.get("slowdown")}
                                  for mode, r in summary["modes"].items() if mode != "sequential"}
         _log(f"speed relative to alone (job0 the production job): {out['speed_vs_alone']}")
+        phases = {mode: {job: "/".join("-" if v.get(k) is None else f"{v[k]:.0f}" for k in ("C_ms", "M_ms"))
+                         for job, v in r["jobs"].items()} for mode, r in summary["modes"].items()}
+        _log(f"each job's median compute/comm ms on the GPU node: {phases}")
     return out
 
 

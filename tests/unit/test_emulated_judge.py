@@ -25,3 +25,23 @@ def test_a_segment_gives_each_nodes_compute_phase_beside_the_pooled_one() -> Non
     assert out["C_ms_by_node"] == pytest.approx({"node0": 90.0, "node1": 88.0})
     assert out["C_ms"] == pytest.approx(89.0)  # the median of both nodes' six phases
     assert out["aggregate_samples_per_s"] == pytest.approx(16 / 0.2)
+
+
+def test_each_job_gets_its_own_phases_on_the_first_node() -> None:
+    def job(name: str, held_s: float, comm_s: float) -> list[dict]:
+        out = []
+        for i in range(3):
+            t = 1.0 + 0.3 * i
+            ident = {"job": f"id-{name}", "job_name": name, "rank": 0, "iteration": i}
+            out += [{"event": "grant", "t": t, **ident},
+                    {"event": "release", "t": t + held_s, "held_s": held_s, **ident},
+                    {"event": "comm_end", "t": t + held_s + comm_s, "duration_s": comm_s, **ident}]
+        return out
+    ranks = [{"rank": 0, "iter_end": [1.3, 1.6, 1.9], "batch": 8}]
+    raw = {"jobs": {"hi": ranks, "lo": ranks}, "visitors": {},
+           "events": {"node0": sorted(job("hi", 0.080, 0.110) + job("lo", 0.030, 0.070), key=lambda e: e["t"]),
+                      "node1": job("hi", 0.5, 0.5)}}
+    seg = {"a": 0.9, "b": 2.5, "running": ["hi", "lo"], "cycle": 0, "mode": "classes", "load1": 0.0}
+    jobs = analyse_segment(raw, seg)["jobs"]
+    assert (jobs["hi"]["C_ms"], jobs["hi"]["M_ms"]) == pytest.approx((80.0, 110.0))
+    assert (jobs["lo"]["C_ms"], jobs["lo"]["M_ms"]) == pytest.approx((30.0, 70.0))
