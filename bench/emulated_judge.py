@@ -91,7 +91,7 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
             elif e.name is EventName.COMM_END:
                 m_comm.append(e.fields["duration_s"])
     # Each job's own phases on the first node (a GPU run's GPU node): where a job's slowdown comes from.
-    first = next(iter(raw["events"].values()), [])
+    first: list[Event] = next(iter(raw["events"].values()), [])
     for name, j in per_job.items():
         held = [e.fields["held_s"] for e in typed(first) if lo <= e.t <= hi and e.get("job_name") == name
                 and e.name is EventName.RELEASE and "held_s" in e.fields]
