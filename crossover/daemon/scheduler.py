@@ -310,6 +310,21 @@ class Scheduler(Steering):
                 sess.ident = replace(sess.ident, pid=pid)
                 sess.process = process
 
+    def refuse_unnamed(self, session_id: str) -> None:
+        """A rank on the gRPC stream, whose user the kernel does not name, may not join a job whose ranks on
+        this node the kernel named (`bind_peer`): its job id would otherwise be only its claim. The job's
+        own ranks reach the session socket; one that falls back to gRPC is refused and asks again."""
+        with self._lock:
+            sess = self._sessions.find(session_id)
+            if sess is None or sess.uid is not None:
+                return
+            owners = self._users_of(sess.ref.key.job_id, but=sess)
+            if owners:
+                job = sess.ident.job_name or sess.ref.key.job_id[:8]
+                raise PermissionDenied(
+                    f"job {job} on this node is run by uid {min(owners)}, which the session socket vouches for; "
+                    "a rank on the gRPC stream cannot join it (use the session socket: CROSSOVER_TRANSPORT=auto)")
+
     def close(self, session_id: str, reason: str, evicted: bool = False) -> bool:
         """Remove a session (stream ended, process died, heartbeat lost); frees its grant.
         `evicted`: the daemon removed it (`reap`), rather than the rank ending its stream."""

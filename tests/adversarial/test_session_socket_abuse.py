@@ -154,7 +154,7 @@ def test_the_kernel_names_a_ranks_process_and_a_job_name_reaches_the_log_inert(d
 _IMPOSTOR = """
 import os, sys
 import grpc
-from crossover.client.rank.transport import FrameStream, StreamBroken
+from crossover.client.rank.transport import FrameStream, GrpcStream, StreamBroken
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -163,30 +163,36 @@ os.setgroups([{gid}]); os.setgid({gid}); os.setuid({uid})  # imported first: nob
 ident = RankIdentity(job_id="prod-id", job_name="prod", rank=1, local_rank=1, world_size=2, local_size=2, device=0,
                      pid=os.getpid())
 with grpc.insecure_channel("unix://" + sys.argv[1]) as ch:
-    reg = pb_grpc.SchedulerStub(ch).Register(pb.RegisterRequest(
+    stub = pb_grpc.SchedulerStub(ch)
+    reg = stub.Register(pb.RegisterRequest(
         protocol_version=PROTOCOL_VERSION, identity=ident.to_pb(), priority=pb.PRIORITY_LOW), timeout=5)
-stream = FrameStream(reg.session_socket, pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id), 5.0)
-try:
-    for d in stream.receive():
-        pass
-    print("ended")
-except StreamBroken as exc:
-    print(exc)
+    first = pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id)
+    stream = FrameStream(reg.session_socket, first, 5.0) if sys.argv[2] == "socket" else GrpcStream(stub, [], first)
+    try:
+        for d in stream.receive():
+            pass
+        print("ended")
+    except StreamBroken as exc:
+        print(exc)
 """
 
 
-def test_a_rank_of_another_user_cannot_join_a_job_and_lower_its_class(daemon_factory, base):
+@pytest.mark.parametrize("transport", ["socket", "grpc"])
+def test_a_rank_of_another_user_cannot_join_a_job_and_lower_its_class(daemon_factory, base, transport):
     """Job ids are names a client chooses; the kernel names the user. Another user's process that registers
-    as a rank of a running job, asking for `low`, is refused before it can share the job's grants or lower it."""
+    as a rank of a running job, asking for `low`, is refused before it can share the job's grants or lower it:
+    on the session socket because the kernel names it as another user, on the gRPC stream because the kernel
+    cannot name it at all."""
     d = daemon_factory("--cpu-devices", "1", "--policy", "crossover", "--socket-group", str(NOGROUP),
                        socket=base / "run" / "d.sock")
     ident = RankIdentity(job_id="prod-id", job_name="prod", rank=0, local_rank=0, world_size=2, local_size=2,
                          device=0, pid=os.getpid())
     with grpc.insecure_channel(f"unix://{d.socket}") as ch, _session(ch, ident):
-        impostor = subprocess.run([sys.executable, "-c", _IMPOSTOR.format(uid=NOBODY, gid=NOGROUP), str(d.socket)],
-                                  capture_output=True, text=True, timeout=30)
+        impostor = subprocess.run([sys.executable, "-c", _IMPOSTOR.format(uid=NOBODY, gid=NOGROUP), str(d.socket),
+                                   transport], capture_output=True, text=True, timeout=30)
         assert "PERMISSION_DENIED" in impostor.stdout, impostor.stdout + impostor.stderr
-        assert f"run by uid {os.getuid()}; a rank of uid {NOBODY} cannot join it" in impostor.stdout
+        assert {"socket": f"run by uid {os.getuid()}; a rank of uid {NOBODY} cannot join it",
+                "grpc": f"run by uid {os.getuid()}, which the session socket vouches for"}[transport] in impostor.stdout
         jobs = pb_grpc.AdminStub(ch).ListJobs(pb.JobsRequest(protocol_version=PROTOCOL_VERSION), timeout=5).jobs
         prod = [j for j in jobs if j.job_name == "prod"]
         assert prod and prod[0].priority == pb.PRIORITY_NORMAL  # not lowered, not even for a moment

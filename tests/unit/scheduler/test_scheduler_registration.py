@@ -245,3 +245,16 @@ def test_cpu_percent_is_measured_on_the_first_read(make):
     _, ranks = s.snapshot()
     me = next(r for r in ranks if r.ident.pid == os.getpid())
     assert me.cpu_percent > 10, me.cpu_percent
+
+
+def test_a_rank_the_kernel_does_not_name_cannot_join_a_job_it_named(make):
+    s = make("crossover")
+    a, _ = join(s, job="job-a", rank=0, device=0)
+    b, _ = join(s, job="job-a", rank=1, device=0)
+    s.refuse_unnamed(b)  # nobody named yet: a job whose ranks all came over gRPC
+    s.bind_peer(a, 0, 1000)
+    with pytest.raises(PermissionDenied, match="run by uid 1000, which the session socket vouches for"):
+        s.refuse_unnamed(join(s, job="job-a", rank=2, world=4, device=0)[0])
+    s.refuse_unnamed(join(s, job="job-b", rank=0, device=0)[0])  # another job: no one's yet
+    s.bind_peer(b, 0, 1000)
+    s.refuse_unnamed(b)  # named itself: not its business
