@@ -25,7 +25,6 @@ from crossover.daemon import policies
 from crossover.daemon.api import (
     AlreadyExists,
     FailedPrecondition,
-    PermissionDenied,
     Phase,
     Policy,
     RankKey,
@@ -291,12 +290,7 @@ class Scheduler(Steering):
             sess = self._sessions.find(session_id)
             if sess is None:
                 return
-            owners = self._users_of(sess.ref.key.job_id, but=sess)
-            if owners and uid not in owners:
-                job = sess.ident.job_name or sess.ref.key.job_id[:8]
-                raise PermissionDenied(
-                    f"job {job} on this node is run by uid {min(owners)}; a rank of uid {uid} cannot join it "
-                    "(a job id is only a name: a job of your own needs an id of its own)")
+            self._check_owner(sess, uid)
             sess.uid = uid
             note = self._give_class(sess, uid, gid)
             d = Decision()
@@ -309,21 +303,6 @@ class Scheduler(Steering):
                                  sess.ident.job_name, sess.ident.rank, sess.ident.pid, pid)
                 sess.ident = replace(sess.ident, pid=pid)
                 sess.process = process
-
-    def refuse_unnamed(self, session_id: str) -> None:
-        """A rank on the gRPC stream, whose user the kernel does not name, may not join a job whose ranks on
-        this node the kernel named (`bind_peer`): its job id would otherwise be only its claim. The job's
-        own ranks reach the session socket; one that falls back to gRPC is refused and asks again."""
-        with self._lock:
-            sess = self._sessions.find(session_id)
-            if sess is None or sess.uid is not None:
-                return
-            owners = self._users_of(sess.ref.key.job_id, but=sess)
-            if owners:
-                job = sess.ident.job_name or sess.ref.key.job_id[:8]
-                raise PermissionDenied(
-                    f"job {job} on this node is run by uid {min(owners)}, which the session socket vouches for; "
-                    "a rank on the gRPC stream cannot join it (use the session socket: CROSSOVER_TRANSPORT=auto)")
 
     def close(self, session_id: str, reason: str, evicted: bool = False) -> bool:
         """Remove a session (stream ended, process died, heartbeat lost); frees its grant.

@@ -1,5 +1,6 @@
 """The operator's side of the scheduler (`Scheduler`'s base class): the policy, the adaptive rule, the
-hand-over switch, drains, evictions, priority classes and what the admin calls show, under its one lock."""
+hand-over switch, drains, evictions and what the admin calls show, under its one lock. Jobs' owners
+and priority classes are its own base, `ownership.JobOwnership`."""
 from __future__ import annotations
 
 import logging
@@ -8,18 +9,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from crossover.daemon import policies
-from crossover.daemon.api import FailedPrecondition, InvalidRequest, NotFound, Phase
-from crossover.daemon.class_rules import ClassRules, effective_class
+from crossover.daemon.api import FailedPrecondition, Phase
+from crossover.daemon.class_rules import ClassRules
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision
 from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.leases import Leases
 from crossover.daemon.liveness import Liveness
-from crossover.daemon.messages import ClassMsg, PolicyMsg
+from crossover.daemon.messages import PolicyMsg
+from crossover.daemon.ownership import JobOwnership
 from crossover.daemon.phases import PhaseMachine
-from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
-from crossover.daemon.registry import Registry, Session
+from crossover.daemon.policies.classes import ClassSettings, JobClass
+from crossover.daemon.registry import Registry
 from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
 from crossover.protos.event_file import EventName
 from crossover.protos.identity import RankIdentity
@@ -29,7 +31,7 @@ __all__ = ["Steering"]
 _log = logging.getLogger("crossover.daemon.scheduler")
 
 
-class Steering:
+class Steering(JobOwnership):
     """The operator's calls and the per-device rules over the scheduler's state (see `Scheduler`)."""
 
     _lock: threading.Lock
@@ -56,54 +58,6 @@ class Steering:
     _commit: Callable[[Decision, float], None]  # the scheduler's
     _classes_differ: Callable[[Iterable[str]], bool]
     close: Callable[..., bool]
-
-    def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
-        """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
-        Before the kernel names its user, a rank that asks for a class some rule may give it waits for that,
-        and so does a rank that asks to lower a job whose ranks here the kernel has named: it may be another
-        user's process, which `bind_peer` refuses."""
-        given, by = self._rules.given(uid, gid)
-        if uid is None and sess.asked is not None and (
-                (sess.asked > given.priority and self._rules.could_give(sess.asked))
-                or (sess.asked < given.priority and self._users_of(sess.ref.key.job_id))):
-            sess.klass, sess.class_by = given, by
-            return ""
-        sess.klass, note = effective_class(sess.asked, given, by)
-        sess.class_by = "rank" if sess.klass.priority < given.priority else by
-        if note == sess.class_note:
-            return ""
-        sess.class_note = note
-        return note
-
-    def _users_of(self, job_id: str, but: Session | None = None) -> set[int]:
-        """The users the kernel named (`bind_peer`) for the job's ranks on this node, `but` left out."""
-        return {s.uid for s in self._sessions.of_job(job_id) if s is not but and s.uid is not None}
-
-    def _reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:
-        """Give the job its class on this node (the operator's, else the lowest of its ranks'); when it
-        changes, the policy decides again and every rank of the job is told. `tell`: a session to tell
-        in any case, with its note (a new rank)."""
-        ranks = self._sessions.of_job(job_id)
-        if not ranks:
-            self._classes.pop(job_id, None)
-            self._set_by_operator.pop(job_id, None)
-            return
-        operator = self._set_by_operator.get(job_id)
-        cls, by = (operator, "operator") if operator else min(((s.klass, s.class_by) for s in ranks),
-                                                              key=lambda c: (c[0].priority, c[0].weight))
-        before = self._classes.get(job_id)
-        self._classes[job_id] = (cls, by)
-        # A job of the default class that always was needs no word: nothing is logged or sent for it.
-        changed = before != (cls, by) and (cls != JobClass() or (before is not None and before[0] != JobClass()))
-        if changed:
-            d.log(EventName.JOB_CLASS, ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
-            self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
-            for device in {s.ref.device for s in ranks}:  # whether its ranks hand over there may change
-                self._phases.tell_share(device, d)
-        told, note = tell if tell is not None else (None, "")
-        for s in ranks:
-            if changed or (s is told and (note or cls != JobClass())):
-                d.post(s, ClassMsg(cls, note if s is told else ""))
 
     def adapt(self) -> None:
         """Open each device where grants do not pay, close it where they do (see `grant_payoff`).
@@ -377,31 +331,3 @@ class Steering:
             others = [snaps[sid] for sid, d in devices.items() if d == index and sid not in seen]
             out[index] = DeviceSnapshot(holders, waiting, others, view.order)
         return out, list(snaps.values())
-
-    def set_job_class(self, job: str, priority: Priority | None = None, weight: float | None = None,
-                      caller: str = "") -> tuple[str, JobClass]:
-        """The operator's `crossover priority` / `share`: set a job's class or weight on this node (the job by id
-        or name; None keeps that part). Its ranks are told; the policy decides again. Returns (job id, class)."""
-        with self._lock:
-            now = self._clock()
-            ids = sorted({s.ref.key.job_id for s in self._sessions if job in (s.ref.key.job_id, s.ident.job_name)})
-            if not ids:
-                raise NotFound(f"no job {job!r} has ranks on this node (`crossover jobs` lists them)")
-            if len(ids) > 1:
-                raise InvalidRequest(f"{len(ids)} jobs are named {job!r} here; give the job id ({', '.join(ids)})")
-            (job_id,) = ids
-            current = self._classes.get(job_id, (JobClass(), ""))[0]
-            cls = JobClass(current.priority if priority is None else priority, weight or current.weight)
-            self._set_by_operator[job_id] = cls
-            d = Decision()
-            self._reclassify(job_id, now, d)
-            self._commit(d, now)
-        self.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight,
-                           caller=caller)
-        _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
-        return job_id, cls
-
-    def job_class(self, job_id: str) -> tuple[JobClass, str]:
-        """The job's class on this node and what set it (\"operator\", a rule, \"rank\" or \"\")."""
-        with self._lock:
-            return self._classes.get(job_id, (JobClass(), ""))

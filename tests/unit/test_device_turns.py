@@ -149,3 +149,10 @@ def test_cuda_turns_register_the_own_page_writable_and_peers_read_only_and_use_t
                             ("write", 42, 0x1000, 10)]
     with pytest.raises(OSError):  # a read-only descriptor cannot become a writable own page
         turns.attach_own(os.open(f"/proc/self/fd/{peer}", os.O_RDONLY))
+
+
+def test_a_page_whose_descriptor_did_not_come_is_left_out_with_a_warning(caplog):
+    turns = TurnHandover()
+    turns.page(1, True, None)
+    assert turns.use(Device()) is False and not turns.ready
+    assert "sent turn page 1 without its descriptor" in caplog.text

@@ -67,9 +67,13 @@ class TurnHandover:
         self.ready = False
         self._ticket = 0
 
-    def page(self, page: int, own: bool, fd: int) -> None:
+    def page(self, page: int, own: bool, fd: int | None) -> None:
         """A page from the daemon (on the session's receiving thread): kept for the training thread, which
-        makes every device call (a GPU's context is current there, not here)."""
+        makes every device call (a GPU's context is current there, not here). `fd` None: the descriptor
+        that should have ridden on the page's frame did not come."""
+        if fd is None:
+            _log.warning("crossover: the daemon sent turn page %d without its descriptor", page)
+            return
         with self._lock:
             self._fds.append(fd)
             if own and self._own is None:

@@ -334,7 +334,7 @@ class Session:
                         self._device_handover = d.share.handover
                         self.outranked = d.share.outranked
                     elif d.HasField("handover_page"):
-                        self._page(stream, d.handover_page)
+                        self.turns.page(d.handover_page.page, d.handover_page.own, stream.take_fd())
                     elif d.HasField("job_class"):
                         self._job_class(d.job_class)
                     elif d.HasField("preempt"):
@@ -352,14 +352,6 @@ class Session:
                 self._detach_locked()
                 if not self._stop.is_set():
                     self._lost(f"lost crossoverd ({reason})")
-
-    def _page(self, stream: SessionStream, page: pb.HandoverPage) -> None:
-        """A turn page and its descriptor, which rode on the same frame (the training thread maps it)."""
-        fd = stream.take_fd()
-        if fd is None:
-            _log.warning("crossover: the daemon sent turn page %d without its descriptor", page.page)
-        else:
-            self.turns.page(page.page, page.own, fd)
 
     def _job_class(self, update: pb.JobClassUpdate) -> None:
         """The job's class on this node changed (or a class the rank asked for was refused: one line, once)."""

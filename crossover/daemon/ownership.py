@@ -1,0 +1,139 @@
+"""Whose a job is on this node and the class it runs at (`Scheduler`'s base, under its one lock).
+
+A job id is a name a client chooses; the kernel names a rank's user on the session socket
+(`bind_peer`). A job on a node belongs to the first user named for it, and its class is the
+operator's, else the lowest its ranks were given (`class_rules`) and asked for."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from crossover.daemon.api import InvalidRequest, NotFound, PermissionDenied
+from crossover.daemon.class_rules import ClassRules, effective_class
+from crossover.daemon.event_log import EventLog
+from crossover.daemon.events import Decision
+from crossover.daemon.messages import ClassMsg
+from crossover.daemon.phases import PhaseMachine
+from crossover.daemon.policies.classes import JobClass, Priority
+from crossover.daemon.registry import Registry, Session
+from crossover.protos.event_file import EventName
+
+__all__ = ["JobOwnership"]
+
+_log = logging.getLogger("crossover.daemon.scheduler")
+
+
+class JobOwnership:
+    """Jobs' owners and classes over the scheduler's state (see `Scheduler`)."""
+
+    _lock: threading.Lock
+    _clock: Callable[[], float]
+    _phases: PhaseMachine
+    _sessions: Registry
+    _classes: dict[str, tuple[JobClass, str]]
+    _set_by_operator: dict[str, JobClass]
+    _rules: ClassRules
+    events: EventLog
+
+    _commit: Callable[[Decision, float], None]  # the scheduler's
+
+    def _check_owner(self, sess: Session, uid: int) -> None:
+        """PermissionDenied unless the job's ranks here are of no other named user than `uid`."""
+        owners = self._users_of(sess.ref.key.job_id, but=sess)
+        if owners and uid not in owners:
+            job = sess.ident.job_name or sess.ref.key.job_id[:8]
+            raise PermissionDenied(
+                f"job {job} on this node is run by uid {min(owners)}; a rank of uid {uid} cannot join it "
+                "(a job id is only a name: a job of your own needs an id of its own)")
+
+    def refuse_unnamed(self, session_id: str) -> None:
+        """A rank on the gRPC stream, whose user the kernel does not name, may not join a job whose ranks on
+        this node the kernel named (`bind_peer`): its job id would otherwise be only its claim. The job's
+        own ranks reach the session socket; one that falls back to gRPC is refused and asks again."""
+        with self._lock:
+            sess = self._sessions.find(session_id)
+            if sess is None or sess.uid is not None:
+                return
+            owners = self._users_of(sess.ref.key.job_id, but=sess)
+            if owners:
+                job = sess.ident.job_name or sess.ref.key.job_id[:8]
+                raise PermissionDenied(
+                    f"job {job} on this node is run by uid {min(owners)}, which the session socket vouches for; "
+                    "a rank on the gRPC stream cannot join it (use the session socket: CROSSOVER_TRANSPORT=auto)")
+
+    def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
+        """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
+        Before the kernel names its user, a rank that asks for a class some rule may give it waits for that,
+        and so does a rank that asks to lower a job whose ranks here the kernel has named: it may be another
+        user's process, which `bind_peer` refuses."""
+        given, by = self._rules.given(uid, gid)
+        if uid is None and sess.asked is not None and (
+                (sess.asked > given.priority and self._rules.could_give(sess.asked))
+                or (sess.asked < given.priority and self._users_of(sess.ref.key.job_id))):
+            sess.klass, sess.class_by = given, by
+            return ""
+        sess.klass, note = effective_class(sess.asked, given, by)
+        sess.class_by = "rank" if sess.klass.priority < given.priority else by
+        if note == sess.class_note:
+            return ""
+        sess.class_note = note
+        return note
+
+    def _users_of(self, job_id: str, but: Session | None = None) -> set[int]:
+        """The users the kernel named (`bind_peer`) for the job's ranks on this node, `but` left out."""
+        return {s.uid for s in self._sessions.of_job(job_id) if s is not but and s.uid is not None}
+
+    def _reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:
+        """Give the job its class on this node (the operator's, else the lowest of its ranks'); when it
+        changes, the policy decides again and every rank of the job is told. `tell`: a session to tell
+        in any case, with its note (a new rank)."""
+        ranks = self._sessions.of_job(job_id)
+        if not ranks:
+            self._classes.pop(job_id, None)
+            self._set_by_operator.pop(job_id, None)
+            return
+        operator = self._set_by_operator.get(job_id)
+        cls, by = (operator, "operator") if operator else min(((s.klass, s.class_by) for s in ranks),
+                                                              key=lambda c: (c[0].priority, c[0].weight))
+        before = self._classes.get(job_id)
+        self._classes[job_id] = (cls, by)
+        # A job of the default class that always was needs no word: nothing is logged or sent for it.
+        changed = before != (cls, by) and (cls != JobClass() or (before is not None and before[0] != JobClass()))
+        if changed:
+            d.log(EventName.JOB_CLASS, ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
+            self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
+            for device in {s.ref.device for s in ranks}:  # whether its ranks hand over there may change
+                self._phases.tell_share(device, d)
+        told, note = tell if tell is not None else (None, "")
+        for s in ranks:
+            if changed or (s is told and (note or cls != JobClass())):
+                d.post(s, ClassMsg(cls, note if s is told else ""))
+
+    def set_job_class(self, job: str, priority: Priority | None = None, weight: float | None = None,
+                      caller: str = "") -> tuple[str, JobClass]:
+        """The operator's `crossover priority` / `share`: set a job's class or weight on this node (the job by id
+        or name; None keeps that part). Its ranks are told; the policy decides again. Returns (job id, class)."""
+        with self._lock:
+            now = self._clock()
+            ids = sorted({s.ref.key.job_id for s in self._sessions if job in (s.ref.key.job_id, s.ident.job_name)})
+            if not ids:
+                raise NotFound(f"no job {job!r} has ranks on this node (`crossover jobs` lists them)")
+            if len(ids) > 1:
+                raise InvalidRequest(f"{len(ids)} jobs are named {job!r} here; give the job id ({', '.join(ids)})")
+            (job_id,) = ids
+            current = self._classes.get(job_id, (JobClass(), ""))[0]
+            cls = JobClass(current.priority if priority is None else priority, weight or current.weight)
+            self._set_by_operator[job_id] = cls
+            d = Decision()
+            self._reclassify(job_id, now, d)
+            self._commit(d, now)
+        self.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight,
+                           caller=caller)
+        _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
+        return job_id, cls
+
+    def job_class(self, job_id: str) -> tuple[JobClass, str]:
+        """The job's class on this node and what set it (\"operator\", a rule, \"rank\" or \"\")."""
+        with self._lock:
+            return self._classes.get(job_id, (JobClass(), ""))
