@@ -9,6 +9,7 @@ import pytest
 
 from crossover.plugins.hook import horovod_torch
 from crossover.plugins.hook.horovod_torch import _affinity_plan
+from crossover.plugins.hook.runtime import RUNTIME
 from crossover.plugins.hook.settings import PluginSettings, SettingError, parse_cpu_list
 
 
@@ -61,7 +62,7 @@ def test_pin_moves_the_real_threads_of_this_process(monkeypatch: pytest.MonkeyPa
     worker = threading.Thread(target=helper)
     worker.start()
     started.wait(10)
-    monkeypatch.setitem(horovod_torch._state, "settings", PluginSettings(target="unix:///x", host_cores=(host,)))
+    monkeypatch.setattr(RUNTIME, "settings", PluginSettings(target="unix:///x", host_cores=(host,)))
     try:
         horovod_torch._pin(SimpleNamespace(cpu_affinity=[device], device=0))
         assert os.sched_getaffinity(threading.main_thread().native_id) == {device}

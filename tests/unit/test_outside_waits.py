@@ -7,6 +7,7 @@ pytest.importorskip("torch")
 pytest.importorskip("horovod.torch")
 from crossover.plugins.hook import horovod_torch  # noqa: E402
 from crossover.plugins.hook.phase_reporter import PhaseReporter  # noqa: E402
+from crossover.plugins.hook.runtime import RUNTIME  # noqa: E402
 from tests.unit.test_phase_reporter import Clock, Session  # noqa: E402
 
 
@@ -21,7 +22,7 @@ def test_a_holder_hands_the_device_back_for_the_wait_and_asks_again_with_the_sam
     clock, session = Clock(), Session()
     reporter = PhaseReporter(session, clock=clock)
     reporter.ensure_holding()
-    monkeypatch.setitem(horovod_torch._state, "phases", reporter)
+    monkeypatch.setattr(RUNTIME, "phases", reporter)
     with horovod_torch.waiting():
         assert not reporter.holding
         clock.now += 2.0
@@ -31,7 +32,7 @@ def test_a_holder_hands_the_device_back_for_the_wait_and_asks_again_with_the_sam
 
 def test_a_rank_that_does_not_hold_asks_for_nothing(monkeypatch):
     session = Session()
-    monkeypatch.setitem(horovod_torch._state, "phases", PhaseReporter(session, clock=Clock()))
+    monkeypatch.setattr(RUNTIME, "phases", PhaseReporter(session, clock=Clock()))
     with horovod_torch.waiting():
         pass
     assert session.calls == []
@@ -41,7 +42,7 @@ def test_without_resume_the_device_is_asked_for_again_only_at_the_next_phase_poi
     clock, session = Clock(), Session()
     reporter = PhaseReporter(session, clock=clock)
     reporter.ensure_holding()
-    monkeypatch.setitem(horovod_torch._state, "phases", reporter)
+    monkeypatch.setattr(RUNTIME, "phases", reporter)
     with horovod_torch.waiting(resume=False):
         pass
     assert not reporter.holding

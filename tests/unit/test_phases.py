@@ -80,6 +80,7 @@ def test_horovods_waits_route_through_the_rank_phases():
     import horovod.torch.mpi_ops as mpi_ops
 
     from crossover.plugins.hook import horovod_waits
+    from crossover.plugins.hook.runtime import RUNTIME
 
     original, original_poll = mpi_ops.synchronize, mpi_ops.poll
     s = RecordingSession()
@@ -91,11 +92,11 @@ def test_horovods_waits_route_through_the_rank_phases():
             assert module.synchronize is not original, f"{module.__name__}.synchronize is not wrapped"
         hvd.synchronize(-12345)  # an unknown handle returns at once, through the wrapper
         assert s.calls[-2:] == [("yield", 0), ("acquire", 0)]
-        horovod_waits._state["originals"]["poll"] = lambda handle: handle == 1
+        RUNTIME.original_waits["poll"] = lambda handle: handle == 1
         assert hvd.poll(0) is False and not p.holding
         assert hvd.poll(1) is True and p.holding
     finally:
-        horovod_waits._state["originals"]["poll"] = original_poll
+        RUNTIME.original_waits["poll"] = original_poll
         horovod_waits.uninstall()
     assert mpi_ops.synchronize is original and hvd.synchronize is original
     assert mpi_ops.poll is original_poll and hvd.poll is original_poll

@@ -29,6 +29,7 @@ from crossover.client.rank.session import Session
 from crossover.plugins.hook import horovod_waits
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 from crossover.plugins.hook.phase_tracking import remove_forward_boundaries, track_phases
+from crossover.plugins.hook.runtime import RUNTIME
 from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.identity import RankIdentity
 
@@ -36,12 +37,10 @@ __all__ = ["install", "uninstall", "current_session", "use_device", "waiting"]
 
 _log = logging.getLogger(__name__)
 
-_state: dict[str, Any] = {"original": None, "session": None, "settings": None, "phases": None, "device": None}
-
 
 def current_session() -> Session | None:
     """The rank's session once the first DistributedOptimizer exists (None before, or when disabled)."""
-    return _state["session"]
+    return RUNTIME.session
 
 
 @contextlib.contextmanager
@@ -56,7 +55,7 @@ def waiting(resume: bool = True) -> Iterator[None]:
     does other work first (building a model, writing a checkpoint). Without a session
     this does nothing.
     """
-    phases: PhaseReporter | None = _state["phases"]
+    phases = RUNTIME.phases
     if phases is None:
         yield
     elif resume:
@@ -75,11 +74,11 @@ def use_device(turns: DeviceTurns) -> None:
     drains it (each release waits for that where the turn does not end on the device).
     Call it once, before or after the first DistributedOptimizer.
     """
-    _state["device"] = turns
-    phases: PhaseReporter | None = _state["phases"]
+    RUNTIME.device = turns
+    phases = RUNTIME.phases
     if phases is not None:
         phases.settle = turns.drain
-    session: Session | None = _state["session"]
+    session = RUNTIME.session
     if session is not None:
         session.use_device(turns)
 
@@ -99,11 +98,11 @@ def install(settings: PluginSettings | None = None) -> bool:
     from crossover.plugins.aggregation.selection import prepare_horovod
 
     prepare_horovod()
-    if _state["original"] is not None:
+    if RUNTIME.original_optimizer is not None:
         return True
     original = hvd.DistributedOptimizer
-    _state["original"] = original
-    _state["settings"] = settings
+    RUNTIME.original_optimizer = original
+    RUNTIME.settings = settings
 
     @functools.wraps(original)
     def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
@@ -132,19 +131,19 @@ def install(settings: PluginSettings | None = None) -> bool:
 
 def uninstall() -> None:
     """Restore Horovod's factory and close the session (tests use it)."""
-    original = _state["original"]
+    original = RUNTIME.original_optimizer
     if original is not None:
         import horovod.torch as hvd
         import horovod.torch.optimizer as hvd_opt
 
         hvd.DistributedOptimizer = original
         hvd_opt.DistributedOptimizer = original
+    if RUNTIME.phases is not None:
+        remove_forward_boundaries(RUNTIME.phases)
+    if RUNTIME.session is not None:
+        RUNTIME.session.close()
     horovod_waits.uninstall()
-    if _state["phases"] is not None:
-        remove_forward_boundaries(_state["phases"])
-    if _state["session"] is not None:
-        _state["session"].close()
-    _state.update(original=None, session=None, phases=None, device=None)
+    RUNTIME.original_optimizer = RUNTIME.session = RUNTIME.phases = RUNTIME.device = None
 
 
 def _script_name() -> str:
@@ -159,19 +158,20 @@ def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:
 
     From then on Horovod's waits yield the device (`horovod_waits`), whoever calls them.
     """
-    if _state["phases"] is None:
+    if RUNTIME.phases is None:
         session = _ensure_session(hvd, process_set)
-        device: DeviceTurns | None = _state["device"]
+        device = RUNTIME.device
         phases = PhaseReporter(session, settle=None if device is None else device.drain)
-        horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))
-        _state["phases"] = phases
-    return _state["phases"]
+        horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))  # sets RUNTIME.phases
+        return phases
+    return RUNTIME.phases
 
 
 def _ensure_session(hvd: Any, process_set: Any) -> Session:
-    if _state["session"] is not None:
-        return _state["session"]
-    settings: PluginSettings = _state["settings"]
+    if RUNTIME.session is not None:
+        return RUNTIME.session
+    settings = RUNTIME.settings
+    assert settings is not None, "install() reads the settings before any optimizer is built"
     job_id = _agree_job_id(hvd, process_set)
     device = settings.device
     try:
@@ -186,9 +186,9 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
     session = Session(info, settings)
     if settings.pin:
         session.on_attach = _pin
-    _state["session"] = session.start()
-    if _state["device"] is not None:
-        session.use_device(_state["device"])
+    RUNTIME.session = session.start()
+    if RUNTIME.device is not None:
+        session.use_device(RUNTIME.device)
     # Close the stream on exit: the daemon then sees a clean end at once instead of
     # waiting for heartbeats that stop while the interpreter shuts down.
     atexit.register(_close_session)
@@ -198,8 +198,8 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
 
 
 def _close_session() -> None:
-    if _state["session"] is not None:
-        _state["session"].close()
+    if RUNTIME.session is not None:
+        RUNTIME.session.close()
 
 
 def _follow_reinit(hvd: Any) -> None:
@@ -209,8 +209,7 @@ def _follow_reinit(hvd: Any) -> None:
     differ: the daemon's view follows with a new session of the same job. The phase
     state and its iteration counter stay.
     """
-    old: Session | None = _state["session"]
-    phases: PhaseReporter | None = _state["phases"]
+    old, phases = RUNTIME.session, RUNTIME.phases
     if old is None or phases is None:
         return
     place = (hvd.rank(), hvd.local_rank(), hvd.size(), hvd.local_size())
@@ -221,13 +220,13 @@ def _follow_reinit(hvd: Any) -> None:
     new = Session(info, old.settings)
     new.on_attach = old.on_attach
     old.close()
-    _state["session"] = phases.session = new.start()
+    RUNTIME.session = phases.session = new.start()
     _log.info("re-registered after a Horovod re-init: rank %d of %d (was %d of %d)", info.rank, info.world_size,
               old.info.rank, old.info.world_size)
 
 
 def _write_stats(path: str) -> None:
-    session: Session | None = _state["session"]
+    session = RUNTIME.session
     if session is None:
         return
     try:
@@ -235,7 +234,7 @@ def _write_stats(path: str) -> None:
             json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
                        "grant_waits_s": session.grant_waits, "leased_acquires": session.leased_acquires,
                        "transport": session.transport,
-                       "yields": _state["phases"].yields if _state["phases"] is not None else 0}, f)
+                       "yields": RUNTIME.phases.yields if RUNTIME.phases is not None else 0}, f)
     except OSError as exc:
         _log.warning("could not write CROSSOVER_STATS_FILE %s: %s", path, exc)
 
@@ -293,7 +292,7 @@ def _pin(reg: Any) -> None:
     cores = set(reg.cpu_affinity)
     if not cores:
         return
-    settings: PluginSettings | None = _state["settings"]
+    settings = RUNTIME.settings
     wanted = set(settings.host_cores) if settings is not None else set()
     usable = os.sched_getaffinity(0) | cores
     if wanted and not (wanted & usable) - cores:

@@ -23,12 +23,11 @@ import sys
 from typing import Any, Callable
 
 from crossover.plugins.hook.phase_reporter import PhaseReporter
+from crossover.plugins.hook.runtime import RUNTIME
 
 __all__ = ["install", "uninstall"]
 
 _log = logging.getLogger(__name__)
-
-_state: dict[str, Any] = {"phases": None, "originals": {}, "on_init": None}  # originals: Horovod's own, by name
 
 
 def install(phases: PhaseReporter, on_init: Callable[[], None] | None = None) -> None:
@@ -38,20 +37,21 @@ def install(phases: PhaseReporter, on_init: Callable[[], None] | None = None) ->
     """
     import horovod.torch.mpi_ops as mpi_ops
 
-    first = _state["phases"] is None
-    _state["phases"] = phases
-    _state["on_init"] = on_init
-    if first:
-        _state["originals"] = {name: getattr(mpi_ops, name) for name in _WRAPPERS}
-        _swap({_state["originals"][name]: wrapper for name, wrapper in _WRAPPERS.items()})
+    RUNTIME.phases = phases
+    RUNTIME.on_init = on_init
+    if not RUNTIME.waits_hooked:
+        RUNTIME.original_waits = {name: getattr(mpi_ops, name) for name in _WRAPPERS}
+        _swap({RUNTIME.original_waits[name]: wrapper for name, wrapper in _WRAPPERS.items()})
+        RUNTIME.waits_hooked = True
 
 
 def uninstall() -> None:
     """Restore Horovod's functions everywhere they were replaced (tests use it)."""
-    if _state["phases"] is not None:
-        _swap({wrapper: _state["originals"][name] for name, wrapper in _WRAPPERS.items()})
-    _state["phases"] = None
-    _state["on_init"] = None
+    if RUNTIME.waits_hooked:
+        _swap({wrapper: RUNTIME.original_waits[name] for name, wrapper in _WRAPPERS.items()})
+        RUNTIME.waits_hooked = False
+    RUNTIME.phases = None
+    RUNTIME.on_init = None
 
 
 def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
@@ -66,16 +66,16 @@ def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
 
 
 def _synchronize(handle: Any) -> Any:
-    phases: PhaseReporter | None = _state["phases"]
+    phases = RUNTIME.phases
     if phases is None:  # a reference kept past `uninstall`
-        return _state["originals"]["synchronize"](handle)
+        return RUNTIME.original_waits["synchronize"](handle)
     with phases.waiting_for_peers():
-        return _state["originals"]["synchronize"](handle)
+        return RUNTIME.original_waits["synchronize"](handle)
 
 
 def _poll(handle: Any) -> bool:
-    done = bool(_state["originals"]["poll"](handle))
-    phases: PhaseReporter | None = _state["phases"]
+    done = bool(RUNTIME.original_waits["poll"](handle))
+    phases = RUNTIME.phases
     if phases is not None:
         if done:
             phases.resume()
@@ -85,15 +85,15 @@ def _poll(handle: Any) -> bool:
 
 
 def _shutdown(*args: Any, **kwargs: Any) -> Any:
-    phases: PhaseReporter | None = _state["phases"]
+    phases = RUNTIME.phases
     if phases is not None:
         phases.pause()
-    return _state["originals"]["shutdown"](*args, **kwargs)
+    return RUNTIME.original_waits["shutdown"](*args, **kwargs)
 
 
 def _init(*args: Any, **kwargs: Any) -> Any:
-    result = _state["originals"]["init"](*args, **kwargs)
-    on_init = _state["on_init"]
+    result = RUNTIME.original_waits["init"](*args, **kwargs)
+    on_init = RUNTIME.on_init
     if on_init is not None:
         try:
             on_init()

@@ -18,23 +18,22 @@ import logging
 from typing import Any, Callable
 
 from crossover.plugins.hook.composed_optimizer import ComposedOptimizer
+from crossover.plugins.hook.runtime import RUNTIME
 
 __all__ = ["install"]
 
 _log = logging.getLogger(__name__)
 
-_original: list[Callable[..., Any]] = []  # Horovod's own function, once installed
-
 
 def install() -> None:
     """Replace `horovod.torch.broadcast_optimizer_state` (and its home module's name); idempotent."""
-    if _original:
+    if RUNTIME.original_broadcast is not None:
         return
     import horovod.torch as hvd
     import horovod.torch.functions as functions
 
     original = functions.broadcast_optimizer_state
-    _original.append(original)
+    RUNTIME.original_broadcast = original
 
     @functools.wraps(original)
     def broadcast_optimizer_state(optimizer: Any, root_rank: int, *args: Any, **kwargs: Any) -> None:
