@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from crossover.plugins import aggregation
 from crossover.plugins.aggregation import set_aggregation
+from crossover.plugins.aggregation.process_state import STATE
 
 
 @pytest.fixture(autouse=True)
@@ -17,10 +17,10 @@ def _clean(monkeypatch):
                  "CROSSOVER_LBBSP_PERIOD", "CROSSOVER_LBBSP_MAX_BATCH", "CROSSOVER_LBBSP_METHOD"):
         monkeypatch.delenv(name, raising=False)
     set_aggregation(None)
-    aggregation._lbbsp.state = None
+    STATE.lbbsp.state = None
     yield
     set_aggregation(None)
-    aggregation._lbbsp.state = None
+    STATE.lbbsp.state = None
 
 
 class FakeProcessSet:

@@ -9,6 +9,7 @@ from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig
 from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
 from crossover.plugins.aggregation.lbbsp.state import LBBSPState
 from crossover.plugins.aggregation.lbbsp.weighting import WeightingHook
+from crossover.plugins.aggregation.process_state import STATE
 from tests.unit._aggregation_fixtures import FakeHvd, _clean  # noqa: F401
 
 # --- weighted: sampler bookkeeping and hooks on one rank -----------------------
@@ -17,7 +18,7 @@ from tests.unit._aggregation_fixtures import FakeHvd, _clean  # noqa: F401
 def _state(sizes: list[int], length: int, period: int = 2, rank: int = 0) -> LBBSPState:
     config = BatchSizeConfig(global_batch=sum(sizes), world_size=len(sizes), period=period, hysteresis=0.0)
     state = LBBSPState(BatchSizeController(config, sizes), rank, len(sizes), length)
-    aggregation._lbbsp.state = state
+    STATE.lbbsp.state = state
     return state
 
 
@@ -56,7 +57,7 @@ def test_weighted_hooks_scale_gradients_and_decide_at_boundaries():
     model = nn.Linear(4, 1, bias=False)
     opt = RecordingSGD(model.parameters(), lr=0.0)
     state = _state([6], length=24, period=2)
-    WeightingHook(hvd, opt, None, link=aggregation._lbbsp).attach()
+    WeightingHook(hvd, opt, None, link=STATE.lbbsp).attach()
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # needs step.__func__: bound-method patch
     state.pending.extend([(3, 12), (6, 6), (6, 6), (6, 6)])
     x = torch.ones(2, 4)

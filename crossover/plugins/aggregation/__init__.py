@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -50,8 +49,9 @@ from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
 from crossover.plugins.aggregation.lbbsp.exchange import apply_measurements
 from crossover.plugins.aggregation.lbbsp.replay import replay_decisions
 from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
-from crossover.plugins.aggregation.lbbsp.state import LBBSPState, SamplerLink
+from crossover.plugins.aggregation.lbbsp.state import LBBSPState
 from crossover.plugins.aggregation.lbbsp.weighting import WeightingHook, weight_scale
+from crossover.plugins.aggregation.process_state import STATE
 from crossover.plugins.aggregation.selection import (
     AggregationError,
     Rule,
@@ -91,24 +91,19 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The newest LB-BSP sampler's state, handed to every weighted optimizer this process builds.
-_lbbsp = SamplerLink()
-# This process's group_async runtime, shared by its sampler and its optimizer (one per process).
-_groups: dict[str, GroupRuntime] = {}
-
 prepare_horovod()
 
 
 def _group_runtime(hvd: Any, chosen: AggregationSettings) -> GroupRuntime:
-    if "runtime" not in _groups:
-        _groups["runtime"] = GroupRuntime(hvd, chosen)
-    return _groups["runtime"]
+    if STATE.group is None:
+        STATE.group = GroupRuntime(hvd, chosen)
+    return STATE.group
 
 
 def group_async_stats() -> Optional[dict[str, Any]]:
     """Groups, stage, exchanges, the staleness (clock gap) histogram and the boundary history of this
     rank's group_async runtime (``None`` if there is none); on rank 0 also the service's own figures."""
-    runtime = _groups.get("runtime")
+    runtime = STATE.group
     return None if runtime is None else runtime.stats()
 
 
@@ -117,12 +112,9 @@ def end_group_async() -> None:
     groups' models into the one final model every rank then holds, stop the service, and forget the
     runtime, so that a script training several models one after another starts each afresh. Horovod's
     shutdown does this by itself."""
-    runtime = _groups.pop("runtime", None)
+    runtime, STATE.group = STATE.group, None
     if runtime is not None:
         runtime.finish()
-
-
-_reentry = threading.local()
 
 
 def _bind(factory: Callable[..., Any], optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -183,13 +175,13 @@ def distributed_optimizer(
     """
     kwargs = dict(kwargs or {})
     chosen = settings()
-    if not chosen.rule or getattr(_reentry, "active", False):
+    if not chosen.rule or getattr(STATE.building, "active", False):
         return factory(optimizer, *args, **kwargs)
-    _reentry.active = True
+    STATE.building.active = True
     try:
         built = _build(hvd, factory, optimizer, args, kwargs, chosen)
     finally:
-        _reentry.active = False
+        STATE.building.active = False
     if isinstance(built, ComposedOptimizer):
         optimizer_state.install()  # its state must be broadcast without stepping it on some ranks only
     return built
@@ -238,7 +230,7 @@ def _weighted_rule(req: _Request) -> Any:
         logger.warning("CROSSOVER_AGGREGATION=weighted replaces the script's op with a weighted average")
     req.named["op"] = req.hvd.Average
     opt = req.factory(req.optimizer, **req.named)
-    WeightingHook(req.hvd, opt, req.pset, link=_lbbsp).attach()
+    WeightingHook(req.hvd, opt, req.pset, link=STATE.lbbsp).attach()
     return _mark(opt, "weighted")
 
 
@@ -349,7 +341,7 @@ def batch_sampler(
         dataset_length=dataset_length,
         min_gain=min_gain if min_gain is not None else chosen.lbbsp_min_gain,
     )
-    _lbbsp.state = state
+    STATE.lbbsp.state = state
     return LBBSPSampler(state, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
@@ -365,5 +357,5 @@ def lbbsp_stats() -> Optional[dict[str, Any]]:
     seconds]`` (seconds NaN where a step was not measured), in the order the
     controller saw them, for replaying a run offline.
     """
-    state = _lbbsp.state
+    state = STATE.lbbsp.state
     return None if state is None else state.stats()

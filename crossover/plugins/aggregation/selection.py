@@ -9,6 +9,7 @@ import os
 from typing import Any, Literal, Optional
 
 from crossover.errors import CrossoverError
+from crossover.plugins.aggregation.process_state import STATE
 from crossover.plugins.hook.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
 
 __all__ = ["AggregationError", "Rule", "current_rule", "prepare_horovod", "set_aggregation", "settings"]
@@ -18,9 +19,6 @@ Rule = Literal["average", "sum", "adasum", "weighted", "group_async"]
 
 class AggregationError(CrossoverError, ValueError):
     """The requested aggregation cannot be applied as asked (the message says why and what to do)."""
-
-
-_selected: dict[str, Optional[str]] = {"rule": None, "adasum_impl": None, "adasum_algorithm": None}
 
 
 def set_aggregation(
@@ -41,13 +39,13 @@ def set_aggregation(
         raise AggregationError(
             f"unknown adasum_algorithm {adasum_algorithm!r}; use one of {', '.join(ADASUM_ALGORITHMS)}"
         )
-    _selected.update(rule=rule, adasum_impl=adasum_impl, adasum_algorithm=adasum_algorithm)
+    STATE.selected.update(rule=rule, adasum_impl=adasum_impl, adasum_algorithm=adasum_algorithm)
 
 
 def settings() -> AggregationSettings:
     """Environment settings with the in-code selection applied on top."""
     env = AggregationSettings.from_env()
-    changes: dict[str, Any] = {key: value for key, value in _selected.items() if value is not None}
+    changes: dict[str, Any] = {key: value for key, value in STATE.selected.items() if value is not None}
     return dataclasses.replace(env, **changes) if changes else env
 
 

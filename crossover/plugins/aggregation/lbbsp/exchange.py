@@ -12,12 +12,12 @@ import atexit
 import functools
 import logging
 import math
-import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 from crossover.plugins.aggregation.lbbsp.config import Measurement
 from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
+from crossover.plugins.aggregation.process_state import STATE
 
 __all__ = ["SHARE_LAG", "apply_measurements", "guard_shutdown", "observe_steps", "share_read_after",
            "share_starts", "steps_of"]
@@ -75,22 +75,20 @@ class Drainable(Protocol):
 # crash. So every rank first waits for its own in-flight share: that returns
 # once all ranks have submitted theirs.
 _DRAIN_TIMEOUT_S = 30.0
-_pending: weakref.WeakSet[Drainable] = weakref.WeakSet()
-_shutdown_guard: dict[str, Any] = {"installed": False}
 
 
 def _drain_pending() -> None:
-    for owner in list(_pending):
+    for owner in list(STATE.pending):
         owner.drain(_DRAIN_TIMEOUT_S)
-    _pending.clear()
+    STATE.pending.clear()
 
 
 def guard_shutdown(owner: Drainable) -> None:
     """Drain ``owner``'s in-flight exchange before Horovod shuts down (at exit or on ``hvd.shutdown()``)."""
-    _pending.add(owner)
-    if _shutdown_guard["installed"]:
+    STATE.pending.add(owner)
+    if STATE.drain_installed:
         return
-    _shutdown_guard["installed"] = True
+    STATE.drain_installed = True
     # atexit is LIFO: registered after hvd.init(), this runs before Horovod's own exit handler.
     atexit.register(_drain_pending)
     # ``hvd.shutdown`` is ``mpi_ops.shutdown``, which resets the torch handle table before it

@@ -16,7 +16,6 @@ the step's end resets after the backward pass has finished.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -33,6 +32,7 @@ from crossover.plugins.aggregation.lbbsp.exchange import (
     steps_of,
 )
 from crossover.plugins.aggregation.lbbsp.state import TRACE_STEPS, LBBSPState, SamplerLink
+from crossover.plugins.aggregation.process_state import STATE
 from crossover.plugins.aggregation.selection import AggregationError
 from crossover.plugins.hook.optimizer_hooks import HookChain, OptimizerHook, hooks_of
 
@@ -40,7 +40,6 @@ __all__ = ["WeightingHook", "weight_scale"]
 
 logger = logging.getLogger(__name__)
 
-_hook_ids = itertools.count()  # same sequence on every rank: all build the same optimizers in order
 
 
 def weight_scale(batch: int, global_batch: int, group_size: int) -> float:
@@ -78,7 +77,7 @@ class WeightingHook(OptimizerHook):
         self._warned = False
         self._inflight: Any = None  # handle of the measurement allgather started at the last boundary
         self._share_started = 0  # the iteration after which it was started
-        self._instance = next(_hook_ids)
+        self._instance = next(STATE.hook_ids)
 
     def attach(self) -> None:
         """Join the optimizer's hook chain."""
