@@ -51,6 +51,18 @@ MODES = ("unscheduled", "equal", "classes")
 _SIM_POLICY = {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}
 
 
+def low_ceiling(device_s: float, iter_s: float, lows: int = 1, interference: float = 0.0) -> float:
+    """The most each of `lows` low jobs can get (speed relative to alone) beside a production job kept
+    whole, all jobs alike: the device time the production job leaves free in one of its iterations, shared
+    by the low jobs, over the device time a low job needs per iteration of its own, which runs slower by
+    `interference` beside the production job's allreduce. `device_s`: one iteration's device work;
+    `iter_s`: one iteration alone. A target above it cannot be met by any schedule."""
+    if not 0.0 < device_s <= iter_s:
+        return 0.0
+    busy = device_s / iter_s
+    return (1.0 - busy) / busy / lows / (1.0 + interference)
+
+
 # ---- the simulator ---------------------------------------------------------------------------------------
 
 
@@ -210,8 +222,11 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         rows.append({**seg, "speed_vs_alone": speeds})
     med = {m: {n: statistics.median(r["speed_vs_alone"][n] for r in rows if r["mode"] == m) for n in names}
            for m in MODES if any(r["mode"] == m for r in rows)}
+    device_s = cal["C"] * batch / 256  # the calibration ran at batch 256
+    ceiling = low_ceiling(device_s, t_alone, args.lows, args.interference if args.bed == "model" else 0.0)
     return {"rate_mbit": rate, "batch": batch, "alone_iter_s": alone, "segments": rows, "medians": med,
-            "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]}}
+            "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]}, "device_busy_alone": device_s / t_alone,
+            "low_ceiling": ceiling}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="xo-priority-") as tmp:
                 result = run_emulated(args, Path(tmp))
         print(f"{args.bed} bed, 1 prod + {args.lows} low, comm:compute {args.ratio:g}: medians of speed vs alone "
-              f"over {args.cycles} cycles: {result['medians']}")
+              f"over {args.cycles} cycles: {result['medians']}; the most a low job could get with the production "
+              f"job whole: {result['low_ceiling']:.2f}")
     out = args.out or Path(f"results/priority_{args.bed}.json")
     write_json(out, {"benchmark": "priority", "bed": args.bed, "time": time.time(), "machine": machine(),
                      "elapsed_s": time.monotonic() - t0,

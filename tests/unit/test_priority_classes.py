@@ -242,3 +242,4 @@ def test_the_queue_shows_higher_classes_first() -> None:
     p.request(K("lo"), 0, 0.1)
     p.request(K("hi"), 0, 0.2)
     assert p.order(0) == [K("hi"), K("lo")]
+
