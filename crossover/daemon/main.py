@@ -150,9 +150,8 @@ def _group(name: str | None, flag: str) -> int | None:
               "twentieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
 @click.option("--quick-yield", type=click.FloatRange(0.0, 1.0), default=ClassSettings.quick_yield, show_default=True,
               help="A lower-class job that gives the device back within this share of the higher job's compute "
-              "phase when asked (measured) may start in any gap more than twice that yield, and is asked to yield "
-              "that long before the higher job is expected back: device time for the lower jobs. 0 (the default): "
-              "only gaps it fits.")
+              "phase when asked (measured) may start in any gap, not only in one it fits: device time for the "
+              "lower jobs, paid with some of the higher job's speed. 0 (the default): only gaps it fits.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
