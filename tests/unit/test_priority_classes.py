@@ -124,28 +124,6 @@ def test_a_low_job_that_yields_quickly_may_start_in_a_gap_it_does_not_fit(quick_
     assert p.request(K("lo"), 1, 1.72) == ([K("lo")] if granted else [])  # 5 ms <= a tenth of hi's 0.1 s
 
 
-def test_a_low_job_let_into_a_gap_by_its_quick_yield_is_asked_to_yield_before_the_high_job_is_back() -> None:
-    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001, quick_yield=0.1)
-    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
-    phase(p, "hi", 1.0, compute=0.1, comm=0.2)
-    p.request(K("lo"), 1, 1.15)
-    p.tick(1.502)
-    p.request(K("hi"), 1, 1.6)
-    p.take_preemptions()
-    p.release(K("lo"), 1.605)  # its yield measured: 5 ms
-    p.observe(K("hi"), "compute", 0.1, 1.705)
-    p.release(K("hi"), 1.705)  # hi is expected back at 1.905
-    assert p.request(K("lo"), 2, 1.72) == [K("lo")]
-    assert p.next_deadline() == pytest.approx(1.900)
-    p.tick(1.899)
-    assert p.take_preemptions() == []
-    p.tick(1.9001)
-    assert p.take_preemptions() == [K("lo")]  # asked its yield ahead of hi's return
-    assert p.release(K("lo"), 1.903) == []
-    assert p.request(K("lo"), 2, 1.903) == []  # 2 ms left before hi: less than twice its yield
-    assert p.request(K("hi"), 2, 1.905) == [K("hi")]  # the device is free when hi is back
-
-
 def test_the_high_job_back_in_time_is_served_and_the_low_one_waits() -> None:
     p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
     phase(p, "lo", 0.0, compute=0.3, comm=0.1)

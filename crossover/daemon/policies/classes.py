@@ -13,10 +13,8 @@ while its jobs differ in class or weight (equal classes: today's order, exactly)
   overdue by more than its own allreduce (it paused: evaluation, a checkpoint),
   the gap counts as open. A phase that does not fit is held back until the gap
   closes or the guard below serves it, unless its job gives the device back
-  quickly when asked (`quick_yield`): then any gap more than twice its yield
-  will do, and it is asked to yield its measured yield before the higher job
-  is expected back, so that the device is free when it is; a higher job back
-  early waits for one such yield only.
+  quickly when asked (`quick_yield`): then any gap will do, since the higher
+  job back early waits for one such yield only.
 * **Yield on demand.** When a higher-class rank asks for a device that a
   lower-class job holds, the holders are asked to yield (`take_preemptions`);
   the plugin hands the device back at its next gradient hook, so the higher job

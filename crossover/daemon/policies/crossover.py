@@ -95,7 +95,6 @@ class CrossoverPolicy(DispatchPolicy):
         self._asked: set[RankKey] = set()  # holders asked during their current grant
         self._asked_at: dict[RankKey, float] = {}  # holder -> when it was asked to yield (until it releases)
         self._held_until: dict[int, float] = {}  # device -> when a held-back lower phase is looked at again
-        self._yield_at: dict[RankKey, float] = {}  # lower holder -> when to ask it to yield, ahead of a higher job
         self.overtakes = 0
         self.preemptions = 0
         self.held_back = 0
@@ -134,7 +133,6 @@ class CrossoverPolicy(DispatchPolicy):
         self._asked.discard(key)
         self._asked_at.pop(key, None)
         self._preempt = [k for k in self._preempt if k != key]
-        self._yield_at.pop(key, None)
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
             self.book.forget(key.job_id)
@@ -147,21 +145,12 @@ class CrossoverPolicy(DispatchPolicy):
         mine = self.book.of(key.job_id).priority
         if key in dev.waiting and any(self.book.of(h.job_id).priority < mine and self._long_left(h, now)
                                       for h in dev.holders):
-            self._ask_to_yield(list(dev.holders), now)
+            fresh = [h for h in dev.holders if h not in self._asked]
+            self._asked.update(fresh)
+            self._asked_at.update((h, now) for h in fresh)
+            self._preempt += fresh
+            self.preemptions += bool(fresh)
         return granted
-
-    def _ask_to_yield(self, holders: list[RankKey], now: float) -> None:
-        fresh = [h for h in holders if h not in self._asked]
-        self._asked.update(fresh)
-        self._asked_at.update((h, now) for h in fresh)
-        self._preempt += fresh
-        self.preemptions += bool(fresh)
-
-    def _outranked(self, key: RankKey) -> bool:
-        """Whether a job of a higher class than `key`'s shares its device (classes may change meanwhile)."""
-        device = self._q.ranks[key].device if key in self._q.ranks else None
-        mine = self.book.of(key.job_id).priority
-        return any(self.book.of(k.job_id).priority > mine for k, r in self._q.ranks.items() if r.device == device)
 
     def _long_left(self, holder: RankKey, now: float) -> bool:
         """Whether the holder is expected to hold on for long enough that a yield is worth its hand-over:
@@ -187,7 +176,6 @@ class CrossoverPolicy(DispatchPolicy):
         if asked is not None:
             self.book.observe_yield(key.job_id, now - asked)
         self._asked.discard(key)
-        self._yield_at.pop(key, None)
         return super().release(key, now)
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
@@ -196,14 +184,8 @@ class CrossoverPolicy(DispatchPolicy):
         return super().cancel(key, now)
 
     def tick(self, now: float) -> list[RankKey]:
-        """Look again at devices whose lower-class phase was held back until now, and ask lower holders
-        whose higher job is due back to yield now, by their measured yield, so the device is free then."""
+        """Look again at devices whose lower-class phase was held back until now."""
         self._now = now
-        for key, at in sorted(self._yield_at.items(), key=lambda kv: kv[1]):
-            if at <= now:
-                del self._yield_at[key]
-                if self._outranked(key):
-                    self._ask_to_yield([key], now)
         granted: list[RankKey] = []
         for index, until in sorted(self._held_until.items()):
             if until <= now:
@@ -212,7 +194,7 @@ class CrossoverPolicy(DispatchPolicy):
         return granted
 
     def next_deadline(self) -> float | None:
-        return min([*self._held_until.values(), *self._yield_at.values()], default=None)
+        return min(self._held_until.values(), default=None)
 
     def _joined(self, key: RankKey) -> None:
         self._passed.pop(key, None)
@@ -333,12 +315,11 @@ class CrossoverPolicy(DispatchPolicy):
         cands = [k for k in waiting if book.of(k.job_id).priority == top]
         higher = [j for j in jobs if book.of(j).priority > top]
         backs = [t for j in higher if (t := book.back_at(j, now)) is not None]
-        gap = float("inf")
         if backs:
             gap = (min(backs) - now) * book.settings.fit_margin
             quick = book.settings.quick_yield * min((self._compute.get(j, 0.0) for j in higher), default=0.0)
             fits = [k for k in cands if (book.long_phase(k.job_id) or 0.0) <= gap
-                    or (y := book.slow_yield(k.job_id)) is not None and y <= quick and min(backs) - now > 2 * y]
+                    or (y := book.slow_yield(k.job_id)) is not None and y <= quick]
             if not fits:
                 # A lower job whose guaranteed share is due takes it now, while the higher job is away,
                 # rather than when the higher job waits: it then costs the overrun, not a whole phase.
@@ -351,10 +332,6 @@ class CrossoverPolicy(DispatchPolicy):
                 return None
             cands = fits
         if len({book.of(k.job_id).weight for k in cands}) > 1:
-            choice = min(cands, key=lambda k: (book.recent(k.job_id) / book.of(k.job_id).weight, at[k], k.job_id,
-                                               k.rank))
-        else:
-            choice = self._pick(cands, self._passed)
-        if backs and (book.long_phase(choice.job_id) or 0.0) > gap:  # let in by its quick yield: yield ahead
-            self._yield_at[choice] = min(backs) - (book.slow_yield(choice.job_id) or 0.0)
-        return choice, cands
+            return min(cands, key=lambda k: (book.recent(k.job_id) / book.of(k.job_id).weight, at[k], k.job_id,
+                                             k.rank)), cands
+        return self._pick(cands, self._passed), cands
