@@ -48,18 +48,18 @@ class Liveness:
     """Suspends, resumes, evicts and declares overdue, under the scheduler's lock."""
 
     def __init__(self, registry: Registry, leases: Leases, phases: PhaseMachine, pid_alive: Callable[[int], bool],
-                 heartbeat_timeout_s: float, evict_after_s: float, overdue_factor: float,
-                 overdue_after_s: float, overdue_warmup_s: float,
-                 max_hold_s: float = LivenessSettings.max_hold_s) -> None:
-        if evict_after_s < heartbeat_timeout_s:
+                 settings: LivenessSettings = LivenessSettings()) -> None:
+        s = settings
+        if s.evict_after_s < s.heartbeat_timeout_s:
             raise InvalidRequest(
-                f"evict_after_s={evict_after_s} is shorter than heartbeat_timeout_s={heartbeat_timeout_s}")
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.evict_after_s = evict_after_s
-        self.overdue_factor = overdue_factor
-        self.overdue_after_s = overdue_after_s
-        self.overdue_warmup_s = overdue_warmup_s
-        self.max_hold_s = max_hold_s
+                f"evict_after_s={s.evict_after_s} is shorter than heartbeat_timeout_s={s.heartbeat_timeout_s}")
+        # Each may be changed in place (tests do); the settings give the start.
+        self.heartbeat_timeout_s = s.heartbeat_timeout_s
+        self.evict_after_s = s.evict_after_s
+        self.overdue_factor = s.overdue_factor
+        self.overdue_after_s = s.overdue_after_s
+        self.overdue_warmup_s = s.overdue_warmup_s
+        self.max_hold_s = s.max_hold_s
         self.overdue_total = 0  # holders treated as stalled since start
         self._registry = registry
         self._leases = leases

@@ -202,9 +202,10 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
         log = EventLog(maxlen=event_log_size, path=event_log, max_bytes=int(event_log_max_mb * (1 << 20)),
                        backups=event_log_backups)
         core = Scheduler(Inventory.detect(cores), policy, node=node_name, event_log=log,
-                         heartbeat_interval_s=min(0.2, heartbeat_timeout / 4), heartbeat_timeout_s=heartbeat_timeout,
-                         evict_after_s=evict_after, lease=lease, overdue_factor=overdue_factor,
-                         overdue_after_s=overdue_after, overdue_warmup_s=overdue_warmup, max_hold_s=max_hold,
+                         heartbeat_interval_s=min(0.2, heartbeat_timeout / 4), lease=lease,
+                         liveness=LivenessSettings(heartbeat_timeout_s=heartbeat_timeout, evict_after_s=evict_after,
+                                                   overdue_factor=overdue_factor, overdue_after_s=overdue_after,
+                                                   overdue_warmup_s=overdue_warmup, max_hold_s=max_hold),
                          max_sessions=2 * max_connections,
                          payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
                          class_settings=ClassSettings(guard_share=guard_share, quick_yield=quick_yield),

@@ -84,15 +84,10 @@ class Scheduler(Steering):
         node: str = "",
         event_log: EventLog | None = None,
         heartbeat_interval_s: float = 0.2,
-        heartbeat_timeout_s: float = LivenessSettings.heartbeat_timeout_s,
+        liveness: LivenessSettings = LivenessSettings(),
         clock: Callable[[], float] = time.monotonic,
         pid_alive: Callable[[int], bool] = psutil.pid_exists,
-        evict_after_s: float = LivenessSettings.evict_after_s,
         lease: bool = True,
-        overdue_factor: float = LivenessSettings.overdue_factor,
-        overdue_after_s: float = LivenessSettings.overdue_after_s,
-        overdue_warmup_s: float = LivenessSettings.overdue_warmup_s,
-        max_hold_s: float = LivenessSettings.max_hold_s,
         max_sessions: int = 2048,
         payoff: PayoffSettings | None = None,
         wall: Callable[[], float] = time.time,
@@ -118,8 +113,7 @@ class Scheduler(Steering):
         self.max_sessions = max_sessions
         # Its settings (`overdue_factor`, `overdue_after_s`, `overdue_warmup_s`, `max_hold_s`) may be changed
         # in place; `overdue_total` counts the holders it treated as stalled.
-        self.liveness = Liveness(self._sessions, self._leases, self._phases, pid_alive, heartbeat_timeout_s,
-                                  evict_after_s, overdue_factor, overdue_after_s, overdue_warmup_s, max_hold_s)
+        self.liveness = Liveness(self._sessions, self._leases, self._phases, pid_alive, liveness)
         self.inventory = inventory
         self.node = node or os.uname().nodename
         self.events = event_log or EventLog()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from crossover.client.rank.session import Session
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
 from crossover.plugins.hook.settings import PluginSettings
@@ -73,7 +74,7 @@ class Fuzzd:
     def __init__(self, sock: Path, stats: Stats, problems: Problems) -> None:
         inv = Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))])
         core = Scheduler(inv, "exclusive", node="node-fuzz", event_log=EventLog(), heartbeat_interval_s=0.1,
-                         heartbeat_timeout_s=0.8)
+                         liveness=LivenessSettings(heartbeat_timeout_s=0.8))
         self.daemon = Daemon(core, socket_path=str(sock), reap_interval_s=0.05).start()
         assert self.daemon.session_socket, "the daemon offers no session socket"
         self.channel = grpc.insecure_channel(f"unix://{sock}")

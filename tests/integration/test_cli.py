@@ -18,6 +18,7 @@ from crossover.client.rank.session import Session
 from crossover.daemon.api import FailedPrecondition
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
 from crossover.plugins.hook.settings import PluginSettings
@@ -31,7 +32,8 @@ BIN = Path(sys.executable).parent
 @pytest.fixture
 def daemon(tmp_path):
     core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))]), "exclusive",
-                     node="node-cli", event_log=EventLog(), heartbeat_interval_s=0.1, heartbeat_timeout_s=0.8)
+                     node="node-cli", event_log=EventLog(), heartbeat_interval_s=0.1,
+                     liveness=LivenessSettings(heartbeat_timeout_s=0.8))
     d = Daemon(core, socket_path=str(tmp_path / "cli.sock"), reap_interval_s=0.05).start()
     yield d
     d.stop(grace=0.5)

@@ -3,6 +3,7 @@
 The fixtures (`serve`, `channels`, `streams`, `sessions`) are in this folder's `conftest.py`."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -13,6 +14,7 @@ import pytest
 
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
@@ -20,11 +22,14 @@ from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
 _END = object()
 
+_LIVENESS = {f.name for f in dataclasses.fields(LivenessSettings)}
+
 
 def make_core(**kw) -> Scheduler:
     inv = Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))])
     kw.setdefault("heartbeat_interval_s", 0.1)
     kw.setdefault("heartbeat_timeout_s", 0.8)
+    kw["liveness"] = LivenessSettings(**{k: kw.pop(k) for k in list(kw) if k in _LIVENESS})
     return Scheduler(inv, kw.pop("policy", "exclusive"), node="node-rpc", event_log=EventLog(), **kw)
 
 

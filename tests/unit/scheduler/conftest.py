@@ -5,6 +5,7 @@ import pytest
 
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler
 from tests.unit.scheduler._world import FakeClock, FakePids
 
@@ -28,8 +29,8 @@ def make(clock, pids):
               evict_after: float = 5.0, lease: bool = False) -> Scheduler:
         inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
         s = Scheduler(inv, policy, node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                      heartbeat_timeout_s=timeout, clock=clock, pid_alive=pids, evict_after_s=evict_after,
-                      lease=lease)
+                      liveness=LivenessSettings(heartbeat_timeout_s=timeout, evict_after_s=evict_after), clock=clock,
+                      pid_alive=pids, lease=lease)
         made.append(s)
         return s
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from crossover.daemon.api import FailedPrecondition, InvalidRequest, Phase
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import AliveMsg, GrantMsg
 from crossover.daemon.scheduler import Scheduler
 from testbed.harness.oracles import compute_intervals, overlaps
@@ -103,7 +104,8 @@ def test_whatever_ranks_send_a_blocking_policy_never_has_two_holders(policy, lea
     clock = FakeClock()
     inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
     s = Scheduler(inv, policy, node="n", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                  heartbeat_timeout_s=5.0, clock=clock, pid_alive=lambda pid: True, evict_after_s=10.0, lease=lease)
+                  liveness=LivenessSettings(heartbeat_timeout_s=5.0, evict_after_s=10.0), clock=clock,
+                  pid_alive=lambda pid: True, lease=lease)
     try:
         sids = [s.register(ident(job=f"j{i}", rank=0, world=1, device=0), accepts_leases=True).session_id
                 for i in range(3)]

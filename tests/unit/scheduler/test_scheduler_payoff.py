@@ -5,6 +5,7 @@ from crossover.daemon.api import Phase
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
 from crossover.daemon.inventory import Device, Inventory
+from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import GrantMsg, LeaseMsg
 from crossover.daemon.scheduler import Scheduler
 from tests.unit.scheduler._world import _phase, drain_outbox, join
@@ -23,7 +24,8 @@ class _Told(PayoffJudge):
 def _scheduler(clock, pids) -> Scheduler:
     inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
     return Scheduler(inv, "crossover", node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                     heartbeat_timeout_s=5.0, clock=clock, pid_alive=pids, evict_after_s=10.0, lease=True,
+                     liveness=LivenessSettings(heartbeat_timeout_s=5.0, evict_after_s=10.0), clock=clock,
+                     pid_alive=pids, lease=True,
                      payoff=PayoffSettings(window_s=1.0, settle_share=0.1), wall=clock)
 
 
