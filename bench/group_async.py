@@ -2,7 +2,7 @@
 
 One `horovodrun --gloo` job per workload and repeat (4 ranks, or --ranks)
 trains every run in sequence (testbed/workloads/train_classifier.py, paced like
-bench/convergence.py so each rank behaves like its own device). The fault is
+bench/convergence/ so each rank behaves like its own device). The fault is
 always on the last rank. Scenarios:
 
 * ``no_straggler``: sync, the reference time to target.
@@ -47,8 +47,8 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from bench.convergence_judge import first_reaching
-from bench.convergence_run import choose_pace
+from bench.convergence.judge import first_reaching
+from bench.convergence.run import choose_pace
 from bench.lib.jobs import finish_job, start_job
 from bench.lib.plot import pyplot, save
 from testbed.harness.jobs import WORKLOADS, rank_summaries

@@ -1,6 +1,6 @@
 """Replay recorded LB-BSP runs through the batch-size controller, offline and in seconds.
 
-Every LB-BSP run of `bench/convergence.py` keeps the measurements its ranks
+Every LB-BSP run of `bench/convergence/` keeps the measurements its ranks
 shared (`lbbsp_stats()["trace"]`). This script feeds them to a fresh controller
 on the plugin's own schedule (`crossover.plugins.aggregation.replay_decisions`):
 
@@ -88,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Runs without a trace (sync, Adasum) are skipped. Exit status: 0, 1 when "
                                             "a run is not reproduced with its own settings, 2 on bad input.")
-    parser.add_argument("results", type=Path, help="a JSON file written by bench/convergence.py")
+    parser.add_argument("results", type=Path, help="a JSON file written by bench/convergence/")
     parser.add_argument("--only", default="", help="replay only runs whose name contains this text")
     parser.add_argument("--period", type=int, help="replay with this period instead of the recorded one")
     parser.add_argument("--ema-alpha", type=float, help="... with this moving-average weight")

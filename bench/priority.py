@@ -152,7 +152,7 @@ def _sim_table(result: dict[str, Any]) -> Table:
 
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
-    from bench.emulated import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
+    from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
     from testbed.cluster import Cluster, ClusterSpec, Link
     from testbed.device_model import DeviceParams
     from testbed.harness.jobs import rank_summaries

@@ -1,6 +1,6 @@
 """The simulator against the emulated cluster: same scenarios, same modes, throughput side by side.
 
-Reads what `bench/emulated.py` wrote. For each scenario the simulator gets the
+Reads what `bench/emulated/` wrote. For each scenario the simulator gets the
 phase times that run measured with each job alone (C, M). It also gets one
 interference factor x. While a compute phase and an allreduce share a device,
 each runs at 1/(1+x). x comes from the same run's phase times: how much longer
@@ -92,7 +92,7 @@ def compare(scenario: dict[str, Any], interference: float | None, iters: int,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("emulated", type=Path, help="JSON written by bench/emulated.py")
+    p.add_argument("emulated", type=Path, help="JSON written by bench/emulated/")
     p.add_argument("--interference", type=float, default=None,
                    help="use this x for every scenario instead of each one's measured phase stretch (0: none)")
     p.add_argument("--iters", type=int, default=200, help="simulated iterations per job")
@@ -104,7 +104,7 @@ def main() -> None:
         scenarios = [s for s in data["scenarios"]
                      if not s.get("batch_scale") and not s.get("placement") and not s.get("visitor")]
     except (OSError, ValueError, KeyError) as exc:
-        sys.exit(f"sim_vs_emulated: {args.emulated} is not a bench/emulated.py result: {exc}")
+        sys.exit(f"sim_vs_emulated: {args.emulated} is not a bench/emulated/ result: {exc}")
     device = data.get("setup", {}).get("device_model")
     rows = [compare(s, args.interference, args.iters, device) for s in scenarios]
 

@@ -1,5 +1,5 @@
 """Short convergence runs on real data (scikit-learn's bundled digits) in real 4-rank `horovodrun`
-jobs: the checks of `bench/convergence.py`, cut to what CI can afford, with thresholds that fail
+jobs: the checks of `bench/convergence/`, cut to what CI can afford, with thresholds that fail
 when the aggregation rules stop training well. Counted in epochs and accuracy, never in seconds:
 wall-clock targets live in the benchmark."""
 from __future__ import annotations

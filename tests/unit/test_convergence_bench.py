@@ -1,4 +1,4 @@
-"""The convergence benchmark's planning and judging logic (bench/convergence_plan.py, convergence_judge.py,
+"""The convergence benchmark's planning and judging logic (bench/convergence/plan.py, convergence_judge.py,
 convergence.py's --rejudge) on hand-made results: what it checks, not how fast anything ran."""
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench():
-    from bench import convergence, convergence_judge, convergence_plan
+    from bench.convergence import cli as convergence
+    from bench.convergence import judge as convergence_judge
+    from bench.convergence import plan as convergence_plan
 
     return SimpleNamespace(FULL=convergence_plan.FULL, plan=convergence_plan.plan,
                            summarise=convergence_judge.summarise, last_epoch_acc=convergence_judge.last_epoch_acc,

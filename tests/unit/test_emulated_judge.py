@@ -1,9 +1,9 @@
-"""bench.emulated_judge on a hand-made segment: compute phases per node as well as pooled."""
+"""bench.emulated.judge on a hand-made segment: compute phases per node as well as pooled."""
 from __future__ import annotations
 
 import pytest
 
-from bench.emulated_judge import analyse_segment
+from bench.emulated.judge import analyse_segment
 
 
 def _phases(node_held_s: float, t0: float) -> list[dict]:

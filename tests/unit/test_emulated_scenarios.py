@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.emulated_judge import targets
-from bench.emulated_scenarios import ALL, CHURN, FULL, Scenario
+from bench.emulated.judge import targets
+from bench.emulated.scenarios import ALL, CHURN, FULL, Scenario
 
 
 def test_a_job_without_a_placement_runs_on_every_node() -> None:
@@ -44,7 +44,7 @@ def test_the_targets_judge_two_jobs_on_the_same_nodes_only() -> None:
 
 
 def test_the_device_models_set_adds_three_jobs_on_four_nodes() -> None:
-    from bench.emulated_scenarios import MODEL
+    from bench.emulated.scenarios import MODEL
 
     wide = [s for s in MODEL if s.nodes == 4]
     assert len(wide) == 1 and wide[0].jobs == 3 and wide[0].nodes_of(2) is None
@@ -52,7 +52,7 @@ def test_the_device_models_set_adds_three_jobs_on_four_nodes() -> None:
 
 
 def test_spread_is_the_farthest_cycle_from_the_median() -> None:
-    from bench.emulated_judge import spread
+    from bench.emulated.judge import spread
 
     assert spread([1.0, 1.02, 0.97]) == pytest.approx(0.03)
     assert spread([1.1]) == 0.0

@@ -1,7 +1,7 @@
-"""bench.gpu_handover's pure part: which gaps a run of two processes' turns has."""
+"""bench.gpu.handover's pure part: which gaps a run of two processes' turns has."""
 from __future__ import annotations
 
-from bench.gpu_handover import gaps
+from bench.gpu.handover import gaps
 
 
 def test_only_a_change_of_process_is_a_hand_over() -> None:

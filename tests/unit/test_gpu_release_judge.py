@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import judge_release, main
+from bench.gpu.cli import judge_release, main
 from testbed.cluster import ClusterError, ClusterSpec
 
 

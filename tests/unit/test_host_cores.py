@@ -79,7 +79,7 @@ def test_pin_moves_the_real_threads_of_this_process(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_bench_keeps_two_device_cores_beside_the_host_cores() -> None:
-    from bench.emulated import host_cores_plan
+    from bench.emulated.cli import host_cores_plan
 
     assert host_cores_plan("", set(range(16))) == ((), {})
     devices, env = host_cores_plan("2-15", set(range(16)))

@@ -177,7 +177,7 @@ def test_replay_leaves_equal_ranks_alone():
     assert replay_decisions(config, _trace(200, 1.0, seed=1), [64] * 4) == [(0, [64, 64, 64, 64])]
 
 
-# Compute milliseconds of ranks 0-3 in steps 1-19 of a real run: bench/convergence.py, mnist1d-cnn on
+# Compute milliseconds of ranks 0-3 in steps 1-19 of a real run: bench/convergence/, mnist1d-cnn on
 # 4 ranks of a 2-core VM, rank 3 made 3x slower (results/conv_strag_r5.json, lbbsp#3). Sizes were
 # 64 each up to step 11 and [79, 69, 84, 24] from step 12. Between 24 samples and 1 this straggler's
 # time fell from ~95 ms to ~40 ms (other runs), where the `ema` line through its two sizes says ~80.

@@ -8,7 +8,7 @@ runs four checks and writes `gpu.json` and `gpu_timeline.png` under --out:
              release) against two the GPU performs itself (stream memory
              operations on a shared page, interprocess events), whether a
              posted wait slows the holder, and what a SIGKILLed holder does to
-             its waiter (`bench.gpu_handover`).
+             its waiter (`bench.gpu.handover`).
   inventory  a crossoverd without --cpu-devices: the GPUs NVML reports, as
              `crossover queue --json` shows them.
   release    a one-rank job whose last gradient leaves `--sleep-ms` of work
@@ -28,7 +28,7 @@ runs four checks and writes `gpu.json` and `gpu_timeline.png` under --out:
              then the jobs train while the daemons cycle through unscheduled
              (passthrough), exclusive (FIFO) and crossover, interleaved; one
              job alone afterwards gives the sequential figure and the bound.
-             Judged by `bench.emulated_judge`, as the CPU bed is.
+             Judged by `bench.emulated.judge`, as the CPU bed is.
 
     bench/gpu.sh                       # on the GPU machine: set-up, then this
     bench/gpu.sh --only speedup --mps  # the same jobs as clients of an MPS daemon of the run's own
@@ -51,10 +51,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.emulated import ClusterAdmin, job_ids, wait_warm
-from bench.emulated_judge import phase_medians, summarize
-from bench.emulated_report import plot_timeline
-from bench.emulated_scenarios import ADAPTS, CPU_HANDOVER, POLICY, Scenario
+from bench.emulated.cli import ClusterAdmin, job_ids, wait_warm
+from bench.emulated.judge import phase_medians, summarize
+from bench.emulated.report import plot_timeline
+from bench.emulated.scenarios import ADAPTS, CPU_HANDOVER, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, read_events
@@ -150,8 +150,8 @@ def check_inventory(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def check_handover(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """The idle GPU time of a hand-over, today's path against the GPU's own (`bench.gpu_handover`)."""
-    from bench import gpu_handover
+    """The idle GPU time of a hand-over, today's path against the GPU's own (`bench.gpu.handover`)."""
+    from bench.gpu import handover as gpu_handover
 
     result = gpu_handover.check_handover(args, workdir, _Daemon, _device_args(args.dry_run))
     print(gpu_handover.table(result), flush=True)
@@ -346,7 +346,8 @@ def _table(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true",
                    help="the same steps on the CPU: node 0 is a core, a small model on small images (CI)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "results/gpu"),
@@ -452,6 +453,3 @@ def main(argv: list[str] | None = None) -> int:
         tmp.cleanup()
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

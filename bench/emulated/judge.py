@@ -1,4 +1,4 @@
-"""Judging the emulated-cluster benchmark (`bench/emulated.py`) from its raw run: per measured segment the
+"""Judging the emulated-cluster benchmark (`bench/emulated/`) from its raw run: per measured segment the
 throughput, each job's iteration time, device-busy fraction, grant gaps and turn agreement between the
 nodes (from the daemons' event logs); per scenario the ratios within each cycle, their medians over
 cycles, the pipeline bound and the issue's targets."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.emulated_scenarios import MODES, Scenario
+from bench.emulated.scenarios import MODES, Scenario
 from bench.lib.judge import percentile
 from crossover.client.cli.event_intervals import covered_length
 from crossover.protos.event_file import Event, EventName, typed

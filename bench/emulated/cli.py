@@ -44,8 +44,8 @@ compute beside an allreduce (docs/emulated-cluster.md, "The device model"). Comp
 then costs no CPU, so the two cores are left to Gloo, TCP, the daemons and the ranks.
 
 Writes `results/emulated.json` (`--out`) and `results/crossover_timeline.png` (`--timeline`).
-The scenarios are in `bench.emulated_scenarios`; a run is judged by `bench.emulated_judge` and shown by
-`bench.emulated_report`.
+The scenarios are in `bench.emulated.scenarios`; a run is judged by `bench.emulated.judge` and shown by
+`bench.emulated.report`.
 """
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ from typing import Any, Callable, NamedTuple
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.emulated_judge import phase_medians, summarize
-from bench.emulated_report import plot_timeline, render
-from bench.emulated_scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
+from bench.emulated.judge import phase_medians, summarize
+from bench.emulated.report import plot_timeline, render
+from bench.emulated.scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.admin import AdminClient
 from crossover.plugins.hook.settings import SettingError, parse_cpu_list
@@ -362,7 +362,8 @@ def wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.emulated", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1:1 with two jobs only")
     p.add_argument("--scenarios", help="comma-separated, from: " + ", ".join(s.name for s in ALL)
                    + " (default: all but the last, churn, which needs cores beside the devices)")
@@ -545,6 +546,3 @@ def main() -> int:
         tmp.cleanup()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

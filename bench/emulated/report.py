@@ -1,4 +1,4 @@
-"""What the emulated-cluster benchmark (`bench/emulated.py`) shows: the table of its scenarios' medians and
+"""What the emulated-cluster benchmark (`bench/emulated/`) shows: the table of its scenarios' medians and
 the timeline of the first cycle's segments (which job held each node's device when)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
-from bench.emulated_judge import phase_intervals
-from bench.emulated_scenarios import COLOCATED, MODES, POLICY
+from bench.emulated.judge import phase_intervals
+from bench.emulated.scenarios import COLOCATED, MODES, POLICY
 from bench.lib.plot import pyplot, save
 
 

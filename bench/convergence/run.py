@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.convergence_judge import summarise
+from bench.convergence.judge import summarise
 from bench.lib.jobs import finish_job, start_job
 from testbed.harness.jobs import WORKLOADS
 

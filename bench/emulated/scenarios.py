@@ -1,4 +1,4 @@
-"""What the emulated-cluster benchmark measures (`bench/emulated.py`): its scenarios and the modes each
+"""What the emulated-cluster benchmark measures (`bench/emulated/`): its scenarios and the modes each
 scenario is measured in, with the daemon policy that stands for each mode."""
 from __future__ import annotations
 

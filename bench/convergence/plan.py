@@ -1,5 +1,5 @@
 """What the convergence benchmark runs: its dataset/model pairs per scenario group (`FULL`, `--quick`'s
-`QUICK`) and the plan that turns them into one run list per dataset (`bench/convergence.py` explains the
+`QUICK`) and the plan that turns them into one run list per dataset (`bench/convergence/` explains the
 scenarios)."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from bench.convergence_plan import LARGE
+from bench.convergence.plan import LARGE
 
 
 def first_reaching(curve: list[list[float]], target: float) -> Optional[list[float]]:

@@ -45,8 +45,8 @@ is a proportional sleep (`--straggler-work sleep`) for the same reason.
     python -m bench.convergence --rejudge results/convergence.json
 
 Writes `<out>.json` and `<out>_<scenario>_<dataset>-<model>.png`, prints a table.
-What runs is planned in `bench.convergence_plan`, run by `bench.convergence_run`, judged by
-`bench.convergence_judge` and drawn by `bench.convergence_plot`.
+What runs is planned in `bench.convergence.plan`, run by `bench.convergence.run`, judged by
+`bench.convergence.judge` and drawn by `bench.convergence.plot`.
 """
 from __future__ import annotations
 
@@ -61,10 +61,10 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from bench.convergence_judge import compare, steady_time_to_target_s, steady_train_s
-from bench.convergence_plan import FULL, QUICK, STRAGGLER, pair, plan
-from bench.convergence_plot import plots
-from bench.convergence_run import loadavg, run_jobs
+from bench.convergence.judge import compare, steady_time_to_target_s, steady_train_s
+from bench.convergence.plan import FULL, QUICK, STRAGGLER, pair, plan
+from bench.convergence.plot import plots
+from bench.convergence.run import loadavg, run_jobs
 from bench.lib.judge import verdicts
 from bench.lib.results import ROOT, git_commit, machine, write_json
 
@@ -88,7 +88,8 @@ def table(results: dict[str, Any]) -> Table:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.convergence", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one small pair per scenario, fewer epochs (a few minutes)")
     p.add_argument("--out", default="", help="output stem (default results/convergence[_quick])")
     p.add_argument("--np", type=int, default=4)
@@ -169,11 +170,8 @@ def rejudge(path: Path, console: Console) -> int:
                 run["steady_time_to_target_s"] = steady_time_to_target_s(run["curve"], run["target"])
         checks = compare(results)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        console.print(f"error: {path} is not a bench/convergence.py results file: {exc!r}")
+        console.print(f"error: {path} is not a bench/convergence/ results file: {exc!r}")
         return 2
     console.print(verdicts(checks, f"Targets, rejudged: {path} (ran at {saved.get('git') or 'unknown commit'})"))
     return 0 if all(row["met"] is not False for row in checks) else 1
 
-
-if __name__ == "__main__":
-    main()
