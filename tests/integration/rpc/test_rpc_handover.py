@@ -17,7 +17,7 @@ from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import Event, EventName
 from testbed.device_model.turns import ModelTurns
 from tests.integration.rpc._world import wait_for
-from tests.unit.test_device_model_streams import Bed, bed  # noqa: F401 (the fixture)
+from tests.unit.testbed.test_device_model_streams import Bed, bed  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(60)
 

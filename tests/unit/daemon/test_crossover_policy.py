@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from crossover.daemon.api import FailedPrecondition, RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, CrossoverSettings, create
-from tests.unit._lockstep import assert_skewed_nodes_never_drift, lockstep
-from tests.unit._service import assert_first_in_line_served_within
+from tests.unit.daemon._lockstep import assert_skewed_nodes_never_drift, lockstep
+from tests.unit.daemon._service import assert_first_in_line_served_within
 
 
 def _ref(job: str, rank: int = 0, device: int = 0) -> RankRef:

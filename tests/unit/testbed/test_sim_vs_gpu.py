@@ -8,7 +8,7 @@ import pytest
 
 from bench.sim_vs_gpu import fit, main, run_of, simulate_run
 
-_GPU_RUN = Path(__file__).resolve().parents[2] / "results" / "gpu" / "h100_resnet18_b256_i288_x3_rep.json"
+_GPU_RUN = Path(__file__).resolve().parents[3] / "results" / "gpu" / "h100_resnet18_b256_i288_x3_rep.json"
 
 
 def _run(jobs: int) -> dict:

@@ -9,7 +9,7 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.metrics import DaemonMetrics
 from crossover.daemon.scheduler import Scheduler
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "crossover-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "crossover-dashboard.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",),
              "gauge": ("",)}
 # A metric name in PromQL: not a function (followed by "("), not a label (followed by "=" or "!~"), not after "by (".

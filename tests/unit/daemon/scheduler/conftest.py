@@ -7,7 +7,7 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler
-from tests.unit.scheduler._world import FakeClock, FakePids
+from tests.unit.daemon.scheduler._world import FakeClock, FakePids
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import pytest
 
 from crossover.daemon.api import FailedPrecondition, InvalidRequest, NotFound, Phase
 from crossover.daemon.messages import CloseMsg, GrantMsg
-from tests.unit.scheduler._world import _PID, _events_of, _phase, drain_outbox, ident, join
+from tests.unit.daemon.scheduler._world import _PID, _events_of, _phase, drain_outbox, ident, join
 
 # ---- liveness ----------------------------------------------------------
 

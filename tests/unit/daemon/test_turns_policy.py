@@ -12,7 +12,7 @@ import pytest
 
 from crossover.daemon.api import RankKey, RankRef
 from testbed.simulator.turns import TurnsPolicy, TurnsSettings
-from tests.unit._turns_fixtures import A, B, C, S, joined, ref
+from tests.unit.daemon._turns_fixtures import A, B, C, S, joined, ref
 
 NOSYNC = TurnsSettings(tiebreak="join_order")
 

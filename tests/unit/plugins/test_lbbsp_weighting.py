@@ -10,7 +10,7 @@ from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
 from crossover.plugins.aggregation.lbbsp.state import LBBSPState
 from crossover.plugins.aggregation.lbbsp.weighting import WeightingHook
 from crossover.plugins.aggregation.process_state import STATE
-from tests.unit._aggregation_fixtures import FakeHvd, _clean  # noqa: F401
+from tests.unit.plugins._aggregation_fixtures import FakeHvd, _clean  # noqa: F401
 
 # --- weighted: sampler bookkeeping and hooks on one rank -----------------------
 

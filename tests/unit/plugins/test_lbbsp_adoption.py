@@ -8,7 +8,7 @@ import pytest
 from crossover.plugins.aggregation import apply_measurements, decide, replay_decisions
 from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig, Measurement
 from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
-from tests.unit._aggregation_fixtures import _clean  # noqa: F401
+from tests.unit.plugins._aggregation_fixtures import _clean  # noqa: F401
 
 
 def test_apply_measurements_feeds_the_estimates_and_decide_adopts_a_real_gain():

@@ -13,7 +13,7 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import GrantMsg, PolicyMsg
 from crossover.daemon.scheduler import Scheduler
 from testbed.harness.oracles import compute_intervals, overlaps
-from tests.unit.scheduler._world import _phase, drain_outbox, holders_over_time, ident, join
+from tests.unit.daemon.scheduler._world import _phase, drain_outbox, holders_over_time, ident, join
 
 # ---- operator side -----------------------------------------------------
 

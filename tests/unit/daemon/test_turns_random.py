@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from crossover.daemon.api import RankKey, RankRef
 from testbed.simulator.turns import TurnsPolicy
-from tests.unit._turns_fixtures import S, ref
+from tests.unit.daemon._turns_fixtures import S, ref
 
 # ---- properties: random event sequences ---------------------------------------------------------
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from crossover.daemon.api import RankKey, RankRef
 from testbed.simulator.turns import TurnsPolicy, TurnsSettings
-from tests.unit._lockstep import inversions, lockstep
-from tests.unit._turns_fixtures import S, joined, ref
+from tests.unit.daemon._lockstep import inversions, lockstep
+from tests.unit.daemon._turns_fixtures import S, joined, ref
 
 # ---- properties: consistent order across nodes ------------------------------------------------------
 

@@ -17,7 +17,7 @@ from crossover.plugins.aggregation import (
     weight_scale,
 )
 from crossover.plugins.hook.settings import AggregationSettings, SettingError
-from tests.unit._aggregation_fixtures import FakeHvd, FakeProcessSet, _clean, fake_factory, sgd  # noqa: F401
+from tests.unit.plugins._aggregation_fixtures import FakeHvd, FakeProcessSet, _clean, fake_factory, sgd  # noqa: F401
 
 # --- selection and settings ---------------------------------------------------
 

@@ -22,7 +22,7 @@ import yaml
 
 from crossover.daemon.main import main as crossoverd
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "crossoverd.service"
 DAEMONSET = DEPLOY / "kubernetes" / "crossoverd-daemonset.yaml"

@@ -10,7 +10,7 @@ import pytest
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied
 from crossover.daemon.messages import GrantMsg, LeaseMsg, ShareMsg
 from crossover.daemon.policies.classes import Priority
-from tests.unit.scheduler._world import _PID, drain_outbox, ident, join
+from tests.unit.daemon.scheduler._world import _PID, drain_outbox, ident, join
 
 # ---- registration ------------------------------------------------------
 

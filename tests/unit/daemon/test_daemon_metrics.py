@@ -8,7 +8,7 @@ from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import Priority
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos.identity import RankIdentity
-from tests.unit.scheduler._world import FakeClock
+from tests.unit.daemon.scheduler._world import FakeClock
 
 
 @pytest.mark.parametrize("text,address", [("127.0.0.1:9464", ("127.0.0.1", 9464)), (":9464", ("127.0.0.1", 9464)),

@@ -8,11 +8,11 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import GrantMsg, LeaseMsg
 from crossover.daemon.scheduler import Scheduler
-from tests.unit.scheduler._world import _phase, drain_outbox, join
+from tests.unit.daemon.scheduler._world import _phase, drain_outbox, join
 
 
 class _Told(PayoffJudge):
-    """A judge whose verdict the test sets (the rule itself is tested in tests/unit/test_grant_payoff.py)."""
+    """A judge whose verdict the test sets (the rule itself is tested in tests/unit/daemon/test_grant_payoff.py)."""
 
     told: Verdict | None = None
 

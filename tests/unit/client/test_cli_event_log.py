@@ -152,7 +152,7 @@ def test_timeline_without_matplotlib_says_how_to_install_it(logs, tmp_path, monk
 
 def test_the_cli_does_not_import_matplotlib():
     code = "import sys, crossover.client.cli; assert 'matplotlib' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
 
 
 @pytest.mark.parametrize("args, code, message", [

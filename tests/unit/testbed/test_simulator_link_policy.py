@@ -12,8 +12,8 @@ from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy, create
 from testbed.simulator import POLICIES
 from testbed.simulator.link import LinkPolicy, LinkSettings
-from tests.unit._lockstep import assert_skewed_nodes_never_drift
-from tests.unit._service import assert_first_in_line_served_within
+from tests.unit.daemon._lockstep import assert_skewed_nodes_never_drift
+from tests.unit.daemon._service import assert_first_in_line_served_within
 
 
 def _policy(*jobs: str, settings: LinkSettings | None = None, world_size: int = 2) -> LinkPolicy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from crossover.daemon.messages import GrantMsg, LeaseMsg, PolicyMsg
-from tests.unit.scheduler._world import drain_outbox, holders_over_time, join, leased
+from tests.unit.daemon.scheduler._world import drain_outbox, holders_over_time, join, leased
 
 # ---- leases --------------------------------------------------------------
 

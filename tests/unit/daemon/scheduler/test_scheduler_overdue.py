@@ -12,7 +12,7 @@ from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import AliveMsg, GrantMsg
 from crossover.daemon.scheduler import Scheduler
 from testbed.harness.oracles import compute_intervals, overlaps
-from tests.unit.scheduler._world import _KINDS, FakeClock, drain_outbox, ident, join
+from tests.unit.daemon.scheduler._world import _KINDS, FakeClock, drain_outbox, ident, join
 
 # ---- yields and overdue holders ----------------------------------------
 

@@ -8,7 +8,7 @@ pytest.importorskip("horovod.torch")
 from crossover.plugins.hook import horovod_torch  # noqa: E402
 from crossover.plugins.hook.phase_reporter import PhaseReporter  # noqa: E402
 from crossover.plugins.hook.runtime import RUNTIME  # noqa: E402
-from tests.unit.test_phase_reporter import Clock, Session  # noqa: E402
+from tests.unit.plugins.test_phase_reporter import Clock, Session  # noqa: E402
 
 
 def test_without_a_session_the_block_just_runs():

@@ -10,7 +10,7 @@ from fake_collectives import FakeCollectives, FakeGroup, run_ranks
 
 from crossover.plugins.aggregation import AdasumOptimizer, AggregationError
 from crossover.plugins.aggregation.adasum.algorithms import adasum_reference
-from tests.unit._aggregation_fixtures import _clean, sgd  # noqa: F401
+from tests.unit.plugins._aggregation_fixtures import _clean, sgd  # noqa: F401
 
 # --- plugin Adasum optimizer over threads -------------------------------------
 
