@@ -38,14 +38,20 @@ class JobOwnership:
 
     _commit: Callable[[Decision, float], None]  # the scheduler's
 
-    def _check_owner(self, sess: Session, uid: int) -> None:
-        """PermissionDenied unless the job's ranks here are of no other named user than `uid`."""
+    def _check_owner(self, sess: Session, uid: int | None) -> None:
+        """PermissionDenied unless the job's ranks here are of no other named user than `uid` (None: the
+        kernel did not name this rank's user, so the job must have no named user at all)."""
         owners = self._users_of(sess.ref.key.job_id, but=sess)
-        if owners and uid not in owners:
-            job = sess.ident.job_name or sess.ref.key.job_id[:8]
+        if not owners or uid in owners:
+            return
+        job = sess.ident.job_name or sess.ref.key.job_id[:8]
+        if uid is None:
             raise PermissionDenied(
-                f"job {job} on this node is run by uid {min(owners)}; a rank of uid {uid} cannot join it "
-                "(a job id is only a name: a job of your own needs an id of its own)")
+                f"job {job} on this node is run by uid {min(owners)}, which the session socket vouches for; "
+                "a rank on the gRPC stream cannot join it (use the session socket: CROSSOVER_TRANSPORT=auto)")
+        raise PermissionDenied(
+            f"job {job} on this node is run by uid {min(owners)}; a rank of uid {uid} cannot join it "
+            "(a job id is only a name: a job of your own needs an id of its own)")
 
     def refuse_unnamed(self, session_id: str) -> None:
         """A rank on the gRPC stream, whose user the kernel does not name, may not join a job whose ranks on
@@ -53,14 +59,8 @@ class JobOwnership:
         own ranks reach the session socket; one that falls back to gRPC is refused and asks again."""
         with self._lock:
             sess = self._sessions.find(session_id)
-            if sess is None or sess.uid is not None:
-                return
-            owners = self._users_of(sess.ref.key.job_id, but=sess)
-            if owners:
-                job = sess.ident.job_name or sess.ref.key.job_id[:8]
-                raise PermissionDenied(
-                    f"job {job} on this node is run by uid {min(owners)}, which the session socket vouches for; "
-                    "a rank on the gRPC stream cannot join it (use the session socket: CROSSOVER_TRANSPORT=auto)")
+            if sess is not None and sess.uid is None:
+                self._check_owner(sess, None)
 
     def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
         """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
