@@ -222,7 +222,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         rows.append({**seg, "speed_vs_alone": speeds})
     med = {m: {n: statistics.median(r["speed_vs_alone"][n] for r in rows if r["mode"] == m) for n in names}
            for m in MODES if any(r["mode"] == m for r in rows)}
-    device_s = cal["C"] * batch / 256  # the calibration ran at batch 256
+    device_s = per_sample * batch
     ceiling = low_ceiling(device_s, t_alone, args.lows, args.interference if args.bed == "model" else 0.0)
     return {"rate_mbit": rate, "batch": batch, "alone_iter_s": alone, "segments": rows, "medians": med,
             "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]}, "device_busy_alone": device_s / t_alone,
