@@ -244,11 +244,17 @@ def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Names
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"solo {name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_events(n.event_log) for n in cluster.nodes}
-    ranks = rank_summaries(workdir / f"out_{name}")
+    return solo_result(name, events, workdir / f"out_{name}", args.warmup)
+
+
+def solo_result(name: str, events: dict[str, Any], out: Path, warmup: int) -> dict[str, Any]:
+    """A job run alone: its ranks' summaries (in `out`), the nodes' events, and its iterations after `warmup`
+    as the `sequential` segment the judge reads."""
+    ranks = rank_summaries(out)
     r0 = min(ranks, key=lambda r: r["rank"])
-    its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
-    lo, hi = its[0][0], its[-1][1]
-    seg = {"cycle": -1, "mode": "sequential", "a": lo, "b": hi, "running": [name], "load1": os.getloadavg()[0]}
+    its = list(zip(r0["iter_start"], r0["iter_end"]))[warmup:]
+    seg = {"cycle": -1, "mode": "sequential", "a": its[0][0], "b": its[-1][1], "running": [name],
+           "load1": os.getloadavg()[0]}
     return {"name": name, "events": events, "jobs": {name: ranks}, "segment": seg}
 
 

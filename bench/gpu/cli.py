@@ -51,7 +51,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.emulated.cli import ClusterAdmin, job_ids, wait_warm
+from bench.emulated.cli import ClusterAdmin, job_ids, solo_result, wait_warm
 from bench.emulated.judge import phase_medians, summarize
 from bench.emulated.report import plot_timeline
 from bench.emulated.scenarios import ADAPTS, CPU_HANDOVER, POLICY, Scenario
@@ -224,12 +224,7 @@ def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, i
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"{name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_events(n.event_log) for n in cluster.nodes}
-    ranks = rank_summaries(workdir / f"out_{name}")
-    r0 = min(ranks, key=lambda r: r["rank"])
-    its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
-    seg = {"cycle": -1, "mode": "sequential", "a": its[0][0], "b": its[-1][1], "running": [name],
-           "load1": os.getloadavg()[0]}
-    return {"name": name, "events": events, "jobs": {name: ranks}, "segment": seg}
+    return solo_result(name, events, workdir / f"out_{name}", args.warmup)
 
 
 def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[str, Any]:
