@@ -7,6 +7,7 @@ from typing import Any
 
 from testbed.harness.daemon import kill_group
 from testbed.harness.jobs import WORKLOADS, horovodrun, rank_summaries
+from testbed.harness.warm_horovodrun import WarmProcess
 
 __all__ = ["WORKLOAD", "finish_job", "start_job"]
 
@@ -14,13 +15,13 @@ WORKLOAD = WORKLOADS / "train_mlp.py"
 
 
 def start_job(name: str, script: Path, workdir: Path, np: int, args: list[str], env: dict[str, str]
-              ) -> tuple[subprocess.Popen, Path]:
+              ) -> tuple[WarmProcess, Path]:
     """`horovodrun -np NP` (Gloo) running `script --out OUT args`; its log is `workdir/NAME.log`."""
     job = horovodrun(name, script, workdir, np=np, args=args, env=env)
     return job.proc, job.out
 
 
-def finish_job(proc: subprocess.Popen, out: Path, timeout: float = 600) -> list[dict[str, Any]]:
+def finish_job(proc: WarmProcess, out: Path, timeout: float = 600) -> list[dict[str, Any]]:
     """Wait for a job and return what its ranks wrote; a failed or stuck job raises."""
     try:
         rc = proc.wait(timeout)

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from crossover.protos.event_file import Event
 
@@ -17,7 +17,11 @@ __all__ = ["BIN", "DaemonProc", "cli", "kill_group", "queue_state", "set_policy"
 BIN = Path(sys.executable).parent  # the virtualenv's console scripts: crossoverd, crossover, horovodrun
 
 
-def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+class _Started(Protocol):
+    pid: int
+
+
+def kill_group(proc: _Started, sig: int = signal.SIGKILL) -> None:
     """Signal `proc`'s whole process group (every process here starts its own session)."""
     try:
         os.killpg(proc.pid, sig)

@@ -16,7 +16,8 @@ import psutil
 from testbed import CHECKOUT, checkout_on_path
 from testbed.workloads.stop_file import request_stop
 
-from .daemon import BIN, kill_group
+from .daemon import kill_group
+from .warm_horovodrun import WarmProcess, start_horovodrun
 
 __all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "rank_summaries", "with_import"]
 
@@ -26,7 +27,7 @@ WORKLOADS = CHECKOUT / "testbed" / "workloads"
 @dataclass
 class Job:
     name: str
-    proc: subprocess.Popen
+    proc: WarmProcess  # the launcher, `horovodrun` (testbed.harness.warm_horovodrun)
     out: Path
     log: Path
     started: float = field(default_factory=time.monotonic)
@@ -77,7 +78,8 @@ def rank_summaries(out: Path) -> list[dict[str, Any]]:
 def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str, ...] | list[str] = (),
                env: dict[str, str] | None = None, mpi: bool = False, out_flag: bool = True,
                cwd: Path | None = None, stoppable: bool = False) -> Job:
-    """Start `horovodrun -np N` on localhost with Gloo (or MPI) running `script`.
+    """Start `horovodrun -np N` on localhost with Gloo (or MPI) running `script` (from a warm
+    interpreter: `testbed.harness.warm_horovodrun`).
 
     `--out OUT` comes before `args` for our workloads; `out_flag=False` leaves it off for scripts
     that do not take it (someone else's, run through a launcher given as `script`). The checkout
@@ -90,15 +92,13 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
     full_env["PYTHONPATH"] = checkout_on_path(full_env)
     if mpi:
         full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--mpi" if mpi else "--gloo"]
+    cmd = ["-np", str(np), "-H", f"localhost:{np}", "--mpi" if mpi else "--gloo"]
     if mpi:
         cmd += ["--mpi-args=--oversubscribe"]
     stop = tmp / f"stop_{name}" if stoppable else None
     cmd += [sys.executable, str(script), *(["--out", str(out)] if out_flag else []), *args,
             *(["--stop-file", str(stop)] if stop else [])]
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                                cwd=cwd)
+    proc = start_horovodrun(cmd, env=full_env, log=log, cwd=cwd)
     return Job(name, proc, out, log, stop_file=stop)
 
 

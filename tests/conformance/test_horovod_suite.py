@@ -40,8 +40,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed.harness.daemon import BIN, kill_group
+from testbed.harness.daemon import kill_group
 from testbed.harness.oracles import compute_intervals, overlaps
+from testbed.harness.warm_horovodrun import start_horovodrun
 from tests.conformance.judge import (
     ALTERNATE,
     PEER,
@@ -65,12 +66,10 @@ def _run_suite(tmp: Path, with_import: bool, env: dict[str, str] | None = None, 
     """Run the suite under `horovodrun -np 2`; rank 0's counts and failing tests."""
     tmp.mkdir(parents=True, exist_ok=True)
     python = [sys.executable, str(WITH_CROSSOVER), "-m", "pytest"] if with_import else [sys.executable, "-m", "pytest"]
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *python,
-           "-q", "-p", "no:cacheprovider", str(SUITE)]
+    cmd = ["-np", "2", "-H", "localhost:2", "--gloo", *python, "-q", "-p", "no:cacheprovider", str(SUITE)]
     log = tmp / "suite.log"
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tmp, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    proc = start_horovodrun(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, log=log, cwd=tmp)
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:

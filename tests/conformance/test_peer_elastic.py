@@ -27,8 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed.harness.daemon import BIN, kill_group
+from testbed.harness.daemon import kill_group
 from testbed.harness.oracles import compute_intervals, overlaps
+from testbed.harness.warm_horovodrun import WarmProcess, start_horovodrun
 from tests.conformance.judge import (
     ALTERNATE,
     PEER,
@@ -43,7 +44,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.conformance, pytest.mark.tim
 EXAMPLE = PEER / "examples" / "elastic" / "pytorch" / "pytorch_synthetic_benchmark_elastic.py"
 
 
-def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout: float = 150) -> None:
+def _wait_for(what: str, check, proc: WarmProcess, log: Path, timeout: float = 150) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -58,7 +59,7 @@ def _registered(d) -> list[tuple[str, int]]:
     return [(e.name, e.rank) for e in d.events() if e.name in ("register", "leave")]
 
 
-def _grow_and_shrink(proc: subprocess.Popen, log: Path, hosts: Path, d) -> int:
+def _grow_and_shrink(proc: WarmProcess, log: Path, hosts: Path, d) -> int:
     """Offer a third slot once it trains, take it away once it trains with three; its exit code."""
     try:
         iters = lambda: log.read_text(errors="replace").count("Iter #")  # noqa: E731
@@ -87,7 +88,7 @@ def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tm
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(0o755)
     log = tmp_path / "job.log"
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3", "--network-interface", "lo",
+    cmd = ["-np", "2", "--min-np", "2", "--max-np", "3", "--network-interface", "lo",
            "--elastic-timeout", "60", "--host-discovery-script", str(discover), "--gloo",
            sys.executable, str(WITH_CROSSOVER), str(EXAMPLE), "--model", "squeezenet1_1",
            "--batch-size", "1", "--num-iters", "60", "--num-batches-per-iter", "2", "--num-warmup-batches", "1",
@@ -95,8 +96,7 @@ def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tm
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CROSSOVER_SOCKET": str(d.socket),
            "CROSSOVER_JOB_NAME": "elastic", "CROSSOVER_GRANT_TIMEOUT": "60"}
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = start_horovodrun(cmd, env=env, log=log, cwd=tmp_path)
     with alternating_policies(d.socket, "elastic") as switches:
         rc = _grow_and_shrink(proc, log, hosts, d)
     wall = time.monotonic() - started
