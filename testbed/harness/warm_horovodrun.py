@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import select
@@ -204,6 +205,7 @@ def _serve() -> None:
     import horovod.torch  # noqa: F401  what every horovodrun's build probe imports, once
     from horovod.runner.launch import run_commandline
 
+    gc.freeze()  # what is imported stays out of every launcher's collections, as from a fresh interpreter
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's Ctrl-C is its to handle; EOF ends us
     children: dict[int, str] = {}
     pending = b""

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from crossover.plugins import aggregation
 from crossover.plugins.aggregation.adasum.algorithms import adasum_allreduce_tensors, adasum_reference
+from testbed.workloads.quick_exit import skip_final_collections
 from testbed.workloads.summary import write_rank_summary
 
 SHAPES = [(17,), (5, 7), (64,), (3, 4, 5), (1,)]
@@ -212,4 +213,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    skip_final_collections()
     main()

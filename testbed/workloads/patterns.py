@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from testbed.workloads.digits import load_digits
+from testbed.workloads.quick_exit import skip_final_collections
 from testbed.workloads.summary import model_digest, write_rank_summary
 
 
@@ -116,4 +117,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    skip_final_collections()
     main()

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from testbed.device_model.client import DeviceClient
 from testbed.device_model.turns import ModelTurns
+from testbed.workloads.quick_exit import skip_final_collections
 from testbed.workloads.summary import timed_summary, write_rank_summary
 
 
@@ -157,4 +158,5 @@ def main():
 
 
 if __name__ == "__main__":
+    skip_final_collections()
     main()

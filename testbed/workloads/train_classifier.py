@@ -47,6 +47,7 @@ import torch.nn as nn
 from crossover.plugins import aggregation
 from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
 from testbed.faults import Stall, Straggler
+from testbed.workloads.quick_exit import skip_final_collections
 from testbed.workloads.summary import write_rank_summary
 
 DEFAULT_RUN: dict = {
@@ -331,4 +332,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    skip_final_collections()
     main()

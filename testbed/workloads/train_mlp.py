@@ -12,6 +12,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
+from testbed.workloads.quick_exit import skip_final_collections
 from testbed.workloads.stop_file import publish_progress, stop_before
 from testbed.workloads.summary import model_digest, write_rank_summary
 
@@ -105,4 +106,5 @@ def main():
 
 
 if __name__ == "__main__":
+    skip_final_collections()
     main()

@@ -31,6 +31,7 @@ from pathlib import Path
 import crossover.auto  # noqa: F401  (first, as a user adds it)
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # the checkout, last: `testbed` is never installed
+from testbed.workloads.quick_exit import skip_final_collections  # noqa: E402
 from testbed.workloads.vision import import_torchvision  # noqa: E402
 
 
@@ -75,4 +76,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    skip_final_collections()
     main(sys.argv[1:])
