@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 __all__ = ["WarmProcess", "start_horovodrun"]
 
 _POLL_S = 0.02
@@ -56,7 +58,7 @@ class WarmProcess:
         if self.returncode is None:
             with contextlib.suppress(FileNotFoundError, ValueError):
                 self.returncode = int(self._status.read_text())
-            if self.returncode is None and not self._server.alive() and not _exists(self.pid):
+            if self.returncode is None and not self._server.alive() and not psutil.pid_exists(self.pid):
                 self.returncode = -int(signal.SIGKILL)  # reaped by init: its code is lost with the server
         return self.returncode
 
@@ -78,16 +80,6 @@ class WarmProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Server:
