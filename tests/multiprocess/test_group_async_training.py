@@ -60,13 +60,15 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
     assert service["exchanges"] >= 5, service
     assert max(int(gap) for gap in service["gaps"]) <= 2, service  # never above CROSSOVER_STALENESS
     # Each epoch is used up by both groups together. The straggler's group (led by rank 2) takes less of
-    # the run, and never more of an epoch: in an epoch where the two happen to move in step, both take
-    # equal shares (seen in about one epoch in four, in a third of runs).
+    # the run, and more of at most one epoch: a group that stalls takes less of an epoch by design, and
+    # with four ranks on two cores the fast group can stall for part of a 0.4 s epoch (seen once in
+    # about ten runs: 832 samples to 704 in epoch 1, the fast group ahead in the five others). In an
+    # epoch where the two move in step both take equal shares (about one epoch in four).
     samples = service["samples"]
     assert sorted(samples, key=int) == [str(e) for e in range(_EPOCHS)], samples
     for by_group in samples.values():
-        assert by_group.get("2", 0) <= by_group["0"], samples
         assert 1408 <= sum(by_group.values()) <= 1408 + 4 * 128, samples  # 11 global batches, and a few more
+    assert sum(by.get("2", 0) > by["0"] for by in samples.values()) <= 1, samples
     assert sum(by.get("2", 0) for by in samples.values()) < sum(by["0"] for by in samples.values()), samples
     # Inside the straggler's group the batch is cut by pace: rank 3 takes the smaller share of 64 a step.
     shares = [summary["runs"][1]["group_async"]["shares"] for summary in summaries]
