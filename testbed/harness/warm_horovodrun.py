@@ -10,7 +10,8 @@ environment, folder and log. Horovod's code runs unchanged, its probe included (
 torch imported); the ranks are started by Horovod as always, each a fresh interpreter.
 
 Each launcher leads a session of its own, as with `Popen(start_new_session=True)`, and is
-handed back as a `WarmProcess`, which answers what the harness asks of a `subprocess.Popen`.
+handed back as a `WarmProcess`, which answers what the harness asks of a `subprocess.Popen`
+(its pid, `poll`, `wait`, `returncode`); its group is signalled with `kill_group`.
 The server is started on first use and ends when the process that started it does.
 
 Run as `python -m testbed.harness.warm_horovodrun`, it is that server: it reads one JSON request
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from testbed import checkout_on_path
 
 __all__ = ["WarmProcess", "start_horovodrun"]
 
@@ -70,17 +73,6 @@ class WarmProcess:
             time.sleep(_POLL_S)
         return code
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 class _Server:
     """The client's end: one server per process, started on first use, stopped at exit."""
@@ -88,8 +80,6 @@ class _Server:
     def __init__(self) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="crossover-warm-horovodrun-"))
         self._stderr = self._dir / "server.log"
-        from testbed import checkout_on_path
-
         env = {**os.environ, "PYTHONPATH": checkout_on_path(os.environ)}
         with open(self._stderr, "wb") as err:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
