@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from crossover.protos.event_phases import Interval, read_phases
 from testbed.harness.daemon import cli, queue_state
 from testbed.harness.jobs import horovodrun, with_import
 from testbed.harness.oracles import compute_intervals, overlaps
@@ -23,6 +24,17 @@ def _queue(socket) -> dict:
 def _job_names(state: dict) -> set[str]:
     """Every job with a rank on some device in a `crossover queue --json` document."""
     return {r["job_name"] for dev in state["devices"] for r in dev["holders"] + dev["waiting"] + dev["others"]}
+
+
+def _overtakes(waits: list[Interval], tie_s: float) -> dict[float, int]:
+    """For each request on one device that a later request of another job overtook (asked more than `tie_s`
+    after it, granted before it), how many did: request time -> count."""
+    out: dict[float, int] = {}
+    for w in waits:
+        n = sum(1 for o in waits if o.job != w.job and o.start > w.start + tie_s and o.end < w.end)
+        if n:
+            out[round(w.start, 4)] = n
+    return out
 
 
 def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs, tmp_path):
@@ -131,6 +143,10 @@ def test_co_located_jobs_alternate_on_every_device(daemon_factory, jobs, tmp_pat
         assert j.wait(120) == 0, j.output()[-3000:]
 
     events = d.events()
+    waits: dict[int, list[Interval]] = {}
+    for iv in read_phases(events).intervals:
+        if iv.phase == "wait" and iv.complete:
+            waits.setdefault(iv.device, []).append(iv)
     for dev, intervals in compute_intervals(events).items():
         assert overlaps(intervals) == [], f"compute phases overlap on device {dev}"
         # From each job's fourth grant on: until its ranks on the other device have started too, a job's
@@ -143,9 +159,14 @@ def test_co_located_jobs_alternate_on_every_device(daemon_factory, jobs, tmp_pat
         seq = [job for t0, _, job, _ in sorted(intervals) if lo <= t0 <= hi]
         assert len(seq) >= 40, f"device {dev}: the jobs overlapped for only {len(seq)} grants"
         assert min(seq.count(j) for j in first) >= 0.1 * len(seq), f"device {dev}: one job was starved"
-        # The jobs take turns: no long run of one job.
+        # The jobs take turns. A run of one job's grants is right only while the other job does not ask
+        # (work-conserving: its allreduce may be long, on a loaded machine); a request it makes is passed
+        # over at most `max_overtakes` (1) times by a later one.
         switches = sum(a != b for a, b in zip(seq, seq[1:])) / (len(seq) - 1)
         runs = [len(list(group)) for _, group in itertools.groupby(seq)]
         print(f"device {dev}: {len(seq)} grants while both ran, {switches:.0%} alternate, longest run {max(runs)}")
-        assert max(runs) <= 6 and switches >= 0.6, \
-            f"device {dev}: {switches:.0%} of consecutive grants alternate, runs {runs[:40]}"
+        assert switches >= 0.6, f"device {dev}: {switches:.0%} of consecutive grants alternate, runs {runs[:40]}"
+        assert len(waits.get(dev, [])) >= len(seq), f"device {dev}: fewer requests than grants in the log"
+        passed_over = _overtakes(waits[dev], tie_s=0.002)
+        assert max(passed_over.values(), default=0) <= 1, \
+            f"device {dev}: requests passed over more than once (request time: times): {passed_over}"
