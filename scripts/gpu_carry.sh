@@ -57,7 +57,7 @@ if [ "${1:-}" = "--build" ]; then
   sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
   sed -i 's/CMAKE_CUDA_STANDARD 11/CMAKE_CUDA_STANDARD 17/' "$SRC/horovod/common/ops/cuda/CMakeLists.txt"
   log "building Horovod for sm_${GPU_CC:-90} (about 2.5 minutes on 2 cores)"
-  CUDA_HOME="$(cuda_home)" \
+  CUDA_HOME="$(cuda_home)" PATH="$(cuda_home)/bin:$PATH" \
   HOROVOD_BUILD_CUDA_CC_LIST="${GPU_CC:-90}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
   HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
     "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation -w "$WORK/wheel" "$SRC"

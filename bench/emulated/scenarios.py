@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ADAPTS", "ALL", "CHURN", "COLOCATED", "CPU_HANDOVER", "FULL", "MODEL", "MODES", "POLICY", "QUICK",
-           "Scenario"]
+__all__ = ["ADAPTS", "ALL", "CHURN", "COLOCATED", "CPU_HANDOVER", "DSCP", "FULL", "MODEL", "MODES", "POLICY",
+           "QUICK", "Scenario"]
 
-MODES = ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive", "classes")
+MODES = ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive", "classes",
+         "classes-dscp")
 COLOCATED = MODES[1:4]
 """The co-located modes every run measures; `adaptive` and `crossover-cpu` only when asked (`bench.emulated
 --adaptive`, `--handover`)."""
 POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover",
-          "crossover-cpu": "crossover", "adaptive": "crossover", "classes": "crossover"}
-"""`classes`: `crossover` with every job but the first in class `low` (`bench.gpu --priority`)."""
+          "crossover-cpu": "crossover", "adaptive": "crossover", "classes": "crossover", "classes-dscp": "crossover"}
+"""`classes`: `crossover` with every job but the first in class `low` (`bench.gpu --priority`); `classes-dscp`:
+the same, with every shaped link sending the low jobs' packets (DSCP `CROSSOVER_LOW_DSCP`) after the others'
+(`Cluster.honour_dscp`)."""
 CPU_HANDOVER = frozenset({"crossover-cpu"})
 """`crossover-cpu`: `crossover` with every rank waiting for its device on its CPU before it releases
 (`crossover policy --no-handover`); the other modes let ranks that can end their turns on their device."""
+DSCP = frozenset({"classes-dscp"})
+"""Modes in which the emulated network honours the low class's DSCP."""
 ADAPTS = frozenset({"adaptive"})
 """Modes whose daemons measure per device whether grants pay (`crossoverd --adapt`, the default); the others
 grant everywhere."""

@@ -54,17 +54,17 @@ from typing import Any, Callable
 from bench.emulated.cli import ClusterAdmin, job_ids, solo_result, wait_warm
 from bench.emulated.judge import phase_medians, summarize
 from bench.emulated.report import plot_timeline
-from bench.emulated.scenarios import ADAPTS, CPU_HANDOVER, POLICY, Scenario
+from bench.emulated.scenarios import ADAPTS, CPU_HANDOVER, DSCP, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, read_events
 from testbed import checkout_on_path
-from testbed.cluster import Cluster, ClusterSpec, Link, preflight
+from testbed.cluster import Cluster, ClusterSpec, Link, Unsupported, preflight
 from testbed.harness.daemon import kill_group, queue_state
 from testbed.harness.jobs import WORKLOADS, rank_summaries, with_import
 
 MODES = ("unscheduled", "exclusive", "crossover", "crossover-cpu")  # crossover-cpu: every turn ends on the CPU
-PRIORITY_MODES = ("unscheduled", "crossover", "classes")  # --priority: job0 the production job, the others low
+PRIORITY_MODES = ("unscheduled", "crossover", "classes", "classes-dscp")  # --priority: job0 production, the others low
 
 
 def _log(msg: str) -> None:
@@ -265,6 +265,13 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
         admin = ClusterAdmin(cluster)
         seg_s = args.settle_s + args.segment_s
         modes = PRIORITY_MODES if args.priority else MODES + (("adaptive",) if args.adaptive else ())
+        if args.priority:
+            try:
+                cluster.honour_dscp(True)
+                cluster.honour_dscp(False)
+            except Unsupported as exc:
+                _log(f"no mode classes-dscp: {exc}")
+                modes = tuple(m for m in modes if m not in DSCP)
         try:
             wait_warm(cluster, jobs, names, args.warmup, timeout=args.job_timeout)
             ids = job_ids(cluster)
@@ -278,7 +285,8 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                     _log(f"cycle {cycle + 1}/{args.cycles}: {mode}")
                     admin.set_policy(POLICY[mode], adapt=mode in ADAPTS, handover=mode not in CPU_HANDOVER)
                     if args.priority:
-                        admin.set_class([ids[n] for n in names[1:]], low=mode == "classes")
+                        admin.set_class([ids[n] for n in names[1:]], low=mode.startswith("classes"))
+                        cluster.honour_dscp(mode in DSCP)
                     t_switch = time.monotonic()
                     # An adaptive device's first verdict takes a probe (4 windows, from the next even one).
                     time.sleep(args.settle_s + (6 * args.adapt_window if mode in ADAPTS else 0.0))
@@ -326,7 +334,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
 def _table(summary: dict[str, Any]) -> str:
     rows = [f"{'mode':<12} {'samples/s':>10} {'vs unsch.':>9} {'vs seq.':>8} {'of bound':>8} {'busy':>5} "
             f"{'C ms':>6} {'C GPU':>6} {'M ms':>6} {'cycles':>6}"]
-    for mode in ("sequential", *(m for m in (*MODES, "adaptive", "classes") if m in summary["modes"])):
+    for mode in ("sequential", *(m for m in (*MODES, "adaptive", "classes", "classes-dscp") if m in summary["modes"])):
         r = summary["modes"][mode]
 
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
@@ -371,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline-seconds", type=float, default=None)
     p.add_argument("--only", default="handover,inventory,release,speedup", help="comma-separated checks to run")
     p.add_argument("--priority", action="store_true", help="the speed-up check measures priorities instead: "
-                   "job0 the production job, the others `low` in mode `classes`, beside unscheduled and crossover "
-                   "with equal classes; each job's slowdown against alone is in the summary")
+                   "job0 the production job, the others `low` in mode `classes`, and in `classes-dscp` with the "
+                   "emulated links sending the low jobs' DSCP-marked packets after the others', beside unscheduled "
+                   "and crossover with equal classes; each job's slowdown against alone is in the summary")
     p.add_argument("--adaptive", action="store_true",
                    help="also measure `adaptive`: crossover with each device measuring whether its grants pay "
                         "(crossoverd's default, --adapt); the other modes grant everywhere")

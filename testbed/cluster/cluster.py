@@ -34,7 +34,7 @@ from .netns import (
     preflight,
     write_hosts,
 )
-from .shaping import shape_node
+from .shaping import LOWER_EFFORT_DSCP, set_dscp_bands, shape_node
 from .spec import HUB_HOST, STATE_ROOT, SUBNET, ClusterError, ClusterSpec, ClusterState, Link, Node, Unsupported
 
 _log = logging.getLogger("testbed.cluster")  # the test bed logs under its package name
@@ -278,6 +278,13 @@ class Cluster:
         self._links[node] = link
         self._apply(node, state.hub_netns, state.nodes[node].netns)
         self.state = replace(state, links=tuple(self._links))
+
+    def honour_dscp(self, on: bool, dscp: int = LOWER_EFFORT_DSCP) -> None:
+        """Every shaped link sends packets marked `dscp` (a low job's, `CROSSOVER_LOW_DSCP`) after all others
+        (on), or treats every packet alike (off: the default, one FIFO per link)."""
+        state = self._require()
+        for i, node in enumerate(state.nodes):
+            set_dscp_bands(state.hub_netns, node.netns, i, self._links[i], on, dscp)
 
     def link(self, node: int) -> Link:
         return self._links[node]

@@ -1,12 +1,15 @@
 """Link shaping with tc (rate: `tbf`; delay and jitter: `netem`), and measuring what a link carries."""
 from __future__ import annotations
 
+import logging
 import shlex
 import subprocess
 import sys
 
 from .netns import in_ns
 from .spec import IFACE, ClusterError, ClusterState, Link, Unsupported
+
+_log = logging.getLogger(__name__)
 
 
 def _tc_commands(dev: str, link: Link) -> list[list[str]]:
@@ -32,6 +35,57 @@ def _tc_commands(dev: str, link: Link) -> list[list[str]]:
     return cmds
 
 
+LOWER_EFFORT_DSCP = 8  # CS1: what `CROSSOVER_LOW_DSCP` marks a low job's traffic with by default
+
+
+def _tbf_limit(link: Link) -> int:
+    """The bytes tbf queues at `latency 100ms`, as `_tc_commands` sets it up: rate x latency + burst."""
+    rate_bps = link.rate_mbit * 1e6
+    return int(rate_bps / 8 * 0.1) + max(96 * 1024, int(rate_bps / 8 * 0.001))
+
+
+def _band_commands(dev: str, link: Link) -> list[list[str]]:
+    """tc calls that put two bands under a shaped link's tbf: an `htb` whose two classes (each a bfifo of the
+    tbf's own size) may both send far above the link's rate, so htb serves the one of lower `prio` first
+    whenever both have packets. Every packet goes to the first band, so the link still has one FIFO, until
+    `dscp_filter_command` sends marked packets to the second, which is sent only when the first is empty.
+    (htb, because the kernels seen here lack `prio` and `ets`.)"""
+    if not link.rate_mbit:
+        return []
+    limit = str(_tbf_limit(link))
+    far = f"{link.rate_mbit * 10}mbit"
+    cmds = [["tc", "qdisc", "add", "dev", dev, "parent", "10:1" if link.needs_netem else "1:1", "handle", "30:",
+             "htb", "default", "2"]]
+    for band, prio in ((2, 0), (3, 1)):
+        cmds += [["tc", "class", "add", "dev", dev, "parent", "30:", "classid", f"30:{band}", "htb", "rate", far,
+                  "prio", str(prio)],
+                 ["tc", "qdisc", "add", "dev", dev, "parent", f"30:{band}", "bfifo", "limit", limit]]
+    return cmds
+
+
+def dscp_filter_command(dev: str, on: bool, dscp: int = LOWER_EFFORT_DSCP) -> list[str]:
+    """The tc call that sends packets marked `dscp` to a shaped link's last band (on), or takes it back (off):
+    what a node qdisc or a switch that honours DSCP does."""
+    if not on:
+        return ["tc", "filter", "del", "dev", dev, "parent", "30:", "prio", "1"]
+    return ["tc", "filter", "add", "dev", dev, "parent", "30:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "tos", hex(dscp << 2), "0xfc", "flowid", "30:3"]
+
+
+def set_dscp_bands(hub_ns: str, node_ns: str, index: int, link: Link, on: bool, dscp: int = LOWER_EFFORT_DSCP) -> None:
+    """Node `index`'s shaped link, both ways, sends packets marked `dscp` after all others (on), or treats every
+    packet alike (off)."""
+    if not link.rate_mbit:
+        return
+    for ns, dev in ((node_ns, IFACE), (hub_ns, f"n{index}")):
+        cmd = dscp_filter_command(dev, on, dscp)
+        res = in_ns(ns, *cmd, check=False)
+        if res.returncode != 0 and on:
+            raise Unsupported(f"tc on {ns}/{dev} cannot give DSCP {dscp} a band of its own (`{shlex.join(cmd)}`: "
+                              f"{(res.stderr or res.stdout).strip()}): this kernel needs the prio qdisc and the u32 "
+                              "filter")
+
+
 def apply_link(ns: str, dev: str, link: Link) -> None:
     in_ns(ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
     for cmd in _tc_commands(dev, link):
@@ -42,6 +96,12 @@ def apply_link(ns: str, dev: str, link: Link) -> None:
                 raise Unsupported("this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so link delay and jitter "
                                   "cannot be emulated here; rate shaping (tbf) works: drop --delay/--jitter")
             raise ClusterError(f"tc on {ns}/{dev} failed: `{shlex.join(cmd)}`: {msg}")
+    for cmd in _band_commands(dev, link):  # without them the link is one FIFO, as tbf alone makes it
+        res = in_ns(ns, *cmd, check=False)
+        if res.returncode != 0:
+            _log.warning("tc on %s/%s: no DSCP bands (`%s`: %s)", ns, dev, shlex.join(cmd),
+                         (res.stderr or res.stdout).strip())
+            break
 
 
 def shape_node(hub_ns: str, node_ns: str, index: int, link: Link) -> None:

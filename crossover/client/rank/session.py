@@ -19,6 +19,7 @@ import grpc
 from crossover.client.rank.daemon_silence import Silence
 from crossover.client.rank.device_turns import DeviceTurns, TurnHandover
 from crossover.client.rank.late_reports import LateReports
+from crossover.client.rank.traffic_class import TrafficMark
 from crossover.client.rank.transport import SessionStream, StreamBroken, Unreachable, channel_for, connect
 from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import crossover_v1_pb2 as pb
@@ -65,6 +66,7 @@ class Session:
         self.job_class = ("normal", 1.0)  # this job's class on this node, as the daemon last said
         self.preempted = False  # a higher-class rank waits for this rank's device: yield at the next gradient
         self.outranked = False  # a rank of a higher class shares this rank's device, as the daemon last said
+        self._traffic = TrafficMark(settings.low_dscp)  # the low class's DSCP on this rank's TCP sockets
         self.turns = TurnHandover()  # the hand-over on the device: pages, the device that uses them, tickets
         self._after = (0, 0)  # the latest grant's page and ticket to wait for on the device
         self._device_handover = False  # every rank on this device ends its turns on the device
@@ -357,6 +359,7 @@ class Session:
         """The job's class on this node changed (or a class the rank asked for was refused: one line, once)."""
         name = name_of(update.priority) or "normal"
         self.job_class = (name, update.weight)
+        self._traffic.follow(name)
         if update.note:
             _log.warning("crossover: %s", update.note)
         else:

@@ -49,6 +49,9 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                            "matter and yields when they ask), normal, or high. A rank may lower the class its "
                            "node gives its user, never raise it: above that is the operator's (crossoverd "
                            "--class-rule, crossover priority); empty: the class the node gives."),
+    "CROSSOVER_LOW_DSCP": ("8", "While this job's class is low, the DSCP code point (0..63) of its TCP traffic "
+                           "(Horovod's rings among it): 8 is CS1, lower effort, which a node qdisc or switch "
+                           "that honours DSCP sends after other jobs' bytes (docs/priorities.md); 0: no mark."),
     "CROSSOVER_REPORT_INTERVAL": ("0.1", "Seconds a rank that does not wait for grants (passthrough, or a lease) "
                                   "may hold its phase reports to send several in one message; each is dated "
                                   "exactly. 0: send each at once."),
@@ -286,6 +289,7 @@ class PluginSettings:
     daemon_silence_s: float = 1.0
     lease: bool = True
     priority: str = ""  # low, normal, high; "": what the node gives
+    low_dscp: int = 8  # DSCP of the job's TCP traffic while its class is low; 0: unmarked
     report_interval_s: float = 0.1
     transport: str = "auto"
     handover: bool = True
@@ -320,6 +324,7 @@ class PluginSettings:
             daemon_silence_s=_float("CROSSOVER_DAEMON_SILENCE", cls.daemon_silence_s, 0.05, 3600.0),
             lease=_bool("CROSSOVER_LEASE", cls.lease),
             priority=_choice("CROSSOVER_PRIORITY", cls.priority, ("low", "normal", "high")),
+            low_dscp=_int("CROSSOVER_LOW_DSCP", cls.low_dscp, 0, 63),
             report_interval_s=_float("CROSSOVER_REPORT_INTERVAL", cls.report_interval_s, 0.0, 1.0),
             transport=_choice("CROSSOVER_TRANSPORT", cls.transport, TRANSPORTS),
             handover=_bool("CROSSOVER_HANDOVER", cls.handover),
