@@ -50,7 +50,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from .cluster import Cluster  # noqa: E402
 from .launch import ClusterJob, launch_job  # noqa: E402
 from .netns import cleanup_stale, netem_available, preflight  # noqa: E402
-from .shaping import measure_throughput  # noqa: E402
+from .shaping import LOWER_EFFORT_DSCP, measure_side_by_side, measure_throughput  # noqa: E402
 from .spec import ClusterError, ClusterSpec, ClusterState, Link, Node, Unsupported, parse_rate  # noqa: E402
 
 __all__ = [
@@ -67,5 +67,7 @@ __all__ = [
     "parse_rate",
     "launch_job",
     "measure_throughput",
+    "measure_side_by_side",
+    "LOWER_EFFORT_DSCP",
     "cleanup_stale",
 ]

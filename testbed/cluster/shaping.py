@@ -154,3 +154,52 @@ def measure_throughput(state: ClusterState, src: int, dst: int, megabytes: float
     except ValueError:
         raise ClusterError(f"throughput sink gave no result: {out!r} {err!r}") from None
     return int(nbytes) * 8 / float(seconds) / 1e6
+
+
+_TIMED_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(0.1); n = 0; buf = bytearray(1 << 20); end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    try:
+        k = c.recv_into(buf)
+    except socket.timeout:
+        continue
+    if not k: break
+    n += k
+print(n, flush=True)
+"""
+_MARKED_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, int(sys.argv[3]) << 2)
+chunk = b"x" * (1 << 20); end = time.monotonic() + float(sys.argv[4])
+try:
+    while time.monotonic() < end: c.sendall(chunk)
+except OSError: pass
+"""
+
+
+def measure_side_by_side(state: ClusterState, src: int, dst: int, dscps: tuple[int, ...], seconds: float = 3.0,
+                         port: int = 5301) -> list[float]:
+    """Mbit/s of TCP streams from node `src` to node `dst` at once, one per DSCP in `dscps`, over `seconds`."""
+    a, b = state.nodes[src], state.nodes[dst]
+    sinks = [subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _TIMED_SINK, b.address,
+                               str(port + k), str(seconds)], stdout=subprocess.PIPE, text=True)
+             for k in range(len(dscps))]
+    sources: list[subprocess.Popen] = []
+    try:
+        for sink in sinks:
+            assert sink.stdout is not None
+            if sink.stdout.readline().strip() != "ready":
+                raise ClusterError("throughput sink did not start")
+        sources = [subprocess.Popen(["ip", "netns", "exec", a.netns, sys.executable, "-c", _MARKED_SOURCE, b.address,
+                                     str(port + k), str(dscp), str(seconds + 1)]) for k, dscp in enumerate(dscps)]
+        received = [int(sink.communicate(timeout=seconds + 30)[0]) for sink in sinks]
+    finally:
+        for p in (*sinks, *sources):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return [n * 8 / seconds / 1e6 for n in received]
