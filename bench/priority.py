@@ -7,6 +7,9 @@ relative to its speed alone (1.0: as if alone), in three modes measured in one r
   unscheduled  no grants (time-slicing: what a GPU does without us)
   equal        the default policy, every job in one class (today's crossover)
   classes      the default policy with the opportunistic jobs in class `low`
+  classes-dscp (model/core, asked with --modes) the same, on links that send the
+               low jobs' traffic last: they mark it DSCP CS1 (CROSSOVER_LOW_DSCP),
+               as a network that honours DSCP would
 
 Beds:
 
@@ -48,6 +51,8 @@ from bench.lib.results import machine, write_json
 from testbed.simulator import JobSpec, SimConfig, simulate
 
 MODES = ("unscheduled", "equal", "classes")
+EMULATED_MODES = (*MODES, "classes-dscp")
+"""`classes-dscp` (the emulated beds): `classes` with the links sending the low jobs' DSCP-marked packets last."""
 _SIM_POLICY = {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}
 
 
@@ -192,12 +197,13 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         try:
             wait_warm(cluster, jobs, names, args.warmup)
             ids = job_ids(cluster)
-            modes = tuple(m for m in MODES if m in args.modes.split(","))
+            modes = tuple(m for m in EMULATED_MODES if m in args.modes.split(","))
             for cycle in range(args.cycles):
                 order = modes[cycle % len(modes):] + modes[:cycle % len(modes)]
                 for mode in order:
                     admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=False)
-                    admin.set_class([ids[n] for n in names[1:]], low=mode == "classes")
+                    admin.set_class([ids[n] for n in names[1:]], low=mode.startswith("classes"))
+                    cluster.honour_dscp(mode == "classes-dscp")
                     time.sleep(args.settle_s)
                     a = time.monotonic()
                     time.sleep(args.segment_s)
@@ -221,7 +227,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             speeds[n] = t_alone * len(ends) / (seg["b"] - seg["a"])
         rows.append({**seg, "speed_vs_alone": speeds})
     med = {m: {n: statistics.median(r["speed_vs_alone"][n] for r in rows if r["mode"] == m) for n in names}
-           for m in MODES if any(r["mode"] == m for r in rows)}
+           for m in EMULATED_MODES if any(r["mode"] == m for r in rows)}
     device_s = per_sample * batch
     ceiling = low_ceiling(device_s, t_alone, args.lows, args.interference if args.bed == "model" else 0.0)
     return {"rate_mbit": rate, "batch": batch, "alone_iter_s": alone, "segments": rows, "medians": med,
@@ -255,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                         "yield at a gradient hands the device over within a layer (a GPU with a bounded queue)")
     p.add_argument("--out", type=Path)
     p.add_argument("--workdir", type=Path, help="model/core: keep the run's logs and event logs here")
-    p.add_argument("--modes", default=",".join(MODES), help="model/core: the modes to cycle through")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"model/core: the modes to cycle through, of {', '.join(EMULATED_MODES)}")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.bed == "sim":
