@@ -38,9 +38,9 @@ def _tc_commands(dev: str, link: Link) -> list[list[str]]:
 LOWER_EFFORT_DSCP = 8  # CS1: what `CROSSOVER_LOW_DSCP` marks a low job's traffic with by default
 
 
-def _tbf_limit(link: Link) -> int:
+def _tbf_limit(rate_mbit: float) -> int:
     """The bytes tbf queues at `latency 100ms`, as `_tc_commands` sets it up: rate x latency + burst."""
-    rate_bps = link.rate_mbit * 1e6
+    rate_bps = rate_mbit * 1e6
     return int(rate_bps / 8 * 0.1) + max(96 * 1024, int(rate_bps / 8 * 0.001))
 
 
@@ -52,7 +52,7 @@ def _band_commands(dev: str, link: Link) -> list[list[str]]:
     (htb, because the kernels seen here lack `prio` and `ets`.)"""
     if not link.rate_mbit:
         return []
-    limit = str(_tbf_limit(link))
+    limit = str(_tbf_limit(link.rate_mbit))
     far = f"{link.rate_mbit * 10}mbit"
     cmds = [["tc", "qdisc", "add", "dev", dev, "parent", "10:1" if link.needs_netem else "1:1", "handle", "30:",
              "htb", "default", "2"]]
