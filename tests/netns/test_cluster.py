@@ -117,15 +117,15 @@ def test_two_nodes_links_match_the_tc_rate(cluster_factory):
 def test_links_that_honour_dscp_send_the_low_class_mark_last(cluster_factory):
     c = cluster_factory(nodes=2, link=Link(rate_mbit=100), policy="exclusive")
     for src, dst in ((0, 1), (1, 0)):
-        plain, marked = measure_side_by_side(c.state, src, dst, dscps=(0, LOWER_EFFORT_DSCP), seconds=2.0)
+        plain, marked = measure_side_by_side(c.state, src, dst, dscps=(0, LOWER_EFFORT_DSCP), seconds=1.0)
         assert plain + marked >= 70, f"node{src}->node{dst}: {plain:.0f} + {marked:.0f} Mbit/s on a 100 Mbit/s link"
     c.honour_dscp(True)
     for src, dst in ((0, 1), (1, 0)):  # both ends shaped: the sender's link and the receiver's
-        plain, marked = measure_side_by_side(c.state, src, dst, dscps=(0, LOWER_EFFORT_DSCP), seconds=2.0)
+        plain, marked = measure_side_by_side(c.state, src, dst, dscps=(0, LOWER_EFFORT_DSCP), seconds=1.0)
         assert plain >= 0.85 * (plain + marked) and plain >= 70, \
             f"node{src}->node{dst} honouring DSCP: unmarked {plain:.0f}, marked {marked:.0f} Mbit/s"
     c.honour_dscp(False)
-    plain, marked = measure_side_by_side(c.state, 0, 1, dscps=(0, LOWER_EFFORT_DSCP), seconds=2.0)
+    plain, marked = measure_side_by_side(c.state, 0, 1, dscps=(0, LOWER_EFFORT_DSCP), seconds=1.0)
     assert marked >= 0.08 * (plain + marked), f"off again, yet unmarked {plain:.0f}, marked {marked:.0f} Mbit/s"
 
 
