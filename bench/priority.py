@@ -158,6 +158,7 @@ def _sim_table(result: dict[str, Any]) -> Table:
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
     from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
+    from bench.emulated.scenarios import CLASSES, DSCP
     from testbed.cluster import Cluster, ClusterSpec, Link
     from testbed.device_model import DeviceParams
     from testbed.harness.jobs import rank_summaries
@@ -202,8 +203,8 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 order = modes[cycle % len(modes):] + modes[:cycle % len(modes)]
                 for mode in order:
                     admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=False)
-                    admin.set_class([ids[n] for n in names[1:]], low=mode.startswith("classes"))
-                    cluster.honour_dscp(mode == "classes-dscp")
+                    admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES)
+                    cluster.honour_dscp(mode in DSCP)
                     time.sleep(args.settle_s)
                     a = time.monotonic()
                     time.sleep(args.segment_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ADAPTS", "ALL", "CHURN", "COLOCATED", "CPU_HANDOVER", "DSCP", "FULL", "MODEL", "MODES", "POLICY",
+__all__ = ["ADAPTS", "ALL", "CHURN", "CLASSES", "COLOCATED", "CPU_HANDOVER", "DSCP", "FULL", "MODEL", "MODES", "POLICY",
            "QUICK", "Scenario"]
 
 MODES = ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive", "classes",
@@ -20,6 +20,8 @@ the same, with every shaped link sending the low jobs' packets (DSCP `CROSSOVER_
 CPU_HANDOVER = frozenset({"crossover-cpu"})
 """`crossover-cpu`: `crossover` with every rank waiting for its device on its CPU before it releases
 (`crossover policy --no-handover`); the other modes let ranks that can end their turns on their device."""
+CLASSES = frozenset({"classes", "classes-dscp"})
+"""Modes with every job but the first in class `low`."""
 DSCP = frozenset({"classes-dscp"})
 """Modes in which the emulated network honours the low class's DSCP."""
 ADAPTS = frozenset({"adaptive"})

@@ -54,7 +54,7 @@ from typing import Any, Callable
 from bench.emulated.cli import ClusterAdmin, job_ids, solo_result, wait_warm
 from bench.emulated.judge import phase_medians, summarize
 from bench.emulated.report import plot_timeline
-from bench.emulated.scenarios import ADAPTS, CPU_HANDOVER, DSCP, POLICY, Scenario
+from bench.emulated.scenarios import ADAPTS, CLASSES, CPU_HANDOVER, DSCP, POLICY, Scenario
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, read_events
@@ -285,7 +285,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                     _log(f"cycle {cycle + 1}/{args.cycles}: {mode}")
                     admin.set_policy(POLICY[mode], adapt=mode in ADAPTS, handover=mode not in CPU_HANDOVER)
                     if args.priority:
-                        admin.set_class([ids[n] for n in names[1:]], low=mode.startswith("classes"))
+                        admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES)
                         cluster.honour_dscp(mode in DSCP)
                     t_switch = time.monotonic()
                     # An adaptive device's first verdict takes a probe (4 windows, from the next even one).

@@ -25,23 +25,26 @@ def _tc_commands(dev: str, link: Link) -> list[list[str]]:
         parent = ["parent", "1:1", "handle", "10:"]
     if link.rate_mbit:
         rate_bps = link.rate_mbit * 1e6
-        # Burst: at least one 64 KiB GSO packet plus headers. A smaller bucket makes tbf
-        # segment every GSO packet in software: about half a core of softirq at 320 Mbit/s,
-        # taken from the cores that emulate the devices, against ~0.01 core with 96 KiB.
-        # Queue: 100 ms, so TCP is not starved by drops.
-        burst = max(96 * 1024, int(rate_bps / 8 * 0.001))
         cmds.append(["tc", "qdisc", "add", "dev", dev, *parent, "tbf", "rate", f"{rate_bps:.0f}bit",
-                     "burst", str(burst), "latency", "100ms"])
+                     "burst", str(_tbf_burst(rate_bps)), "latency", f"{_TBF_LATENCY_MS}ms"])
     return cmds
 
 
+_TBF_LATENCY_MS = 100  # the tbf's queue: 100 ms of the link's rate, so TCP is not starved by drops
 LOWER_EFFORT_DSCP = 8  # CS1: what `CROSSOVER_LOW_DSCP` marks a low job's traffic with by default
 
 
+def _tbf_burst(rate_bps: float) -> int:
+    """The tbf's bucket: at least one 64 KiB GSO packet plus headers. A smaller bucket makes tbf segment every
+    GSO packet in software: about half a core of softirq at 320 Mbit/s, taken from the cores that emulate the
+    devices, against ~0.01 core with 96 KiB."""
+    return max(96 * 1024, int(rate_bps / 8 * 0.001))
+
+
 def _tbf_limit(rate_mbit: float) -> int:
-    """The bytes tbf queues at `latency 100ms`, as `_tc_commands` sets it up: rate x latency + burst."""
+    """The bytes the tbf queues, as `_tc_commands` sets it up: rate x latency + burst."""
     rate_bps = rate_mbit * 1e6
-    return int(rate_bps / 8 * 0.1) + max(96 * 1024, int(rate_bps / 8 * 0.001))
+    return int(rate_bps / 8 * _TBF_LATENCY_MS / 1000) + _tbf_burst(rate_bps)
 
 
 def _band_commands(dev: str, link: Link) -> list[list[str]]:
@@ -82,7 +85,7 @@ def set_dscp_bands(hub_ns: str, node_ns: str, index: int, link: Link, on: bool, 
         res = in_ns(ns, *cmd, check=False)
         if res.returncode != 0 and on:
             raise Unsupported(f"tc on {ns}/{dev} cannot give DSCP {dscp} a band of its own (`{shlex.join(cmd)}`: "
-                              f"{(res.stderr or res.stdout).strip()}): this kernel needs the prio qdisc and the u32 "
+                              f"{(res.stderr or res.stdout).strip()}): this kernel needs the htb qdisc and the u32 "
                               "filter")
 
 
