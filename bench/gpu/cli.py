@@ -1,7 +1,7 @@
 """Crossover on a real GPU: the daemon's NVML inventory, the CUDA release path, and co-located ResNet jobs.
 
 One call on a bare GPU machine (`bench/gpu.sh` installs what is missing first)
-runs four checks and writes `gpu.json` and `gpu_timeline.png` under --out:
+runs five checks and writes `gpu.json` and `gpu_timeline.png` under --out:
 
   handover   two processes take turns on the GPU; the GPU's idle time at each
              hand-over, today's path (grant, launch, wait for the device,
@@ -11,6 +11,10 @@ runs four checks and writes `gpu.json` and `gpu_timeline.png` under --out:
              its waiter (`bench.gpu.handover`).
   inventory  a crossoverd without --cpu-devices: the GPUs NVML reports, as
              `crossover queue --json` shows them.
+  gapcost    what a neighbour's compute costs the GPU steps inside a production
+             job's host-staged allreduce: gradient copies back one by one (as
+             Horovod without NCCL does) and in one batch, copies out, one small
+             kernel; alone and beside a training neighbour (`bench.gpu.gap_cost`).
   release    a one-rank job whose last gradient leaves `--sleep-ms` of work
              queued on the GPU (testbed/workloads/release_probe.py): every grant
              must be released only after that work is done, as the daemon's
@@ -155,6 +159,21 @@ def check_handover(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     result = gpu_handover.check_handover(args, workdir, _Daemon, _device_args(args.dry_run))
     print(gpu_handover.table(result), flush=True)
+    return result
+
+
+def check_gap_cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """What a neighbour's compute costs a host-staged allreduce's GPU steps (`bench.gpu.gap_cost`)."""
+    from bench.gpu import gap_cost
+
+    if not args.mps:
+        result = gap_cost.check_gap_cost(args, workdir)
+    elif args.dry_run:
+        raise RuntimeError("--mps needs a GPU and NVIDIA's nvidia-cuda-mps-control")
+    else:
+        with MpsDaemon(workdir) as mps:
+            result = {**gap_cost.check_gap_cost(args, workdir, mps.env()), "mps": True}
+    print(gap_cost.table(result), flush=True)
     return result
 
 
@@ -377,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                    "passed, leaving time for the run alone")
     p.add_argument("--job-timeout", type=float, default=180.0)
     p.add_argument("--timeline-seconds", type=float, default=None)
-    p.add_argument("--only", default="handover,inventory,release,speedup", help="comma-separated checks to run")
+    p.add_argument("--only", default="handover,gapcost,inventory,release,speedup", help="comma-separated checks to run")
     p.add_argument("--priority", action="store_true", help="the speed-up check measures priorities instead: "
                    "job0 the production job, the others `low` in mode `classes`, and in `classes-dscp` with the "
                    "emulated links sending the low jobs' DSCP-marked packets after the others', beside unscheduled "
@@ -392,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handover-turns", type=int, default=None, help="turns per process in each hand-over path "
                    "(default 200; dry run 20)")
     p.add_argument("--handover-work-ms", type=float, default=2.0, help="length of one turn of GPU work (ms)")
+    p.add_argument("--gap-rounds", type=int, default=None, help="gapcost: timed rounds per condition "
+                   "(default 20; dry run 2)")
+    p.add_argument("--gap-idle-ms", type=float, default=5.0,
+                   help="gapcost: idle time before each timed step, as a ring's wait leaves the GPU to the neighbour")
     p.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir, removed)")
     args = p.parse_args(argv)
     dry = args.dry_run
@@ -399,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                              ("ref_rate", 10000.0, 1000.0), ("cycles", 3, 1), ("segment_s", 8.0, 1.5),
                              ("settle_s", 2.0, 0.5), ("warmup", 10, 2), ("calibration_iters", 20, 3),
                              ("solo_iters", 40, 3), ("timeline_seconds", 1.0, 1.5),
-                             ("handover_turns", 200, 20)):
+                             ("handover_turns", 200, 20), ("gap_rounds", 20, 2)):
         if getattr(args, key) is None:
             setattr(args, key, small if dry else full)
     if not 2 <= args.jobs <= 8:
@@ -421,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"environment: {json.dumps(report['environment'])}")
     checks: dict[str, Callable[[], dict[str, Any]]] = {
         "handover": lambda: check_handover(args, workdir / "handover"),
+        "gapcost": lambda: check_gap_cost(args, workdir / "gapcost"),
         "inventory": lambda: check_inventory(args, workdir / "inventory"),
         "release": lambda: check_release(args, workdir / "release"),
         "speedup": lambda: check_speedup(args, workdir / "speedup", deadline),
