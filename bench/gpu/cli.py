@@ -252,12 +252,12 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
     With --mps every job (the solo runs too) is a client of an MPS control daemon this run starts
     in its own folders: each mode is then that mode plus MPS, and `unscheduled` is MPS alone."""
     if not args.mps:
-        args.job_env = {}
+        args.job_env = dict(args.env)
         return _speedup(args, workdir, deadline)
     if args.dry_run:
         raise RuntimeError("--mps needs a GPU and NVIDIA's nvidia-cuda-mps-control")
     with MpsDaemon(workdir) as mps:
-        args.job_env = mps.env()
+        args.job_env = {**args.env, **mps.env()}
         result = _speedup(args, workdir, deadline)
     result["mps"] = True
     return result
@@ -411,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handover-turns", type=int, default=None, help="turns per process in each hand-over path "
                    "(default 200; dry run 20)")
     p.add_argument("--handover-work-ms", type=float, default=2.0, help="length of one turn of GPU work (ms)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="the speed-up check's jobs (their solo runs too) get this in their environment, e.g. "
+                        "CROSSOVER_HOST_STAGING=1; repeatable")
     p.add_argument("--gap-rounds", type=int, default=None, help="gapcost: timed rounds per condition "
                    "(default 20; dry run 2)")
     p.add_argument("--gap-idle-ms", type=float, default=5.0,
@@ -425,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
                              ("handover_turns", 200, 20), ("gap_rounds", 20, 2)):
         if getattr(args, key) is None:
             setattr(args, key, small if dry else full)
+    bad = [e for e in args.env if "=" not in e or not e.split("=", 1)[0]]
+    if bad:
+        print(f"bench.gpu: error: --env {bad[0]!r}: expected NAME=VALUE", file=sys.stderr)
+        return 2
+    args.env = dict(e.split("=", 1) for e in args.env)
     if not 2 <= args.jobs <= 8:
         print(f"bench.gpu: error: --jobs {args.jobs}: the speed-up check co-locates 2..8 jobs", file=sys.stderr)
         return 2

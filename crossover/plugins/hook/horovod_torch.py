@@ -5,8 +5,9 @@ Every optimizer the script builds goes through the aggregation rule
 rank's one `PhaseReporter` (one iteration counter), which the first optimizer
 makes together with the rank's session; every other wait for peers frees the
 device through `horovod_waits`.
-Nothing here changes gradients, parameters or Horovod's calls: with the
-`passthrough` policy a script computes bit-identical results. Every hook
+Nothing here changes gradients or parameters: with the `passthrough` policy a
+script computes bit-identical results (`CROSSOVER_HOST_STAGING` hands Horovod
+host copies of the same tensors, which it reduces as it would its own). Every hook
 swallows its own errors (logged) so Crossover can never break training.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from crossover.client.rank.device_turns import DeviceTurns
 from crossover.client.rank.session import Session
 from crossover.plugins.hook import horovod_waits
+from crossover.plugins.hook.host_staging import HostStager, horovod_reduces_on_gpu
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 from crossover.plugins.hook.phase_tracking import remove_forward_boundaries, track_phases
 from crossover.plugins.hook.runtime import RUNTIME
@@ -143,6 +145,9 @@ def uninstall() -> None:
     if RUNTIME.session is not None:
         RUNTIME.session.close()
     horovod_waits.uninstall()
+    if RUNTIME.stager is not None:
+        RUNTIME.stager.close()
+    RUNTIME.stager = None
     RUNTIME.original_optimizer = RUNTIME.session = RUNTIME.phases = RUNTIME.device = None
 
 
@@ -163,8 +168,23 @@ def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:
         device = RUNTIME.device
         phases = PhaseReporter(session, settle=None if device is None else device.drain)
         horovod_waits.install(phases, on_init=functools.partial(_follow_reinit, hvd))  # sets RUNTIME.phases
+        RUNTIME.stager = _stager()
         return phases
     return RUNTIME.phases
+
+
+def _stager() -> HostStager | None:
+    """The rank's host stager where `CROSSOVER_HOST_STAGING` asks for one and Horovod reduces on the CPU."""
+    settings = RUNTIME.settings
+    if settings is None or not settings.host_staging:
+        return None
+    import horovod.torch.mpi_ops as mpi_ops
+
+    if horovod_reduces_on_gpu(mpi_ops):
+        _log.info("CROSSOVER_HOST_STAGING: this Horovod reduces CUDA tensors on the GPU; nothing to stage")
+        return None
+    originals = RUNTIME.original_waits
+    return HostStager(originals["allreduce_async_"], originals["grouped_allreduce_async_"])
 
 
 def _ensure_session(hvd: Any, process_set: Any) -> Session:

@@ -15,6 +15,10 @@ operation unfinished yields the device, and the rank asks for it again when
 a poll finds it done (or at its next phase point). `shutdown` may wait for
 the other ranks too; the device is asked for again only if the rank trains on
 (elastic re-initialisation).
+
+`allreduce_async_` and `grouped_allreduce_async_` go through the rank's
+`HostStager` when it has one (`CROSSOVER_HOST_STAGING`), for CUDA tensors while
+another rank shares the device; `synchronize` and `poll` then take its handles.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import logging
 import sys
 from typing import Any, Callable
 
+from crossover.plugins.hook.host_staging import StagedHandle
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 from crossover.plugins.hook.runtime import RUNTIME
 
@@ -66,15 +71,46 @@ def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
 
 
 def _synchronize(handle: Any) -> Any:
+    original = RUNTIME.original_waits["synchronize"]
     phases = RUNTIME.phases
     if phases is None:  # a reference kept past `uninstall`
-        return RUNTIME.original_waits["synchronize"](handle)
+        return _wait(handle, original)
     with phases.waiting_for_peers():
-        return RUNTIME.original_waits["synchronize"](handle)
+        return _wait(handle, original)
+
+
+def _wait(handle: Any, original: Callable[[Any], Any]) -> Any:
+    if isinstance(handle, StagedHandle):
+        stager = RUNTIME.stager
+        assert stager is not None, "a staged handle outlived its stager"
+        return stager.synchronize(handle, original)
+    return original(handle)
+
+
+def _staging(tensors: Any) -> bool:
+    """Whether these tensors go through the rank's stager: it has one, they are on a GPU, the device is shared."""
+    if RUNTIME.stager is None or RUNTIME.session is None or not RUNTIME.session.shares_device:
+        return False
+    return all(getattr(t, "is_cuda", False) for t in tensors)
+
+
+def _allreduce_async_(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    if _staging((tensor,)):
+        return RUNTIME.stager.allreduce_async_(tensor, *args, **kwargs)  # type: ignore[union-attr]
+    return RUNTIME.original_waits["allreduce_async_"](tensor, *args, **kwargs)
+
+
+def _grouped_allreduce_async_(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    if tensors and _staging(tensors):
+        return RUNTIME.stager.grouped_allreduce_async_(tensors, *args, **kwargs)  # type: ignore[union-attr]
+    return RUNTIME.original_waits["grouped_allreduce_async_"](tensors, *args, **kwargs)
 
 
 def _poll(handle: Any) -> bool:
-    done = bool(RUNTIME.original_waits["poll"](handle))
+    if isinstance(handle, StagedHandle) and RUNTIME.stager is not None:
+        done = RUNTIME.stager.poll(handle, RUNTIME.original_waits["poll"])
+    else:
+        done = bool(RUNTIME.original_waits["poll"](handle))
     phases = RUNTIME.phases
     if phases is not None:
         if done:
@@ -103,4 +139,5 @@ def _init(*args: Any, **kwargs: Any) -> Any:
 
 
 _WRAPPERS: dict[str, Callable[..., Any]] = {"synchronize": _synchronize, "poll": _poll, "shutdown": _shutdown,
-                                            "init": _init}
+                                            "init": _init, "allreduce_async_": _allreduce_async_,
+                                            "grouped_allreduce_async_": _grouped_allreduce_async_}

@@ -22,6 +22,7 @@ import horovod.torch.optimizer as hvd_opt
 
 from crossover.client.rank.session import Session
 from crossover.plugins.hook.cuda_turns import CudaUnavailable, RunAhead, torch_cuda_turns, wait_for_device
+from crossover.plugins.hook.host_staging import StagedHandle
 from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 
@@ -92,7 +93,7 @@ def _wait_quietly(opt: Any) -> None:
         return
     covered: set[Any] = set()
     for key, (handle, _ctx) in handles.items():
-        if not isinstance(handle, int):
+        if not isinstance(handle, (int, StagedHandle)):
             return
         covered.update(key if isinstance(key, tuple) else (key,))
     if not needed <= covered:

@@ -13,6 +13,7 @@ from typing import Any
 
 from crossover.client.rank.device_turns import DeviceTurns
 from crossover.client.rank.session import Session
+from crossover.plugins.hook.host_staging import HostStager
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 from crossover.plugins.hook.settings import PluginSettings
 
@@ -32,6 +33,7 @@ class HookRuntime:
     waits_hooked: bool = False  # whether Horovod's modules call `horovod_waits`' wrappers now
     on_init: Callable[[], None] | None = None  # after every later `hvd.init()` (an elastic reset)
     original_broadcast: Callable[..., Any] | None = None  # Horovod's broadcast_optimizer_state, once replaced
+    stager: HostStager | None = None  # CROSSOVER_HOST_STAGING on a Horovod that reduces CUDA tensors on the CPU
 
 
 RUNTIME = HookRuntime()

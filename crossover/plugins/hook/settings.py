@@ -64,6 +64,11 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_QUIET_WAIT": ("1", "Wait for the allreduce by polling with short sleeps, leaving the core to a "
                              "co-located job's compute (Horovod's own wait keeps a core busy); only while another rank "
                              "shares the device; 0: Horovod's wait."),
+    "CROSSOVER_HOST_STAGING": ("0", "1: on a Horovod without a GPU allreduce (Gloo, no NCCL), while another rank "
+                               "shares the GPU, the plugin copies each gradient to host memory itself and queues "
+                               "the copies back at the optimizer's synchronize, in one batch, instead of Horovod "
+                               "copying them back one by one in the middle of its ring, each waiting for a GPU that "
+                               "another job's compute fills (docs/priorities.md); the same results."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
     "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats (grant waits) as JSON here; "
                              "`{rank}` is replaced by the Horovod rank."),
@@ -285,6 +290,7 @@ class PluginSettings:
     host_cores: tuple[int, ...] = ()
     log_level: str = "WARNING"
     quiet_wait: bool = True
+    host_staging: bool = False
     cool_off_s: float = 10.0
     daemon_silence_s: float = 1.0
     lease: bool = True
@@ -320,6 +326,7 @@ class PluginSettings:
             pin=_bool("CROSSOVER_PIN", cls.pin),
             host_cores=_cpu_list("CROSSOVER_HOST_CORES"),
             quiet_wait=_bool("CROSSOVER_QUIET_WAIT", cls.quiet_wait),
+            host_staging=_bool("CROSSOVER_HOST_STAGING", cls.host_staging),
             cool_off_s=_float("CROSSOVER_COOL_OFF", cls.cool_off_s, 0.0, 86_400.0),
             daemon_silence_s=_float("CROSSOVER_DAEMON_SILENCE", cls.daemon_silence_s, 0.05, 3600.0),
             lease=_bool("CROSSOVER_LEASE", cls.lease),

@@ -1,0 +1,157 @@
+"""A GPU rank's allreduce through host memory, copied back in one batch: `CROSSOVER_HOST_STAGING`.
+
+Horovod built without a GPU allreduce (Gloo on GPUs, no NCCL) reduces a CUDA
+tensor on the CPU. It copies the tensor to host memory, runs the ring, and then
+copies the result back on its background thread, one tensor at a time, waiting
+for each copy before it goes on to the next response's ring. Each of those
+waits needs the GPU. A rank alone on its GPU barely notices them, but a rank
+whose allreduce another job's compute fills (the gaps the priority classes give
+a low job) waits for the GPU at every copy, in the middle of its ring.
+`bench.gpu --only gapcost` measures what one-by-one copies cost beside a
+neighbour against the same copies queued at once.
+
+With the setting on, while another rank shares the device, the plugin stages
+the tensor itself. It copies the tensor to pinned host memory on the caller's
+stream and records an event. A thread of its own enqueues the host tensor into
+Horovod once the event has passed. The caller gets a `StagedHandle`; at
+`synchronize` the plugin queues every copy back on the caller's stream without
+waiting. The GPU then sees no work of the rank's between its backward and its
+next step. Horovod reduces the same host tensors with the same arguments, so
+the results are the same.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CudaStaging", "HostStager", "StagedHandle", "horovod_reduces_on_gpu"]
+
+_log = logging.getLogger(__name__)
+
+
+class CudaStaging:
+    """The device side of staging: copy out and mark, wait for the mark, copy back; none of them waits
+    except `wait`."""
+
+    @staticmethod
+    def to_host(tensor: Any) -> Any:
+        return tensor.to("cpu", non_blocking=True)  # torch pins the host copy of a non-blocking device copy
+
+    @staticmethod
+    def mark() -> Any:
+        import torch
+
+        event = torch.cuda.Event(blocking=True)  # its wait sleeps instead of spinning a core
+        event.record()
+        return event
+
+    @staticmethod
+    def wait(mark: Any) -> None:
+        mark.synchronize()
+
+    @staticmethod
+    def copy_back(tensor: Any, host: Any) -> None:
+        tensor.copy_(host, non_blocking=True)
+
+
+@dataclass(eq=False)
+class StagedHandle:
+    """What `allreduce_async_` returns for a staged tensor; `poll` and `synchronize` take it."""
+
+    tensors: list[Any]
+    hosts: list[Any]
+    grouped: bool
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    mark: Any = None
+    inner: Any = None  # Horovod's handle of the host tensors, once enqueued
+    error: BaseException | None = None
+    enqueued: threading.Event = field(default_factory=threading.Event)
+
+
+class HostStager:
+    """Stages CUDA tensors for Horovod's allreduce (`enqueue`, `enqueue_grouped`: Horovod's own functions)."""
+
+    def __init__(self, enqueue: Callable[..., Any], enqueue_grouped: Callable[..., Any],
+                 device: Any = CudaStaging) -> None:
+        self._enqueue = enqueue
+        self._enqueue_grouped = enqueue_grouped
+        self._device = device
+        self._queue: queue.SimpleQueue[StagedHandle | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def allreduce_async_(self, tensor: Any, *args: Any, **kwargs: Any) -> StagedHandle:
+        return self._stage([tensor], False, args, kwargs)
+
+    def grouped_allreduce_async_(self, tensors: Sequence[Any], *args: Any, **kwargs: Any) -> StagedHandle:
+        return self._stage(list(tensors), True, args, kwargs)
+
+    def _stage(self, tensors: list[Any], grouped: bool, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> StagedHandle:
+        handle = StagedHandle(tensors, [self._device.to_host(t) for t in tensors], grouped, args, kwargs)
+        handle.mark = self._device.mark()
+        self._start()
+        self._queue.put(handle)
+        return handle
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="crossover-host-staging", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            try:
+                self._device.wait(handle.mark)
+                enqueue = self._enqueue_grouped if handle.grouped else self._enqueue
+                handle.inner = enqueue(handle.hosts if handle.grouped else handle.hosts[0], *handle.args,
+                                       **handle.kwargs)
+            except BaseException as exc:  # noqa: BLE001 - the caller's synchronize raises it
+                handle.error = exc
+            finally:
+                handle.enqueued.set()
+
+    def poll(self, handle: StagedHandle, poll: Callable[[Any], bool]) -> bool:
+        """Whether `synchronize` would return at once (Horovod's `poll` on the host tensors)."""
+        if not handle.enqueued.is_set():
+            return False
+        return handle.error is not None or bool(poll(handle.inner))
+
+    def synchronize(self, handle: StagedHandle, synchronize: Callable[[Any], Any]) -> Any:
+        """Wait for the allreduce (Horovod's `synchronize`), queue the copies back, return the device tensor(s)."""
+        handle.enqueued.wait()
+        if handle.error is not None:
+            raise handle.error
+        synchronize(handle.inner)
+        for tensor, host in zip(handle.tensors, handle.hosts):
+            self._device.copy_back(tensor, host)
+        return list(handle.tensors) if handle.grouped else handle.tensors[0]
+
+    def close(self) -> None:
+        """Stop the thread once it has enqueued what it holds (tests; a training process lets it die with it)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join()
+
+
+def horovod_reduces_on_gpu(mpi_ops: Any) -> bool:
+    """Whether this Horovod build reduces CUDA tensors on the GPU (NCCL, DDL, ROCm), so staging has nothing to do."""
+    for probe in ("nccl_built", "ddl_built", "rocm_built"):
+        fn = getattr(mpi_ops, probe, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:  # noqa: BLE001 - a probe Horovod cannot answer says nothing
+            continue
+    return False

@@ -1,0 +1,176 @@
+"""`HostStager`'s logic with a recording device and a recording Horovod: what is enqueued when, and what comes back.
+
+Real Horovod ranks go through it in `tests/multiprocess/test_host_staging.py`."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from crossover.plugins.hook.host_staging import HostStager, StagedHandle, horovod_reduces_on_gpu
+
+
+class Device:
+    """Host copies are lists; a mark is a gate the test opens; copies back are recorded."""
+
+    def __init__(self) -> None:
+        self.marks: list[threading.Event] = []
+        self.copied_back: list[tuple[Any, Any]] = []
+
+    def to_host(self, tensor: list[float]) -> list[float]:
+        return list(tensor)
+
+    def mark(self) -> threading.Event:
+        self.marks.append(threading.Event())
+        return self.marks[-1]
+
+    def wait(self, mark: threading.Event) -> None:
+        assert mark.wait(10)
+
+    def copy_back(self, tensor: list[float], host: list[float]) -> None:
+        self.copied_back.append((tensor, host))
+        tensor[:] = host
+
+
+class Horovod:
+    """Enqueue doubles the host tensor in place (a two-rank sum); handles are ints, done when polled twice."""
+
+    def __init__(self, fail_on: str = "") -> None:
+        self.enqueued: list[tuple[Any, tuple, dict]] = []
+        self.fail_on = fail_on
+        self.polls: dict[int, int] = {}
+
+    def enqueue(self, host: list[float], *args: Any, **kwargs: Any) -> int:
+        if kwargs.get("name") == self.fail_on:
+            raise RuntimeError("Horovod has been shut down")
+        self.enqueued.append((host, args, kwargs))
+        host[:] = [2 * x for x in host]
+        return len(self.enqueued)
+
+    def enqueue_grouped(self, hosts: list[list[float]], *args: Any, **kwargs: Any) -> int:
+        self.enqueued.append((hosts, args, kwargs))
+        for host in hosts:
+            host[:] = [2 * x for x in host]
+        return len(self.enqueued)
+
+    def poll(self, handle: int) -> bool:
+        self.polls[handle] = self.polls.get(handle, 0) + 1
+        return self.polls[handle] >= 2
+
+    def synchronize(self, handle: int) -> Any:
+        return self.enqueued[handle - 1][0]
+
+
+@pytest.fixture()
+def staged():
+    device, hvd = Device(), Horovod()
+    stager = HostStager(hvd.enqueue, hvd.enqueue_grouped, device=device)
+    yield stager, device, hvd
+    for mark in device.marks:
+        mark.set()
+    stager.close()
+
+
+def test_a_tensor_is_enqueued_only_once_its_host_copy_is_marked_done_and_comes_back_reduced(staged):
+    stager, device, hvd = staged
+    grad = [1.0, 2.0]
+    handle = stager.allreduce_async_(grad, None, "g0", op=1, prescale_factor=0.5)
+    assert isinstance(handle, StagedHandle)
+    assert not handle.enqueued.wait(0.1) and hvd.enqueued == []  # the copy out has not finished
+    assert stager.poll(handle, hvd.poll) is False
+    device.marks[0].set()
+    assert stager.synchronize(handle, hvd.synchronize) is grad
+    assert grad == [2.0, 4.0]
+    host, args, kwargs = hvd.enqueued[0]
+    assert host is not grad and args == (None, "g0") and kwargs == {"op": 1, "prescale_factor": 0.5}
+
+
+def test_nothing_is_copied_back_before_synchronize(staged):
+    stager, device, hvd = staged
+    grad = [3.0]
+    handle = stager.allreduce_async_(grad, name="g")
+    device.marks[0].set()
+    assert handle.enqueued.wait(5)
+    assert grad == [3.0] and device.copied_back == []  # reduced on the host only
+    stager.synchronize(handle, hvd.synchronize)
+    assert grad == [6.0] and len(device.copied_back) == 1
+
+
+def test_a_group_is_marked_once_enqueued_together_and_returned_as_a_list(staged):
+    stager, device, hvd = staged
+    a, b = [1.0], [5.0]
+    handle = stager.grouped_allreduce_async_((a, b), name="group")
+    assert len(device.marks) == 1
+    device.marks[0].set()
+    out = stager.synchronize(handle, hvd.synchronize)
+    assert out == [a, b] and out[0] is a and out[1] is b and a == [2.0] and b == [10.0]
+    assert len(hvd.enqueued) == 1 and len(hvd.enqueued[0][0]) == 2
+
+
+def test_poll_is_false_until_enqueued_then_horovods_own(staged):
+    stager, device, hvd = staged
+    handle = stager.allreduce_async_([1.0], name="p")
+    assert stager.poll(handle, hvd.poll) is False and hvd.polls == {}
+    device.marks[0].set()
+    assert handle.enqueued.wait(5)
+    assert stager.poll(handle, hvd.poll) is False  # Horovod's first poll: not done
+    assert stager.poll(handle, hvd.poll) is True
+
+
+def test_handles_are_enqueued_in_the_order_they_were_staged(staged):
+    stager, device, hvd = staged
+    handles = [stager.allreduce_async_([float(k)], name=f"t{k}") for k in range(5)]
+    for mark in device.marks:
+        mark.set()
+    for h in handles:
+        stager.synchronize(h, hvd.synchronize)
+    assert [kwargs["name"] for _, _, kwargs in hvd.enqueued] == [f"t{k}" for k in range(5)]
+
+
+def test_an_enqueue_that_fails_is_raised_by_synchronize_and_later_tensors_still_go_through():
+    device, hvd = Device(), Horovod(fail_on="bad")
+    stager = HostStager(hvd.enqueue, hvd.enqueue_grouped, device=device)
+    try:
+        bad = stager.allreduce_async_([1.0], name="bad")
+        good = stager.allreduce_async_([1.0], name="good")
+        for mark in device.marks:
+            mark.set()
+        assert stager.poll(bad, hvd.poll) in (False, True)
+        with pytest.raises(RuntimeError, match="shut down"):
+            stager.synchronize(bad, hvd.synchronize)
+        assert stager.synchronize(good, hvd.synchronize) == [2.0]
+    finally:
+        stager.close()
+
+
+def test_close_stops_the_thread_and_a_later_tensor_starts_it_again(staged):
+    stager, device, hvd = staged
+    device_mark = stager.allreduce_async_([1.0], name="a")
+    device.marks[0].set()
+    stager.synchronize(device_mark, hvd.synchronize)
+    stager.close()
+    again = stager.allreduce_async_([4.0], name="b")
+    device.marks[1].set()
+    assert stager.synchronize(again, hvd.synchronize) == [8.0]
+
+
+class _Build:
+    def __init__(self, **built: Any) -> None:
+        for name in ("nccl_built", "ddl_built", "rocm_built"):
+            value = built.get(name, 0)
+            setattr(self, name, (lambda v=value: v) if not isinstance(value, Exception) else self._raise(value))
+
+    @staticmethod
+    def _raise(exc: Exception):
+        def probe() -> int:
+            raise exc
+        return probe
+
+
+def test_only_a_horovod_without_a_gpu_reduction_needs_staging():
+    assert horovod_reduces_on_gpu(_Build()) is False
+    assert horovod_reduces_on_gpu(_Build(nccl_built=2)) is True
+    assert horovod_reduces_on_gpu(_Build(rocm_built=True)) is True
+    assert horovod_reduces_on_gpu(_Build(nccl_built=ValueError("not initialised"))) is False
+    assert horovod_reduces_on_gpu(object()) is False
