@@ -29,6 +29,7 @@ import pytest
 
 from testbed.harness.daemon import kill_group
 from testbed.harness.oracles import compute_intervals, overlaps
+from testbed.harness.polling import wait_until
 from testbed.harness.warm_horovodrun import WarmProcess, start_horovodrun
 from tests.conformance.judge import (
     ALTERNATE,
@@ -45,14 +46,15 @@ EXAMPLE = PEER / "examples" / "elastic" / "pytorch" / "pytorch_synthetic_benchma
 
 
 def _wait_for(what: str, check, proc: WarmProcess, log: Path, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"the elastic job ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    pytest.fail(f"no {what} within {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+    def ended() -> str | None:
+        if proc.poll() is None:
+            return None
+        return f"the elastic job ended (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
+
+    try:
+        wait_until(check, timeout, what, interval=0.3, give_up=ended)
+    except AssertionError as exc:
+        pytest.fail(f"{exc}\n{log.read_text()[-3000:]}")
 
 
 def _registered(d) -> list[tuple[str, int]]:

@@ -8,17 +8,9 @@ import pytest
 
 from testbed.harness.daemon import DaemonProc
 from testbed.harness.jobs import horovodrun, with_import
+from testbed.harness.polling import wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_no_daemon_trains_unscheduled_and_warns_once(jobs, tmp_path):
@@ -40,7 +32,7 @@ def test_daemon_killed_mid_run_then_restarted_job_reattaches(daemon_factory, job
     env = {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_RECONNECT_INTERVAL": "0.3"}
     job = horovodrun("phoenix", script, tmp_path, np=2, args=("--iters", "700"), env=env)
     jobs.append(job)
-    _wait_for(lambda: sum(e.name == "grant" for e in d.events()) >= 20, 60, "first grants")
+    wait_until(lambda: sum(e.name == "grant" for e in d.events()) >= 20, 60, "first grants")
 
     d.proc.send_signal(signal.SIGKILL)  # no clean shutdown: streams just break
     d.proc.wait()
@@ -50,7 +42,7 @@ def test_daemon_killed_mid_run_then_restarted_job_reattaches(daemon_factory, job
     d2 = DaemonProc(socket=d.socket, event_log=tmp_path / "d2.events.jsonl", log=tmp_path / "d2.log",
                     args=["--cpu-devices", "2", "--policy", "exclusive"]).start()
     try:
-        _wait_for(lambda: sum(e.name == "grant" and e.fields["job_name"] == "phoenix" for e in d2.events()) >= 4,
+        wait_until(lambda: sum(e.name == "grant" and e.fields["job_name"] == "phoenix" for e in d2.events()) >= 4,
                   60, "grants from the restarted daemon")
         assert job.wait(120) == 0, job.output()[-3000:]
     finally:
@@ -68,7 +60,7 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
     for name in ("one", "two"):  # long enough that neither finishes before the other starts (start-up spread)
         jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "4000", "--stop-file", str(stop)),
                                env=env))
-    _wait_for(lambda: {e.fields["job_name"] for e in d.events() if e.name == "grant"} == {"one", "two"}, 60,
+    wait_until(lambda: {e.fields["job_name"] for e in d.events() if e.name == "grant"} == {"one", "two"}, 60,
               "both jobs scheduled")
     t0 = time.monotonic()  # CLOCK_MONOTONIC, the event log's clock
     assert d.stop(signal.SIGTERM, timeout=10) == 0
@@ -98,7 +90,7 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
                       for n in ("holder", "waiter"))
     try:
         assert holder.attached and waiter.attached
-        _wait_for(lambda: waiter._silence.answers, 5, "the daemon's first heartbeat answer")
+        wait_until(lambda: waiter._silence.answers, 5, "the daemon's first heartbeat answer")
         assert holder.acquire(0)
         d.proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -110,11 +102,11 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
         assert time.monotonic() - t1 < 0.1
         waiter.release(1)
         d.proc.send_signal(signal.SIGCONT)
-        _wait_for(lambda: not waiter._silence.frozen, 5, "the thawed daemon's answer")
+        wait_until(lambda: not waiter._silence.frozen, 5, "the thawed daemon's answer")
         holder.release(0)
         assert waiter.acquire(2) is True, "after the daemon answers again the rank is scheduled again"
         waiter.release(2)
-        _wait_for(lambda: any(e.name == "grant" and e.fields["job_name"] == "waiter" for e in d.events()), 5,
+        wait_until(lambda: any(e.name == "grant" and e.fields["job_name"] == "waiter" for e in d.events()), 5,
                   "the thawed daemon's grant to the waiter in its event log")
     finally:
         d.proc.send_signal(signal.SIGCONT)

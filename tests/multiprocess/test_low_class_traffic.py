@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 
 import pytest
 
 from testbed.harness.daemon import cli, queue_state
 from testbed.harness.jobs import horovodrun, with_import
+from testbed.harness.polling import wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (iproute2) to read sockets' TOS")]
@@ -38,16 +38,6 @@ def _both_ranks(socket, job: str) -> set[int] | None:
     return pids if len(pids) == 2 else None
 
 
-def _wait_for(what, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_low_jobs_ranks_mark_their_rings_and_unmark_them_when_raised(daemon_factory, jobs, tmp_path):
     d = daemon_factory("--cpu-devices", "2", "--policy", "crossover")
     script = with_import(tmp_path)
@@ -55,18 +45,18 @@ def test_a_low_jobs_ranks_mark_their_rings_and_unmark_them_when_raised(daemon_fa
     low = horovodrun("opportunist", script, tmp_path, np=2, args=("--iters", "3000"), stoppable=True,
                      env={**env, "CROSSOVER_PRIORITY": "low"})
     jobs.append(low)
-    low_pids = _wait_for("both low ranks", lambda: _both_ranks(d.socket, "opportunist"))
+    low_pids = wait_until(lambda: _both_ranks(d.socket, "opportunist"), 60, "both low ranks")
 
     def marked() -> bool:  # each rank holds at least its Gloo connection to the other rank
         return all(0x20 in tos for tos in _tos_by_pid(low_pids).values())
 
-    _wait_for("the low ranks' sockets to carry CS1", marked, timeout=30)
+    wait_until(marked, 30, "the low ranks' sockets to carry CS1")
     assert all(tos and all(t == 0x20 for t in tos) for tos in _tos_by_pid(low_pids).values()), \
         f"a low rank's TCP socket without the mark: {_tos_by_pid(low_pids)}"
 
     cli("priority", "opportunist", "normal", socket=d.socket)
-    _wait_for("the raised job's sockets to lose the mark",
-              lambda: all(tos and all(t == 0 for t in tos) for tos in _tos_by_pid(low_pids).values()), timeout=30)
+    wait_until(lambda: all(tos and all(t == 0 for t in tos) for tos in _tos_by_pid(low_pids).values()), 30,
+               "the raised job's sockets to lose the mark")
     for j in jobs:
         j.stop()
     for j in jobs:

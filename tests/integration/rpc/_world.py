@@ -7,7 +7,6 @@ import dataclasses
 import os
 import queue
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from crossover.daemon.scheduler import Scheduler
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from testbed.harness.polling import wait_until
 
 _END = object()
 
@@ -53,13 +53,7 @@ def holding_stream(stub: pb_grpc.SchedulerStub, streams, job: str) -> tuple[queu
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
+    return wait_until(predicate, timeout, interval=interval)
 
 
 def rpc_error(fn, *args, **kw) -> grpc.RpcError:
