@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from .netns import in_ns
-from .spec import IFACE, ClusterError, ClusterState, Link, Unsupported
+from .spec import IFACE, ClusterError, ClusterState, Link, Node, Unsupported
 
 _log = logging.getLogger(__name__)
 
@@ -140,23 +140,37 @@ c.close()
 def measure_throughput(state: ClusterState, src: int, dst: int, megabytes: float = 20.0, port: int = 5201) -> float:
     """Mbit/s of one TCP stream from node `src` to node `dst`, timed at the receiver (first byte to EOF)."""
     a, b = state.nodes[src], state.nodes[dst]
-    sink = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _SINK, b.address, str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs: list[subprocess.Popen] = []
     try:
-        assert sink.stdout is not None
-        if sink.stdout.readline().strip() != "ready":
-            raise ClusterError(f"throughput sink did not start: {sink.stderr.read() if sink.stderr else ''}")
+        sink = _sink(b, procs, _SINK, str(port))
         in_ns(a.netns, sys.executable, "-c", _SOURCE, b.address, str(port), str(int(megabytes * 1e6)))
         out, err = sink.communicate(timeout=120)
     finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.wait()
+        _stop(procs)
     try:
         nbytes, seconds = out.split()
     except ValueError:
         raise ClusterError(f"throughput sink gave no result: {out!r} {err!r}") from None
     return int(nbytes) * 8 / float(seconds) / 1e6
+
+
+def _sink(node: Node, procs: list[subprocess.Popen], script: str, *args: str) -> subprocess.Popen:
+    """A receiver (`script`, its address and `args` on its command line) in `node`'s namespace, once it
+    listens: it says "ready" on its stdout first. Added to `procs` as soon as it runs, for `_stop`."""
+    sink = subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-c", script, node.address, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(sink)
+    assert sink.stdout is not None
+    if sink.stdout.readline().strip() != "ready":
+        raise ClusterError(f"throughput sink did not start: {sink.stderr.read() if sink.stderr else ''}")
+    return sink
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 _TIMED_SINK = """
@@ -188,21 +202,12 @@ def measure_side_by_side(state: ClusterState, src: int, dst: int, dscps: tuple[i
                          port: int = 5301) -> list[float]:
     """Mbit/s of TCP streams from node `src` to node `dst` at once, one per DSCP in `dscps`, over `seconds`."""
     a, b = state.nodes[src], state.nodes[dst]
-    sinks = [subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _TIMED_SINK, b.address,
-                               str(port + k), str(seconds)], stdout=subprocess.PIPE, text=True)
-             for k in range(len(dscps))]
-    sources: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen] = []
     try:
-        for sink in sinks:
-            assert sink.stdout is not None
-            if sink.stdout.readline().strip() != "ready":
-                raise ClusterError("throughput sink did not start")
-        sources = [subprocess.Popen(["ip", "netns", "exec", a.netns, sys.executable, "-c", _MARKED_SOURCE, b.address,
-                                     str(port + k), str(dscp), str(seconds + 1)]) for k, dscp in enumerate(dscps)]
+        sinks = [_sink(b, procs, _TIMED_SINK, str(port + k), str(seconds)) for k in range(len(dscps))]
+        procs += [subprocess.Popen(["ip", "netns", "exec", a.netns, sys.executable, "-c", _MARKED_SOURCE, b.address,
+                                    str(port + k), str(dscp), str(seconds + 1)]) for k, dscp in enumerate(dscps)]
         received = [int(sink.communicate(timeout=seconds + 30)[0]) for sink in sinks]
     finally:
-        for p in (*sinks, *sources):
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        _stop(procs)
     return [n * 8 / seconds / 1e6 for n in received]
