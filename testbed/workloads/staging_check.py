@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from crossover.plugins.hook import horovod_waits
-from crossover.plugins.hook.host_staging import HostStager
+from crossover.plugins.hook.host_staging import HostStager, stages
 from crossover.plugins.hook.runtime import RUNTIME
 
 
@@ -33,7 +33,7 @@ class SlowCopy:
     marks = 0
 
     @staticmethod
-    def mark():
+    def mark(tensors):
         SlowCopy.marks += 1
         return time.monotonic() + 0.002
 
@@ -72,7 +72,8 @@ def _direct(stager, mpi_ops):
 
 
 def _train(staging, groups, steps=5):
-    horovod_waits._staging = lambda tensors: staging  # noqa: SLF001 - CPU tensors are never staged otherwise
+    # CPU tensors are never staged otherwise; which calls may be is still the plugin's rule
+    horovod_waits._staging = lambda tensors, args, kwargs: staging and stages(args, kwargs)  # noqa: SLF001
     torch.manual_seed(11)
     model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

@@ -26,7 +26,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from crossover.plugins.hook.host_staging import StagedHandle
+from crossover.plugins.hook.host_staging import StagedHandle, stages
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 from crossover.plugins.hook.runtime import RUNTIME
 
@@ -87,21 +87,22 @@ def _wait(handle: Any, original: Callable[[Any], Any]) -> Any:
     return original(handle)
 
 
-def _staging(tensors: Any) -> bool:
-    """Whether these tensors go through the rank's stager: it has one, they are on a GPU, the device is shared."""
+def _staging(tensors: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this allreduce goes through the rank's stager: it has one, the device is shared, the tensors
+    are on a GPU, and the call may be staged (`host_staging.stages`)."""
     if RUNTIME.stager is None or RUNTIME.session is None or not RUNTIME.session.shares_device:
         return False
-    return all(getattr(t, "is_cuda", False) for t in tensors)
+    return all(getattr(t, "is_cuda", False) for t in tensors) and stages(args, kwargs)
 
 
 def _allreduce_async_(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-    if _staging((tensor,)):
+    if _staging((tensor,), args, kwargs):
         return RUNTIME.stager.allreduce_async_(tensor, *args, **kwargs)  # type: ignore[union-attr]
     return RUNTIME.original_waits["allreduce_async_"](tensor, *args, **kwargs)
 
 
 def _grouped_allreduce_async_(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-    if tensors and _staging(tensors):
+    if tensors and _staging(tensors, args, kwargs):
         return RUNTIME.stager.grouped_allreduce_async_(tensors, *args, **kwargs)  # type: ignore[union-attr]
     return RUNTIME.original_waits["grouped_allreduce_async_"](tensors, *args, **kwargs)
 
@@ -128,6 +129,8 @@ def _shutdown(*args: Any, **kwargs: Any) -> Any:
 
 
 def _init(*args: Any, **kwargs: Any) -> Any:
+    if RUNTIME.stager is not None:  # the new session must not get the old one's tensors
+        RUNTIME.stager.close("Horovod was initialised again before this allreduce was handed over")
     result = RUNTIME.original_waits["init"](*args, **kwargs)
     on_init = RUNTIME.on_init
     if on_init is not None:

@@ -11,13 +11,20 @@ a low job) waits for the GPU at every copy, in the middle of its ring.
 neighbour against the same copies queued at once.
 
 With the setting on, while another rank shares the device, the plugin stages
-the tensor itself. It copies the tensor to pinned host memory on the caller's
-stream and records an event. A thread of its own enqueues the host tensor into
-Horovod once the event has passed. The caller gets a `StagedHandle`; at
-`synchronize` the plugin queues every copy back on the caller's stream without
-waiting. The GPU then sees no work of the rank's between its backward and its
-next step. Horovod reduces the same host tensors with the same arguments, so
-the results are the same.
+a named allreduce itself. It copies the tensor to pinned host memory on its
+device's current stream and records an event there. A thread of its own waits
+for the event and then enqueues the host tensor into Horovod. The caller gets
+a `StagedHandle`. At `synchronize` the plugin queues every copy back on the
+caller's stream without waiting. The copies run once the ring is done, beside
+whatever holds the GPU then, and only the rank's next kernels wait for them.
+Horovod reduces the same host tensors with the same arguments, so the results
+are the same.
+
+Not staged, left to Horovod: unnamed allreduces (Horovod names them by a handle
+number, which must be allocated in the same order on every rank), Adasum
+(Horovod's CPU Adasum has rules of its own), and anything but CUDA tensors. A
+build whose allreduce is CUDA-aware MPI (`HOROVOD_GPU_ALLREDUCE=MPI`) reduces on
+the GPU, and Python cannot tell it from Gloo: leave the setting off there.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CudaStaging", "HostStager", "StagedHandle", "horovod_reduces_on_gpu"]
+__all__ = ["CudaStaging", "HostStager", "StagedHandle", "StagingStopped", "horovod_reduces_on_gpu", "stages"]
 
 _log = logging.getLogger(__name__)
 
@@ -42,16 +49,21 @@ class CudaStaging:
         return tensor.to("cpu", non_blocking=True)  # torch pins the host copy of a non-blocking device copy
 
     @staticmethod
-    def mark() -> Any:
+    def mark(tensors: Sequence[Any]) -> Any:
+        """An event after the copies out, on the current stream of each device they came from."""
         import torch
 
-        event = torch.cuda.Event(blocking=True)  # its wait sleeps instead of spinning a core
-        event.record()
-        return event
+        events = []
+        for device in dict.fromkeys(t.device for t in tensors):
+            event = torch.cuda.Event(blocking=True)  # its wait sleeps instead of spinning a core
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return events
 
     @staticmethod
     def wait(mark: Any) -> None:
-        mark.synchronize()
+        for event in mark:
+            event.synchronize()
 
     @staticmethod
     def copy_back(tensor: Any, host: Any) -> None:
@@ -94,20 +106,18 @@ class HostStager:
     def _stage(self, tensors: list[Any], grouped: bool, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> StagedHandle:
         handle = StagedHandle(tensors, [self._device.to_host(t) for t in tensors], grouped, args, kwargs)
-        handle.mark = self._device.mark()
-        self._start()
-        self._queue.put(handle)
+        handle.mark = self._device.mark(tensors)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, args=(self._queue,), name="crossover-host-staging",
+                                                daemon=True)
+                self._thread.start()
+            self._queue.put(handle)
         return handle
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="crossover-host-staging", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
+    def _run(self, todo: queue.SimpleQueue[StagedHandle | None]) -> None:
         while True:
-            handle = self._queue.get()
+            handle = todo.get()
             if handle is None:
                 return
             try:
@@ -136,13 +146,47 @@ class HostStager:
             self._device.copy_back(tensor, host)
         return list(handle.tensors) if handle.grouped else handle.tensors[0]
 
-    def close(self) -> None:
-        """Stop the thread once it has enqueued what it holds (tests; a training process lets it die with it)."""
+    def close(self, reason: str = "host staging stopped") -> None:
+        """Stop the thread; what it has not enqueued yet fails with `StagingStopped` (`reason`).
+
+        At uninstall, and at a Horovod re-init (elastic), whose new session must not get the old one's
+        tensors. A later tensor starts a new thread."""
         with self._lock:
             thread, self._thread = self._thread, None
-        if thread is not None and thread.is_alive():
-            self._queue.put(None)
+            todo, self._queue = self._queue, queue.SimpleQueue()  # a later thread gets a queue of its own
+            pending: list[StagedHandle] = []
+            while True:
+                try:
+                    item = todo.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    pending.append(item)
+            todo.put(None)
+        for handle in pending:
+            handle.error = StagingStopped(reason)
+            handle.enqueued.set()
+        if thread is not None:
             thread.join()
+
+
+class StagingStopped(RuntimeError):
+    """A staged allreduce was never handed to Horovod: staging stopped first (uninstall, Horovod re-init)."""
+
+
+def stages(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an allreduce with these arguments (after the tensor) may be staged: it is named, and not Adasum."""
+    name = kwargs["name"] if "name" in kwargs else (args[1] if len(args) > 1 else None)
+    op = kwargs["op"] if "op" in kwargs else (args[2] if len(args) > 2 else None)
+    return bool(name) and (op is None or not _is_adasum(op))
+
+
+def _is_adasum(op: Any) -> bool:
+    try:
+        from horovod.torch.mpi_ops import Adasum
+    except ImportError:  # no Horovod: nothing is Adasum
+        return False
+    return bool(op == Adasum)
 
 
 def horovod_reduces_on_gpu(mpi_ops: Any) -> bool:

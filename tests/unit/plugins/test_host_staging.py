@@ -1,6 +1,6 @@
 """`HostStager`'s logic with a recording device and a recording Horovod: what is enqueued when, and what comes back.
 
-Real Horovod ranks go through it in `tests/multiprocess/test_host_staging.py`."""
+Real Horovod ranks go through it in `tests/multiprocess/test_host_staging_ranks.py`."""
 from __future__ import annotations
 
 import threading
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from crossover.plugins.hook.host_staging import HostStager, StagedHandle, horovod_reduces_on_gpu
+from crossover.plugins.hook.host_staging import HostStager, StagedHandle, StagingStopped, horovod_reduces_on_gpu, stages
 
 
 class Device:
@@ -16,12 +16,14 @@ class Device:
 
     def __init__(self) -> None:
         self.marks: list[threading.Event] = []
+        self.marked: list[int] = []  # how many tensors each mark covered
         self.copied_back: list[tuple[Any, Any]] = []
 
     def to_host(self, tensor: list[float]) -> list[float]:
         return list(tensor)
 
-    def mark(self) -> threading.Event:
+    def mark(self, tensors: list[list[float]]) -> threading.Event:
+        self.marked.append(len(tensors))
         self.marks.append(threading.Event())
         return self.marks[-1]
 
@@ -101,7 +103,7 @@ def test_a_group_is_marked_once_enqueued_together_and_returned_as_a_list(staged)
     stager, device, hvd = staged
     a, b = [1.0], [5.0]
     handle = stager.grouped_allreduce_async_((a, b), name="group")
-    assert len(device.marks) == 1
+    assert device.marked == [2]
     device.marks[0].set()
     out = stager.synchronize(handle, hvd.synchronize)
     assert out == [a, b] and out[0] is a and out[1] is b and a == [2.0] and b == [10.0]
@@ -153,6 +155,35 @@ def test_close_stops_the_thread_and_a_later_tensor_starts_it_again(staged):
     again = stager.allreduce_async_([4.0], name="b")
     device.marks[1].set()
     assert stager.synchronize(again, hvd.synchronize) == [8.0]
+
+
+def test_close_fails_what_was_never_handed_over_and_a_new_thread_serves_what_comes_after():
+    device, hvd = Device(), Horovod()
+    stager = HostStager(hvd.enqueue, hvd.enqueue_grouped, device=device)
+    first = stager.allreduce_async_([1.0], name="first")  # the thread waits on its mark
+    stuck = stager.allreduce_async_([2.0], name="stuck")  # never reached by the thread
+    closer = threading.Thread(target=stager.close, args=("Horovod was initialised again",))
+    closer.start()
+    assert stuck.enqueued.wait(10)  # failed by close, which now waits for the thread to finish `first`
+    device.marks[0].set()
+    closer.join(10)
+    assert not closer.is_alive()
+    with pytest.raises(StagingStopped, match="initialised again"):
+        stager.synchronize(stuck, hvd.synchronize)
+    assert stager.poll(stuck, hvd.poll) is True  # done: its synchronize raises at once
+    assert stager.synchronize(first, hvd.synchronize) == [2.0]
+    later = stager.allreduce_async_([3.0], name="later")
+    device.marks[-1].set()
+    assert stager.synchronize(later, hvd.synchronize) == [6.0]
+    stager.close()
+
+
+def test_only_named_allreduces_other_than_adasum_are_staged():
+    hvd_ops = pytest.importorskip("horovod.torch.mpi_ops")
+    assert stages((), {"name": "grad.w"}) and stages((None, "grad.w"), {})
+    assert stages((), {"name": "g", "op": hvd_ops.Average}) and stages((None, "g", hvd_ops.Sum), {})
+    assert not stages((), {}) and not stages((None, None), {}) and not stages((), {"name": ""})
+    assert not stages((), {"name": "g", "op": hvd_ops.Adasum}) and not stages((None, "g", hvd_ops.Adasum), {})
 
 
 class _Build:
