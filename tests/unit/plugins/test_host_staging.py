@@ -17,6 +17,7 @@ class Device:
     def __init__(self) -> None:
         self.marks: list[threading.Event] = []
         self.marked: list[int] = []  # how many tensors each mark covered
+        self.waiting = threading.Event()  # the thread has taken a handle and waits on its mark
         self.copied_back: list[tuple[Any, Any]] = []
 
     def to_host(self, tensor: list[float]) -> list[float]:
@@ -28,6 +29,7 @@ class Device:
         return self.marks[-1]
 
     def wait(self, mark: threading.Event) -> None:
+        self.waiting.set()
         assert mark.wait(10)
 
     def copy_back(self, tensor: list[float], host: list[float]) -> None:
@@ -160,7 +162,8 @@ def test_close_stops_the_thread_and_a_later_tensor_starts_it_again(staged):
 def test_close_fails_what_was_never_handed_over_and_a_new_thread_serves_what_comes_after():
     device, hvd = Device(), Horovod()
     stager = HostStager(hvd.enqueue, hvd.enqueue_grouped, device=device)
-    first = stager.allreduce_async_([1.0], name="first")  # the thread waits on its mark
+    first = stager.allreduce_async_([1.0], name="first")
+    assert device.waiting.wait(10)  # the thread has it, and waits on its mark
     stuck = stager.allreduce_async_([2.0], name="stuck")  # never reached by the thread
     closer = threading.Thread(target=stager.close, args=("Horovod was initialised again",))
     closer.start()
@@ -205,3 +208,59 @@ def test_only_a_horovod_without_a_gpu_reduction_needs_staging():
     assert horovod_reduces_on_gpu(_Build(rocm_built=True)) is True
     assert horovod_reduces_on_gpu(_Build(nccl_built=ValueError("not initialised"))) is False
     assert horovod_reduces_on_gpu(object()) is False
+
+
+class _Gpu:
+    """A tensor as the wrappers see it: only whether it is on a GPU."""
+
+    is_cuda = True
+
+
+class _Session:
+    def __init__(self, shares_device: bool) -> None:
+        self.shares_device = shares_device
+
+
+class _RecordingStager:
+    def __init__(self) -> None:
+        self.staged: list[tuple[Any, ...]] = []
+
+    def allreduce_async_(self, tensor: Any, *args: Any, **kwargs: Any) -> str:
+        self.staged.append((tensor, args, kwargs))
+        return "staged"
+
+    def grouped_allreduce_async_(self, tensors: Any, *args: Any, **kwargs: Any) -> str:
+        self.staged.append((tensors, args, kwargs))
+        return "staged group"
+
+
+@pytest.mark.parametrize("shares, tensor, kwargs, staged", [
+    (True, _Gpu(), {"name": "grad.w"}, True),
+    (False, _Gpu(), {"name": "grad.w"}, False),  # alone on the device: Horovod's own path
+    (True, [1.0], {"name": "grad.w"}, False),  # not on a GPU
+    (True, _Gpu(), {}, False),  # unnamed
+])
+def test_the_wrappers_stage_a_named_gpu_allreduce_only_while_the_device_is_shared(monkeypatch, shares, tensor, kwargs,
+                                                                                  staged):
+    from crossover.plugins.hook import horovod_waits
+    from crossover.plugins.hook.runtime import RUNTIME
+
+    stager = _RecordingStager()
+    monkeypatch.setattr(RUNTIME, "stager", stager)
+    monkeypatch.setattr(RUNTIME, "session", _Session(shares))
+    monkeypatch.setattr(RUNTIME, "original_waits", {"allreduce_async_": lambda *a, **k: "horovod",
+                                                    "grouped_allreduce_async_": lambda *a, **k: "horovod group"})
+    assert horovod_waits._allreduce_async_(tensor, **kwargs) == ("staged" if staged else "horovod")
+    assert horovod_waits._grouped_allreduce_async_([tensor, tensor], **kwargs) == (
+        "staged group" if staged else "horovod group")
+    assert len(stager.staged) == (2 if staged else 0)
+
+
+def test_without_a_stager_every_allreduce_is_horovods(monkeypatch):
+    from crossover.plugins.hook import horovod_waits
+    from crossover.plugins.hook.runtime import RUNTIME
+
+    monkeypatch.setattr(RUNTIME, "stager", None)
+    monkeypatch.setattr(RUNTIME, "session", _Session(True))
+    monkeypatch.setattr(RUNTIME, "original_waits", {"allreduce_async_": lambda *a, **k: "horovod"})
+    assert horovod_waits._allreduce_async_(_Gpu(), name="g") == "horovod"
