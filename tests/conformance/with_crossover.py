@@ -16,7 +16,8 @@ With `--rounds N` the script runs N times in this one process, so a rank starts
 `{round}` in ARGS becomes the round's number. Before round k the rank writes
 `DIR/ready-k-JOB-RANK` and waits for `DIR/go-k`, with its device free until
 the round's first phase point, as at a fresh start (`crossover.auto.waiting(resume=False)`);
-after it, it writes `DIR/done-k-JOB-RANK`. The test
+after it, it writes `DIR/done-k-JOB-RANK`. Horovod stays up from the first round's
+`hvd.init()` to the end of the last (`_kept_up`). The test
 that drives the rounds switches the daemon's policy between them
 (`tests/conformance/judge.py`).
 """
@@ -53,13 +54,32 @@ def _run(argv: list[str]) -> None:
 
 def _rounds(count: int, folder: Path, argv: list[str]) -> None:
     me = f"{os.environ.get('CROSSOVER_JOB_NAME', 'job')}-{os.environ.get('HOROVOD_RANK', '0')}"
-    for k in range(count):
-        (folder / f"ready-{k}-{me}").touch()
-        with crossover.auto.waiting(resume=False):
-            while not (folder / f"go-{k}").exists():
-                time.sleep(0.05)
-        _run([a.replace("{round}", str(k)) for a in argv])
-        (folder / f"done-{k}-{me}").touch()
+    import horovod.torch as hvd
+    import horovod.torch.mpi_ops as mpi_ops
+
+    script_shutdown = hvd.shutdown
+    hvd.shutdown = _kept_up
+    try:
+        for k in range(count):
+            (folder / f"ready-{k}-{me}").touch()
+            with crossover.auto.waiting(resume=False):
+                while not (folder / f"go-{k}").exists():
+                    time.sleep(0.05)
+            _run([a.replace("{round}", str(k)) for a in argv])
+            (folder / f"done-{k}-{me}").touch()
+    finally:
+        hvd.shutdown = script_shutdown
+    mpi_ops.shutdown()  # the plugin's wrapper, if it hooked Horovod
+
+
+def _kept_up() -> None:
+    """A script's `hvd.shutdown()` between rounds: Horovod stays up, and the next round's `hvd.init()` finds it so.
+
+    A second `hvd.init()` after a shutdown, in the same `horovodrun` job, rendezvous again through the
+    launcher's store, and Horovod 0.28.1's store can still hold the first rendezvous' addresses: the last
+    rank to finish a one-member scope (`cross_0`) clears every scope's count of finished ranks, so a
+    scope whose other rank finishes later (`local_HOST`) is never cleared. The next init then reads a
+    peer's old address and Gloo aborts with `connect ...: Connection refused` (docs/testing.md)."""
 
 
 def main(argv: list[str]) -> None:
