@@ -28,7 +28,6 @@ the GPU, and Python cannot tell it from Gloo: leave the setting off there.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -36,9 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["CudaStaging", "HostStager", "StagedHandle", "StagingStopped", "horovod_reduces_on_gpu", "stages"]
-
-_log = logging.getLogger(__name__)
-
 
 class CudaStaging:
     """The device side of staging: copy out and mark, wait for the mark, copy back; none of them waits
