@@ -36,14 +36,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONDITIONS", "STEPS", "check_gap_cost", "judge"]
+__all__ = ["CONDITIONS", "STEPS", "check_gap_cost", "judge", "table"]
 
 CONDITIONS = ("alone", "free", "paced")
 STEPS = ("h2d_each", "h2d_batched", "d2h", "kernel")
@@ -155,17 +154,23 @@ def _probe(cfg: dict[str, Any], conn: Connection) -> None:
 def _recv(conn: Connection, timeout: float, who: str) -> Any:
     if not conn.poll(timeout):
         raise TimeoutError(f"the {who} said nothing in {timeout:.0f} s")
-    msg = conn.recv()
+    try:
+        msg = conn.recv()
+    except EOFError:  # the parent holds no copy of the child's end: its exit is an EOF at once
+        raise RuntimeError(f"the {who} exited without a word") from None
     if isinstance(msg, dict) and "error" in msg:
         raise RuntimeError(f"the {who}: {msg['error']}")
     return msg
 
 
-def _stop(proc: Any) -> None:
-    proc.join(5.0)
-    if proc.is_alive() and proc.pid:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(5.0)
+def _start(ctx: Any, procs: list[Any], target: Any, name: str, cfg: dict[str, Any], *extra: Any) -> Connection:
+    """Start `target(cfg, *extra, conn)` in a spawned process; its pipe's other end, for the parent."""
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(cfg, *extra, theirs), daemon=True, name=name)
+    proc.start()
+    procs.append(proc)
+    theirs.close()
+    return mine
 
 
 def judge(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
@@ -196,33 +201,31 @@ def check_gap_cost(args: argparse.Namespace, workdir: Path, env: dict[str, str] 
 
 def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-    mine, theirs = ctx.Pipe()
-    probe = ctx.Process(target=_probe, args=(cfg, theirs), daemon=True, name="gapcost-probe")
-    probe.start()
+    procs: list[Any] = []  # every child, killed on the way out whatever happened
     times: dict[str, dict[str, list[float]]] = {}
     rates: dict[str, float] = {}
     try:
-        shape = _recv(mine, 120, "probe")
+        probe = _start(ctx, procs, _probe, "gapcost-probe", cfg)
+        shape = _recv(probe, 120, "probe")
         # Pacing bounds a CUDA queue: on the CPU a paced neighbour is a free one.
         for cond in CONDITIONS[:2] if cfg["dry_run"] else CONDITIONS:
-            neighbour, stop_conn = None, None
+            neighbour = None
             if cond != "alone":
-                stop_conn, n_conn = ctx.Pipe()
-                neighbour = ctx.Process(target=_neighbour, args=(cfg, cond == "paced", n_conn), daemon=True,
-                                        name=f"gapcost-{cond}")
-                neighbour.start()
-                _recv(stop_conn, 180, f"{cond} neighbour")
-            try:
-                mine.send(args.gap_rounds)
-                times[cond] = _recv(mine, 300, "probe")
-            finally:
-                if neighbour is not None and stop_conn is not None:
-                    stop_conn.send("stop")
-                    rates[cond] = round(_recv(stop_conn, 60, f"{cond} neighbour")["iters_per_s"], 2)
-                    _stop(neighbour)
-        mine.send("stop")
+                neighbour = _start(ctx, procs, _neighbour, f"gapcost-{cond}", cfg, cond == "paced")
+                _recv(neighbour, 180, f"{cond} neighbour")
+            probe.send(args.gap_rounds)
+            times[cond] = _recv(probe, 300, "probe")
+            if neighbour is not None:
+                neighbour.send("stop")
+                rates[cond] = round(_recv(neighbour, 60, f"{cond} neighbour")["iters_per_s"], 2)
+                procs[-1].join(10.0)  # gone before the next condition's neighbour starts
+        probe.send("stop")
     finally:
-        _stop(probe)
+        for proc in procs:
+            proc.join(5.0 if proc is procs[0] else 0.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
     return {**shape, "rounds": args.gap_rounds, "idle_ms": args.gap_idle_ms, "neighbour_iters_per_s": rates,
             **judge(times)}
 

@@ -49,7 +49,7 @@ def _wait_for(what: str, check, proc: WarmProcess, log: Path, timeout: float = 1
     def ended() -> str | None:
         if proc.poll() is None:
             return None
-        return f"the elastic job ended (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
+        return f"the elastic job ended (exit {proc.returncode})"
 
     try:
         wait_until(check, timeout, what, interval=0.3, give_up=ended)

@@ -57,7 +57,6 @@ def _rounds(count: int, folder: Path, argv: list[str]) -> None:
     import horovod.torch as hvd
     import horovod.torch.mpi_ops as mpi_ops
 
-    script_shutdown = hvd.shutdown
     hvd.shutdown = _kept_up
     try:
         for k in range(count):
@@ -68,8 +67,8 @@ def _rounds(count: int, folder: Path, argv: list[str]) -> None:
             _run([a.replace("{round}", str(k)) for a in argv])
             (folder / f"done-{k}-{me}").touch()
     finally:
-        hvd.shutdown = script_shutdown
-    mpi_ops.shutdown()  # the plugin's wrapper, if it hooked Horovod
+        hvd.shutdown = mpi_ops.shutdown  # Horovod's, or the plugin's wrapper if it hooked Horovod meanwhile
+    mpi_ops.shutdown()
 
 
 def _kept_up() -> None:

@@ -43,7 +43,7 @@ def test_daemon_killed_mid_run_then_restarted_job_reattaches(daemon_factory, job
                     args=["--cpu-devices", "2", "--policy", "exclusive"]).start()
     try:
         wait_until(lambda: sum(e.name == "grant" and e.fields["job_name"] == "phoenix" for e in d2.events()) >= 4,
-                  60, "grants from the restarted daemon")
+                   60, "grants from the restarted daemon")
         assert job.wait(120) == 0, job.output()[-3000:]
     finally:
         d2.stop()
@@ -61,7 +61,7 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
         jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "4000", "--stop-file", str(stop)),
                                env=env))
     wait_until(lambda: {e.fields["job_name"] for e in d.events() if e.name == "grant"} == {"one", "two"}, 60,
-              "both jobs scheduled")
+               "both jobs scheduled")
     t0 = time.monotonic()  # CLOCK_MONOTONIC, the event log's clock
     assert d.stop(signal.SIGTERM, timeout=10) == 0
     assert time.monotonic() - t0 < 5, "daemon took too long to stop"
@@ -107,7 +107,7 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
         assert waiter.acquire(2) is True, "after the daemon answers again the rank is scheduled again"
         waiter.release(2)
         wait_until(lambda: any(e.name == "grant" and e.fields["job_name"] == "waiter" for e in d.events()), 5,
-                  "the thawed daemon's grant to the waiter in its event log")
+                   "the thawed daemon's grant to the waiter in its event log")
     finally:
         d.proc.send_signal(signal.SIGCONT)
         holder.close()

@@ -45,18 +45,18 @@ def test_a_low_jobs_ranks_mark_their_rings_and_unmark_them_when_raised(daemon_fa
     low = horovodrun("opportunist", script, tmp_path, np=2, args=("--iters", "3000"), stoppable=True,
                      env={**env, "CROSSOVER_PRIORITY": "low"})
     jobs.append(low)
-    low_pids = wait_until(lambda: _both_ranks(d.socket, "opportunist"), 60, "both low ranks")
+    low_pids = wait_until(lambda: _both_ranks(d.socket, "opportunist"), 60, "both low ranks", interval=0.2)
 
     def marked() -> bool:  # each rank holds at least its Gloo connection to the other rank
         return all(0x20 in tos for tos in _tos_by_pid(low_pids).values())
 
-    wait_until(marked, 30, "the low ranks' sockets to carry CS1")
+    wait_until(marked, 30, "the low ranks' sockets to carry CS1", interval=0.2)
     assert all(tos and all(t == 0x20 for t in tos) for tos in _tos_by_pid(low_pids).values()), \
         f"a low rank's TCP socket without the mark: {_tos_by_pid(low_pids)}"
 
     cli("priority", "opportunist", "normal", socket=d.socket)
     wait_until(lambda: all(tos and all(t == 0 for t in tos) for tos in _tos_by_pid(low_pids).values()), 30,
-               "the raised job's sockets to lose the mark")
+               "the raised job's sockets to lose the mark", interval=0.2)
     for j in jobs:
         j.stop()
     for j in jobs:

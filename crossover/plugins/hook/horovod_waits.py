@@ -81,9 +81,7 @@ def _synchronize(handle: Any) -> Any:
 
 def _wait(handle: Any, original: Callable[[Any], Any]) -> Any:
     if isinstance(handle, StagedHandle):
-        stager = RUNTIME.stager
-        assert stager is not None, "a staged handle outlived its stager"
-        return stager.synchronize(handle, original)
+        return handle.stager.synchronize(handle, original)
     return original(handle)
 
 
@@ -108,8 +106,8 @@ def _grouped_allreduce_async_(tensors: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _poll(handle: Any) -> bool:
-    if isinstance(handle, StagedHandle) and RUNTIME.stager is not None:
-        done = RUNTIME.stager.poll(handle, RUNTIME.original_waits["poll"])
+    if isinstance(handle, StagedHandle):
+        done = handle.stager.poll(handle, RUNTIME.original_waits["poll"])
     else:
         done = bool(RUNTIME.original_waits["poll"](handle))
     phases = RUNTIME.phases

@@ -36,13 +36,16 @@ from typing import Any
 
 __all__ = ["CudaStaging", "HostStager", "StagedHandle", "StagingStopped", "horovod_reduces_on_gpu", "stages"]
 
+
 class CudaStaging:
     """The device side of staging: copy out and mark, wait for the mark, copy back; none of them waits
     except `wait`."""
 
     @staticmethod
     def to_host(tensor: Any) -> Any:
-        return tensor.to("cpu", non_blocking=True)  # torch pins the host copy of a non-blocking device copy
+        """A pinned host copy, queued on the current stream of the tensor's device (torch pins the host side
+        of a non-blocking copy out)."""
+        return tensor.to("cpu", non_blocking=True)
 
     @staticmethod
     def mark(tensors: Sequence[Any]) -> Any:
@@ -58,18 +61,21 @@ class CudaStaging:
 
     @staticmethod
     def wait(mark: Any) -> None:
+        """Sleep until every event of `mark` has passed."""
         for event in mark:
             event.synchronize()
 
     @staticmethod
     def copy_back(tensor: Any, host: Any) -> None:
+        """Queue the copy of the reduced host tensor into the device tensor on the caller's stream."""
         tensor.copy_(host, non_blocking=True)
 
 
 @dataclass(eq=False)
 class StagedHandle:
-    """What `allreduce_async_` returns for a staged tensor; `poll` and `synchronize` take it."""
+    """What `allreduce_async_` returns for a staged tensor; its stager's `poll` and `synchronize` take it."""
 
+    stager: HostStager
     tensors: list[Any]
     hosts: list[Any]
     grouped: bool
@@ -101,7 +107,7 @@ class HostStager:
 
     def _stage(self, tensors: list[Any], grouped: bool, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> StagedHandle:
-        handle = StagedHandle(tensors, [self._device.to_host(t) for t in tensors], grouped, args, kwargs)
+        handle = StagedHandle(self, tensors, [self._device.to_host(t) for t in tensors], grouped, args, kwargs)
         handle.mark = self._device.mark(tensors)
         with self._lock:
             if self._thread is None:

@@ -140,7 +140,7 @@ def test_an_enqueue_that_fails_is_raised_by_synchronize_and_later_tensors_still_
         good = stager.allreduce_async_([1.0], name="good")
         for mark in device.marks:
             mark.set()
-        assert stager.poll(bad, hvd.poll) in (False, True)
+        assert bad.enqueued.wait(5) and stager.poll(bad, hvd.poll) is True  # done: its synchronize raises
         with pytest.raises(RuntimeError, match="shut down"):
             stager.synchronize(bad, hvd.synchronize)
         assert stager.synchronize(good, hvd.synchronize) == [2.0]
@@ -150,35 +150,42 @@ def test_an_enqueue_that_fails_is_raised_by_synchronize_and_later_tensors_still_
 
 def test_close_stops_the_thread_and_a_later_tensor_starts_it_again(staged):
     stager, device, hvd = staged
-    device_mark = stager.allreduce_async_([1.0], name="a")
+    first = stager.allreduce_async_([1.0], name="a")
     device.marks[0].set()
-    stager.synchronize(device_mark, hvd.synchronize)
+    stager.synchronize(first, hvd.synchronize)
+    old = stager._thread
     stager.close()
+    assert old is not None and not old.is_alive() and stager._thread is None
     again = stager.allreduce_async_([4.0], name="b")
     device.marks[1].set()
     assert stager.synchronize(again, hvd.synchronize) == [8.0]
+    assert stager._thread is not None and stager._thread is not old
 
 
 def test_close_fails_what_was_never_handed_over_and_a_new_thread_serves_what_comes_after():
     device, hvd = Device(), Horovod()
     stager = HostStager(hvd.enqueue, hvd.enqueue_grouped, device=device)
-    first = stager.allreduce_async_([1.0], name="first")
-    assert device.waiting.wait(10)  # the thread has it, and waits on its mark
-    stuck = stager.allreduce_async_([2.0], name="stuck")  # never reached by the thread
-    closer = threading.Thread(target=stager.close, args=("Horovod was initialised again",))
-    closer.start()
-    assert stuck.enqueued.wait(10)  # failed by close, which now waits for the thread to finish `first`
-    device.marks[0].set()
-    closer.join(10)
-    assert not closer.is_alive()
-    with pytest.raises(StagingStopped, match="initialised again"):
-        stager.synchronize(stuck, hvd.synchronize)
-    assert stager.poll(stuck, hvd.poll) is True  # done: its synchronize raises at once
-    assert stager.synchronize(first, hvd.synchronize) == [2.0]
-    later = stager.allreduce_async_([3.0], name="later")
-    device.marks[-1].set()
-    assert stager.synchronize(later, hvd.synchronize) == [6.0]
-    stager.close()
+    try:
+        first = stager.allreduce_async_([1.0], name="first")
+        assert device.waiting.wait(10)  # the thread has it, and waits on its mark
+        stuck = stager.allreduce_async_([2.0], name="stuck")  # never reached by the thread
+        closer = threading.Thread(target=stager.close, args=("Horovod was initialised again",))
+        closer.start()
+        assert stuck.enqueued.wait(10)  # failed by close, which now waits for the thread to finish `first`
+        device.marks[0].set()
+        closer.join(10)
+        assert not closer.is_alive()
+        with pytest.raises(StagingStopped, match="initialised again"):
+            stager.synchronize(stuck, hvd.synchronize)
+        assert stager.poll(stuck, hvd.poll) is True  # done: its synchronize raises at once
+        assert stager.synchronize(first, hvd.synchronize) == [2.0]
+        later = stager.allreduce_async_([3.0], name="later")
+        device.marks[-1].set()
+        assert stager.synchronize(later, hvd.synchronize) == [6.0]
+    finally:
+        for mark in device.marks:
+            mark.set()
+        stager.close()
 
 
 def test_only_named_allreduces_other_than_adasum_are_staged():
@@ -264,3 +271,47 @@ def test_without_a_stager_every_allreduce_is_horovods(monkeypatch):
     monkeypatch.setattr(RUNTIME, "session", _Session(True))
     monkeypatch.setattr(RUNTIME, "original_waits", {"allreduce_async_": lambda *a, **k: "horovod"})
     assert horovod_waits._allreduce_async_(_Gpu(), name="g") == "horovod"
+
+
+def test_horovods_synchronize_and_poll_hand_a_staged_handle_to_its_stager_and_others_to_horovod(monkeypatch, staged):
+    from crossover.plugins.hook import horovod_waits
+    from crossover.plugins.hook.runtime import RUNTIME
+
+    stager, device, hvd = staged
+    monkeypatch.setattr(RUNTIME, "phases", None)
+    monkeypatch.setattr(RUNTIME, "original_waits", {"synchronize": hvd.synchronize, "poll": hvd.poll})
+    handle = stager.allreduce_async_([5.0], name="w")
+    assert horovod_waits._poll(handle) is False  # its copy out has not finished
+    device.marks[0].set()
+    assert horovod_waits._synchronize(handle) == [10.0]
+    hvd.enqueued.append(([7.0], (), {}))
+    assert horovod_waits._synchronize(len(hvd.enqueued)) == [7.0]  # Horovod's own handle, Horovod's own wait
+
+
+def test_a_horovod_re_init_fails_what_staging_has_not_handed_over(monkeypatch):
+    from crossover.plugins.hook import horovod_waits
+    from crossover.plugins.hook.runtime import RUNTIME
+
+    device, hvd = Device(), Horovod()
+    stager = HostStager(hvd.enqueue, hvd.enqueue_grouped, device=device)
+    inits: list[int] = []
+    monkeypatch.setattr(RUNTIME, "stager", stager)
+    monkeypatch.setattr(RUNTIME, "on_init", None)
+    monkeypatch.setattr(RUNTIME, "original_waits", {"init": lambda: inits.append(1)})
+    try:
+        first = stager.allreduce_async_([1.0], name="first")
+        assert device.waiting.wait(10)
+        stale = stager.allreduce_async_([2.0], name="stale")  # still queued behind `first`
+        reinit = threading.Thread(target=horovod_waits._init)
+        reinit.start()
+        assert stale.enqueued.wait(10)  # failed by the re-init's close, which waits for `first`
+        device.marks[0].set()
+        reinit.join(10)
+        assert not reinit.is_alive() and inits == [1]
+        with pytest.raises(StagingStopped, match="initialised again"):
+            stager.synchronize(stale, hvd.synchronize)
+        assert first.enqueued.is_set() and first.error is None
+    finally:
+        for mark in device.marks:
+            mark.set()
+        stager.close()
