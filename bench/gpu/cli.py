@@ -45,6 +45,7 @@ no multi-node job sees; a second GPU is not there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -52,6 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -166,15 +168,25 @@ def check_gap_cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """What a neighbour's compute costs a host-staged allreduce's GPU steps (`bench.gpu.gap_cost`)."""
     from bench.gpu import gap_cost
 
-    if not args.mps:
-        result = gap_cost.check_gap_cost(args, workdir)
-    elif args.dry_run:
-        raise RuntimeError("--mps needs a GPU and NVIDIA's nvidia-cuda-mps-control")
-    else:
-        with MpsDaemon(workdir) as mps:
-            result = {**gap_cost.check_gap_cost(args, workdir, mps.env()), "mps": True}
+    with _mps_env(args, workdir) as env:
+        result = gap_cost.check_gap_cost(args, workdir, env)
+    if args.mps:
+        result["mps"] = True
     print(gap_cost.table(result), flush=True)
     return result
+
+
+@contextlib.contextmanager
+def _mps_env(args: argparse.Namespace, workdir: Path) -> Iterator[dict[str, str]]:
+    """With --mps, an MPS control daemon of this run's own for the block, and the environment its clients
+    need; without, nothing and `{}`."""
+    if not args.mps:
+        yield {}
+        return
+    if args.dry_run:
+        raise RuntimeError("--mps needs a GPU and NVIDIA's nvidia-cuda-mps-control")
+    with MpsDaemon(workdir) as mps:
+        yield mps.env()
 
 
 def check_release(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -251,15 +263,11 @@ def check_speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> d
 
     With --mps every job (the solo runs too) is a client of an MPS control daemon this run starts
     in its own folders: each mode is then that mode plus MPS, and `unscheduled` is MPS alone."""
-    if not args.mps:
-        args.job_env = dict(args.env)
-        return _speedup(args, workdir, deadline)
-    if args.dry_run:
-        raise RuntimeError("--mps needs a GPU and NVIDIA's nvidia-cuda-mps-control")
-    with MpsDaemon(workdir) as mps:
-        args.job_env = {**args.env, **mps.env()}
+    with _mps_env(args, workdir) as env:
+        args.job_env = {**args.env, **env}
         result = _speedup(args, workdir, deadline)
-    result["mps"] = True
+    if args.mps:
+        result["mps"] = True
     return result
 
 
