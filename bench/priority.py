@@ -10,6 +10,10 @@ relative to its speed alone (1.0: as if alone), in three modes measured in one r
   classes-dscp (model/core, asked with --modes) the same, on links that send the
                low jobs' traffic last: they mark it DSCP CS1 (CROSSOVER_LOW_DSCP),
                as a network that honours DSCP would
+  classes-adaptive (model/core, asked with --modes) `classes` with the daemons as
+               they ship (--adapt): each device probes grants against none and keeps
+               grants only where they pay the production job; measured after the
+               first verdict, whose mode each segment records
 
 Beds:
 
@@ -51,8 +55,10 @@ from bench.lib.results import machine, write_json
 from testbed.simulator import JobSpec, SimConfig, simulate
 
 MODES = ("unscheduled", "equal", "classes")
-EMULATED_MODES = (*MODES, "classes-dscp")
-"""`classes-dscp` (the emulated beds): `classes` with the links sending the low jobs' DSCP-marked packets last."""
+EMULATED_MODES = (*MODES, "classes-dscp", "classes-adaptive")
+"""`classes-dscp` (the emulated beds): `classes` with the links sending the low jobs' DSCP-marked packets last;
+`classes-adaptive`: `classes` where each device keeps grants only if they pay the production job (`--adapt`)."""
+_ADAPT_WINDOW_S = 3.0  # the emulated beds' daemons' --adapt-window: ten iterations of 300 ms
 _SIM_POLICY = {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}
 
 
@@ -158,7 +164,8 @@ def _sim_table(result: dict[str, Any]) -> Table:
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
     from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
-    from bench.emulated.scenarios import CLASSES, DSCP
+    from bench.emulated.scenarios import ADAPTS, CLASSES, DSCP
+    from crossover.protos.event_file import EventName, read_events
     from testbed.cluster import Cluster, ClusterSpec, Link
     from testbed.device_model import DeviceParams
     from testbed.harness.jobs import rank_summaries
@@ -167,7 +174,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     args.job_env = {"CROSSOVER_REPORT_INTERVAL": "0"}
     args.device_cores = ()
     args.width, args.in_dim = 512, 512
-    args.adapt_window = 3.0
+    args.adapt_window = _ADAPT_WINDOW_S
     args.host_wait, args.nice = "poll", 0
     want_c = args.iter_ms / 1000 / (1 + args.ratio)
     # The link is set with the device work in one piece: in the backward each gradient's allreduce overlaps
@@ -187,7 +194,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         alone[name] = (its[-1][1] - its[0][0]) / max(1, len(its))
     t_alone = statistics.median(alone.values())
     spec = ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", device_model=args.device_params,
-                       daemon_args=("--adapt-window", "3", "--quick-yield", f"{args.quick_yield:g}"))
+                       daemon_args=("--adapt-window", f"{_ADAPT_WINDOW_S:g}", "--quick-yield", f"{args.quick_yield:g}"))
     stop = workdir / "stop"
     script = _script(workdir, "poll")
     segments: list[dict[str, Any]] = []
@@ -202,10 +209,11 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for cycle in range(args.cycles):
                 order = modes[cycle % len(modes):] + modes[:cycle % len(modes)]
                 for mode in order:
-                    admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=False)
+                    admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=mode in ADAPTS)
                     admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES)
                     cluster.honour_dscp(mode in DSCP)
-                    time.sleep(args.settle_s)
+                    # An adaptive device's first verdict takes a probe (4 windows, from the next even one).
+                    time.sleep(args.settle_s + (6 * _ADAPT_WINDOW_S if mode in ADAPTS else 0.0))
                     a = time.monotonic()
                     time.sleep(args.segment_s)
                     segments.append({"cycle": cycle, "mode": mode, "a": a, "b": time.monotonic()})
@@ -218,6 +226,12 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for j in jobs:
             if j.wait(300) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
+        sharing = sorted(((e.t, node.name, e.get("mode"), e.get("reason")) for node in cluster.nodes
+                          for e in read_events(node.event_log) if e.name is EventName.SHARING),
+                         key=lambda x: x[0])
+    for seg in segments:
+        if seg["mode"] in ADAPTS:  # each node's verdict in force while the segment was measured
+            seg["sharing"] = {node: [mode, reason] for t, node, mode, reason in sharing if t <= seg["a"]}
     summaries = {n: rank_summaries(workdir / f"out_{n}") for n in names}
     rows: list[dict[str, Any]] = []
     for seg in segments:

@@ -8,23 +8,25 @@ __all__ = ["ADAPTS", "ALL", "CHURN", "CLASSES", "COLOCATED", "CPU_HANDOVER", "DS
            "QUICK", "Scenario"]
 
 MODES = ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive", "classes",
-         "classes-dscp")
+         "classes-dscp", "classes-adaptive")
 COLOCATED = MODES[1:4]
 """The co-located modes every run measures; `adaptive` and `crossover-cpu` only when asked (`bench.emulated
 --adaptive`, `--handover`)."""
 POLICY = {"sequential": "passthrough", "unscheduled": "passthrough", "exclusive": "exclusive", "crossover": "crossover",
-          "crossover-cpu": "crossover", "adaptive": "crossover", "classes": "crossover", "classes-dscp": "crossover"}
+          "crossover-cpu": "crossover", "adaptive": "crossover", "classes": "crossover", "classes-dscp": "crossover",
+          "classes-adaptive": "crossover"}
 """`classes`: `crossover` with every job but the first in class `low` (`bench.gpu --priority`); `classes-dscp`:
 the same, with every shaped link sending the low jobs' packets (DSCP `CROSSOVER_LOW_DSCP`) after the others'
-(`Cluster.honour_dscp`)."""
+(`Cluster.honour_dscp`); `classes-adaptive`: `classes` with the daemons measuring whether grants pay the
+production job (`crossoverd --adapt`, the default), so each device keeps grants only where they do."""
 CPU_HANDOVER = frozenset({"crossover-cpu"})
 """`crossover-cpu`: `crossover` with every rank waiting for its device on its CPU before it releases
 (`crossover policy --no-handover`); the other modes let ranks that can end their turns on their device."""
-CLASSES = frozenset({"classes", "classes-dscp"})
+CLASSES = frozenset({"classes", "classes-dscp", "classes-adaptive"})
 """Modes with every job but the first in class `low`."""
 DSCP = frozenset({"classes-dscp"})
 """Modes in which the emulated network honours the low class's DSCP."""
-ADAPTS = frozenset({"adaptive"})
+ADAPTS = frozenset({"adaptive", "classes-adaptive"})
 """Modes whose daemons measure per device whether grants pay (`crossoverd --adapt`, the default); the others
 grant everywhere."""
 

@@ -71,6 +71,7 @@ from testbed.harness.jobs import WORKLOADS, rank_summaries, with_import
 
 MODES = ("unscheduled", "exclusive", "crossover", "crossover-cpu")  # crossover-cpu: every turn ends on the CPU
 PRIORITY_MODES = ("unscheduled", "crossover", "classes", "classes-dscp")  # --priority: job0 production, the others low
+# --priority --adaptive adds classes-adaptive: classes, each device keeping grants only if they pay job0
 
 
 def _log(msg: str) -> None:
@@ -291,7 +292,8 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                             name=n, env=args.job_env) for k, n in enumerate(names)]
         admin = ClusterAdmin(cluster)
         seg_s = args.settle_s + args.segment_s
-        modes = PRIORITY_MODES if args.priority else MODES + (("adaptive",) if args.adaptive else ())
+        modes = ((PRIORITY_MODES + (("classes-adaptive",) if args.adaptive else ())) if args.priority
+                 else MODES + (("adaptive",) if args.adaptive else ()))
         if args.priority:
             try:
                 cluster.honour_dscp(True)
@@ -359,9 +361,10 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
 
 
 def _table(summary: dict[str, Any]) -> str:
-    rows = [f"{'mode':<12} {'samples/s':>10} {'vs unsch.':>9} {'vs seq.':>8} {'of bound':>8} {'busy':>5} "
+    rows = [f"{'mode':<16} {'samples/s':>10} {'vs unsch.':>9} {'vs seq.':>8} {'of bound':>8} {'busy':>5} "
             f"{'C ms':>6} {'C GPU':>6} {'M ms':>6} {'cycles':>6}"]
-    for mode in ("sequential", *(m for m in (*MODES, "adaptive", "classes", "classes-dscp") if m in summary["modes"])):
+    for mode in ("sequential", *(m for m in (*MODES, "adaptive", "classes", "classes-dscp", "classes-adaptive")
+                                       if m in summary["modes"])):
         r = summary["modes"][mode]
 
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
@@ -369,7 +372,7 @@ def _table(summary: dict[str, Any]) -> str:
             return format(v, fmt) if isinstance(v, (int, float)) else "-"
         node0 = r.get("C_ms_by_node", {}).get("node0")
         c_gpu = format(node0, "6.1f") if isinstance(node0, (int, float)) else f"{'-':>6}"
-        rows.append(f"{mode:<12} {f('aggregate_samples_per_s', '10.0f')} {f('vs_unscheduled', '9.3f')} "
+        rows.append(f"{mode:<16} {f('aggregate_samples_per_s', '10.0f')} {f('vs_unscheduled', '9.3f')} "
                     f"{f('vs_sequential', '8.3f')} {f('of_bound', '8.3f')} {f('busy_fraction_mean', '5.2f')} "
                     f"{f('C_ms', '6.1f')} {c_gpu} {f('M_ms', '6.1f')} {r.get('cycles', 0):>6}")
     return "\n".join(rows)
@@ -411,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
                    "and crossover with equal classes; each job's slowdown against alone is in the summary")
     p.add_argument("--adaptive", action="store_true",
                    help="also measure `adaptive`: crossover with each device measuring whether its grants pay "
-                        "(crossoverd's default, --adapt); the other modes grant everywhere")
+                        "(crossoverd's default, --adapt); with --priority, `classes-adaptive` instead: classes "
+                        "with each device keeping grants only where they pay the production job; the other modes "
+                        "grant everywhere")
     p.add_argument("--adapt-window", type=float, default=1.0,
                    help="with --adaptive: the daemons' --adapt-window (s); a window should hold several iterations")
     p.add_argument("--mps", action="store_true", help="run the speed-up check's jobs under an MPS control "

@@ -16,7 +16,9 @@ the same mode: no job's ranks run scheduled on one node and unscheduled on
 another for long. The score of a mode is the mean over jobs of its rate
 relative to the other mode's, so a small job counts as much as a large one.
 Grants are kept only when they are ahead by `margin`: the promise is never
-to be slower than sharing without us.
+to be slower than sharing without us. Where the jobs differ in priority class,
+only the highest class's jobs score (`scored`): grants stay only where they
+pay the job that matters, which is the one a priority promises its speed.
 
 Pure: the wall time and the jobs' iteration counts come in as arguments.
 """
@@ -88,18 +90,23 @@ class PayoffJudge:
     settings: PayoffSettings = field(default_factory=PayoffSettings)
     verdict: Verdict = field(default_factory=lambda: Verdict(Mode.SCHEDULED, "one job or none: nothing to share"))
     _jobs: frozenset[str] = frozenset()
+    _scored: frozenset[str] = frozenset()
     _probe_from: int | None = None  # first window of the current probe
     _hold_until: int | None = None  # the window the kept verdict ends at
     _window: _Window | None = None
     _rates: dict[Mode, list[dict[str, float]]] = field(default_factory=lambda: {m: [] for m in Mode})
 
-    def sample(self, wall: float, progress: dict[str, int]) -> Verdict:
-        """The device's verdict at `wall` (seconds), given each job's iteration count (its fastest rank's)."""
+    def sample(self, wall: float, progress: dict[str, int], scored: frozenset[str] | None = None) -> Verdict:
+        """The device's verdict at `wall` (seconds), given each job's iteration count (its fastest rank's).
+
+        `scored`: the jobs whose progress decides (None: every job). A change in the jobs or in which of
+        them score starts a new probe."""
         s = self.settings
         w = math.floor(wall / s.window_s)
         jobs = frozenset(progress)
-        if jobs != self._jobs:
-            self._jobs = jobs
+        judged = jobs if scored is None else jobs & scored
+        if (jobs, judged) != (self._jobs, self._scored):
+            self._jobs, self._scored = jobs, judged
             self._start_probe(w)
         if len(jobs) < 2:
             self._probe_from = self._hold_until = None
@@ -149,22 +156,24 @@ class PayoffJudge:
         self._rates[win.mode].append({j: (p1[j] - p0[j]) / (t1 - t0) for j in p0 if j in p1})
 
     def _decide(self, w: int) -> None:
-        score = _score(self._rates[Mode.SCHEDULED], self._rates[Mode.UNSCHEDULED])
+        score = _score(self._rates[Mode.SCHEDULED], self._rates[Mode.UNSCHEDULED], self._scored)
         self._probe_from = None
         self._hold_until = w + self.settings.hold_windows
+        whose = "the progress" if self._scored == self._jobs else "the highest class's progress"
         if score is None:
             self.verdict = Verdict(Mode.SCHEDULED, "probe measured nothing (jobs idle): scheduled", None)
         elif score >= 1 + self.settings.margin:
-            self.verdict = Verdict(Mode.SCHEDULED, f"grants pay: {score:.2f}x the progress unscheduled", score)
+            self.verdict = Verdict(Mode.SCHEDULED, f"grants pay: {score:.2f}x {whose} unscheduled", score)
         else:
-            self.verdict = Verdict(Mode.UNSCHEDULED, f"grants do not pay: {score:.2f}x the progress unscheduled",
+            self.verdict = Verdict(Mode.UNSCHEDULED, f"grants do not pay: {score:.2f}x {whose} unscheduled",
                                    score)
 
 
-def _score(scheduled: list[dict[str, float]], unscheduled: list[dict[str, float]]) -> float | None:
-    """Mean over jobs of (median rate scheduled / median rate unscheduled); None without both measures."""
+def _score(scheduled: list[dict[str, float]], unscheduled: list[dict[str, float]],
+           jobs: frozenset[str]) -> float | None:
+    """Mean over `jobs` of (median rate scheduled / median rate unscheduled); None without both measures."""
     ratios = []
-    for job in set().union(*scheduled, *unscheduled) if scheduled and unscheduled else ():
+    for job in jobs if scheduled and unscheduled else ():
         a = [r[job] for r in scheduled if job in r]
         b = [r[job] for r in unscheduled if job in r]
         if a and b and statistics.median(b) > 0:

@@ -135,7 +135,8 @@ def _group(name: str | None, flag: str) -> int | None:
               help="Measure, per device, whether grants pay: the jobs there train in alternate windows with and "
               "without grants, and the faster mode is kept for --adapt-window x 20 seconds, then probed again "
               "(and at once when a job comes or goes). Where grants do not pay the device is unscheduled: every "
-              "rank on it holds a lease. `crossover queue` says which mode each device is in and why.")
+              "rank on it holds a lease. Where its jobs differ in priority class, only the highest class's progress "
+              "counts. `crossover queue` says which mode each device is in and why.")
 @click.option("--adapt-window", type=click.FloatRange(0.5, 600), default=PayoffSettings.window_s, show_default=True,
               help="Seconds of one measuring window of --adapt, aligned on the wall clock so that every node "
               "probes in the same windows; its first quarter is left out while a switch takes effect.")

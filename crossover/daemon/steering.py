@@ -62,6 +62,10 @@ class Steering(JobOwnership):
     def adapt(self) -> None:
         """Open each device where grants do not pay, close it where they do (see `grant_payoff`).
 
+        Where the jobs on a device differ in priority class, grants pay when they pay its highest class:
+        the production job keeps whichever mode it trains faster in. Where they differ only in weight,
+        grants stay: a weight is a share of the grants, which an unscheduled device cannot give.
+
         Opening leases the device to every rank on it, and grants every rank waiting for it at once.
         Each change of a device's mode is in the event log (`sharing`) with its reason."""
         if not self._adapting:
@@ -84,8 +88,12 @@ class Steering(JobOwnership):
                 progress = by_device.get(i, {})
                 judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
                 before = judge.verdict
-                if self._classes_differ(progress):  # priorities need grants, whatever they cost the jobs together
-                    judge.verdict = verdict = Verdict(Mode.SCHEDULED, "its jobs differ in priority class or weight")
+                priority = {job: self._phases.priority_of(job) for job in progress}
+                top = max(priority.values(), default=0)
+                if len(set(priority.values())) > 1:
+                    verdict = judge.sample(wall, progress, frozenset(j for j, p in priority.items() if p == top))
+                elif self._classes_differ(progress):  # a weight is a share of grants: unscheduled has none
+                    judge.verdict = verdict = Verdict(Mode.SCHEDULED, "its jobs differ in weight")
                 else:
                     verdict = judge.sample(wall, progress)
                 is_open = i in self._leases.opened

@@ -62,6 +62,40 @@ def test_every_job_counts_alike_whatever_its_rate():
     assert j.verdict.mode is Mode.UNSCHEDULED
 
 
+def drive_scored(judge: PayoffJudge, rates: dict[Mode, dict[str, float]], scored: frozenset[str], start: float,
+                 end: float, counts: dict[str, float]) -> None:
+    t = start
+    while t < end:
+        verdict = judge.sample(t, {j: int(v) for j, v in counts.items()}, scored)
+        for j in counts:
+            counts[j] += rates[verdict.mode][j] * 0.05
+        t += 0.05
+
+
+def test_where_classes_differ_grants_stay_only_if_they_pay_the_highest_class():
+    """Grants that slow the production job `a` by 4 % are dropped though they double the low job's progress
+    (as on a GPU at 1:1, where time-slicing left it faster); grants that speed `a` up stay though they
+    starve the low job `b` (compute-bound)."""
+    costs_a = {Mode.SCHEDULED: {"a": 85.0, "b": 90.0}, Mode.UNSCHEDULED: {"a": 89.0, "b": 45.0}}
+    j = PayoffJudge(S)
+    drive_scored(j, costs_a, frozenset({"a"}), 10.0, 16.5, {"a": 0.0, "b": 0.0})
+    assert j.verdict.mode is Mode.UNSCHEDULED and j.verdict.score == pytest.approx(85 / 89, abs=0.02)
+    assert "highest class" in j.verdict.reason
+    assert PayoffJudge(S).verdict.mode is Mode.SCHEDULED
+    pays_a = {Mode.SCHEDULED: {"a": 85.0, "b": 5.0}, Mode.UNSCHEDULED: {"a": 78.0, "b": 78.0}}
+    j = PayoffJudge(S)
+    drive_scored(j, pays_a, frozenset({"a"}), 10.0, 16.5, {"a": 0.0, "b": 0.0})
+    assert j.verdict.mode is Mode.SCHEDULED and j.verdict.score == pytest.approx(85 / 78, abs=0.02)
+    counts = {"a": 0.0, "b": 0.0}
+    j = PayoffJudge(S)
+    drive_scored(j, costs_a, frozenset({"a", "b"}), 10.0, 16.5, counts)
+    assert j.verdict.mode is Mode.SCHEDULED and "the progress" in j.verdict.reason  # one class: both score
+    drive_scored(j, costs_a, frozenset({"a"}), 16.5, 18.5, counts)
+    assert j.verdict.probing  # a class change starts a new probe, from the next even window
+    drive_scored(j, costs_a, frozenset({"a"}), 18.5, 22.5, counts)
+    assert j.verdict.mode is Mode.UNSCHEDULED and "highest class" in j.verdict.reason
+
+
 def test_the_verdict_holds_then_the_device_probes_again():
     cost = {Mode.SCHEDULED: {"a": 80.0, "b": 40.0}, Mode.UNSCHEDULED: {"a": 100.0, "b": 50.0}}
     j = PayoffJudge(S)

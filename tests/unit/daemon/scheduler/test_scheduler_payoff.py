@@ -7,6 +7,7 @@ from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Ver
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import GrantMsg, LeaseMsg
+from crossover.daemon.policies.classes import Priority
 from crossover.daemon.scheduler import Scheduler
 from tests.unit.daemon.scheduler._world import _phase, drain_outbox, join
 
@@ -16,7 +17,7 @@ class _Told(PayoffJudge):
 
     told: Verdict | None = None
 
-    def sample(self, wall: float, progress: dict[str, int]) -> Verdict:
+    def sample(self, wall: float, progress: dict[str, int], scored: frozenset[str] | None = None) -> Verdict:
         self.verdict = self.told or self.verdict
         return self.verdict
 
@@ -85,7 +86,7 @@ def test_the_judge_counts_the_phases_each_jobs_furthest_rank_ended(clock, pids):
     seen: list[dict[str, int]] = []
 
     class Spy(PayoffJudge):
-        def sample(self, wall: float, progress: dict[str, int]) -> Verdict:
+        def sample(self, wall: float, progress: dict[str, int], scored: frozenset[str] | None = None) -> Verdict:
             seen.append(dict(progress))
             return self.verdict
 
@@ -127,3 +128,35 @@ def test_adapt_off_at_start_can_be_switched_on(make):
     a, _ = join(s, job="job-a", rank=0)
     s.adapt()
     assert s.sharing(0) is not None
+
+
+def test_where_classes_differ_only_the_highest_class_scores_and_weights_alone_keep_grants(clock, pids):
+    s = _scheduler(clock, pids)
+    scored: list[frozenset[str] | None] = []
+
+    class Spy(PayoffJudge):
+        def sample(self, wall: float, progress: dict[str, int], scored_jobs: frozenset[str] | None = None
+                   ) -> Verdict:
+            scored.append(scored_jobs)
+            return self.verdict
+
+    s._judges[0] = Spy(PayoffSettings())  # noqa: SLF001
+    a, box_a = join(s, job="job-a", rank=0)
+    b, box_b = join(s, job="job-b", rank=0)
+    c, _ = join(s, job="job-c", rank=0)
+    s.adapt()
+    assert scored[-1] is None  # one class: every job scores
+    s.set_job_class("job-b", Priority.LOW)
+    s.set_job_class("job-c", Priority.LOW)
+    s.adapt()
+    assert scored[-1] == frozenset({"job-a"})  # the production job decides whether grants stay
+    s.set_job_class("job-a", Priority.HIGH)
+    s.set_job_class("job-b", Priority.HIGH)
+    s.adapt()
+    assert scored[-1] == frozenset({"job-a", "job-b"})
+    for job in ("job-a", "job-b", "job-c"):
+        s.set_job_class(job, Priority.NORMAL, weight=1.0)
+    s.set_job_class("job-a", weight=3.0)
+    n = len(scored)
+    s.adapt()  # weights are shares of the grants: no probe, grants stay
+    assert len(scored) == n and s.sharing(0).mode is Mode.SCHEDULED and "weight" in s.sharing(0).reason
