@@ -127,9 +127,17 @@ class PhaseMachine:
         measured = min(duration_s, seen) if duration_s > 0 else (seen if sess.phase is Phase.COMM else 0.0)
         sess.stats.comm_total += measured
         sess.stats.comm_n += 1
-        self.policy.observe(sess.ref.key, "comm", measured, now)
+        if self._fits_estimates(sess):
+            self.policy.observe(sess.ref.key, "comm", measured, now)
         sess.set_phase(Phase.OTHER, now)
         d.log(EventName.COMM_END, sess, iteration=iteration, duration_s=measured)
+
+    def _fits_estimates(self, sess: Session) -> bool:
+        """Whether the rank's phase tells the policy what its phases take under grants: not on a device
+        opened because grants do not pay there, where every job's phases ran beside the others' (the
+        probes of `--adapt` open it for windows at a time, and a lower job's compute measured there
+        would not fit the gaps it gets under grants)."""
+        return sess.ref.device not in self._leases.opened
 
     def finish_compute(self, sess: Session, now: float, d: Decision, duration_s: float, strict: bool,
                        yields: bool = False, ticket: int = 0) -> None:
@@ -151,7 +159,8 @@ class PhaseMachine:
                 phase_s = sess.yielded_s + measured
                 ema = sess.stats.compute_ema
                 sess.stats.compute_ema = phase_s if ema is None else 0.7 * ema + 0.3 * phase_s
-                self.policy.observe(key, "compute", phase_s, now)
+                if self._fits_estimates(sess):
+                    self.policy.observe(key, "compute", phase_s, now)
                 sess.yielded_s = 0.0
                 d.log(EventName.RELEASE, sess, held_s=held)
             sess.set_phase(Phase.OTHER, now)

@@ -1,6 +1,8 @@
 """The scheduler opens a device where grants do not pay and closes it where they do (`grant_payoff`)."""
 from __future__ import annotations
 
+import pytest
+
 from crossover.daemon.api import Phase
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
@@ -160,3 +162,43 @@ def test_where_classes_differ_only_the_highest_class_scores_and_weights_alone_ke
     n = len(scored)
     s.adapt()  # weights are shares of the grants: no probe, grants stay
     assert len(scored) == n and s.sharing(0).mode is Mode.SCHEDULED and "weight" in s.sharing(0).reason
+
+
+def test_phases_on_an_open_device_do_not_feed_the_estimates_that_fit_a_lower_job_into_gaps(clock, pids):
+    """A probe's unscheduled windows stretch every job's phases (they run beside each other); a low job's
+    compute measured there would not fit the production job's gaps under grants, and the low job would get
+    only its guard until eight phases of its own replaced them."""
+    s = _scheduler(clock, pids)
+    judge = _Told(PayoffSettings())
+    s._judges[0] = judge  # noqa: SLF001
+    a, box_a = join(s, job="job-a", rank=0)
+    b, box_b = join(s, job="job-b", rank=0)
+    s.set_job_class("job-b", Priority.LOW)
+    book = s._phases.policy.book  # noqa: SLF001 (the estimates under test)
+    judge.told = Verdict(Mode.UNSCHEDULED, "grants do not pay the highest class", 0.9)
+    s.adapt()
+    drain_outbox(box_a), drain_outbox(box_b)
+    for it in range(3):
+        for sid in (a, b):
+            s.event(sid, "compute_request", iteration=it, seq=it + 1, no_wait=True)
+        clock.advance(0.45)  # three times a phase under grants
+        for sid in (a, b):
+            s.event(sid, "compute_done", iteration=it, comm_begins=True)
+        clock.advance(0.3)
+        for sid in (a, b):
+            s.event(sid, "comm_end", duration_s=0.3)
+    assert book.long_phase("job-b") is None and book.short_gap("job-a") is None
+
+    judge.told = Verdict(Mode.SCHEDULED, "grants pay the highest class", 1.2)
+    s.adapt()
+    s.event(a, "lease_released")
+    s.event(b, "lease_released")
+    s.event(b, "compute_request", iteration=3, seq=4)
+    clock.advance(0.15)
+    s.event(b, "compute_done", iteration=3, comm_begins=True)
+    s.event(a, "compute_request", iteration=3, seq=4)
+    clock.advance(0.15)
+    s.event(a, "compute_done", iteration=3, comm_begins=True)
+    clock.advance(0.2)
+    s.event(a, "comm_end", duration_s=0.2)
+    assert book.long_phase("job-b") == pytest.approx(0.15) and book.short_gap("job-a") == pytest.approx(0.2)
