@@ -233,8 +233,8 @@ def test_closing_a_context_closes_its_fds_and_pages(bed: Bed) -> None:
     assert open_to(name) == 3 + 3  # the test's three, the server's two pages and the waiting fd
     c.close()
     # The server marks the context closed before it releases what it held, on its own thread: wait for the end.
-    until(lambda: ctx.closed and not ctx.fds and ctx.own is None and not ctx.peers and open_to(name) == 3)
-    assert all(p is not None and p.closed for p in pages)
+    until(lambda: ctx.closed and not ctx.fds and ctx.own is None and not ctx.peers and open_to(name) == 3
+          and all(p is not None and p.closed for p in pages))
 
 
 def test_closing_the_server_closes_the_contexts_pages(bed: Bed) -> None:
