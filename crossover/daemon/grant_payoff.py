@@ -129,6 +129,15 @@ class PayoffJudge:
             self._measure(w, wall - w * s.window_s, wall, progress)
         return self.verdict
 
+    def hold(self, verdict: Verdict) -> Verdict:
+        """Take `verdict` as the device's mode, decided elsewhere (weights need grants): the next `sample`
+        starts a probe afresh."""
+        self._jobs = self._scored = frozenset()
+        self._probe_from = self._hold_until = None
+        self._window = None
+        self.verdict = verdict
+        return verdict
+
     def _start_probe(self, w: int) -> None:
         """Probe from the next even window: every node starts its probe in the same window."""
         self._probe_from = w + 1 + (w + 1) % 2

@@ -42,6 +42,7 @@ class Leases:
         self._deferred: dict[int, dict[str, None]] = {}  # device -> sessions whose request waits for it
         self.draining: set[int] = set()  # devices that take no new ranks and give no leases
         self.opened: set[int] = set()  # devices leased to every rank on them (grants do not pay there)
+        self.closed_at: dict[int, float] = {}  # device -> when it was last closed (grants came back)
 
     def offer(self, sess: Session, d: Decision) -> None:
         """Just granted under a blocking policy: lease the device to the session if no other job can want it."""
@@ -77,7 +78,9 @@ class Leases:
     def revoke(self, device: int, reason: str, d: Decision) -> None:
         """Take the device's lease back, if it has one, and await each holder's release; an open
         device is closed."""
-        self.opened.discard(device)
+        if device in self.opened:
+            self.opened.discard(device)
+            self.closed_at[device] = self._clock()
         for sid in self._held.pop(device, {}):
             holder = self._registry.get(sid)
             d.post(holder, LeaseMsg(False))

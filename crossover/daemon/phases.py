@@ -133,11 +133,12 @@ class PhaseMachine:
         d.log(EventName.COMM_END, sess, iteration=iteration, duration_s=measured)
 
     def _fits_estimates(self, sess: Session) -> bool:
-        """Whether the rank's phase tells the policy what its phases take under grants: not on a device
-        opened because grants do not pay there, where every job's phases ran beside the others' (the
-        probes of `--adapt` open it for windows at a time, and a lower job's compute measured there
-        would not fit the gaps it gets under grants)."""
-        return sess.ref.device not in self._leases.opened
+        """Whether the rank's ending phase tells the policy what its phases take under grants: not if it
+        began on a device opened because grants do not pay there, where every job's phases ran beside the
+        others' (the probes of `--adapt` open it for windows at a time, and a lower job's compute measured
+        there would not fit the gaps it gets under grants)."""
+        device = sess.ref.device
+        return device not in self._leases.opened and sess.phase_since >= self._leases.closed_at.get(device, 0.0)
 
     def finish_compute(self, sess: Session, now: float, d: Decision, duration_s: float, strict: bool,
                        yields: bool = False, ticket: int = 0) -> None:

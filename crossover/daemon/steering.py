@@ -63,8 +63,8 @@ class Steering(JobOwnership):
         """Open each device where grants do not pay, close it where they do (see `grant_payoff`).
 
         Where the jobs on a device differ in priority class, grants pay when they pay its highest class:
-        the production job keeps whichever mode it trains faster in. Where they differ only in weight,
-        grants stay: a weight is a share of the grants, which an unscheduled device cannot give.
+        the production job keeps whichever mode it trains faster in. Where the highest class's jobs differ
+        in weight, grants stay: a weight is a share of the grants, which an unscheduled device cannot give.
 
         Opening leases the device to every rank on it, and grants every rank waiting for it at once.
         Each change of a device's mode is in the event log (`sharing`) with its reason."""
@@ -89,13 +89,11 @@ class Steering(JobOwnership):
                 judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
                 before = judge.verdict
                 priority = {job: self._phases.priority_of(job) for job in progress}
-                top = max(priority.values(), default=0)
-                if len(set(priority.values())) > 1:
-                    verdict = judge.sample(wall, progress, frozenset(j for j, p in priority.items() if p == top))
-                elif self._classes_differ(progress):  # a weight is a share of grants: unscheduled has none
-                    judge.verdict = verdict = Verdict(Mode.SCHEDULED, "its jobs differ in weight")
+                top = frozenset(j for j, p in priority.items() if p == max(priority.values()))
+                if self._classes_differ(top):  # a weight is a share of grants: unscheduled has none
+                    verdict = judge.hold(Verdict(Mode.SCHEDULED, "its jobs differ in weight"))
                 else:
-                    verdict = judge.sample(wall, progress)
+                    verdict = judge.sample(wall, progress, top if len(top) < len(progress) else None)
                 is_open = i in self._leases.opened
                 if verdict.mode is Mode.UNSCHEDULED and not is_open and self._leases.can_open(i):
                     self._open(i, now, d)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings
+from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Verdict
 
 S = PayoffSettings(window_s=1.0, settle_share=0.2, probe_pairs=2, hold_windows=5, margin=0.01)
 
@@ -94,6 +94,20 @@ def test_where_classes_differ_grants_stay_only_if_they_pay_the_highest_class():
     assert j.verdict.probing  # a class change starts a new probe, from the next even window
     drive_scored(j, costs_a, frozenset({"a"}), 18.5, 22.5, counts)
     assert j.verdict.mode is Mode.UNSCHEDULED and "highest class" in j.verdict.reason
+
+
+def test_a_verdict_held_from_outside_is_followed_by_a_fresh_probe():
+    """Weights forced grants on for a while; once they are equal again the next sample probes at once,
+    whatever verdict was held before them."""
+    cost = {Mode.SCHEDULED: {"a": 80.0, "b": 40.0}, Mode.UNSCHEDULED: {"a": 100.0, "b": 50.0}}
+    j = PayoffJudge(S)
+    counts = {"a": 0.0, "b": 0.0}
+    drive(j, cost, 10.0, 16.5, counts=counts)
+    assert j.verdict.mode is Mode.UNSCHEDULED and not j.verdict.probing  # held until window 21
+    forced = j.hold(Verdict(Mode.SCHEDULED, "its jobs differ in weight"))
+    assert forced.mode is Mode.SCHEDULED and j.verdict is forced
+    seen = drive(j, cost, 17.0, 19.5, counts=counts)
+    assert any(v.probing for _, v in seen), "the held verdict outlived the weights"
 
 
 def test_the_verdict_holds_then_the_device_probes_again():

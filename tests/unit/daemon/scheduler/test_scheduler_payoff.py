@@ -132,36 +132,41 @@ def test_adapt_off_at_start_can_be_switched_on(make):
     assert s.sharing(0) is not None
 
 
-def test_where_classes_differ_only_the_highest_class_scores_and_weights_alone_keep_grants(clock, pids):
+def test_where_classes_differ_only_the_highest_class_scores_and_its_weights_keep_grants(clock, pids):
     s = _scheduler(clock, pids)
-    scored: list[frozenset[str] | None] = []
+    seen: list[frozenset[str] | None] = []
+    held: list[str] = []
 
     class Spy(PayoffJudge):
-        def sample(self, wall: float, progress: dict[str, int], scored_jobs: frozenset[str] | None = None
-                   ) -> Verdict:
-            scored.append(scored_jobs)
+        def sample(self, wall: float, progress: dict[str, int], scored: frozenset[str] | None = None) -> Verdict:
+            seen.append(scored)
             return self.verdict
 
+        def hold(self, verdict: Verdict) -> Verdict:
+            held.append(verdict.reason)
+            return super().hold(verdict)
+
     s._judges[0] = Spy(PayoffSettings())  # noqa: SLF001
-    a, box_a = join(s, job="job-a", rank=0)
-    b, box_b = join(s, job="job-b", rank=0)
-    c, _ = join(s, job="job-c", rank=0)
+    for job in ("job-a", "job-b", "job-c"):
+        join(s, job=job, rank=0)
     s.adapt()
-    assert scored[-1] is None  # one class: every job scores
+    assert seen[-1] is None  # one class: every job scores
     s.set_job_class("job-b", Priority.LOW)
     s.set_job_class("job-c", Priority.LOW)
     s.adapt()
-    assert scored[-1] == frozenset({"job-a"})  # the production job decides whether grants stay
+    assert seen[-1] == frozenset({"job-a"})  # the production job decides whether grants stay
+    s.set_job_class("job-c", weight=2.0)
+    s.adapt()
+    assert seen[-1] == frozenset({"job-a"}) and held == []  # the low jobs' weights do not keep grants
     s.set_job_class("job-a", Priority.HIGH)
     s.set_job_class("job-b", Priority.HIGH)
     s.adapt()
-    assert scored[-1] == frozenset({"job-a", "job-b"})
-    for job in ("job-a", "job-b", "job-c"):
-        s.set_job_class(job, Priority.NORMAL, weight=1.0)
+    assert seen[-1] == frozenset({"job-a", "job-b"})
+    n = len(seen)
     s.set_job_class("job-a", weight=3.0)
-    n = len(scored)
-    s.adapt()  # weights are shares of the grants: no probe, grants stay
-    assert len(scored) == n and s.sharing(0).mode is Mode.SCHEDULED and "weight" in s.sharing(0).reason
+    s.adapt()  # the highest class's weights are shares of the grants: no probe, grants stay
+    assert len(seen) == n and held == ["its jobs differ in weight"]
+    assert s.sharing(0).mode is Mode.SCHEDULED and "weight" in s.sharing(0).reason
 
 
 def test_phases_on_an_open_device_do_not_feed_the_estimates_that_fit_a_lower_job_into_gaps(clock, pids):
@@ -188,17 +193,28 @@ def test_phases_on_an_open_device_do_not_feed_the_estimates_that_fit_a_lower_job
         for sid in (a, b):
             s.event(sid, "comm_end", duration_s=0.3)
     assert book.long_phase("job-b") is None and book.short_gap("job-a") is None
-
-    judge.told = Verdict(Mode.SCHEDULED, "grants pay the highest class", 1.2)
-    s.adapt()
-    s.event(a, "lease_released")
-    s.event(b, "lease_released")
-    s.event(b, "compute_request", iteration=3, seq=4)
-    clock.advance(0.15)
-    s.event(b, "compute_done", iteration=3, comm_begins=True)
-    s.event(a, "compute_request", iteration=3, seq=4)
+    # Phases begun on the open device and ended after it closed are not counted either.
+    s.event(b, "compute_request", iteration=3, seq=4, no_wait=True)
+    s.event(a, "compute_request", iteration=3, seq=4, no_wait=True)
     clock.advance(0.15)
     s.event(a, "compute_done", iteration=3, comm_begins=True)
+    clock.advance(0.01)
+    judge.told = Verdict(Mode.SCHEDULED, "grants pay the highest class", 1.2)
+    s.adapt()
+    clock.advance(0.3)
+    s.event(b, "compute_done", iteration=3, comm_begins=True)
+    s.event(a, "comm_end", duration_s=0.3)
+    s.event(b, "lease_released")
+    s.event(a, "lease_released")
+    assert book.long_phase("job-b") is None and book.short_gap("job-a") is None
+    clock.advance(0.3)
+    s.event(b, "comm_end", duration_s=0.3)
+    s.event(b, "compute_request", iteration=4, seq=5)
+    clock.advance(0.15)
+    s.event(b, "compute_done", iteration=4, comm_begins=True)
+    s.event(a, "compute_request", iteration=4, seq=5)
+    clock.advance(0.15)
+    s.event(a, "compute_done", iteration=4, comm_begins=True)
     clock.advance(0.2)
     s.event(a, "comm_end", duration_s=0.2)
     assert book.long_phase("job-b") == pytest.approx(0.15) and book.short_gap("job-a") == pytest.approx(0.2)
