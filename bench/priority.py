@@ -164,7 +164,7 @@ def _sim_table(result: dict[str, Any]) -> Table:
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
     from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
-    from bench.emulated.scenarios import ADAPTS, CLASSES, DSCP
+    from bench.emulated.scenarios import ADAPTS, CLASSES, DSCP, settle_s
     from crossover.protos.event_file import EventName, read_events
     from testbed.cluster import Cluster, ClusterSpec, Link
     from testbed.device_model import DeviceParams
@@ -212,8 +212,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=mode in ADAPTS)
                     admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES)
                     cluster.honour_dscp(mode in DSCP)
-                    # An adaptive device's first verdict takes a probe (4 windows, from the next even one).
-                    time.sleep(args.settle_s + (6 * _ADAPT_WINDOW_S if mode in ADAPTS else 0.0))
+                    time.sleep(settle_s(mode, args.settle_s, _ADAPT_WINDOW_S))
                     a = time.monotonic()
                     time.sleep(args.segment_s)
                     segments.append({"cycle": cycle, "mode": mode, "a": a, "b": time.monotonic()})

@@ -63,7 +63,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.emulated.judge import phase_medians, summarize
 from bench.emulated.report import plot_timeline, render
-from bench.emulated.scenarios import ADAPTS, ALL, COLOCATED, CPU_HANDOVER, FULL, MODEL, POLICY, QUICK, Scenario
+from bench.emulated.scenarios import (
+    ADAPTS,
+    ALL,
+    COLOCATED,
+    CPU_HANDOVER,
+    FULL,
+    MODEL,
+    POLICY,
+    QUICK,
+    Scenario,
+    settle_s,
+)
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.admin import AdminClient
 from crossover.plugins.hook.settings import SettingError, parse_cpu_list
@@ -297,9 +308,8 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
                     step(f"{scn.name} @ {rate:g} Mbit/s, batch {batch}: cycle {cycle + 1}/{args.cycles} {mode}")
                     admin.set_policy(POLICY[mode], adapt=mode in ADAPTS, handover=mode not in CPU_HANDOVER)
                     t_switch = time.monotonic()
-                    # An adaptive device's first verdict takes a probe (4 windows, from the next even one);
-                    # its later re-probes fall inside the measured segments.
-                    time.sleep(args.settle_s + (6 * args.adapt_window if mode in ADAPTS else 0.0))
+                    # An adaptive device's later re-probes fall inside the measured segments.
+                    time.sleep(settle_s(mode, args.settle_s, args.adapt_window))
                     a = time.monotonic()
                     running = list(names)
                     if visitors is None:

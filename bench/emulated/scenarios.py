@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ADAPTS", "ALL", "CHURN", "CLASSES", "COLOCATED", "CPU_HANDOVER", "DSCP", "FULL", "MODEL", "MODES", "POLICY",
-           "QUICK", "Scenario"]
+           "QUICK", "Scenario", "settle_s"]
 
 MODES = ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive", "classes",
          "classes-dscp", "classes-adaptive")
@@ -29,6 +29,12 @@ DSCP = frozenset({"classes-dscp"})
 ADAPTS = frozenset({"adaptive", "classes-adaptive"})
 """Modes whose daemons measure per device whether grants pay (`crossoverd --adapt`, the default); the others
 grant everywhere."""
+
+
+def settle_s(mode: str, settle: float, adapt_window_s: float) -> float:
+    """How long a bed waits after switching to `mode` before it measures: `settle`, and in an adaptive mode
+    the first verdict's probe too (4 windows, from the next even one: 6 windows at most)."""
+    return settle + (6 * adapt_window_s if mode in ADAPTS else 0.0)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from typing import Any, Callable
 from bench.emulated.cli import ClusterAdmin, job_ids, solo_result, wait_warm
 from bench.emulated.judge import phase_medians, summarize
 from bench.emulated.report import plot_timeline
-from bench.emulated.scenarios import ADAPTS, CLASSES, CPU_HANDOVER, DSCP, POLICY, Scenario
+from bench.emulated.scenarios import ADAPTS, CLASSES, CPU_HANDOVER, DSCP, POLICY, Scenario, settle_s
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, read_events
@@ -317,8 +317,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
                         admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES)
                         cluster.honour_dscp(mode in DSCP)
                     t_switch = time.monotonic()
-                    # An adaptive device's first verdict takes a probe (4 windows, from the next even one).
-                    time.sleep(args.settle_s + (6 * args.adapt_window if mode in ADAPTS else 0.0))
+                    time.sleep(settle_s(mode, args.settle_s, args.adapt_window))
                     a = time.monotonic()
                     time.sleep(args.segment_s)
                     b = time.monotonic()

@@ -131,10 +131,8 @@ class PayoffJudge:
 
     def hold(self, verdict: Verdict) -> Verdict:
         """Take `verdict` as the device's mode, decided elsewhere (weights need grants): the next `sample`
-        starts a probe afresh."""
+        starts a probe afresh (forgetting the jobs makes it see them change)."""
         self._jobs = self._scored = frozenset()
-        self._probe_from = self._hold_until = None
-        self._window = None
         self.verdict = verdict
         return verdict
 

@@ -89,7 +89,8 @@ class Steering(JobOwnership):
                 judge = self._judges.setdefault(i, PayoffJudge(self._payoff))
                 before = judge.verdict
                 priority = {job: self._phases.priority_of(job) for job in progress}
-                top = frozenset(j for j, p in priority.items() if p == max(priority.values()))
+                highest = max(priority.values(), default=0)
+                top = frozenset(j for j, p in priority.items() if p == highest)
                 if self._classes_differ(top):  # a weight is a share of grants: unscheduled has none
                     verdict = judge.hold(Verdict(Mode.SCHEDULED, "its jobs differ in weight"))
                 else:
