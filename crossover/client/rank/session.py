@@ -65,7 +65,7 @@ class Session:
         self.transport = ""  # how the session stream travels: "session socket" or "grpc"
         self.job_class = ("normal", 1.0)  # this job's class on this node, as the daemon last said
         self.preempted = False  # a higher-class rank waits for this rank's device: yield at the next gradient
-        self.outranked = False  # a rank of a higher class shares this rank's device, as the daemon last said
+        self._outranked = False  # a rank of a higher class shares this rank's device, as the daemon last said
         self._traffic = TrafficMark(settings.low_dscp)  # the low class's DSCP on this rank's TCP sockets
         self.turns = TurnHandover()  # the hand-over on the device: pages, the device that uses them, tickets
         self._after = (0, 0)  # the latest grant's page and ticket to wait for on the device
@@ -136,6 +136,12 @@ class Session:
         if granted and after[0]:
             self.turns.wait_after(*after)
         return granted
+
+    @property
+    def outranked(self) -> bool:
+        """A rank of a higher class shares this rank's device (as the daemon last said) and this rank waits for
+        grants, so it may be asked to yield mid-phase: under passthrough or a lease nobody asks."""
+        return self._outranked and self._attached and self._blocks and not self._leased
 
     @property
     def hands_over(self) -> bool:
@@ -334,7 +340,7 @@ class Session:
                     elif d.HasField("share"):
                         self._shares_device = d.share.other_ranks > 0
                         self._device_handover = d.share.handover
-                        self.outranked = d.share.outranked
+                        self._outranked = d.share.outranked
                     elif d.HasField("handover_page"):
                         self.turns.page(d.handover_page.page, d.handover_page.own, stream.take_fd())
                     elif d.HasField("job_class"):
@@ -377,7 +383,7 @@ class Session:
         self._leased = False
         self._shares_device = True
         self._device_handover = False
-        self.outranked = False
+        self._outranked = False
         self._after = (0, 0)
         self.turns.close()
         self._unsent = None

@@ -4,7 +4,14 @@
 the chain replaces the optimizer's ``step``, ``synchronize`` and ``zero_grad``
 once, by bound methods (``types.MethodType``, so ``torch.optim.lr_scheduler``
 can still wrap ``step``: it needs ``step.__func__``), and registers one
-gradient hook per parameter for the hooks that want gradients.
+gradient hook per parameter while some hook wants gradients.
+
+A hook may want gradients only at times (an outranked rank's yield check):
+between backward passes (when it is added, and at every ``step()``) the chain
+asks each hook that has ``on_gradient`` whether it wants the next pass's
+gradients (:meth:`OptimizerHook.between_passes`), and registers the
+per-parameter hooks, or removes them, accordingly. A pass that no hook wants
+the gradients of costs no per-parameter call.
 
 The end of a backward pass costs one hook, not one per parameter: the chain
 watches every parameter's accumulation until one pass has reached them all,
@@ -52,6 +59,13 @@ class OptimizerHook:
     def before_zero_grad(self) -> None:
         """``zero_grad()`` is called."""
 
+    def between_passes(self) -> bool:
+        """Between backward passes (when added, and at each ``step()``): whether ``on_gradient`` runs in the next.
+
+        A hook may also add or remove hooks of its own outside the optimizer here (never inside a pass).
+        """
+        return True
+
     def on_gradient(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """A parameter's gradient is ready, before it is accumulated (autograd's thread).
 
@@ -77,6 +91,8 @@ class HookChain:
         self.steps = 0  # completed step() calls: the optimizer's iteration index
         self.params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
         self._gradient_hooks: list[OptimizerHook] = []  # the hooks that override on_gradient, in the order added
+        self._wanting: tuple[OptimizerHook, ...] = ()  # those that want this pass's gradients
+        self._per_parameter: list[Any] = []  # handles of the gradient hooks now registered, one per parameter
         self._backward_hooks: list[OptimizerHook] = []
         self._watched: list[Any] = []  # handles of the post-accumulate hooks now registered
         self._unfired: set[int] = set()  # watching all: the parameters (ids) this pass has not reached yet
@@ -88,10 +104,8 @@ class HookChain:
         """Put ``hook`` around the hooks added so far and register the gradient hooks it needs."""
         self.hooks.insert(0, hook)
         if _overrides(hook, "on_gradient"):
-            if not self._gradient_hooks:
-                for index, param in enumerate(self.params):
-                    param.register_hook(functools.partial(self._on_gradient, index))
             self._gradient_hooks.append(hook)
+            self._ask_gradient_hooks()
         if _overrides(hook, "on_backward_done"):
             if not self._backward_hooks and self.params:
                 self._watch_all()
@@ -102,6 +116,8 @@ class HookChain:
         original_step, original_sync, original_zero_grad = opt.step, opt.synchronize, opt.zero_grad
 
         def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
+            if chain._gradient_hooks:
+                chain._ask_gradient_hooks()
             if chain._backward_hooks:
                 chain._next_iteration()
             out = chain._around("step", original_step, args, kwargs)
@@ -143,9 +159,20 @@ class HookChain:
                 HookChain._exit(point, entered[:position], raised=True)
                 raise
 
+    def _ask_gradient_hooks(self) -> None:
+        """Between passes: which hooks want the next pass's gradients; the per-parameter hooks follow."""
+        self._wanting = tuple(hook for hook in self._gradient_hooks if hook.between_passes())
+        if self._wanting and not self._per_parameter:
+            self._per_parameter = [param.register_hook(functools.partial(self._on_gradient, index))
+                                   for index, param in enumerate(self.params)]
+        elif not self._wanting and self._per_parameter:
+            for handle in self._per_parameter:
+                handle.remove()
+            self._per_parameter = []
+
     def _on_gradient(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
         replaced: Optional[torch.Tensor] = None
-        for hook in self._gradient_hooks:  # in the order they were added, as torch runs hooks
+        for hook in self._wanting:  # in the order they were added, as torch runs hooks
             out = hook.on_gradient(index, grad if replaced is None else replaced)
             if out is not None:
                 replaced = out

@@ -51,7 +51,10 @@ class PhaseSession(Protocol):
 
     def take_preempted(self) -> bool: ...
 
-    outranked: bool  # a rank of a higher class shares the device
+    @property
+    def outranked(self) -> bool: ...  # a rank of a higher class shares the device and may ask for it
+
+    preempted: bool  # a higher-class rank asked for the device since the last `take_preempted`
 
     @property
     def hands_over(self) -> bool: ...

@@ -173,10 +173,17 @@ class _PhaseTracker(OptimizerHook):
     def _new_phase(self) -> None:
         self.passes = 0
 
-    def on_gradient(self, index: int, grad: Any) -> None:
+    def between_passes(self) -> bool:
+        """The check at each gradient runs only while a higher class shares the device (and, on a GPU, so does
+        the forward pre-hook): a rank nobody can ask to yield pays nothing per parameter."""
         if self.phases.pace is not None:  # on a GPU
             _follow_outranked(self.phases)
-        self.phases.at_boundary()
+        return self.phases.session.outranked
+
+    def on_gradient(self, index: int, grad: Any) -> None:
+        phases = self.phases
+        if phases.pace is not None or phases.session.preempted:  # flag reads, unless there is work
+            phases.at_boundary()
         return None
 
     def on_backward_done(self) -> None:

@@ -191,3 +191,42 @@ def test_several_passes_per_step_each_end_once():
             model(torch.ones(3, 4)).sum().backward()
         opt.step()
     assert len(counter.seen) == 6
+
+
+def test_a_hook_gets_gradients_only_in_passes_it_wants_them_and_costs_no_hook_otherwise():
+    class Sometimes(OptimizerHook):
+        def __init__(self) -> None:
+            self.wanted, self.seen = False, 0
+
+        def between_passes(self) -> bool:
+            return self.wanted
+
+        def on_gradient(self, index: int, grad: torch.Tensor) -> Optional[torch.Tensor]:
+            self.seen += 1
+            return None
+
+    model = _mlp(3)
+    opt = SyncSGD(model.parameters(), lr=0.01)
+    hook = Sometimes()
+    hooks_of(opt).add(hook)
+
+    def iteration() -> None:
+        opt.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+
+    def registered() -> int:
+        return sum(len(p._backward_hooks or {}) for p in model.parameters())
+
+    iteration()
+    assert (hook.seen, registered()) == (0, 0)
+    hook.wanted = True
+    iteration()  # asked at this step(): the next pass has the hooks
+    assert hook.seen == 0 and registered() == 6
+    iteration()
+    assert hook.seen == 6
+    hook.wanted = False
+    iteration()  # the pass before this step still had them
+    assert hook.seen == 12 and registered() == 0
+    iteration()
+    assert hook.seen == 12

@@ -12,6 +12,7 @@ from crossover.plugins.hook.phase_reporter import PhaseReporter as RankPhases  #
 class FakeSession:
     def __init__(self, shares_device: bool) -> None:
         self.shares_device = shares_device
+        self.outranked = False
         self.calls: list[str] = []
 
     def comm_begin(self, iteration: int) -> None:
