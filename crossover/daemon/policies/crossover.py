@@ -233,12 +233,18 @@ class CrossoverPolicy(DispatchPolicy):
         return out
 
     def _order(self, device: int) -> tuple[str, ...]:
-        """Job names on the device: the waiting ones in serve order, then the others (holding the
-        device or in their allreduce) by job id, as `crossover queue` shows them."""
+        """Job names on the device, as `crossover queue` shows them: the waiting ones in serve order, then the
+        others (holding the device or in their allreduce) by job id. Where classes differ, a higher job comes
+        back before a lower one is served (it waits only for a gap it fits, or its guard), so the order is by
+        class first, a lower job whose guard is due now first of all."""
         names = {k: r.job_name for k, r in self._q.ranks.items() if r.device == device}
-        waiting = [names[k] for k in self.order(device)]
-        rest = [names[k] for k in sorted(names, key=lambda k: (k.job_id, k.rank))]
-        return tuple(dict.fromkeys(waiting + rest))
+        serve = self.order(device)
+        keys = serve + [k for k in sorted(names, key=lambda k: (k.job_id, k.rank)) if k not in serve]
+        if not self.book.uniform({k.job_id for k in names}):
+            owed = {k for k in serve if self.book.credit(k.job_id, self._now)
+                    >= max(self._compute.get(k.job_id, 0.0), 0.01)}
+            keys.sort(key=lambda k: (k not in owed, -self.book.of(k.job_id).priority))  # stable: serve order within
+        return tuple(dict.fromkeys(names[k] for k in keys))
 
     def _pick(self, waiting: list[RankKey], passed: dict[RankKey, int]) -> RankKey:
         """The rank to serve next among `waiting`: the first in line unless a clearly shorter job may pass it."""

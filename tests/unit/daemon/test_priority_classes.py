@@ -243,3 +243,25 @@ def test_the_queue_shows_higher_classes_first() -> None:
     p.request(K("hi"), 0, 0.2)
     assert p.order(0) == [K("hi"), K("lo")]
 
+
+
+def test_the_queue_order_puts_a_higher_job_away_before_a_lower_one_held_back_as_the_policy_serves() -> None:
+    p = policy({"prod": NORMAL, "sweep": LOW}, guard_share=0.0001)
+    phase(p, "sweep", 0.0, compute=0.3, comm=0.1)
+    phase(p, "prod", 1.0, compute=0.1, comm=0.2)
+    assert p.request(K("prod"), 1, 1.3) == [K("prod")]  # prod holds; sweep asks and is held back
+    assert p.request(K("sweep"), 1, 1.32) == []
+    assert p.view(0).waiting == (K("sweep"),)
+    assert p.view(0).order == ("prod", "sweep")  # not the waiting sweep first: it is not served next
+    p.release(K("prod"), 1.4)
+    served_next = p.request(K("prod"), 2, 1.45)  # back before its allreduce is out: the policy's own decision
+    assert served_next == [K("prod")] and p.view(0).order[0] == "prod"
+
+
+def test_the_queue_order_puts_a_lower_job_whose_guard_is_due_first() -> None:
+    p = policy({"prod": NORMAL, "sweep": LOW}, guard_share=0.5)
+    phase(p, "sweep", 0.0, compute=0.01, comm=0.1)
+    assert p.request(K("prod"), 1, 5.0) == [K("prod")]
+    assert p.request(K("sweep"), 1, 5.01) == []
+    assert p.view(0).order == ("sweep", "prod")
+    assert p.release(K("prod"), 5.02) == [K("sweep")]
