@@ -35,29 +35,31 @@ class DeviceStats:
 
 
 def parse_cpu_devices(spec: str, cpu_count: int) -> list[int]:
-    """`"2"` → cores [0, 1]; `"3,5"` or `"3-5"` → those core ids. Validated against the machine."""
+    """`"2"` → cores [0, 1]; `"3,5"` or `"3-5"` → those core ids; `"3,"` → core 3 alone; `"0"`, which cannot
+    be a count, → core 0. Validated against the machine; each refusal is one short line."""
     spec = spec.strip()
     if not spec:
         raise InvalidRequest("--cpu-devices is empty; give a count (e.g. 2) or core ids (e.g. 0,1 or 2-3)")
-    try:
-        if spec.isdigit():
-            n = int(spec)
-            if n < 1:
-                raise InvalidRequest(f"--cpu-devices {spec}: need at least one device")
-            cores = list(range(n))
-        else:
-            cores = []
-            for part in spec.split(","):
-                if "-" in part:
-                    lo, hi = (int(x) for x in part.split("-", 1))
-                    cores.extend(range(lo, hi + 1))
-                else:
-                    cores.append(int(part))
-    except ValueError:
-        raise InvalidRequest(f"--cpu-devices {spec!r} is neither a count nor a list of core ids") from None
-    bad = [c for c in cores if c < 0 or c >= cpu_count]
+    if spec.isdigit() and int(spec) > 0:
+        n = int(spec)
+        if n > cpu_count:
+            raise InvalidRequest(f"--cpu-devices {spec}: this machine has {cpu_count} cores (0-{cpu_count - 1})")
+        return list(range(n))
+    cores: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise InvalidRequest(f"--cpu-devices {spec!r} is neither a count nor a list of core ids (0,1 or 2-3)")
+        if dash and int(hi) < int(lo):
+            raise InvalidRequest(f"--cpu-devices {spec!r}: the range {part} runs backwards (write {hi}-{lo})")
+        cores.extend(range(int(lo), int(hi if dash else lo) + 1))
+    if not cores:
+        raise InvalidRequest(f"--cpu-devices {spec!r} names no core; give a count (2) or core ids (0,1 or 2-3)")
+    bad = sorted({c for c in cores if c >= cpu_count})
     if bad:
-        raise InvalidRequest(f"--cpu-devices {spec!r}: cores {bad} do not exist (this machine has {cpu_count})")
+        named = ", ".join(map(str, bad[:3])) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise InvalidRequest(f"--cpu-devices {spec!r}: no core {named}: this machine has {cpu_count} cores "
+                             f"(0-{cpu_count - 1})")
     if len(set(cores)) != len(cores):
         raise InvalidRequest(f"--cpu-devices {spec!r} names a core twice")
     return cores

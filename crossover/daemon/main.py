@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -25,7 +26,7 @@ from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
-from crossover.protos import default_socket_path
+from crossover.protos import STEERING_COMMANDS_TEXT, default_socket_path
 
 _log = logging.getLogger("crossover.daemon")
 
@@ -48,7 +49,31 @@ def _group(name: str | None, flag: str) -> int | None:
         raise click.BadParameter(f"no group named {name!r}", param_hint=flag) from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Usage(click.UsageError):
+    """A usage error of crossoverd as one line: what is wrong, and where its help is."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"crossoverd: {self.format_message()} (see `crossoverd --help`)", err=True)
+
+
+class _Command(click.Command):
+    """crossoverd's command line, whose usage errors are one line on stderr instead of click's four."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _Usage(exc.format_message(), exc.ctx) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _Usage(exc.format_message(), exc.ctx) from None
+
+
+@click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "--version", prog_name="crossoverd", message="%(prog)s %(version)s")
 @click.option("--socket", "socket_path", default=default_socket_path,
               show_default="$CROSSOVER_SOCKET or a per-user path",
@@ -60,19 +85,19 @@ def _group(name: str | None, flag: str) -> int | None:
               help="Shared token TCP clients must send [env CROSSOVER_TOKEN]; `ps` shows it: prefer --token-file.")
 @click.option("--token-file", type=click.Path(dir_okay=False), help="Read the token from this file.")
 @click.option("--admin-token-file", type=click.Path(dir_okay=False),
-              help="Read the admin token from this file: TCP calls that change state (policy, drain, resume) "
+              help=f"Read the admin token from this file: TCP calls that change state ({STEERING_COMMANDS_TEXT}) "
               "need it. Without it, TCP callers can look but not steer.")
 @click.option("--socket-group", metavar="GROUP",
               help="Group that may reach the rank sockets (ranks run as its members); default: the daemon "
               "user's group.")
 @click.option("--admin-group", metavar="GROUP",
-              help="Group that may also use the admin socket SOCKET.admin (policy, drain, resume); default: "
+              help=f"Group that may also use the admin socket SOCKET.admin ({STEERING_COMMANDS_TEXT}); default: "
               "the daemon's user (and root) alone.")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="PEM certificate: serve TCP with TLS.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key for --tls-cert.")
 @click.option("--cpu-devices", metavar="N|IDS",
-              help="Manage CPU cores as devices: a count (2) or core ids (0,1 or 2-3). "
-              "Without it, GPUs are found through NVML.")
+              help="Manage CPU cores as devices: a count (2: cores 0 and 1) or core ids (0,1 or 2-3; one core: "
+              "3, or a lone 0). Without it, GPUs are found through NVML.")
 @click.option("--policy", type=click.Choice(policies.available()), default="crossover", show_default=True,
               help="crossover: one compute phase per device, served in the order jobs' allreduces "
               "ended (one order on every node), clearly shorter computes first; one job computes "
@@ -185,9 +210,9 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     `import crossover.auto`. Watch with `crossover queue`. SIGTERM or Ctrl-C
     stops the daemon cleanly: waiting ranks are released and keep training.
 
-    Ranks (and anyone who may look) use SOCKET; the calls that steer the daemon
-    (policy, drain, resume) only SOCKET.admin, the daemon user's alone (see
-    SECURITY.md).
+    Ranks (and anyone who may look) use SOCKET; the `crossover` commands that
+    steer the daemon (policy NAME, drain, resume, evict, priority and share)
+    only SOCKET.admin, the daemon user's alone (see SECURITY.md).
 
     \b
     Examples:
@@ -197,11 +222,17 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token, admin_token, rules = _checked_options(token, token_file, admin_token_file, tls_cert, tls_key,
                                                  metrics_address, health_address, class_rules)
+    if evict_after < heartbeat_timeout:
+        raise click.BadParameter(f"{evict_after:g} s is shorter than --heartbeat-timeout {heartbeat_timeout:g} s: "
+                                 "a rank is removed only after it was suspended", param_hint="'--evict-after'")
     metrics = None
     try:
         cores = parse_cpu_devices(cpu_devices, os.cpu_count() or 1) if cpu_devices else None
-        log = EventLog(maxlen=event_log_size, path=event_log, max_bytes=int(event_log_max_mb * (1 << 20)),
-                       backups=event_log_backups)
+        try:
+            log = EventLog(maxlen=event_log_size, path=event_log, max_bytes=int(event_log_max_mb * (1 << 20)),
+                           backups=event_log_backups)
+        except OSError as exc:
+            raise OSError(f"cannot open --event-log {event_log}: {exc.strerror or exc}") from None
         core = Scheduler(Inventory.detect(cores), policy, node=node_name, event_log=log,
                          heartbeat_interval_s=min(0.2, heartbeat_timeout / 4), lease=lease,
                          liveness=LivenessSettings(heartbeat_timeout_s=heartbeat_timeout, evict_after_s=evict_after,

@@ -197,8 +197,8 @@ class Daemon:
             if path:
                 _open_up(path, group, 0o600 if path == self.admin_socket and group is None else 0o660)
         self._reaper.start()
-        _log.info("crossoverd serving on %s%s%s%s (policy %s, %d device(s))",
-                  self.socket_path or "", f" and {self.listen}" if self.listen else "",
+        _log.info("crossoverd serving on %s%s%s (policy %s, %d device(s))",
+                  " and ".join(where for where in (self.socket_path, self.listen) if where),
                   f"; session streams also on {self.session_socket}" if self.session_socket else "",
                   f"; admin calls on {self.admin_socket}" if self.admin_socket else "",
                   self.core.policy_name, len(self.core.inventory.devices))

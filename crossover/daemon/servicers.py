@@ -164,6 +164,10 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     @_unary
     def ListJobs(self, request: pb.JobsRequest, context: grpc.ServicerContext) -> pb.JobList:
+        return pb.JobList(jobs=list(self._jobs().values()))
+
+    def _jobs(self) -> dict[str, pb.JobState]:
+        """Each job with ranks on this node, by id, as `crossover jobs` shows it."""
         _, ranks = self._core.snapshot()
         jobs: dict[str, pb.JobState] = {}
         for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
@@ -173,7 +177,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
                 priority=to_wire(r.priority), weight=r.weight, class_set_by=r.class_by))
             job.ranks.append(_rank_state(r, {}))
             job.registered_s = max(job.registered_s, r.registered_s)
-        return pb.JobList(jobs=list(jobs.values()))
+        return jobs
 
     @_unary
     def GetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
@@ -218,8 +222,10 @@ class AdminService(_Service, pb_grpc.AdminServicer):
             raise InvalidRequest("give a priority, a weight, or both")
         job_id, cls = self._core.set_job_class(request.job, asked,
                                                request.weight or None, caller=_caller(context))
-        return pb.JobState(job_id=job_id, priority=to_wire(str(cls.priority)), weight=cls.weight,
-                           class_set_by="operator")
+        job = self._jobs().get(job_id) or pb.JobState(job_id=job_id)  # the job as `crossover jobs` shows it now
+        job.priority = pb.Priority.Value(to_wire(str(cls.priority)))
+        job.weight, job.class_set_by = cls.weight, "operator"
+        return job
 
     @_unary
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from crossover.daemon import policies
-from crossover.daemon.api import FailedPrecondition, Phase
+from crossover.daemon.api import FailedPrecondition, NotFound, Phase
 from crossover.daemon.class_rules import ClassRules
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision
@@ -268,12 +268,15 @@ class Steering(JobOwnership):
     def evict(self, device: int = -1, job: str = "", caller: str = "") -> list[str]:
         """The operator's `crossover evict`: take `device` back from its holders now (each is treated
         as overdue and the next rank is served), and/or close every session of `job` (id or name) on
-        this node. Returns a line per rank touched; an empty list when nothing matched."""
+        this node. Returns a line per rank touched; an empty list when the device had no holder. A job with
+        no rank here is refused (`NotFound`, as `set_job_class` refuses it), and nothing is logged."""
         if device >= 0:
             self.inventory.by_index(device)
         done: list[str] = []
         doomed: list[str] = []
         with self._lock:
+            if job and not any(job in (s.ident.job_id, s.ident.job_name) for s in self._sessions):
+                raise NotFound(f"no job {job!r} has ranks on this node (`crossover jobs` lists them)")
             now = self._clock()
             d = Decision()
             for sess in list(self._sessions):
