@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 import socket
+import stat
 from types import TracebackType
 
 import grpc
@@ -58,40 +59,66 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def _unreachable(target: str, code: grpc.StatusCode, timeout: float) -> str:
-    """One line: which daemon was tried, what is wrong with it (not running, or answering not at all), what next."""
-    where = "set CROSSOVER_SOCKET or pass --socket (or --address HOST:PORT)"
-    if not target.startswith("unix://"):
-        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            return f"crossoverd at {target} did not answer within {timeout:g} s (frozen, overloaded or filtered)"
-        return f"no crossoverd answers at {target} (not running, or unreachable from here); check --address"
-    path = target[len("unix://"):]
-    if not os.path.exists(path):
-        return f"no daemon socket at {path}: crossoverd is not running there; start it, or {where}"
+_WHERE = "set CROSSOVER_SOCKET or pass --socket (or --address HOST:PORT)"
+
+
+def _socket_problem(path: str) -> str | None:
+    """What keeps a client off the Unix socket at `path`, as one line with what to do; None when something
+    accepts connections there."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"no daemon socket at {path}: crossoverd is not running there; start it, or {_WHERE}"
+    except OSError as exc:
+        return f"cannot reach {path}: {exc.strerror or exc}; {_WHERE}"
+    if stat.S_ISDIR(mode):
+        return f"{path} is a folder, not a socket: name the socket in it (crossoverd.sock), or {_WHERE}"
+    if not stat.S_ISSOCK(mode):
+        return f"{path} is not a socket (a regular file or a device): name crossoverd's socket, or {_WHERE}"
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(path)
     except ConnectionRefusedError:
-        return f"{path} is a stale socket (nobody listens): crossoverd is not running; start it, or {where}"
+        return f"{path} is a stale socket (nobody listens): crossoverd is not running; start it, or {_WHERE}"
     except OSError as exc:
-        return f"cannot connect to {path}: {exc.strerror or exc}; {where}"
+        return f"cannot connect to {path}: {exc.strerror or exc}; {_WHERE}"
     finally:
         probe.close()
-    return (f"crossoverd at {path} accepts connections but did not answer within {timeout:g} s: it is frozen "
-            "(stopped: `ps -o stat` of its pid shows T) or overloaded")
+    return None
 
 
-def translate(exc: grpc.RpcError, target: str, timeout: float) -> AdminError:
-    """The AdminError a failed call's status stands for."""
+def _unreachable(target: str, code: grpc.StatusCode, timeout: float) -> str:
+    """One line: which daemon was tried, what is wrong with it (not running, or answering not at all), what next."""
+    if not target.startswith("unix://"):
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"crossoverd at {target} did not answer within {timeout:g} s (frozen, overloaded or filtered)"
+        return f"no crossoverd answers at {target} (not running, or unreachable from here); check --address"
+    path = target[len("unix://"):]
+    return _socket_problem(path) or (
+        f"crossoverd at {path} accepts connections but did not answer within {timeout:g} s: it is frozen "
+        "(stopped: `ps -o stat` of its pid shows T) or overloaded")
+
+
+def translate(exc: grpc.RpcError, target: str, timeout: float, method: str = "", command: str = "",
+              token_sent: bool = True) -> AdminError:
+    """The AdminError a failed call's status stands for. A refusal names the call as `command` (the CLI's
+    `crossover priority`) where given, not as its RPC `method`; a token refused says where one comes from."""
     code = exc.code()
+    details = exc.details() or ""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return DaemonUnreachable(_unreachable(target, code, timeout))
     if code is grpc.StatusCode.UNAUTHENTICATED:
-        return TokenRefused(f"daemon refused the token: {exc.details()}")
+        if not token_sent:
+            return TokenRefused(f"crossoverd at {target} needs its token: pass --token-file FILE (or set "
+                                "CROSSOVER_TOKEN)")
+        return TokenRefused(f"crossoverd at {target} refused the token ({details}): pass the daemon's "
+                            "--token-file (or its --admin-token-file, to steer)")
     if code is grpc.StatusCode.PERMISSION_DENIED:
-        return NotAllowed(f"not allowed: {exc.details()}")
-    return RequestRefused(f"{exc.details()} ({code.name})")
+        if method and command and details.startswith(method):
+            details = f"`{command}`{details[len(method):]}"
+        return NotAllowed(f"not allowed: {details}")
+    return RequestRefused(f"{details} ({code.name})")
 
 
 class AdminClient:
@@ -102,12 +129,14 @@ class AdminClient:
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, address: str | None = None, *,
-                 token: str = "", tls_ca: str = "", timeout: float = 3.0) -> None:
+                 token: str = "", tls_ca: str = "", timeout: float = 3.0, command: str = "") -> None:
+        """`command`: what a refusal calls the request (the CLI gives `crossover drain`); default: its RPC."""
         if not socket and not address:
             raise ValueError("AdminClient needs a socket path or an address")
-        self.socket = None if address else os.fspath(socket)  # type: ignore[arg-type]
+        # absolute: gRPC reads `unix://dir/x.sock` as a host `dir`, and a refusal names the path it means
+        self.socket = None if address else os.path.abspath(os.fspath(socket))  # type: ignore[arg-type]
         self.target = address or f"unix://{self.socket}"
-        self.token, self.tls_ca, self.timeout = token, tls_ca, timeout
+        self.token, self.tls_ca, self.timeout, self.command = token, tls_ca, timeout, command
         self._channel: grpc.Channel | None = None
         self._metadata: list[tuple[str, str]] = []
 
@@ -141,15 +170,25 @@ class AdminClient:
             return getattr(pb_grpc.AdminStub(self._channel), method)(request, timeout=self.timeout,
                                                                       metadata=metadata)
         except grpc.RpcError as exc:
-            raise translate(exc, self.target, self.timeout) from None
+            raise translate(exc, self.target, self.timeout, method, self.command, bool(self.token)) from None
 
     def _use_admin_socket(self, method: str) -> None:
+        """Steer through the admin socket beside the rank socket; `NotAllowed` where this user may not open
+        it, or where it is not there although the daemon runs (a container given the rank socket alone)."""
         assert self.socket is not None
         path = admin_socket_path(self.socket)
         if self.target == f"unix://{path}":
             return
-        if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
-            raise NotAllowed(f"{method} needs the daemon's admin socket {path}, which this user may not open "
+        what = f"`{self.command}`" if self.command else method
+        if not os.path.exists(path):
+            if _socket_problem(self.socket) is None:
+                raise NotAllowed(f"{what} needs the daemon's admin socket {path}, which is not there: crossoverd "
+                                 f"runs at {self.socket}, but its admin socket is not reachable from here (mount "
+                                 f"the folder {os.path.dirname(path) or '.'}, not the socket alone, or run it on "
+                                 "the node as the daemon's user)")
+            return  # no daemon there: the call fails on the rank socket and says why
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise NotAllowed(f"{what} needs the daemon's admin socket {path}, which this user may not open "
                              "(it belongs to the daemon's user, or to crossoverd --admin-group)")
         self.close()
         self.target = f"unix://{path}"

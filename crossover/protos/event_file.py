@@ -22,8 +22,8 @@ from typing import Any
 
 from crossover.errors import CrossoverError
 
-__all__ = ["FORMAT", "Event", "EventName", "UnsupportedLog", "encode", "header", "read_events", "read_jsonl",
-           "rotated_paths", "typed"]
+__all__ = ["FORMAT", "Event", "EventName", "UnsupportedLog", "encode", "has_header", "header", "read_events",
+           "read_jsonl", "rotated_paths", "typed"]
 
 FORMAT = 1
 """The file format this code writes and reads; a log of a higher one is refused (`UnsupportedLog`)."""
@@ -164,6 +164,16 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
                                          "(upgrade it to read this log)")
                 continue
             yield obj
+
+
+def has_header(path: str | Path) -> bool:
+    """Whether the file starts with a log's header line (a crossoverd event log, perhaps with no event yet)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.loads(f.readline(4096))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get("event") == _HEADER
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

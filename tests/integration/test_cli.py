@@ -313,3 +313,162 @@ def test_queue_watch_streams_snapshots_into_a_pipe(daemon):
         proc.wait(10)
     heads = [line for line in lines if line.startswith("node node-cli")]
     assert len(heads) >= 2, "".join(lines)
+
+
+# ---- issue 56: every answer true, every error one line that says what to do ----------------------------
+
+ADMIN_COMMANDS = [("policy", "exclusive"), ("drain", "0"), ("resume", "0"), ("evict", "0"), ("evict", "--job", "j"),
+                  ("priority", "j", "low"), ("share", "j", "2")]
+
+
+@pytest.fixture
+def tcp_daemon():
+    """A daemon on TCP alone, with a token and no admin token: it shows, and refuses to be steered."""
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="node-tcp", event_log=EventLog())
+    d = Daemon(core, socket_path=None, listen="127.0.0.1:0", token="s3cret", reap_interval_s=0.05).start()
+    yield d
+    d.stop(grace=0.5)
+
+
+def test_admin_commands_where_only_the_rank_socket_is_mounted_say_so(run, daemon, tmp_path):
+    """A container with crossoverd.sock mounted and not the .admin beside it: the daemon runs, it is its
+    admin socket that is not there, and the line says how to reach it."""
+    mounted = tmp_path / "container"
+    mounted.mkdir()
+    (mounted / "crossoverd.sock").symlink_to(daemon.socket_path)
+    sock = str(mounted / "crossoverd.sock")
+    assert run("queue", socket=sock).exit_code == 0
+    for args in ADMIN_COMMANDS:
+        res = run(*args, socket=sock)
+        assert res.exit_code == ExitCode.FORBIDDEN, (args, res.output)
+        line = one_line(res.stderr)
+        assert f"crossover {args[0]}" in line and f"{sock}.admin" in line and "not running" not in line, line
+        assert "mount" in line, line
+    assert daemon.core.policy_name == "exclusive"
+
+
+def test_an_admin_command_with_no_daemon_names_the_daemon_socket(run, tmp_path):
+    res = run("policy", "exclusive", socket=str(tmp_path / "nobody.sock"))
+    assert res.exit_code == ExitCode.UNREACHABLE
+    line = one_line(res.stderr)
+    assert f"no daemon socket at {tmp_path / 'nobody.sock'}:" in line and ".admin" not in line
+
+
+@pytest.mark.parametrize("args", ADMIN_COMMANDS, ids=lambda a: " ".join(a))
+def test_a_refused_admin_command_is_named_as_typed_not_as_its_rpc(tcp_daemon, args):
+    res = CliRunner(env={"CROSSOVER_ADDRESS": None, "CROSSOVER_TOKEN": None}).invoke(
+        main, [*args, "--address", f"127.0.0.1:{tcp_daemon.port}", "--token", "s3cret", "--timeout", "5"])
+    assert res.exit_code == ExitCode.FORBIDDEN, res.output
+    warning, line = res.stderr.strip().splitlines()  # the token goes over plain TCP: said first
+    assert "plain TCP" in warning
+    assert f"crossover {args[0]}" in line and "--admin-token-file" in line, line
+    assert not any(rpc in line for rpc in ("SetPolicy", "Drain", "Resume", "Evict", "SetJobClass")), line
+
+
+def test_a_missing_token_points_to_token_file(tcp_daemon):
+    res = CliRunner(env={"CROSSOVER_ADDRESS": None, "CROSSOVER_TOKEN": None}).invoke(
+        main, ["queue", "--address", f"127.0.0.1:{tcp_daemon.port}", "--timeout", "5"])
+    assert res.exit_code == ExitCode.UNAUTHENTICATED
+    assert "--token-file" in one_line(res.stderr)
+
+
+def test_every_help_names_every_admin_command():
+    from crossover.daemon.main import main as crossoverd
+
+    admin = ("policy", "drain", "resume", "evict", "priority", "share")
+    top = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["--help"]).stdout
+    said = top.split("not allowed", 1)[1]
+    assert all(cmd in said for cmd in admin), said
+    for param in crossoverd.params:
+        if param.name in ("admin_group", "admin_token_file"):
+            assert all(cmd in param.help for cmd in admin), param.help  # type: ignore[attr-defined]
+    assert all(cmd in crossoverd.help.split("SOCKET.admin")[0] for cmd in admin), crossoverd.help
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    codes = readme.split("Exit codes:", 1)[1].split("\n\n", 1)[0]
+    assert all(f"`{cmd}" in codes for cmd in admin), codes
+
+
+def test_evicting_a_job_that_is_not_here_is_refused_and_not_logged(run, daemon):
+    res = run("evict", "--job", "nojob")
+    assert res.exit_code == ExitCode.REFUSED == run("priority", "nojob", "low").exit_code
+    assert "nojob" in one_line(res.stderr) and res.stdout == ""
+    assert not [e for e in daemon.core.events.events() if e.name == "evict"]
+
+
+def test_share_with_a_number_that_is_not_a_weight_is_a_usage_error(run):
+    for weight in ("nan", "inf", "-1"):
+        res = run("share", "j", weight)
+        assert res.exit_code == ExitCode.USAGE, (weight, res.output)
+        line = one_line(res.stderr)
+        assert "WEIGHT" in line and weight in line and "No such option" not in line, line
+
+
+def test_a_negative_device_says_what_is_wrong_with_it(run):
+    for args in (("drain", "-1"), ("resume", "-1"), ("evict", "-1")):
+        res = run(*args)
+        assert res.exit_code == ExitCode.USAGE
+        line = one_line(res.stderr)
+        assert "DEVICE" in line and "-1" in line and "No such option" not in line, line
+
+
+def test_queue_json_and_table_agree_on_hand_over(run, session):
+    session("cpujob")
+    rank = json.loads(run("queue", "--json").stdout)["devices"][0]["others"][0]
+    assert rank["handover"] == "cpu"
+
+
+def test_priority_json_is_the_jobs_real_state_and_the_text_names_the_job_as_typed(run, session):
+    session("prio")
+    res = run("priority", "prio", "low", "--weight", "2", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["kind"] == "job_class" and data["job_id"] == "id-prio" and data["job_name"] == "prio"
+    assert data["world_size"] == 1 and len(data["ranks"]) == 1 and data["weight"] == 2.0
+    assert data["priority"] == "PRIORITY_LOW" and data["class_set_by"] == "operator"
+    res = run("share", "prio", "3")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("job prio ") and "low, weight 3" in res.stdout
+
+
+# ---- the crossoverd entry point, issue 56 ----
+
+
+def test_crossoverd_names_its_flags_not_its_settings(tmp_path):
+    res = _crossoverd(tmp_path, "--cpu-devices", "1", "--heartbeat-timeout", "5", "--evict-after", "1")
+    assert res.returncode == 2
+    line = one_line(res.stderr)
+    assert "--evict-after" in line and "--heartbeat-timeout" in line and "_s" not in line, line
+
+
+def test_crossoverd_names_an_event_log_it_cannot_open(tmp_path):
+    res = _crossoverd(tmp_path, "--cpu-devices", "1", "--event-log", "/proc/version")
+    assert res.returncode != 0
+    line = one_line(res.stderr)
+    assert "--event-log" in line and "/proc/version" in line, line
+
+
+@pytest.mark.parametrize("spec, cores", [("0", [0]), ("0,", [0]), ("1", [0]), ("0-1", [0, 1]), ("1,0", [1, 0])])
+def test_cpu_devices_take_the_lists_the_help_offers(spec, cores):
+    from crossover.daemon.inventory import parse_cpu_devices
+
+    assert parse_cpu_devices(spec, 2) == cores
+
+
+@pytest.mark.parametrize("spec, words", [("2-1", "backwards"), ("99", "this machine has 2"),
+                                         ("0-99", "this machine has 2")])
+def test_cpu_devices_that_cannot_be_are_one_short_line(spec, words):
+    from crossover.daemon.api import InvalidRequest
+    from crossover.daemon.inventory import parse_cpu_devices
+
+    with pytest.raises(InvalidRequest) as err:
+        parse_cpu_devices(spec, 2)
+    assert words in str(err.value) and len(str(err.value)) < 120, str(err.value)
+
+
+def test_crossoverd_without_a_socket_logs_what_it_serves_on(caplog):
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="n", event_log=EventLog())
+    with caplog.at_level("INFO", logger="crossover.daemon.server"):
+        d = Daemon(core, socket_path=None, listen="127.0.0.1:0", token="t", reap_interval_s=0.05).start()
+        d.stop(grace=0.5)
+    line = next(r.getMessage() for r in caplog.records if "serving on" in r.getMessage())
+    assert "serving on 127.0.0.1:0" in line and "  " not in line, line

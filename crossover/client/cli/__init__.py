@@ -7,10 +7,11 @@ command; the daemon's answers come through `crossover.client.admin.AdminClient`.
 from __future__ import annotations
 
 import sys
+import textwrap
 
 import click
 
-from crossover.client.cli._common import ExitCode
+from crossover.client.cli._common import ExitCode, OneLineGroup
 from crossover.client.cli.devices import drain, resume
 from crossover.client.cli.evict import evict
 from crossover.client.cli.job_class import priority, share
@@ -19,6 +20,7 @@ from crossover.client.cli.policy import policy
 from crossover.client.cli.queue import queue
 from crossover.client.cli.stats import stats
 from crossover.client.cli.timeline import timeline
+from crossover.protos import STEERING_COMMANDS_TEXT
 
 __all__ = ["ExitCode", "main"]
 
@@ -41,22 +43,27 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
         ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+_HELP = f"""Inspect and steer the Crossover daemon of this node.
+
+Each device (GPU, or CPU core under --cpu-devices) has a queue: the rank
+holding it computes; the others wait in grant order or are in their
+allreduce. Start with `crossover queue`. `crossover stats` and
+`crossover timeline` read the daemon's --event-log files instead.
+
+\b
+Exit codes: 0 ok, 1 error, 2 usage, 3 daemon unreachable,
+            4 request refused, 5 token refused, 6 not allowed
+{textwrap.fill(f"({STEERING_COMMANDS_TEXT} go to the daemon's admin socket, or need its admin token over TCP).",
+               62, initial_indent=" " * 12, subsequent_indent=" " * 12)}
+"""
+
+
+@click.group("crossover", cls=OneLineGroup, help=_HELP,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Print the version and exit.")
 def main() -> None:
-    """Inspect and steer the Crossover daemon of this node.
-
-    Each device (GPU, or CPU core under --cpu-devices) has a queue: the rank
-    holding it computes; the others wait in grant order or are in their
-    allreduce. Start with `crossover queue`. `crossover stats` and
-    `crossover timeline` read the daemon's --event-log files instead.
-
-    \b
-    Exit codes: 0 ok, 1 error, 2 usage, 3 daemon unreachable,
-                4 request refused, 5 token refused, 6 not allowed
-                (policy, drain and resume go to the daemon's admin socket).
-    """
+    """The `crossover` command: its subcommands follow."""
 
 
 for _command in (queue, jobs, policy, drain, resume, priority, share, evict, timeline, stats):

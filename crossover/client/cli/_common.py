@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +24,8 @@ from crossover.client.admin import (
 from crossover.client.cli import formatting
 from crossover.protos import default_socket_path
 
-__all__ = ["MAX_DEVICE", "Daemon", "ExitCode", "Fail", "console", "finite", "with_daemon_options"]
+__all__ = ["MAX_DEVICE", "Daemon", "ExitCode", "Fail", "OneLineGroup", "console", "finite", "not_nan",
+           "with_daemon_options"]
 
 MAX_DEVICE = 2**31 - 1  # the wire's int32
 
@@ -45,6 +49,56 @@ class Fail(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"crossover: {self.format_message()}", err=True)
+
+
+class Usage(click.UsageError):
+    """A usage error as one line: what is wrong, and where the command's help is."""
+
+    def show(self, file: Any = None) -> None:
+        where = f" (see `{self.ctx.command_path} --help`)" if self.ctx is not None else ""
+        prog = self.ctx.find_root().info_name if self.ctx is not None else "crossover"
+        click.echo(f"{prog}: {self.format_message()}{where}", err=True)
+
+
+_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+|inf|nan)", re.IGNORECASE)
+
+
+def _as_one_line(exc: click.UsageError) -> click.UsageError:
+    """`exc` as a `Usage`. A negative number a command took for an option (`drain -1`) is told as what is
+    wrong with it as the command's numeric argument."""
+    ctx = exc.ctx
+    if isinstance(exc, click.NoSuchOption) and ctx is not None and _NUMBER.fullmatch(exc.option_name):
+        numeric = [p for p in ctx.command.params if isinstance(p, click.Argument)
+                   and isinstance(p.type, (click.types.IntParamType, click.types.FloatParamType))]
+        if numeric:
+            try:
+                numeric[-1].type.convert(exc.option_name, numeric[-1], ctx)
+            except click.BadParameter as bad:
+                exc = bad
+    return Usage(exc.format_message(), ctx)
+
+
+@contextmanager
+def _one_line_usage() -> Iterator[None]:
+    try:
+        yield
+    except click.UsageError as exc:
+        if isinstance(exc, Usage) or type(exc).show is not click.UsageError.show:  # e.g. help shown for no command
+            raise
+        raise _as_one_line(exc) from None
+
+
+class OneLineGroup(click.Group):
+    """The `crossover` group: a usage error of any command is one line on stderr, not click's four."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        with _one_line_usage():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _one_line_usage():
+            return super().invoke(ctx)
 
 
 _EXIT_CODES: list[tuple[type[AdminError], ExitCode]] = [
@@ -97,17 +151,37 @@ class Daemon:
                 token = Path(token_file).read_text().strip()
             except OSError as exc:
                 raise click.UsageError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
+        socket = kw.pop("socket")
+        if address:
+            _check_address(address)
+        elif not socket:
+            raise click.BadParameter("is empty: give the daemon's socket path (or --address HOST:PORT)",
+                                     param_hint="'--socket'")
         if address and token and not tls_ca:
             click.echo(f"crossover: warning: sending the token to {address} over plain TCP (no --tls-ca): anyone "
                        "on the way can read it", err=True)
-        client = AdminClient(kw.pop("socket"), address, token=token or "", tls_ca=tls_ca or "",
-                             timeout=kw.pop("timeout"))
+        client = AdminClient(socket, address, token=token or "", tls_ca=tls_ca or "", timeout=kw.pop("timeout"),
+                             command=click.get_current_context().command_path)
         return cls(client, kw.pop("as_json"))
+
+
+def _check_address(address: str) -> None:
+    """`HOST:PORT` with a host and a port gRPC can dial (1..65535); a usage error names what is not."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise click.BadParameter(f"{address!r} is not HOST:PORT with a port in 1..65535", param_hint="'--address'")
 
 
 def finite(_ctx: click.Context, param: click.Parameter, value: float) -> float:
     if value != value:  # NaN passes every range comparison
         raise click.BadParameter("must be a number of seconds, not nan", param=param)
+    return value
+
+
+def not_nan(_ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A number option's or argument's callback: NaN passes click's range checks, so it is refused here."""
+    if value is not None and value != value:
+        raise click.BadParameter("nan is not a number", param=param)
     return value
 
 

@@ -29,8 +29,9 @@ _UNKNOWN_WHEN_NEGATIVE = {"utilization", "cpu_percent"}  # -1 on the wire: not m
 def to_json(kind: str, message: Any) -> dict[str, Any]:
     """`{"version": 1, "kind": ..., <message fields>}`; defaults included so keys are stable.
 
-    Numbers stay numbers (protobuf's JSON mapping writes 64-bit integers as strings), and a
-    figure the daemon could not measure is null, not -1.
+    Numbers stay numbers (protobuf's JSON mapping writes 64-bit integers as strings), a
+    figure the daemon could not measure is null, not -1, and a rank's hand-over is `device` or
+    `cpu`, as the table says it.
     """
     body = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     _plain_numbers(message, body)
@@ -50,6 +51,8 @@ def _plain_numbers(message: Any, body: dict[str, Any]) -> None:
             body[field.name] = [int(v) for v in value] if repeated else int(value)
         elif field.name in _UNKNOWN_WHEN_NEGATIVE and not repeated and value < 0:
             body[field.name] = None
+        elif field.name == "handover" and field.type == FieldDescriptor.TYPE_STRING and not value:
+            body[field.name] = "cpu"  # the wire's "": its CPU waits for the device, as the table says
 
 
 def _ms(seconds: float) -> str:

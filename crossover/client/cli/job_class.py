@@ -5,22 +5,27 @@ from typing import Any
 
 import click
 
-from crossover.client.cli._common import Daemon, with_daemon_options
+from crossover.client.cli._common import Daemon, not_nan, with_daemon_options
+from crossover.client.cli.formatting import shown
 from crossover.protos.priority import NAMES, name_of
 
 __all__ = ["priority", "share"]
 
 
-def _said(d: dict[str, Any]) -> str:
+def _said(job: str, d: dict[str, Any]) -> str:
+    """The reply as a line that names the job as the operator typed it (and its id, where that was its name)."""
     name = name_of(str(d.get("priority", ""))) or "normal"
-    return f"job {d.get('job_id', '')[:12]}: {name}, weight {d.get('weight', 1.0):g} on this node"
+    job_id = str(d.get("job_id", ""))
+    which = shown(job).plain + ("" if job == job_id else f" (id {job_id[:12]})")
+    return f"job {which}: {name}, weight {d.get('weight', 1.0):g} on this node"
 
 
 @click.command()
 @with_daemon_options
 @click.argument("job")
 @click.argument("klass", metavar="CLASS", type=click.Choice(NAMES, case_sensitive=False))
-@click.option("--weight", type=click.FloatRange(0.01, 100), help="Also set its weight within the class.")
+@click.option("--weight", type=click.FloatRange(0.01, 100), callback=not_nan,
+              help="Also set its weight within the class.")
 def priority(job: str, klass: str, weight: float | None, **kw: Any) -> None:
     """Set JOB's priority CLASS on this node (high, normal, low); JOB is its id or name.
 
@@ -34,14 +39,15 @@ def priority(job: str, klass: str, weight: float | None, **kw: Any) -> None:
     crossover priority sweep-17 low --weight 2
     """
     daemon = Daemon.from_options(kw)
-    daemon.emit("job_class", daemon.ask(daemon.client.set_job_class, job, klass.lower(), weight), _said)
+    daemon.emit("job_class", daemon.ask(daemon.client.set_job_class, job, klass.lower(), weight),
+                lambda d: _said(job, d))
 
 
 @click.command()
 @with_daemon_options
 @click.argument("job")
-@click.argument("weight", type=click.FloatRange(0.01, 100))
+@click.argument("weight", type=click.FloatRange(0.01, 100), callback=not_nan)
 def share(job: str, weight: float, **kw: Any) -> None:
     """Set JOB's WEIGHT within its class on this node: waiting jobs of one class share the device by weight."""
     daemon = Daemon.from_options(kw)
-    daemon.emit("job_class", daemon.ask(daemon.client.set_job_class, job, None, weight), _said)
+    daemon.emit("job_class", daemon.ask(daemon.client.set_job_class, job, None, weight), lambda d: _said(job, d))

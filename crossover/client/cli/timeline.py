@@ -12,11 +12,21 @@ from crossover.client.cli.log_selection import Selection, with_log_options
 
 __all__ = ["timeline"]
 
+_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib writes with no backend beyond its own
+
+
+def _drawable(_ctx: click.Context, param: click.Parameter, output: Path) -> Path:
+    """`output`, unless its extension names a format the timeline cannot be written in."""
+    if output.suffix and output.suffix.lower() not in _FORMATS:
+        raise click.BadParameter(f"cannot draw a {output.suffix} file ({output}); name a {', '.join(_FORMATS)} file",
+                                 param=param)
+    return output
+
 
 @click.command()
 @with_log_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default="timeline.png",
-              show_default=True, help="PNG file to write.")
+              show_default=True, callback=_drawable, help=f"Picture to write: {', '.join(_FORMATS)}.")
 @click.option("--title", help="Title above the picture (default: the files and the window).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was drawn as versioned JSON (the PNG's path, the "
               "window, the devices and the marks) instead of the path alone.")

@@ -184,7 +184,31 @@ def test_a_file_that_is_no_event_log(tmp_path):
     binary = tmp_path / "blob.bin"
     binary.write_bytes(b"\xff\xfe\x00garbage")
     res = _run("stats", str(binary))
-    assert res.exit_code == 1 and res.stderr.startswith(f"crossover: cannot read {binary}")
+    assert res.exit_code == 1
+    assert res.stderr == f"crossover: {binary} is not a crossoverd event log (it is not text)\n"
+
+
+def test_a_fresh_log_with_only_its_header_is_called_empty(tmp_path):
+    fresh = tmp_path / "fresh.jsonl"
+    EventLog(path=fresh, flush_interval_s=60).close()
+    assert fresh.read_text().startswith('{"event":"log_format"')
+    for command in ("stats", "timeline"):
+        res = _run(command, str(fresh), *(["-o", str(tmp_path / "t.png")] if command == "timeline" else []))
+        assert res.exit_code == 1, res.output
+        assert res.stderr.count("\n") == 1 and "no events yet" in res.stderr and "is it a" not in res.stderr
+
+
+def test_a_huge_window_is_said_in_few_digits(logs):
+    res = _run("stats", *logs, "--since", "1e308")
+    assert res.exit_code == 2
+    assert res.stderr == "crossover: empty window: 1e+308 s to 10.5 s (the log spans 0 to 10.5 s)\n"
+
+
+def test_timeline_to_a_file_it_cannot_draw_names_what_it_can(logs, tmp_path):
+    res = _run("timeline", *logs, "-o", str(tmp_path / "t.xyz"))
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and ".png" in res.stderr and ".xyz" in res.stderr, res.stderr
+    assert "Traceback" not in res.output and not (tmp_path / "t.xyz").exists()
 
 
 def test_version():

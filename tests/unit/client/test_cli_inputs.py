@@ -21,3 +21,43 @@ def test_the_token_comes_from_a_file_and_a_token_over_plain_tcp_is_warned_about(
     assert both.exit_code == 2 and "not both" in both.output
     missing = CliRunner().invoke(main, ["queue", "--address", "127.0.0.1:9", "--token-file", str(tmp_path / "no")])
     assert missing.exit_code == 2 and "cannot read --token-file" in missing.output
+
+
+def _one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got {lines!r}"
+    return lines[0]
+
+
+def test_usage_errors_are_one_line_that_says_where_help_is():
+    for args, words in ((["queue", "--bogus"], "--bogus"), (["nosuch"], "nosuch"), (["drain"], "DEVICE"),
+                        (["--bogus"], "--bogus")):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, res.output
+        line = _one_line(res.stderr)
+        assert line.startswith("crossover") and words in line and "--help" in line, line
+
+
+def test_an_empty_socket_is_a_usage_error_not_a_traceback():
+    res = CliRunner(env={"CROSSOVER_ADDRESS": None}).invoke(main, ["queue", "--socket", ""])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert "--socket" in _one_line(res.stderr)
+
+
+def test_an_address_with_no_port_there_is_a_usage_error():
+    for address in ("127.0.0.1:99999", "127.0.0.1", "127.0.0.1:x", ":7070"):
+        res = CliRunner().invoke(main, ["queue", "--address", address, "--timeout", "0.2"])
+        assert res.exit_code == 2, (address, res.output)
+        line = _one_line(res.stderr)
+        assert "--address" in line and address in line, line
+
+
+def test_a_socket_that_is_a_file_or_a_folder_is_called_so(tmp_path):
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    for path, words in ((plain, "not a socket"), (tmp_path, "a folder")):
+        res = CliRunner(env={"CROSSOVER_ADDRESS": None}).invoke(main, ["queue", "--socket", str(path),
+                                                                       "--timeout", "1"])
+        assert res.exit_code == 3, res.output
+        line = _one_line(res.stderr)
+        assert words in line and "stale" not in line, line
