@@ -472,3 +472,11 @@ def test_crossoverd_without_a_socket_logs_what_it_serves_on(caplog):
         d.stop(grace=0.5)
     line = next(r.getMessage() for r in caplog.records if "serving on" in r.getMessage())
     assert "serving on 127.0.0.1:0" in line and "  " not in line, line
+
+
+def test_a_relative_socket_path_reaches_the_daemon(run, daemon, monkeypatch):
+    """gRPC reads `unix://dir/x.sock` as host `dir`: the client makes the path absolute first."""
+    folder, name = os.path.split(daemon.socket_path)
+    monkeypatch.chdir(os.path.dirname(folder))
+    res = run("queue", "--json", socket=os.path.join(os.path.basename(folder), name))
+    assert res.exit_code == 0, res.output
