@@ -71,12 +71,14 @@ def _swap(replace: dict[Callable[..., Any], Callable[..., Any]]) -> None:
 
 
 def _synchronize(handle: Any) -> Any:
+    """Called once per tensor by Horovod's optimizer: without the device held there is nothing to hand back,
+    and that costs a flag read (a reference kept past `uninstall` finds no phases)."""
     original = RUNTIME.original_waits["synchronize"]
     phases = RUNTIME.phases
-    if phases is None:  # a reference kept past `uninstall`
-        return _wait(handle, original)
-    with phases.waiting_for_peers():
-        return _wait(handle, original)
+    if phases is not None and phases.holding:
+        with phases.waiting_for_peers():
+            return _wait(handle, original)
+    return _wait(handle, original)
 
 
 def _wait(handle: Any, original: Callable[[Any], Any]) -> Any:
@@ -94,13 +96,13 @@ def _staging(tensors: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
 
 
 def _allreduce_async_(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-    if _staging((tensor,), args, kwargs):
+    if RUNTIME.stager is not None and _staging((tensor,), args, kwargs):  # once per tensor: a flag read first
         return RUNTIME.stager.allreduce_async_(tensor, *args, **kwargs)  # type: ignore[union-attr]
     return RUNTIME.original_waits["allreduce_async_"](tensor, *args, **kwargs)
 
 
 def _grouped_allreduce_async_(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-    if tensors and _staging(tensors, args, kwargs):
+    if RUNTIME.stager is not None and tensors and _staging(tensors, args, kwargs):
         return RUNTIME.stager.grouped_allreduce_async_(tensors, *args, **kwargs)  # type: ignore[union-attr]
     return RUNTIME.original_waits["grouped_allreduce_async_"](tensors, *args, **kwargs)
 
@@ -111,10 +113,11 @@ def _poll(handle: Any) -> bool:
     else:
         done = bool(RUNTIME.original_waits["poll"](handle))
     phases = RUNTIME.phases
-    if phases is not None:
+    if phases is not None:  # flag reads first: the quiet wait polls every tensor's handle
         if done:
-            phases.resume()
-        else:
+            if phases.yielded:
+                phases.resume()
+        elif phases.holding:
             phases.pause()
     return done
 
