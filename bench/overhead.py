@@ -125,17 +125,19 @@ def main() -> None:
     p.add_argument("--np", type=int, default=2,
                    help="ranks of the job; on a 2-core machine 2 ranks fill every core, so the daemon's and the "
                         "RPC threads' CPU preempts a rank and stalls both (1 rank leaves them a core)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 5 with --hook-cost)")
     p.add_argument("--metric", action="store_true",
                    help="the workload averages its loss with hvd.allreduce after every step (Horovod's ImageNet "
                         "example does): a holder frees its device for that wait and asks again, so the no-lease "
                         "variants pay one more grant round trip per iteration")
-    p.add_argument("--iters", type=int, default=80)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=None, help="iterations per job (default 80; 300 with --hook-cost)")
+    p.add_argument("--warmup", type=int, default=None, help="iterations left out of the means (default 10; 30 "
+                                                             "with --hook-cost)")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=3, help="hidden layers (2 x (depth + 1) parameter tensors)")
     p.add_argument("--hook-cost", action="store_true",
-                   help="1 rank, depth 79 x width 16 (160 tensors), batch 8, 300 iterations, 5 rounds: the "
+                   help="1 rank, depth 79 x width 16 (160 tensors), batch 8, 300 iterations, 5 rounds (unless "
+                        "--iters or --rounds say otherwise): the "
                         "per-iteration cost of the hooks and the grant path, against the targets")
     p.add_argument("--batch", type=int, default=0,
                    help="per-rank batch; 0 (default): calibrated so plain Horovod takes --target-ms per iteration")
@@ -154,7 +156,10 @@ def main() -> None:
                     f"{sorted(os.sched_getaffinity(0))}, leaving at least one for the jobs")
         os.sched_setaffinity(0, others)  # horovodrun and its ranks inherit it
     if args.hook_cost:
-        args.np, args.depth, args.width, args.batch, args.iters, args.rounds, args.warmup = 1, 79, 16, 8, 300, 5, 30
+        args.np, args.depth, args.width, args.batch = 1, 79, 16, 8
+    for name, default, hook_cost in (("rounds", 3, 5), ("iters", 80, 300), ("warmup", 10, 30)):
+        if getattr(args, name) is None:  # what the command line gives wins, --hook-cost or not
+            setattr(args, name, hook_cost if args.hook_cost else default)
 
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="xo-overhead-") as tmp, Progress(transient=True) as progress:
