@@ -52,6 +52,9 @@ from rich.table import Table
 
 from bench.lib.judge import percentile
 from bench.lib.results import machine, write_json
+from crossover.daemon.policies import CrossoverPolicy
+from crossover.daemon.policies.classes import ClassSettings
+from crossover.daemon.policies.isolation import IsolationSettings
 from testbed.simulator import JobSpec, SimConfig, simulate
 
 MODES = ("unscheduled", "equal", "classes")
@@ -59,7 +62,16 @@ EMULATED_MODES = (*MODES, "classes-dscp", "classes-adaptive")
 """`classes-dscp` (the emulated beds): `classes` with the links sending the low jobs' DSCP-marked packets last;
 `classes-adaptive`: `classes` where each device keeps grants only if they pay the production job (`--adapt`)."""
 _ADAPT_WINDOW_S = 3.0  # the emulated beds' daemons' --adapt-window: ten iterations of 300 ms
-_SIM_POLICY = {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}
+SIM_MODES = ("unscheduled", "equal", "classes-open", "classes")
+"""The simulator's modes: `classes` is the daemon's policy as it ships (the isolation controller holding the
+production job at `--protect` 0.97); `classes-open`, the class rules without it (`crossoverd --protect 0`)."""
+
+
+def _sim_policy(mode: str) -> Any:
+    """The policy (a name, or a factory) the simulator runs for `mode`."""
+    if mode == "classes-open":
+        return lambda: CrossoverPolicy(classes=ClassSettings(isolation=IsolationSettings(target=0.0)))
+    return {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}[mode]
 
 
 def low_ceiling(device_s: float, iter_s: float, lows: int = 1, interference: float = 0.0) -> float:
@@ -93,8 +105,8 @@ def sim_point(compute_s: float, comm_s: float, lows: int, interference: float, i
                     interference=interference, comm_interference=0.0, startup_spread_s=0.2,
                     horizon_s=iterations * (compute_s + comm_s))
     out: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "lows": lows, "interference": interference}
-    for mode in MODES:
-        res = simulate(_sim_jobs(compute_s, comm_s, lows, mode == "classes"), _SIM_POLICY[mode], n_nodes=2,
+    for mode in SIM_MODES:
+        res = simulate(_sim_jobs(compute_s, comm_s, lows, mode.startswith("classes")), _sim_policy(mode), n_nodes=2,
                        config=cfg)
         out[mode] = {"speed_vs_alone": {j.name: (1.0 / j.slowdown if j.slowdown else 0.0) for j in res.jobs}}
     return out
@@ -104,7 +116,7 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0) -> dict[str, A
     """64 nodes x 8 devices: on each device one production job (ranks over 4 nodes) and churning low jobs."""
     import random
 
-    classes = mode == "classes"
+    classes = mode.startswith("classes")
     rng = random.Random(seed)
     jobs: list[JobSpec] = []
     for group in range(16):  # 16 groups of 4 nodes
@@ -123,7 +135,7 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0) -> dict[str, A
                 t += stay + rng.uniform(2, 10)
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
                     interference=0.19, comm_interference=0.0, horizon_s=horizon_s)
-    res = simulate(jobs, _SIM_POLICY[mode], n_nodes=64, devices_per_node=8, config=cfg)
+    res = simulate(jobs, _sim_policy(mode), n_nodes=64, devices_per_node=8, config=cfg)
     prod = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("prod") and j.slowdown]
     opp = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("opp") and j.slowdown]
     return {"prod_speed_median": statistics.median(prod), "prod_speed_p10": percentile(prod, 10),
@@ -141,16 +153,16 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     gapless = sim_point(0.1, 0.005, 1, 0.19, iterations=args.iters)
     gapless["scenario"] = "no gaps (comm 0.05x compute), 1 prod + 1 low"
     points.append(gapless)
-    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon) for m in MODES}}
+    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon) for m in SIM_MODES}}
 
 
 def _sim_table(result: dict[str, Any]) -> Table:
     t = Table(title="speed relative to alone, simulator (2 nodes x 1 device)", title_justify="left")
-    for col in ("scenario", "interf.", *(f"{m} prod / low" for m in MODES)):
+    for col in ("scenario", "interf.", *(f"{m} prod / low" for m in SIM_MODES)):
         t.add_column(col, justify="left" if col == "scenario" else "right")
     for pt in result["points"]:
         cells = []
-        for mode in MODES:
+        for mode in SIM_MODES:
             sp = pt[mode]["speed_vs_alone"]
             lows = [v for k, v in sp.items() if k != "prod"]
             cells.append(f"{sp['prod']:.2f} / " + ",".join(f"{v:.2f}" for v in lows))

@@ -16,6 +16,7 @@ from crossover.protos import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from crossover.daemon.policies.classes import JobClass
+    from crossover.daemon.policies.isolation import Change, IsolationView
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -150,6 +151,15 @@ class Policy(Protocol):
 
     def take_preemptions(self) -> list[RankKey]:
         """Holders to ask for a yield now (a higher-class rank waits behind them); each is returned once."""
+
+    def take_isolation_changes(self) -> list[tuple[int, Change]]:
+        """Each device's isolation budget changes since the last call (policies without classes: none)."""
+
+    def isolating(self, device: int) -> bool:
+        """Whether an isolation controller holds the device's highest class at its pace (`policies.isolation`)."""
+
+    def isolation_view(self, device: int) -> IsolationView | None:
+        """The device's isolation controller as `crossover queue` shows it; None while there is none."""
 
     def holds(self, key: RankKey) -> bool: ...
 

@@ -24,6 +24,7 @@ from crossover.daemon.limits import StreamLimits
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import ClassSettings
+from crossover.daemon.policies.isolation import IsolationSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
 from crossover.protos import STEERING_COMMANDS_TEXT, default_socket_path
@@ -174,6 +175,11 @@ class _Command(click.Command):
 @click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=ClassSettings.guard_share, show_default=True,
               help="The device time every job of a lower class is guaranteed beside higher ones (0.05: a "
               "twentieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
+@click.option("--protect", type=click.FloatRange(0.0, 1.0), default=IsolationSettings.target, show_default=True,
+              help="Where a device's jobs differ in priority class, hold its highest class at this share of its "
+              "speed alone: a closed loop measures that job's iteration time alone (short solo windows) and beside "
+              "the lower jobs, and sets how much device time per second they may hold. 0: off, the open-loop class "
+              "rules alone.")
 @click.option("--quick-yield", type=click.FloatRange(0.0, 1.0), default=ClassSettings.quick_yield, show_default=True,
               help="A lower-class job that gives the device back within this share of the higher job's compute "
               "phase when asked (measured) may start in any gap, not only in one it fits: device time for the "
@@ -202,8 +208,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
          overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, class_rules: tuple[str, ...],
-         guard_share: float, quick_yield: float, session_socket: bool, handover: bool, metrics_address: str | None,
-         health_address: str | None, log_level: str) -> None:
+         guard_share: float, protect: float, quick_yield: float, session_socket: bool, handover: bool,
+         metrics_address: str | None, health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
     Run one per node (GPU machine), then start jobs whose script begins with
@@ -240,7 +246,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                                                    overdue_warmup_s=overdue_warmup, max_hold_s=max_hold),
                          max_sessions=2 * max_connections,
                          payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
-                         class_settings=ClassSettings(guard_share=guard_share, quick_yield=quick_yield),
+                         class_settings=ClassSettings(guard_share=guard_share, quick_yield=quick_yield,
+                                                      isolation=IsolationSettings(target=protect)),
                          handover=handover)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)

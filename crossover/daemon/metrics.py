@@ -205,6 +205,18 @@ class _StateCollector(Collector):
             for job in {(r.ident.job_name, r.ident.job_id) for r in snap.holders}:
                 holder.add_metric([dev, *job], 1)
         yield from (queue, busy, holder, on, draining)
+        kept = GaugeMetricFamily("crossover_protected_speed_ratio", "The protected (highest-class) job's speed "
+                                 "beside the lower ones relative to alone, last shared window (crossoverd "
+                                 "--protect).", labels=["device"])
+        budget = GaugeMetricFamily("crossover_isolation_budget", "Device seconds per second the lower classes "
+                                   "may hold now (0 in a solo window).", labels=["device"])
+        for index in sorted(devices):
+            view = core.isolation(index)
+            if view is not None:
+                budget.add_metric([str(index)], view.budget)
+                if view.reference_s and view.current_s:
+                    kept.add_metric([str(index)], view.reference_s / view.current_s)
+        yield from (kept, budget)
         yield GaugeMetricFamily("crossover_jobs", "Jobs with a rank registered on this node.",
                                 value=len({r.ident.job_id for r in ranks}))
         sessions = GaugeMetricFamily("crossover_sessions", "Registered ranks, by local user (the kernel's uid of "

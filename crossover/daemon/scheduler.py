@@ -99,7 +99,8 @@ class Scheduler(Steering):
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
         self._class_settings = class_settings
-        self._phases = PhaseMachine(policies.create(policy, class_settings) if isinstance(policy, str) else policy,
+        self._phases = PhaseMachine(policies.create(policy, class_settings, wall() - clock())
+                                    if isinstance(policy, str) else policy,
                                     self._sessions, self._leases, Pages.if_possible() if handover else None)
         self._phases.classes_differ = lambda device: self._classes_differ(
             {s.ref.key.job_id for s in self._sessions.on_device(device)})
@@ -391,4 +392,8 @@ class Scheduler(Steering):
             if sess is not None and sess.accepts_preempt:
                 d.log(EventName.PREEMPT, sess)
                 d.post(sess, PreemptMsg())
+        for device, change in self._phases.policy.take_isolation_changes():  # the window the decision was made in
+            self.events.record(EventName.ISOLATION, t=now, device=device, window=change.window.value,
+                               budget=change.budget, reference_s=change.reference_s, current_s=change.current_s,
+                               reason=change.reason)
         d.commit(self.events, self.node, now)

@@ -15,6 +15,7 @@ from crossover.daemon.api import PROTOCOL_VERSION, CrossoverError, InvalidReques
 from crossover.daemon.grant_payoff import Verdict
 from crossover.daemon.limits import Connections, StreamLimits
 from crossover.daemon.policies.classes import Priority
+from crossover.daemon.policies.isolation import IsolationView
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
 from crossover.daemon.session_stream import refusal
@@ -158,7 +159,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
                 others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
                 memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total, order=list(order),
                 refused_while_draining=self._core.drain_refusals(dev.index),
-                **_sharing(self._core.sharing(dev.index)),
+                **_sharing(self._core.sharing(dev.index)), isolation=_isolation(self._core.isolation(dev.index)),
             ))
         return out
 
@@ -232,6 +233,15 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         if request.device < 0 and not request.job:
             raise InvalidRequest("name a device or a job to evict")
         return pb.EvictReply(done=self._core.evict(request.device, request.job, _caller(context)))
+
+
+def _isolation(view: IsolationView | None) -> pb.Isolation | None:
+    """A device's isolation controller on the wire; None (the field unset) while it has none."""
+    if view is None:
+        return None
+    return pb.Isolation(window=view.window.value, target=view.target, budget=view.budget,
+                        reference_s=view.reference_s or 0.0, current_s=view.current_s or 0.0,
+                        lower_share=view.lower_share)
 
 
 def _sharing(verdict: Verdict | None) -> dict[str, str]:

@@ -21,6 +21,7 @@ from crossover.daemon.messages import PolicyMsg
 from crossover.daemon.ownership import JobOwnership
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.policies.classes import ClassSettings, JobClass
+from crossover.daemon.policies.isolation import IsolationView
 from crossover.daemon.registry import Registry
 from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
 from crossover.protos.event_file import EventName
@@ -93,6 +94,9 @@ class Steering(JobOwnership):
                 top = frozenset(j for j, p in priority.items() if p == highest)
                 if self._classes_differ(top):  # a weight is a share of grants: unscheduled has none
                     verdict = judge.hold(Verdict(Mode.SCHEDULED, "its jobs differ in weight"))
+                elif len(top) < len(progress) and self._phases.policy.isolating(i):
+                    verdict = judge.hold(Verdict(Mode.SCHEDULED, "the isolation controller holds the highest "
+                                                                 "class at its --protect pace"))
                 else:
                     verdict = judge.sample(wall, progress, top if len(top) < len(progress) else None)
                 is_open = i in self._leases.opened
@@ -121,6 +125,11 @@ class Steering(JobOwnership):
                 continue
             self._phases.deliver(policy.cancel(key, now), now, d)
             self._phases.deliver(policy.occupy(key, sess.pending_iteration, now), now, d)
+
+    def isolation(self, device: int) -> IsolationView | None:
+        """The device's isolation controller, while one holds its highest class at its pace."""
+        with self._lock:
+            return self._phases.policy.isolation_view(device)
 
     def sharing(self, device: int) -> Verdict | None:
         """The device's mode and why, when the daemon measures whether grants pay (None: it does not)."""
@@ -187,7 +196,7 @@ class Steering(JobOwnership):
     def set_policy(self, name: str, caller: str = "") -> str:
         """Switch policy at once; ranks computing or waiting are re-queued under the new one.
         `caller` says who asked, as the event log and the daemon log record it."""
-        new = policies.create(name, self._class_settings)
+        new = policies.create(name, self._class_settings, self._wall() - self._clock())
         d = Decision()
         with self._lock:
             now = self._clock()

@@ -292,7 +292,7 @@ class RankState(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., handover: _Optional[str] = ...) -> None: ...
 
 class DeviceState(_message.Message):
-    __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order", "refused_while_draining", "sharing", "sharing_reason")
+    __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order", "refused_while_draining", "sharing", "sharing_reason", "isolation")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class DeviceState(_message.Message):
     REFUSED_WHILE_DRAINING_FIELD_NUMBER: _ClassVar[int]
     SHARING_FIELD_NUMBER: _ClassVar[int]
     SHARING_REASON_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
     index: int
     kind: str
     name: str
@@ -321,7 +322,31 @@ class DeviceState(_message.Message):
     refused_while_draining: int
     sharing: str
     sharing_reason: str
-    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ..., refused_while_draining: _Optional[int] = ..., sharing: _Optional[str] = ..., sharing_reason: _Optional[str] = ...) -> None: ...
+    isolation: Isolation
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ..., refused_while_draining: _Optional[int] = ..., sharing: _Optional[str] = ..., sharing_reason: _Optional[str] = ..., isolation: _Optional[_Union[Isolation, _Mapping]] = ...) -> None: ...
+
+class Isolation(_message.Message):
+    __slots__ = ("window", "target", "budget", "reference_s", "current_s", "lower_share")
+    class LowerShareEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_S_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_S_FIELD_NUMBER: _ClassVar[int]
+    LOWER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    window: str
+    target: float
+    budget: float
+    reference_s: float
+    current_s: float
+    lower_share: _containers.ScalarMap[str, float]
+    def __init__(self, window: _Optional[str] = ..., target: _Optional[float] = ..., budget: _Optional[float] = ..., reference_s: _Optional[float] = ..., current_s: _Optional[float] = ..., lower_share: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class QueueRequest(_message.Message):
     __slots__ = ("protocol_version", "device")

@@ -59,6 +59,7 @@ class EventName(str, enum.Enum):
     DRAIN = "drain"
     EVICT = "evict"
     SHARING = "sharing"
+    ISOLATION = "isolation"
     ADAPT = "adapt"
     HANDOVER_SWITCH = "handover_switch"
     JOB_CLASS_SET = "job_class_set"

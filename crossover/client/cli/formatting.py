@@ -59,6 +59,18 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}" if seconds else "-"
 
 
+def _isolation(iso: dict[str, Any]) -> str:
+    """The device's isolation controller in one phrase: the protected job's pace alone and now, the lower
+    classes' budget and what each lower job held (device seconds per second, last window)."""
+    ref, cur, target = float(iso.get("reference_s", 0)), float(iso.get("current_s", 0)), float(iso.get("target", 0))
+    pace = f"alone {1000 * ref:.0f} ms" if ref else "measuring it alone"
+    if ref and cur:
+        pace += f", now {1000 * cur:.0f} ms ({ref / cur:.2f}x, target {target:g})"
+    got = ", ".join(f"{shown(job, 20).plain} {float(v):.2f}" for job, v in sorted(iso.get("lower_share", {}).items()))
+    return (f"protect [{iso.get('window', '')}] {pace}; lower budget {float(iso.get('budget', 0)):.2f} s/s"
+            + (f" (held: {got})" if got else ""))
+
+
 def _bytes(n: int) -> str:
     if not n:
         return "-"
@@ -130,6 +142,8 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
             extras.append("order " + " → ".join(shown(o, 40).plain for o in dev["order"]))
         if dev.get("sharing"):
             extras.append(f"{dev['sharing']} ({shown(dev.get('sharing_reason', ''), 80).plain})")
+        if dev.get("isolation"):
+            extras.append(_isolation(dev["isolation"]))
         if extras:
             title += Text("  " + "  ".join(extras))
         marked = [("holds", r) for r in dev.get("holders", [])]

@@ -23,11 +23,12 @@ def available() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def create(name: str, classes: ClassSettings | None = None) -> Policy:
+def create(name: str, classes: ClassSettings | None = None, wall_offset: float = 0.0) -> Policy:
     """A fresh policy instance by name; `NotFound` names the valid choices. `classes`: the class rules'
-    settings, for the policy that has them (`crossover`)."""
+    settings, for the policy that has them (`crossover`); `wall_offset`: the wall clock minus the clock
+    its `now` comes from, so that its isolation windows align on every node."""
     if name not in _FACTORIES:
         raise NotFound(f"unknown policy {name!r}; choose one of: {', '.join(available())}")
-    if name == "crossover" and classes is not None:
-        return CrossoverPolicy(classes=classes)
+    if name == "crossover":
+        return CrossoverPolicy(classes=classes, wall_offset=wall_offset)
     return _FACTORIES[name]()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from crossover.daemon.api import DeviceView, FailedPrecondition, NotFound, RankKey, RankRef
 from crossover.daemon.policies.classes import JobClass
+from crossover.daemon.policies.isolation import Change, IsolationView
 
 
 @dataclass
@@ -118,6 +119,15 @@ class QueuePolicy:
 
     def take_preemptions(self) -> list[RankKey]:
         return []
+
+    def take_isolation_changes(self) -> list[tuple[int, Change]]:
+        return []
+
+    def isolating(self, device: int) -> bool:
+        return False
+
+    def isolation_view(self, device: int) -> IsolationView | None:
+        return None
 
     def decisions(self) -> dict[str, int]:
         return {}

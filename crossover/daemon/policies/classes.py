@@ -21,6 +21,10 @@ while its jobs differ in class or weight (equal classes: today's order, exactly)
   waits about one layer's backward, not a whole phase.
 * **Weights within a class.** Among waiting jobs of one class whose weights
   differ, the one with the least recent device time per weight goes first.
+* **A closed loop on the highest class's pace.** Every rule above is open-loop: it predicts from
+  measured phases. The isolation controller (`policies.isolation`) measures what the highest class's
+  jobs keep of their speed alone and sets how much device time per second the lower classes may hold;
+  a lower phase starts only within that budget, whatever the rules above allow.
 * **Starvation guard.** Each lower-class job earns `guard_share` seconds of
   device time per second (capped at `guard_window_s` of it) and spends what it
   holds. A waiting job whose credit covers its next phase is served before any
@@ -32,7 +36,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from crossover.daemon.policies.isolation import IsolationSettings
 
 __all__ = ["ClassBook", "ClassSettings", "JobClass", "Priority"]
 
@@ -91,13 +97,15 @@ class ClassSettings:
     take at most this share of the higher job's compute phase may start in any gap, fitting or not: the
     higher job back early waits for one such yield, not for the rest of a phase. Off (0: gaps it fits
     only) by default: it buys the lower jobs device time with some of the higher job's speed;
-    `window_s`: how far back recent device time counts, for weights."""
+    `window_s`: how far back recent device time counts, for weights;
+    `isolation`: the closed loop that holds the highest class at its target pace (`policies.isolation`)."""
 
     guard_share: float = 0.05
     guard_window_s: float = 10.0
     fit_margin: float = 1.2
     quick_yield: float = 0.0
     window_s: float = 10.0
+    isolation: IsolationSettings = field(default_factory=IsolationSettings)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.guard_share < 1.0:
@@ -144,6 +152,10 @@ class ClassBook:
         self.left_at[job] = now
         while self._served and self._served[0][0] < now - self.settings.window_s:
             self._served.popleft()
+
+    def held_since(self, jobs: set[str] | frozenset[str], since: float) -> float:
+        """Device time the jobs' phases released since `since` held (at most `window_s` back)."""
+        return sum(h for t, j, h in self._served if j in jobs and t >= since)
 
     def recent(self, job: str) -> float:
         """Device time the job held in the last `window_s` (as of its latest release)."""

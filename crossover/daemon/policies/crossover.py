@@ -39,8 +39,10 @@ for the device and gets it as soon as A releases (CrossoverScheduler, Luo et al.
 Jobs of different priority classes or weights on one device are served by the
 class rules instead (`policies.classes`): higher classes first, lower ones only
 into gaps they fit, a yield asked of a lower holder when a higher rank asks,
-weights within a class and a guaranteed share for every lower job. While a
-device's jobs are all of one class and weight, nothing above changes.
+weights within a class and a guaranteed share for every lower job, all within the
+budget that the device's isolation controller sets from the highest class's own pace
+(`policies.isolation`). While a device's jobs are all of one class and weight,
+nothing above changes.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies._queues import DispatchPolicy, _Device
 from crossover.daemon.policies.classes import ClassBook, ClassSettings, JobClass
+from crossover.daemon.policies.isolation import AlonePace, Change, IsolationController, IsolationView
 
 __all__ = ["CrossoverPolicy", "CrossoverSettings"]
 
@@ -83,10 +86,15 @@ class CrossoverPolicy(DispatchPolicy):
     name = "crossover"
     blocks = True
 
-    def __init__(self, settings: CrossoverSettings | None = None, classes: ClassSettings | None = None) -> None:
+    def __init__(self, settings: CrossoverSettings | None = None, classes: ClassSettings | None = None,
+                 wall_offset: float = 0.0) -> None:
         super().__init__()
         self.settings = settings or CrossoverSettings()
         self.book = ClassBook(classes)
+        self.wall_offset = wall_offset  # the wall clock minus `now`'s: isolation windows align across nodes
+        self.isolation: dict[int, IsolationController] = {}  # device -> its controller, while classes differ
+        self._alone: dict[int, AlonePace] = {}  # device -> its jobs' pace while no lower class shares it
+        self._isolation_changes: list[tuple[int, Change]] = []
         self._compute: dict[str, float] = {}  # job id -> EMA of its compute phases on this node
         self._passed: dict[RankKey, int] = {}  # waiting rank -> times a later request went first
         self._now = 0.0  # the `now` of the event being decided
@@ -99,10 +107,11 @@ class CrossoverPolicy(DispatchPolicy):
         self.preemptions = 0
         self.held_back = 0
         self.guarded = 0
+        self.budgeted = 0  # lower phases held back by the isolation budget
 
     def decisions(self) -> dict[str, int]:
         return {"overtake": self.overtakes, "preempt": self.preemptions, "held_back": self.held_back,
-                "guard": self.guarded}
+                "guard": self.guarded, "budget": self.budgeted}
 
     # ---- classes ---------------------------------------------------------
 
@@ -119,6 +128,22 @@ class CrossoverPolicy(DispatchPolicy):
         """Holders of a lower class that a higher-class rank now waits behind: ask each to yield (once a grant)."""
         out, self._preempt = self._preempt, []
         return out
+
+    def take_isolation_changes(self) -> list[tuple[int, Change]]:
+        """The isolation budgets changed since the last call, per device (each an `isolation` event)."""
+        out, self._isolation_changes = self._isolation_changes, []
+        return out
+
+    def isolating(self, device: int) -> bool:
+        return device in self.isolation
+
+    def isolation_view(self, device: int) -> IsolationView | None:
+        ctl = self.isolation.get(device)
+        if ctl is None:
+            return None
+        names = {k.job_id: r.job_name for k, r in self._q.ranks.items()}
+        since = self._now - ctl.settings.window_s
+        return ctl.view({names.get(j, j): self.book.held_since({j}, since) for j in sorted(ctl.lower)})
 
     # ---- events ----------------------------------------------------------
 
@@ -140,6 +165,16 @@ class CrossoverPolicy(DispatchPolicy):
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._now = now
+        ref = self._q.ranks.get(key)
+        if ref is not None and self.book.settings.isolation.on:
+            jobs = {k.job_id for k, r in self._q.ranks.items() if r.device == ref.device}
+            ctl = self._isolate(ref.device, jobs)
+            if ctl is not None:
+                ctl.request(key.job_id, iteration, now)
+            else:
+                alone = self._alone.setdefault(ref.device, AlonePace())
+                alone.forget(jobs)
+                alone.request(key.job_id, iteration, now)
         granted = super().request(key, iteration, now)
         dev = self._q.device_of(key)
         mine = self.book.of(key.job_id).priority
@@ -308,11 +343,44 @@ class CrossoverPolicy(DispatchPolicy):
             due.append(self._now + (need - credit) / max(book.settings.guard_share, 1e-9))
         return None
 
+    def _isolate(self, index: int, jobs: set[str]) -> IsolationController | None:
+        """The device's isolation controller, stepped to `now`, while its jobs differ in priority (not only in
+        weight) and `--protect` is on; None otherwise."""
+        settings = self.book.settings.isolation
+        priority = {j: self.book.of(j).priority for j in jobs}
+        top = max(priority.values(), default=0)
+        protected = frozenset(j for j, p in priority.items() if p == top)
+        lower = frozenset(jobs) - protected
+        if not settings.on or not lower:
+            self.isolation.pop(index, None)
+            return None
+        ctl = self.isolation.get(index)
+        if ctl is None:
+            alone = self._alone.pop(index, None)
+            ctl = self.isolation[index] = IsolationController(settings, self.wall_offset)
+            ctl.alone_s = {} if alone is None else alone.iteration_s(self._now)
+        change = ctl.step(protected, lower, self._now)
+        if change is not None:
+            self._isolation_changes.append((index, change))
+        return ctl
+
     def _by_class(self, dev: _Device, waiting: list[RankKey], jobs: set[str]
                   ) -> tuple[RankKey, list[RankKey]] | None:
         """The class rules' choice on a device whose jobs differ in class or weight, with the ranks it was
         chosen among (overtakes count only among those); None: hold the device back for a higher job."""
         now, book, at = self._now, self.book, self._q.requested_at
+        ctl = self._isolate(dev.index, jobs)
+        if ctl is not None:
+            w = ctl.settings.window_s
+            held = book.held_since(ctl.lower, now - w)
+            starving = book.held_since(ctl.lower, now - ctl.settings.starve_windows * w) == 0
+            shut = {j for j in ctl.lower if not ctl.allows(held, self._compute.get(j, 0.0), starving)}
+            if shut:
+                waiting = [k for k in waiting if k.job_id not in shut]
+                if not waiting:  # look again when the window ends, or when some held time has aged out
+                    self.budgeted += 1
+                    self._held_until[dev.index] = min(ctl.next_boundary(now), now + w / 10)
+                    return None
         top = max(book.of(k.job_id).priority for k in waiting)
         due: list[float] = []
         owed = self._guard([k for k in waiting if book.of(k.job_id).priority < top], due)

@@ -5,7 +5,8 @@ import pytest
 
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.metrics import DaemonMetrics, parse_address
-from crossover.daemon.policies.classes import Priority
+from crossover.daemon.policies.classes import ClassSettings, Priority
+from crossover.daemon.policies.isolation import IsolationSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos.identity import RankIdentity
 from tests.unit.daemon.scheduler._world import FakeClock
@@ -100,7 +101,7 @@ def test_a_failing_listener_never_stops_the_scheduler(core: Scheduler) -> None:
 
 def test_device_time_is_counted_by_class_and_preemptions_by_device(clock: FakeClock) -> None:
     core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "crossover", node="n0", pid_alive=lambda _p: True,
-                     clock=clock, lease=False)
+                     clock=clock, lease=False, class_settings=ClassSettings(isolation=IsolationSettings(target=0)))
     m = DaemonMetrics(core, "9.9")
     get = m.registry.get_sample_value
     low = core.register(RankIdentity(job_id="id-low", job_name="low", rank=0, local_rank=0, world_size=1,

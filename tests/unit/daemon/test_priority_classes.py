@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from crossover.daemon.api import RankKey, RankRef
 from crossover.daemon.policies import CrossoverPolicy
 from crossover.daemon.policies.classes import ClassBook, ClassSettings, JobClass, Priority
+from crossover.daemon.policies.isolation import IsolationSettings
 
 HIGH, NORMAL, LOW = JobClass(Priority.HIGH), JobClass(Priority.NORMAL), JobClass(Priority.LOW)
 
@@ -29,7 +30,8 @@ def K(job: str, rank: int = 0) -> RankKey:  # noqa: N802 - reads like the RankKe
 
 
 def policy(classes: dict[str, JobClass], **settings: float) -> CrossoverPolicy:
-    p = CrossoverPolicy(classes=ClassSettings(**settings) if settings else None)
+    """The open-loop rules alone: the isolation controller over them is `test_isolation.py`'s."""
+    p = CrossoverPolicy(classes=ClassSettings(**settings, isolation=IsolationSettings(target=0.0)))
     for job, cls in classes.items():
         p.join(ref(job), 0.0)
         p.classify(job, cls, 0.0)

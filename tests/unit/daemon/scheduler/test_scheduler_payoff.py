@@ -9,7 +9,8 @@ from crossover.daemon.grant_payoff import Mode, PayoffJudge, PayoffSettings, Ver
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import GrantMsg, LeaseMsg
-from crossover.daemon.policies.classes import Priority
+from crossover.daemon.policies.classes import ClassSettings, Priority
+from crossover.daemon.policies.isolation import IsolationSettings
 from crossover.daemon.scheduler import Scheduler
 from tests.unit.daemon.scheduler._world import _phase, drain_outbox, join
 
@@ -25,10 +26,12 @@ class _Told(PayoffJudge):
 
 
 def _scheduler(clock, pids) -> Scheduler:
+    """A daemon whose classes are judged by the probe alone: `--protect 0` (the isolation controller, which holds
+    grants where classes differ, is `test_isolation.py`'s)."""
     inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
     return Scheduler(inv, "crossover", node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
                      liveness=LivenessSettings(heartbeat_timeout_s=5.0, evict_after_s=10.0), clock=clock,
-                     pid_alive=pids, lease=True,
+                     pid_alive=pids, lease=True, class_settings=ClassSettings(isolation=IsolationSettings(target=0)),
                      payoff=PayoffSettings(window_s=1.0, settle_share=0.1), wall=clock)
 
 

@@ -1,0 +1,183 @@
+"""The isolation controller (`policies.isolation`) driven with explicit times, and the `crossover` policy
+enforcing its budget: solo windows for the reference, AIMD on the budget, aligned windows, and equal classes
+left alone."""
+from __future__ import annotations
+
+import pytest
+
+from crossover.daemon.api import RankKey, RankRef
+from crossover.daemon.policies import CrossoverPolicy
+from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
+from crossover.daemon.policies.isolation import IsolationController, IsolationSettings, Window
+
+PROD, LOW = frozenset({"prod"}), frozenset({"sweep"})
+
+
+def _run(ctl: IsolationController, t0: float, t1: float, iteration_s: float, start: int = 0) -> int:
+    """`prod` asks for an iteration every `iteration_s` from `t0` to `t1`, the controller stepped at each;
+    returns the next iteration number."""
+    i, t = start, t0
+    while t < t1:
+        ctl.step(PROD, LOW, t)
+        ctl.request("prod", i, t)
+        i, t = i + 1, t + iteration_s
+    return i
+
+
+def test_settings_refuse_what_cannot_work():
+    with pytest.raises(ValueError, match="target"):
+        IsolationSettings(target=1.5)
+    with pytest.raises(ValueError, match="decrease"):
+        IsolationSettings(decrease=1.0)
+    assert not IsolationSettings(target=0).on
+
+
+def test_the_first_window_is_solo_and_measures_the_reference():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, settle_share=0.25))
+    change = ctl.step(PROD, LOW, 0.0)
+    assert change is not None and change.window is Window.SOLO and ctl.allowed() == 0.0
+    assert not ctl.allows(0.0, 0.01, starving=True)  # a solo window is solo
+    i = _run(ctl, 0.0, 1.0, 0.1)
+    change = ctl.step(PROD, LOW, 1.0)
+    assert ctl.window is Window.SHARED and ctl.reference_s["prod"] == pytest.approx(0.1)
+    assert change is not None and "alone" in change.reason and change.reference_s == pytest.approx(0.1)
+    assert ctl.allowed() == pytest.approx(0.1)
+    assert ctl.allows(0.05, 0.05, starving=False) and not ctl.allows(0.05, 0.06, starving=False)
+    assert ctl.allows(0.0, 0.5, starving=True)  # nothing held for a while: one phase, whatever the budget
+    _run(ctl, 1.0, 2.0, 0.1, i)
+
+
+def test_the_budget_rises_while_the_protected_job_keeps_its_pace_and_halves_when_it_does_not():
+    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, decrease=0.5, solo_every=100)
+    ctl = IsolationController(s)
+    i = _run(ctl, 0.0, 1.0, 0.1)  # solo
+    i = _run(ctl, 1.0, 2.0, 0.1, i)  # shared, as fast as alone
+    ctl.step(PROD, LOW, 2.0)
+    assert ctl.budget == pytest.approx(0.15) and ctl.kept() == pytest.approx(1.0)
+    i = _run(ctl, 2.0, 3.0, 0.12, i)  # 0.83x of alone: below 0.97
+    change = ctl.step(PROD, LOW, 3.0)
+    assert ctl.budget == pytest.approx(0.075)
+    assert change is not None and "less" in change.reason and change.current_s == pytest.approx(0.12)
+
+
+def test_a_solo_window_comes_back_every_solo_every_windows_and_when_the_jobs_change():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, solo_every=3))
+    i = _run(ctl, 0.0, 1.0, 0.1)
+    kinds = []
+    for w in range(1, 6):
+        i = _run(ctl, float(w), w + 1.0, 0.1, i)
+        kinds.append(ctl.window)
+    assert kinds == [Window.SHARED, Window.SHARED, Window.SHARED, Window.SOLO, Window.SHARED]
+    change = ctl.step(PROD, frozenset({"sweep", "other"}), 6.5)
+    assert change is not None and ctl.window is Window.SOLO and "changed" in change.reason
+
+
+def test_windows_are_aligned_on_the_wall_clock_so_every_node_measures_alike():
+    node_a = IsolationController(IsolationSettings(window_s=2.0), offset=1000.0)
+    node_b = IsolationController(IsolationSettings(window_s=2.0), offset=1000.5)  # another monotonic origin
+    assert node_a.next_boundary(1.0) + 1000.0 == node_b.next_boundary(0.5) + 1000.5 == 1002.0
+
+
+def test_a_solo_window_in_which_the_protected_job_paused_is_shared_and_measured_again_next():
+    ctl = IsolationController(IsolationSettings(window_s=1.0))
+    ctl.step(PROD, LOW, 0.0)
+    ctl.request("prod", 0, 0.5)  # one iteration boundary: no iteration time
+    change = ctl.step(PROD, LOW, 1.0)
+    assert ctl.window is Window.SHARED and not ctl.reference_s
+    assert change is not None and "did not run alone" in change.reason
+    ctl.step(PROD, LOW, 2.0)
+    assert ctl.window is Window.SOLO  # the lower jobs are never kept out for long by a paused job
+
+
+# ---- the policy enforces the budget ------------------------------------------------------------------
+
+
+def _ref(job: str) -> RankRef:
+    return RankRef(RankKey(job, 0), job_name=job, device=0, world_size=1, joined_at=0.0)
+
+
+def _policy(**isolation: float) -> CrossoverPolicy:
+    p = CrossoverPolicy(classes=ClassSettings(guard_share=0.0001, isolation=IsolationSettings(**isolation)))
+    for job, cls in (("prod", JobClass(Priority.NORMAL)), ("sweep", JobClass(Priority.LOW))):
+        p.join(_ref(job), 0.0)
+        p.classify(job, cls, 0.0)
+    return p
+
+
+def _prod_iteration(p: CrossoverPolicy, i: int, t: float, compute: float = 0.05) -> None:
+    assert p.request(RankKey("prod", 0), i, t) == [RankKey("prod", 0)], f"prod waited at {t}"
+    p.observe(RankKey("prod", 0), "compute", compute, t + compute)
+    p.release(RankKey("prod", 0), t + compute)
+
+
+def test_a_lower_phase_waits_out_the_solo_window_and_then_gets_its_budget():
+    p = _policy(window_s=1.0, settle_share=0.0, initial=0.2)
+    sweep = RankKey("sweep", 0)
+    for i in range(10):  # solo: prod every 0.1 s, sweep asks in the middle of it and is held back
+        _prod_iteration(p, i, 0.1 * i)
+        if i == 3:
+            assert p.request(sweep, 0, 0.36) == []
+    assert p.decisions()["budget"] >= 1 and p.isolating(0)
+    assert p.next_deadline() is not None and p.next_deadline() <= 1.0
+    granted = p.tick(1.0)  # the shared window: within the budget, into prod's gap
+    assert granted == [sweep]
+    changes = p.take_isolation_changes()
+    assert [c.window.value for _, c in changes] == ["solo", "shared"]
+    assert changes[-1][1].reference_s == pytest.approx(0.1)
+
+
+def test_the_budget_caps_the_lower_classes_device_time():
+    p = _policy(window_s=1.0, settle_share=0.0, initial=0.1)
+    sweep = RankKey("sweep", 0)
+    for i in range(10):
+        _prod_iteration(p, i, 0.1 * i)
+    p.tick(1.0)
+    assert p.request(sweep, 0, 1.0) == [sweep]
+    p.observe(sweep, "compute", 0.12, 1.12)
+    p.release(sweep, 1.12)  # 0.12 s held: over 0.1 s per 1 s window
+    assert p.request(sweep, 1, 1.2) == []
+    assert p.decisions()["budget"] >= 1
+
+
+def test_equal_classes_and_a_protect_of_zero_leave_the_device_alone():
+    p = _policy(target=0.0)
+    assert p.request(RankKey("sweep", 0), 0, 0.0) == [RankKey("sweep", 0)]
+    assert not p.isolating(0) and p.take_isolation_changes() == []
+    q = CrossoverPolicy()
+    for job in ("a", "b"):
+        q.join(_ref(job), 0.0)
+    assert q.request(RankKey("a", 0), 0, 0.0) == [RankKey("a", 0)]
+    assert not q.isolating(0)
+
+
+def test_a_lower_job_over_its_budget_still_gets_a_phase_after_starve_windows_without_one():
+    p = _policy(window_s=1.0, settle_share=0.0, initial=0.01, starve_windows=4)
+    sweep = RankKey("sweep", 0)
+    for i in range(10):
+        _prod_iteration(p, i, 0.1 * i)
+    p.tick(1.0)
+    assert p.request(sweep, 0, 1.0) == [sweep]  # nothing held for four windows: one phase
+    p.observe(sweep, "compute", 0.3, 1.3)
+    p.release(sweep, 1.3)
+    assert p.request(sweep, 1, 1.35) == []  # 0.3 s held, 0.01 s/s allowed
+    granted = []
+    t = 1.4
+    while not granted and t < 8.0:
+        granted = p.tick(t)
+        t += 0.1
+    assert granted == [sweep] and t - 0.1 >= 1.3 + 4 * 1.0 - 1e-9, f"granted at {t - 0.1:.1f}"
+
+
+def test_the_reference_is_never_slower_than_the_pace_before_any_lower_job_came():
+    p = CrossoverPolicy(classes=ClassSettings(guard_share=0.0001, isolation=IsolationSettings(window_s=1.0,
+                                                                                               settle_share=0.0)))
+    p.join(_ref("prod"), 0.0)
+    p.classify("prod", JobClass(Priority.NORMAL), 0.0)
+    for i in range(10):  # alone: 0.1 s an iteration
+        _prod_iteration(p, i, 0.1 * i)
+    p.join(_ref("sweep"), 1.0)
+    p.classify("sweep", JobClass(Priority.LOW), 1.0)
+    for i in range(10, 20):  # its solo window: the idle lower job's processes slow it to 0.12 s
+        _prod_iteration(p, i, 1.0 + 0.12 * (i - 10))
+    p.tick(2.3)
+    assert p.isolation[0].reference_s["prod"] == pytest.approx(0.1)
