@@ -54,10 +54,13 @@ def test_the_budget_rises_while_the_protected_job_keeps_its_pace_and_halves_when
     i = _run(ctl, 1.0, 2.0, 0.1, i)  # shared, as fast as alone
     ctl.step(PROD, LOW, 2.0)
     assert ctl.budget == pytest.approx(0.15) and ctl.kept() == pytest.approx(1.0)
-    i = _run(ctl, 2.0, 3.0, 0.12, i)  # 0.83x of alone: below 0.97
+    i = _run(ctl, 2.0, 3.0, 0.12, i)  # 0.83x of alone: far below 0.97, halved
     change = ctl.step(PROD, LOW, 3.0)
     assert ctl.budget == pytest.approx(0.075)
     assert change is not None and "less" in change.reason and change.current_s == pytest.approx(0.12)
+    i = _run(ctl, 3.0, 4.0, 0.1 / 0.96, i)  # 0.96x: a percent short, trimmed by cut_gain percent
+    ctl.step(PROD, LOW, 4.0)
+    assert ctl.budget == pytest.approx(0.075 * (1 - s.cut_gain * 0.01 / 0.97), rel=1e-3)
 
 
 def test_a_solo_window_comes_back_every_solo_every_windows_and_when_the_jobs_change():
