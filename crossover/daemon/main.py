@@ -100,7 +100,7 @@ class _Command(click.Command):
               help="Manage CPU cores as devices: a count (2: cores 0 and 1) or core ids (0,1 or 2-3; one core: "
               "3, or a lone 0). Without it, GPUs are found through NVML.")
 @click.option("--policy", type=click.Choice(policies.available()), default="crossover", show_default=True,
-              help="crossover: one compute phase per device, served in the order jobs' allreduces "
+              help="crossover: one job's compute phase per device at a time, served in the order jobs' allreduces "
               "ended (one order on every node), clearly shorter computes first; one job computes "
               "while another communicates. exclusive: plain FIFO. "
               "passthrough: observe only. docs/policies.md compares them.")

@@ -15,9 +15,9 @@ STEERING_COMMANDS_TEXT = ", ".join(STEERING_COMMANDS[:-1]) + " and " + STEERING_
 TOKEN_METADATA_KEY = "x-crossover-token"
 USER_METADATA_KEY = "x-crossover-user"  # who the CLI says runs it: recorded with every steering call, not trusted
 POLICIES = {
-    "crossover": "the default: one compute phase per device, served in the order jobs' allreduces ended "
-                 "(one order on every node), clearly shorter computes first",
-    "exclusive": "FIFO: one compute phase per device, in the order ranks asked",
+    "crossover": "the default: one job's compute phase per device at a time, served in the order jobs' "
+                 "allreduces ended (one order on every node), clearly shorter computes first",
+    "exclusive": "FIFO: one job's compute phase per device at a time, in the order ranks asked",
     "passthrough": "observe and record only; never blocks",
 }
 """The names `SetPolicy` takes (`crossoverd --policy`, `crossover policy NAME`), each with what it does."""

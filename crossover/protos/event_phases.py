@@ -204,14 +204,16 @@ def _float(value: Any) -> float:
 
 
 def operator_marks(events: Events) -> list[tuple[float, str]]:
-    """(t, text) of each drain, resume and eviction of a device or job, in time order, with its node."""
+    """(t, text) of each drain, resume and eviction of a device or job, in time order, with its node and
+    the caller the event names, where it names them."""
     out = []
     for e in typed(events):
         if "rank" in e.fields or e.name not in _OPERATOR_MARKS:
             continue
         evicted = e.name == EventName.EVICT and e.job
         what = f"job {e.job}"[:20] if evicted else f"dev{_int(e.get('device'))}"
-        out.append((e.t, f"{e.name} {what} @{e.get('node', '?')}"))
+        node, caller = e.get("node"), e.get("caller")
+        out.append((e.t, f"{e.name} {what}" + (f" @{node}" if node else "") + (f" by {caller}" if caller else "")))
     return sorted(out)
 
 

@@ -15,9 +15,15 @@ __all__ = ["timeline"]
 _FORMATS = (".png", ".svg", ".pdf")  # what matplotlib writes with no backend beyond its own
 
 
+_CROWDED = 12  # marks in one picture beyond which their labels overprint: the command says to zoom
+
+
 def _drawable(_ctx: click.Context, param: click.Parameter, output: Path) -> Path:
-    """`output`, unless its extension names a format the timeline cannot be written in."""
-    if output.suffix and output.suffix.lower() not in _FORMATS:
+    """`output`, a PNG where it names no format (as matplotlib writes it), unless its extension names a
+    format the timeline cannot be written in."""
+    if not output.suffix:
+        return output.with_name(output.name + ".png")
+    if output.suffix.lower() not in _FORMATS:
         raise click.BadParameter(f"cannot draw a {output.suffix} file ({output}); name a {', '.join(_FORMATS)} file",
                                  param=param)
     return output
@@ -26,7 +32,8 @@ def _drawable(_ctx: click.Context, param: click.Parameter, output: Path) -> Path
 @click.command()
 @with_log_options
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default="timeline.png",
-              show_default=True, callback=_drawable, help=f"Picture to write: {', '.join(_FORMATS)}.")
+              show_default=True, callback=_drawable, help=f"Picture to write: {', '.join(_FORMATS)} (a name "
+              "without one gets .png).")
 @click.option("--title", help="Title above the picture (default: the files and the window).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was drawn as versioned JSON (the PNG's path, the "
               "window, the devices and the marks) instead of the path alone.")
@@ -48,7 +55,11 @@ def timeline(files: tuple[Path, ...], since: float | None, until: float | None, 
     if title is None:
         title = (f"{', '.join(p.name for p in files)}: {sel.since - sel.log.first:.1f} s to "
                  f"{sel.until - sel.log.first:.1f} s" + (f", jobs {', '.join(job_names)}" if job_names else ""))
-    marks = sorted([(t, f"policy {p}") for t, p in sel.policy_changes] + sel.operator_marks)
+    marks = [(t, what) for t, what in sorted([(t, f"policy {p}") for t, p in sel.policy_changes]
+                                             + sel.operator_marks) if sel.since <= t <= sel.until]
+    if len(marks) > _CROWDED:
+        click.echo(f"{len(marks)} marks between {sel.since - sel.log.first:.1f} s and {sel.until - sel.log.first:.1f}"
+                   " s: their labels overprint; zoom with --since/--until to read them", err=True)
     try:
         path = event_views.draw_timeline(sel.intervals, sel.since, sel.until, output, devices=sel.devices,
                                          marks=marks, title=title, origin=sel.log.first)

@@ -237,3 +237,37 @@ def test_timeline_json_says_what_was_drawn(logs, tmp_path):
     assert data["version"] == 1 and data["kind"] == "timeline" and data["path"] == str(out)
     assert data["window"]["until_s"] > data["window"]["since_s"] and data["devices"]
     assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_timeline_to_a_name_without_an_extension_prints_the_file_it_wrote(logs, tmp_path):
+    res = _run("timeline", *logs, "-o", str(tmp_path / "pic"))
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == str(tmp_path / "pic.png")
+    assert (tmp_path / "pic.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def _with_drains(tmp_path: Path, drains: int) -> str:
+    log = EventLog(path=tmp_path / "d.jsonl", clock=lambda: 1100.0, wall_clock=lambda: 1_700_000_100.0,
+                   flush_interval_s=60)
+    for i in range(10):
+        log.record("request", t=1000.0 + i, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, seq=i + 1)
+        log.record("grant", t=1000.0 + i, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, waited_s=0.0)
+        log.record("release", t=1000.5 + i, job=ALPHA, job_name="alpha", rank=0, device=0, held_s=0.5)
+    for k in range(drains):
+        log.record("drain", t=1000.2 + 9.0 * k / max(drains, 1), device=1, caller="uid 0 (root)")
+    log.close()
+    return str(tmp_path / "d.jsonl")
+
+
+def test_timeline_marks_name_the_caller_and_json_lists_only_those_in_the_window(tmp_path):
+    log = _with_drains(tmp_path, 2)  # at 0.2 s and 4.7 s
+    res = _run("timeline", log, "-o", str(tmp_path / "t.png"), "--json", "--since", "2")
+    assert res.exit_code == 0, res.output
+    marks = json.loads(res.stdout)["marks"]
+    assert [m["what"] for m in marks] == ["drain dev1 by uid 0 (root)"] and marks[0]["t_s"] == pytest.approx(4.7)
+
+
+def test_timeline_with_more_marks_than_labels_fit_says_to_zoom(tmp_path):
+    res = _run("timeline", _with_drains(tmp_path, 20), "-o", str(tmp_path / "t.png"))
+    assert res.exit_code == 0, res.output
+    assert "zoom with --since/--until" in res.stderr
