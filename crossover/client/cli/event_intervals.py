@@ -78,8 +78,9 @@ class DeviceStats:
 
 @dataclass(frozen=True)
 class Stats:
-    """`sharing_gain`: the jobs' speeds added up, each as a fraction of its own alone estimate (two
-    jobs at 0.6 each: 1.2, i.e. 1.2x what running them one after another would have done)."""
+    """`sharing_gain`: the jobs' speeds added up, each as a fraction of its own alone estimate and weighted
+    by the share of the window the job was there (two jobs at 0.6 each for the whole window: 1.2, i.e. 1.2x
+    what running them one after another would have done; two that ran one after the other at full speed: 1)."""
 
     since: float
     until: float
@@ -182,6 +183,7 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
     labels = job_labels({j: log.jobs[j] for j in chosen})
 
     job_rows = []
+    present: dict[str, float] = {}  # job -> the share of the window its busiest rank was there
     for job in (j for j in log.jobs if j in chosen):
         ivs = [iv for iv in inside if iv.job == job]
         if not ivs:
@@ -198,6 +200,8 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
         busiest = max(done, key=lambda r: (done[r], -r), default=None)
         iteration = (spans[busiest][1] - spans[busiest][0]) / done[busiest] if busiest is not None else 0.0
         alone = _mean(comp) + _mean(comm)
+        if busiest is not None and length > 0:
+            present[job] = (spans[busiest][1] - spans[busiest][0]) / length
         job_rows.append(JobStats(
             job_id=job, job_name=log.jobs[job], ranks=tuple(sorted({iv.rank for iv in ivs})),
             iterations=max(Counter(iv.rank for iv in ivs if iv.phase == "compute" and iv.complete).values(),
@@ -215,7 +219,7 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
         dev_rows.append(DeviceStats(node=key[0], device=key[1],
                                     busy_fraction=union_length(holding) / length if length > 0 else 0.0,
                                     grants=grants, holders=tuple(f"{name}/{rank}" for name, rank in holders)))
-    gain = sum(1.0 / j.slowdown for j in job_rows if j.slowdown > 0)
+    gain = sum(present.get(j.job_id, 0.0) / j.slowdown for j in job_rows if j.slowdown > 0)
     return Stats(since, until, tuple(job_rows), tuple(dev_rows), sharing_gain=gain)
 
 

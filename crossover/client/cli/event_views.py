@@ -52,7 +52,8 @@ def stats_tables(stats: Stats, log: PhaseLog) -> list[Table]:
                           "iterations in all", title_justify="left",
                     caption="iter ms: per iteration here; alone ms: mean compute + mean comm, an estimate of the "
                             "job with its devices to itself; slower: iter / alone; jobs' worth: the jobs' speeds "
-                            "against alone, added up (over 1: sharing beat running them one after another)",
+                            "against alone, each times the share of the window it was there, added up (over 1: "
+                            "sharing beat running them one after another)",
                     caption_justify="left")
     sharing.add_column("job", no_wrap=True)
     for col in ("iter ms", "alone ms", "slower"):

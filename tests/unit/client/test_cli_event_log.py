@@ -271,3 +271,21 @@ def test_timeline_with_more_marks_than_labels_fit_says_to_zoom(tmp_path):
     res = _run("timeline", _with_drains(tmp_path, 20), "-o", str(tmp_path / "t.png"))
     assert res.exit_code == 0, res.output
     assert "zoom with --since/--until" in res.stderr
+
+
+def test_stats_counts_jobs_worth_only_for_the_time_each_job_was_there(tmp_path):
+    log = EventLog(path=tmp_path / "seq.jsonl", clock=lambda: 1100.0, wall_clock=lambda: 1_700_000_100.0,
+                   flush_interval_s=60)
+    for job, name, start in ((ALPHA, "alpha", 0.0), (BETA, "beta", 10.0)):  # one after the other, alone
+        for i in range(10):
+            t = 1000.0 + start + i
+            log.record("request", t=t, job=job, job_name=name, rank=0, device=0, iteration=i, seq=i + 1)
+            log.record("grant", t=t, job=job, job_name=name, rank=0, device=0, iteration=i, waited_s=0.0)
+            log.record("release", t=t + 0.5, job=job, job_name=name, rank=0, device=0, held_s=0.5)
+            log.record("comm_begin", t=t + 0.5, job=job, job_name=name, rank=0, device=0, iteration=i)
+            log.record("comm_end", t=t + 1.0, job=job, job_name=name, rank=0, device=0, iteration=i, duration_s=0.5)
+    log.close()
+    res = _run("stats", str(tmp_path / "seq.jsonl"))
+    assert res.exit_code == 0, res.output
+    worth = float(re.search(r"([0-9.]+) jobs' worth", res.stdout).group(1))
+    assert worth == pytest.approx(1.0, abs=0.1), res.stdout  # not 2: they never ran together
