@@ -182,10 +182,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return list(_lines(Path(path)))
 
 
-def read_events(path: str | Path, backups: int = 0) -> list[Event]:
-    """The events of a log file and of up to `backups` rotated copies beside it, oldest first.
+def read_events(path: str | Path, backups: int | None = None) -> list[Event]:
+    """The events of a log file and of its rotated copies beside it (`path.1`, `path.2`, …: every one there,
+    or up to `backups`), oldest first.
 
     Lines that are no event are skipped; UnsupportedLog for a file of a newer format."""
+    if backups is None:
+        backups = 0
+        while Path(f"{path}.{backups + 1}").exists():
+            backups += 1
     out: list[Event] = []
     for p in reversed(rotated_paths(path, backups)):
         if p.exists():

@@ -289,3 +289,20 @@ def test_stats_counts_jobs_worth_only_for_the_time_each_job_was_there(tmp_path):
     assert res.exit_code == 0, res.output
     worth = float(re.search(r"([0-9.]+) jobs' worth", res.stdout).group(1))
     assert worth == pytest.approx(1.0, abs=0.1), res.stdout  # not 2: they never ran together
+
+
+def test_stats_reads_the_rotated_files_too(tmp_path):
+    path = tmp_path / "rot.jsonl"
+    log = EventLog(path=path, clock=lambda: 1100.0, wall_clock=lambda: 1_700_000_100.0, flush_interval_s=60,
+                   max_bytes=3000, backups=5)
+    for i in range(40):
+        t = 1000.0 + i
+        log.record("request", t=t, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, seq=i + 1)
+        log.record("grant", t=t, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, waited_s=0.0)
+        log.record("release", t=t + 0.5, job=ALPHA, job_name="alpha", rank=0, device=0, held_s=0.5)
+        log.flush()
+    log.close()
+    assert (tmp_path / "rot.jsonl.1").exists()
+    res = _run("stats", str(path), "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["jobs"][0]["iterations"] == 40

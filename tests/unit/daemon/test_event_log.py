@@ -79,6 +79,8 @@ def test_every_file_starts_with_its_format_and_the_rotated_files_read_back_oldes
     events = read_events(path, backups=2)
     assert [e.get("i") for e in events] == list(range(150 - len(events), 150))
     assert all(e.name is EventName.RELEASE and e.rank == 0 for e in events)
+    assert read_events(path) == events  # unasked, every rotated file there is read: stats and timeline see them
+    assert len(read_events(path, backups=0)) < len(events)
 
 
 def test_a_log_without_a_header_loads_as_format_1_and_a_newer_one_fails_in_one_line(tmp_path):
