@@ -214,8 +214,8 @@ class _StateCollector(Collector):
             view = core.isolation(index)
             if view is not None:
                 budget.add_metric([str(index)], view.budget)
-                if view.reference_s and view.current_s:
-                    kept.add_metric([str(index)], view.reference_s / view.current_s)
+                if view.kept is not None:
+                    kept.add_metric([str(index)], view.kept)
         yield from (kept, budget)
         yield GaugeMetricFamily("crossover_jobs", "Jobs with a rank registered on this node.",
                                 value=len({r.ident.job_id for r in ranks}))

@@ -392,8 +392,8 @@ class Scheduler(Steering):
             if sess is not None and sess.accepts_preempt:
                 d.log(EventName.PREEMPT, sess)
                 d.post(sess, PreemptMsg())
-        for device, change in self._phases.policy.take_isolation_changes():  # the window the decision was made in
+        d.commit(self.events, self.node, now)
+        for device, change in self._phases.policy.take_isolation_changes():  # dated the decision's instant
             self.events.record(EventName.ISOLATION, t=now, device=device, window=change.window.value,
                                budget=change.budget, reference_s=change.reference_s, current_s=change.current_s,
                                reason=change.reason)
-        d.commit(self.events, self.node, now)

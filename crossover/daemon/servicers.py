@@ -241,7 +241,7 @@ def _isolation(view: IsolationView | None) -> pb.Isolation | None:
         return None
     return pb.Isolation(window=view.window.value, target=view.target, budget=view.budget,
                         reference_s=view.reference_s or 0.0, current_s=view.current_s or 0.0,
-                        lower_share=view.lower_share)
+                        lower_share=view.lower_share, kept=view.kept or 0.0)
 
 
 def _sharing(verdict: Verdict | None) -> dict[str, str]:

@@ -326,7 +326,7 @@ class DeviceState(_message.Message):
     def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ..., refused_while_draining: _Optional[int] = ..., sharing: _Optional[str] = ..., sharing_reason: _Optional[str] = ..., isolation: _Optional[_Union[Isolation, _Mapping]] = ...) -> None: ...
 
 class Isolation(_message.Message):
-    __slots__ = ("window", "target", "budget", "reference_s", "current_s", "lower_share")
+    __slots__ = ("window", "target", "budget", "reference_s", "current_s", "lower_share", "kept")
     class LowerShareEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -340,13 +340,15 @@ class Isolation(_message.Message):
     REFERENCE_S_FIELD_NUMBER: _ClassVar[int]
     CURRENT_S_FIELD_NUMBER: _ClassVar[int]
     LOWER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     window: str
     target: float
     budget: float
     reference_s: float
     current_s: float
     lower_share: _containers.ScalarMap[str, float]
-    def __init__(self, window: _Optional[str] = ..., target: _Optional[float] = ..., budget: _Optional[float] = ..., reference_s: _Optional[float] = ..., current_s: _Optional[float] = ..., lower_share: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    kept: float
+    def __init__(self, window: _Optional[str] = ..., target: _Optional[float] = ..., budget: _Optional[float] = ..., reference_s: _Optional[float] = ..., current_s: _Optional[float] = ..., lower_share: _Optional[_Mapping[str, float]] = ..., kept: _Optional[float] = ...) -> None: ...
 
 class QueueRequest(_message.Message):
     __slots__ = ("protocol_version", "device")

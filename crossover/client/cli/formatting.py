@@ -63,9 +63,10 @@ def _isolation(iso: dict[str, Any]) -> str:
     """The device's isolation controller in one phrase: the protected job's pace alone and now, the lower
     classes' budget and what each lower job held (device seconds per second, last window)."""
     ref, cur, target = float(iso.get("reference_s", 0)), float(iso.get("current_s", 0)), float(iso.get("target", 0))
+    kept = float(iso.get("kept") or 0)
     pace = f"alone {1000 * ref:.0f} ms" if ref else "measuring it alone"
     if ref and cur:
-        pace += f", now {1000 * cur:.0f} ms ({ref / cur:.2f}x, target {target:g})"
+        pace += f", now {1000 * cur:.0f} ms" + (f" ({kept:.2f}x, target {target:g})" if kept else "")
     got = ", ".join(f"{shown(job, 20).plain} {float(v):.2f}" for job, v in sorted(iso.get("lower_share", {}).items()))
     return (f"protect [{iso.get('window', '')}] {pace}; lower budget {float(iso.get('budget', 0)):.2f} s/s"
             + (f" (held: {got})" if got else ""))

@@ -125,7 +125,7 @@ class ClassBook:
         self.settings = settings or ClassSettings()
         self.classes: dict[str, JobClass] = {}
         self._credit: dict[str, tuple[float, float]] = {}  # job -> (credit s, as of when)
-        self._served: deque[tuple[float, str, float]] = deque()  # (released at, job, held s)
+        self._served: deque[tuple[float, str, float, int]] = deque()  # (released at, job, held s, device)
         self.left_at: dict[str, float] = {}  # job -> when its last compute phase here ended
         self.comm: dict[str, float] = {}  # job -> EMA of its allreduce
         self._comms: dict[str, deque[float]] = {}  # job -> its latest allreduces
@@ -145,21 +145,21 @@ class ClassBook:
         value, since = self._credit.get(job, (0.0, now))
         return min(s.guard_share * s.guard_window_s, value + s.guard_share * max(0.0, now - since))
 
-    def served(self, job: str, held_s: float, now: float) -> None:
-        """The job held a device for `held_s` until `now` (its allreduce begins)."""
+    def served(self, job: str, held_s: float, now: float, device: int = -1) -> None:
+        """The job held `device` for `held_s` until `now` (its allreduce begins)."""
         self._credit[job] = (self.credit(job, now) - held_s, now)
-        self._served.append((now, job, held_s))
+        self._served.append((now, job, held_s, device))
         self.left_at[job] = now
         while self._served and self._served[0][0] < now - self.settings.window_s:
             self._served.popleft()
 
-    def held_since(self, jobs: set[str] | frozenset[str], since: float) -> float:
-        """Device time the jobs' phases released since `since` held (at most `window_s` back)."""
-        return sum(h for t, j, h in self._served if j in jobs and t >= since)
+    def held_since(self, jobs: set[str] | frozenset[str], since: float, device: int) -> float:
+        """Device time the jobs' phases on `device` released since `since` held (at most `window_s` back)."""
+        return sum(h for t, j, h, d in self._served if j in jobs and t >= since and d == device)
 
     def recent(self, job: str) -> float:
         """Device time the job held in the last `window_s` (as of its latest release)."""
-        return sum(h for _, j, h in self._served if j == job)
+        return sum(h for _, j, h, _d in self._served if j == job)
 
     def observe_comm(self, job: str, duration_s: float, alpha: float) -> None:
         old = self.comm.get(job)

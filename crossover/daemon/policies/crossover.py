@@ -143,7 +143,7 @@ class CrossoverPolicy(DispatchPolicy):
             return None
         names = {k.job_id: r.job_name for k, r in self._q.ranks.items()}
         since = self._now - ctl.settings.window_s
-        return ctl.view({names.get(j, j): self.book.held_since({j}, since) for j in sorted(ctl.lower)})
+        return ctl.view({names.get(j, j): self.book.held_since({j}, since, device) for j in sorted(ctl.lower)})
 
     # ---- events ----------------------------------------------------------
 
@@ -153,6 +153,10 @@ class CrossoverPolicy(DispatchPolicy):
 
     def leave(self, key: RankKey, now: float) -> list[RankKey]:
         self._now = now
+        ref = self._q.ranks.get(key)
+        if ref is not None and ref.device in self.isolation:  # a device left without lower jobs drops its controller
+            staying = {k.job_id for k, r in self._q.ranks.items() if r.device == ref.device and k != key}
+            self._isolate(ref.device, staying)
         self._passed.pop(key, None)
         self._granted_at.pop(key, None)
         self._asked.discard(key)
@@ -206,7 +210,8 @@ class CrossoverPolicy(DispatchPolicy):
         self._now = now
         began = self._granted_at.pop(key, None)
         if began is not None:
-            self.book.served(key.job_id, now - began, now)
+            ref = self._q.ranks.get(key)
+            self.book.served(key.job_id, now - began, now, -1 if ref is None else ref.device)
         asked = self._asked_at.pop(key, None)
         if asked is not None:
             self.book.observe_yield(key.job_id, now - asked)
@@ -372,11 +377,12 @@ class CrossoverPolicy(DispatchPolicy):
         ctl = self._isolate(dev.index, jobs)
         if ctl is not None:
             w = ctl.settings.window_s
-            held = book.held_since(ctl.lower, now - w)
-            starving = book.held_since(ctl.lower, now - ctl.settings.starve_windows * w) == 0
-            shut = {j for j in ctl.lower if not ctl.allows(held, self._compute.get(j, 0.0), starving)}
-            if shut:
-                waiting = [k for k in waiting if k.job_id not in shut]
+            held = book.held_since(ctl.lower, now - w, dev.index)
+            starve_s = ctl.settings.starve_windows * w
+            kept_out = [k for k in waiting if k.job_id in ctl.lower
+                        and not ctl.allows(held, self._compute.get(k.job_id, 0.0), now - at[k] >= starve_s)]
+            if kept_out:
+                waiting = [k for k in waiting if k not in kept_out]
                 if not waiting:  # look again when the window ends, or when some held time has aged out
                     self.budgeted += 1
                     self._held_until[dev.index] = min(ctl.next_boundary(now), now + w / 10)

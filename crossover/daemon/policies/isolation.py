@@ -6,18 +6,19 @@ measured phases; whatever the prediction misses (copies through the GPU, the lin
 out of the protected job. This controller measures the outcome instead:
 
 * **Reference.** The protected job's iteration time with no lower job computing on the device, measured
-  in *solo* windows: at start, when the device's jobs change, and every `solo_every` windows; never slower
-  than its pace before any lower job came, where that is known (`AlonePace`). Windows are
-  aligned on the wall clock (`offset` turns the daemon's clock into it), so every node of a job measures
-  in the same windows, as `--adapt`'s do.
+  in *solo* windows: at start and when the device's jobs change (over up to `max_solo` windows, for a job
+  whose iteration outlasts one), and every `solo_every` + 1-th window of the wall clock (`offset` turns the
+  daemon's clock into it), so that every node of a job measures it alone in the same windows; never slower
+  than its pace before any lower job came, where that is known and recent (`AlonePace`).
 * **Budget.** How much device time per second the lower classes together may hold. Raised by
   `increase` after each window in which the protected job kept `target` of its reference, cut after
   each window in which it did not, by `cut_gain` times the shortfall and at most to `decrease` of itself (AIMD,
   as TGS's rate control and TCP do; the proportional cut keeps an iteration's jitter from halving it).
 * **Enforcement** is the policy's: a lower-class phase is granted only while the lower classes' device
   time over the last window, with that phase, stays within the budget (`allows`); in a solo window the
-  budget is 0. After `starve_windows` windows without a lower phase one is granted anyway, so that a
-  lower rank never waits past its grant timeout (it would then train unscheduled, beside everything).
+  budget is 0. A lower rank that has waited `starve_windows` windows gets its phase anyway in a shared
+  window, so that it never waits past its grant timeout (it would then train unscheduled, beside
+  everything).
 
 An iteration time is measured from the times at which the job's furthest rank asked for its next
 iteration, so a window of a few iterations gives the mean of whole iterations, not a count rounded to
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["AlonePace", "Change", "IsolationController", "IsolationSettings", "IsolationView", "Window"]
@@ -49,7 +51,9 @@ class IsolationSettings:
     `cut_gain`: a window short of the target by a share x of it cuts the budget by `cut_gain` x, at most to
     `decrease` of itself, so that a window a percent short (an iteration's jitter) trims the budget and one
     far short halves it (in the simulator's fleet, a plain halving left the low jobs 0.13x, a gain of 4 left
-    the production job under its target, 8 met it with the low jobs at 0.20x)."""
+    the production job under its target, 8 met it with the low jobs at 0.20x); `max_solo`: consecutive solo
+    windows a job without a reference is measured over (a job whose iteration outlasts a window needs
+    several); `alone_keep_s`: how long the job's pace before any lower job came caps its reference."""
 
     target: float = 0.97
     window_s: float = 2.0
@@ -61,6 +65,8 @@ class IsolationSettings:
     ceiling: float = 1.0
     starve_windows: int = 4
     cut_gain: float = 8.0
+    max_solo: int = 3
+    alone_keep_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.target <= 1.0:
@@ -68,8 +74,8 @@ class IsolationSettings:
         if not self.window_s > 0 or not 0.0 <= self.settle_share < 1.0:
             raise ValueError(f"window {self.window_s}s with settle share {self.settle_share}: need a window > 0 "
                              "and 0 <= settle share < 1")
-        if self.solo_every < 1 or self.starve_windows < 1:
-            raise ValueError("solo_every and starve_windows must be >= 1")
+        if self.solo_every < 1 or self.starve_windows < 1 or self.max_solo < 1:
+            raise ValueError("solo_every, starve_windows and max_solo must be >= 1")
         if not 0.0 < self.decrease < 1.0 or self.increase <= 0 or not 0.0 <= self.initial <= self.ceiling <= 1.0:
             raise ValueError("need 0 < decrease < 1, increase > 0 and 0 <= initial <= ceiling <= 1")
         if self.cut_gain <= 0:
@@ -102,6 +108,7 @@ class IsolationView:
     reference_s: float | None
     current_s: float | None
     lower_share: dict[str, float]
+    kept: float | None = None  # the protected jobs' speed in the last shared window against alone, the least
 
 
 @dataclass
@@ -142,12 +149,13 @@ class AlonePace:
             del seen[:-self._keep]
 
     def iteration_s(self, now: float) -> dict[str, float]:
-        """Each job's mean iteration time over its latest boundaries, where the latest is fresh."""
+        """Each job's median iteration time over its latest boundaries, where the latest is fresh (a median,
+        so that a slow first iteration or a pause does not set it)."""
         out = {}
         for job, seen in self._seen.items():
-            (t0, i0), (t1, i1) = seen[0], seen[-1]
-            if i1 - i0 >= 3 and now - t1 <= self._fresh_s:
-                out[job] = (t1 - t0) / (i1 - i0)
+            steps = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(seen, seen[1:])]
+            if len(steps) >= 3 and now - seen[-1][0] <= self._fresh_s:
+                out[job] = statistics.median(steps)
         return out
 
     def forget(self, jobs: set[str]) -> None:
@@ -168,7 +176,8 @@ class IsolationController:
     current_s: dict[str, float] = field(default_factory=dict)  # job -> its iteration time in the last window
     window: Window = Window.SOLO
     _index: int | None = None  # the window being measured
-    _shared_since_solo: int = 0
+    _unmeasured: int = 0  # consecutive solo windows that measured no job still without a reference
+    _alone_until: float | None = None  # when `alone_s` stops capping the reference
     _jobs: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # protected, lower
     _paces: dict[str, _Pace] = field(default_factory=dict)
     _furthest: dict[str, int] = field(default_factory=dict)  # job -> the furthest iteration asked for
@@ -192,8 +201,8 @@ class IsolationController:
     def allows(self, held_s: float, phase_s: float, starving: bool) -> bool:
         """Whether a lower-class phase of about `phase_s` may start, the lower classes having held the device
         `held_s` over the last window. Never in a solo window; otherwise within the budget, or `starving`: the
-        lower classes held nothing for `starve_windows` windows (one phase then, so that a rank never waits
-        past its grant timeout and goes on unscheduled, which would cost the protected job more)."""
+        rank has waited `starve_windows` windows (its phase then, so that it never waits past its grant
+        timeout and goes on unscheduled, which would cost the protected job more)."""
         if self.window is Window.SOLO:
             return False
         return starving or held_s + phase_s <= self.budget * self.settings.window_s
@@ -217,40 +226,57 @@ class IsolationController:
 
     def step(self, protected: frozenset[str], lower: frozenset[str], now: float) -> Change | None:
         """Advance to the window `now` falls in, given the device's jobs: judge the window that ended and pick
-        the next one's kind. Returns a change of budget or reference, or None."""
+        the next one's kind. Returns a change of budget or reference, or None.
+
+        Solo windows come at fixed places on the wall clock (every `solo_every` + 1-th window), so every node
+        of a job measures it alone in the same windows; a job without a reference (at start, when the jobs
+        change) is measured alone at once, over up to `max_solo` windows."""
         index = math.floor((now + self.offset) / self.settings.window_s)
+        if self._alone_until is None:
+            self._alone_until = now + self.settings.alone_keep_s
         jobs = (protected, lower)
         if jobs != self._jobs:
             self._jobs = jobs
             self._furthest = {j: i for j, i in self._furthest.items() if j in protected}
             self.reference_s = {j: t for j, t in self.reference_s.items() if j in protected}
+            self._unmeasured = 0
             return self._begin(index, Window.SOLO, "the device's jobs changed: measuring the protected job alone")
         if self._index is None:
             return self._begin(index, Window.SOLO, "measuring the protected job alone")
         if index == self._index:
             return None
-        return self._judge(index)
+        return self._judge(index, now)
+
+    def _solo_slot(self, index: int) -> bool:
+        return index % (self.settings.solo_every + 1) == 0
+
+    def _unreferenced(self) -> bool:
+        return any(j not in self.reference_s for j in self._jobs[0])
 
     def _begin(self, index: int, window: Window, reason: str = "") -> Change | None:
-        self._index, self.window, self._paces = index, window, {}
-        if window is Window.SOLO:
-            self._shared_since_solo = 0
+        if not (window is Window.SOLO and self.window is Window.SOLO and self._index is not None
+                and index == self._index + 1 and not reason):
+            self._paces = {}  # a solo window that goes on keeps measuring: a slow job needs several
+        self._index, self.window = index, window
         if not reason:
             return None
         return self._change(reason)
 
-    def _judge(self, index: int) -> Change | None:
+    def _judge(self, index: int, now: float) -> Change | None:
         paces = {j: t for j, p in self._paces.items() if j in self._jobs[0] and (t := p.iteration_s()) is not None}
         s = self.settings
         if self.window is Window.SOLO:
-            if not paces:  # the protected job paused: share this window, and measure alone again the next
-                self._begin(index, Window.SHARED)
-                self._shared_since_solo = s.solo_every - 1
-                return self._change("the protected job did not run alone: sharing, and measuring again next")
-            self.reference_s.update({j: min(t, self.alone_s.get(j, t)) for j, t in paces.items()})
-            self._begin(index, Window.SHARED)
-            return self._change("the protected job measured alone")
-        self._shared_since_solo += 1
+            cap = self.alone_s if self._alone_until is not None and now <= self._alone_until else {}
+            self.reference_s.update({j: min(t, cap.get(j, t)) for j, t in paces.items()})
+            self._unmeasured = 0 if paces else self._unmeasured + 1
+            if self._unreferenced() and self._unmeasured < s.max_solo and index == self._index + 1:  # type: ignore[operator]
+                self._begin(index, Window.SOLO)
+                return None
+            kind = Window.SOLO if self._solo_slot(index) else Window.SHARED
+            self._begin(index, kind)
+            if paces:
+                return self._change("the protected job measured alone")
+            return self._change("the protected job did not run alone: sharing until the next solo window")
         change = None
         common = [j for j in paces if j in self.reference_s]
         if common:
@@ -264,10 +290,11 @@ class IsolationController:
             if budget != self.budget:
                 self.budget = budget
                 change = why
-        solo = self._shared_since_solo >= s.solo_every
-        self._begin(index, Window.SOLO if solo else Window.SHARED)
-        if solo:
+        if self._solo_slot(index):
+            self._unmeasured = 0
+            self._begin(index, Window.SOLO)
             return self._change("measuring the protected job alone again")
+        self._begin(index, Window.SHARED)
         return None if change is None else self._change(change)
 
     def _change(self, reason: str) -> Change:
@@ -281,7 +308,7 @@ class IsolationController:
         c = self._change("")
         w = self.settings.window_s
         return IsolationView(self.window, self.settings.target, self.allowed(), c.reference_s, c.current_s,
-                             {job: held / w for job, held in lower_held_s.items()})
+                             {job: held / w for job, held in lower_held_s.items()}, self.kept())
 
     def kept(self) -> float | None:
         """The protected jobs' speed in the last shared window relative to alone (the least of them)."""

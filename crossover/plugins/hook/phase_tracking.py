@@ -178,7 +178,10 @@ class _PhaseTracker(OptimizerHook):
         the forward pre-hook): a rank nobody can ask to yield pays nothing per parameter."""
         if self.phases.pace is not None:  # on a GPU
             _follow_outranked(self.phases)
-        return self.phases.session.outranked
+        session = self.phases.session
+        if not session.outranked:
+            session.preempted = False  # asked while nobody could: not to be honoured a pass later
+        return session.outranked
 
     def on_gradient(self, index: int, grad: Any) -> None:
         phases = self.phases

@@ -3,6 +3,8 @@ enforcing its budget: solo windows for the reference, AIMD on the budget, aligne
 left alone."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from crossover.daemon.api import RankKey, RankRef
@@ -81,15 +83,46 @@ def test_windows_are_aligned_on_the_wall_clock_so_every_node_measures_alike():
     assert node_a.next_boundary(1.0) + 1000.0 == node_b.next_boundary(0.5) + 1000.5 == 1002.0
 
 
-def test_a_solo_window_in_which_the_protected_job_paused_is_shared_and_measured_again_next():
-    ctl = IsolationController(IsolationSettings(window_s=1.0))
+def test_a_job_without_a_reference_is_measured_alone_over_a_few_windows_then_shared_until_the_next_slot():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, max_solo=3, solo_every=15))
     ctl.step(PROD, LOW, 0.0)
-    ctl.request("prod", 0, 0.5)  # one iteration boundary: no iteration time
-    change = ctl.step(PROD, LOW, 1.0)
-    assert ctl.window is Window.SHARED and not ctl.reference_s
-    assert change is not None and "did not run alone" in change.reason
-    ctl.step(PROD, LOW, 2.0)
-    assert ctl.window is Window.SOLO  # the lower jobs are never kept out for long by a paused job
+    ctl.request("prod", 0, 0.5)  # one boundary, then the job pauses
+    kinds = []
+    for w in range(1, 5):
+        change = ctl.step(PROD, LOW, float(w))
+        kinds.append(ctl.window)
+    assert kinds == [Window.SOLO, Window.SOLO, Window.SHARED, Window.SHARED] and not ctl.reference_s
+    assert change is None or "did not run alone" in change.reason
+    for w in range(5, 16):
+        ctl.step(PROD, LOW, float(w))
+    assert ctl.window is Window.SHARED
+    ctl.step(PROD, LOW, 16.0)
+    assert ctl.window is Window.SOLO  # the next slot on the wall clock: every node's
+
+
+def test_a_job_whose_iteration_outlasts_a_window_is_measured_over_consecutive_solo_windows():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, settle_share=0.0, max_solo=3))
+    i = _run(ctl, 0.0, 3.5, 1.5)  # boundaries at 0, 1.5, 3.0
+    ctl.step(PROD, LOW, 3.5)
+    assert ctl.reference_s["prod"] == pytest.approx(1.5) and ctl.window is Window.SHARED
+    _run(ctl, 3.5, 5.0, 1.5, i)
+
+
+def test_periodic_solo_windows_fall_on_the_same_wall_clock_windows_on_every_node():
+    def solos(offset: float) -> list[int]:
+        ctl = IsolationController(IsolationSettings(window_s=1.0, solo_every=3), offset=offset)
+        i, out = 0, []
+        for k in range(60):
+            t = 0.1 * k
+            ctl.step(PROD, LOW, t)
+            ctl.request("prod", i, t)
+            i += 1
+            if ctl.window is Window.SOLO:
+                out.append(math.floor(t + offset))
+        return sorted(set(out))
+
+    a, b = solos(1000.0), solos(1000.3)  # two nodes, clocks 0.3 s apart at start
+    assert [w for w in a if w > 1001] == [w for w in b if w > 1001]  # past the first measurement, in step
 
 
 # ---- the policy enforces the budget ------------------------------------------------------------------
@@ -184,3 +217,22 @@ def test_the_reference_is_never_slower_than_the_pace_before_any_lower_job_came()
         _prod_iteration(p, i, 1.0 + 0.12 * (i - 10))
     p.tick(2.3)
     assert p.isolation[0].reference_s["prod"] == pytest.approx(0.1)
+
+
+def test_each_device_counts_only_the_lower_time_held_on_it():
+    p = CrossoverPolicy(classes=ClassSettings(guard_share=0.0001, isolation=IsolationSettings(
+        window_s=1.0, settle_share=0.0, initial=0.2)))
+    for job, cls in (("prod", JobClass(Priority.NORMAL)), ("sweep", JobClass(Priority.LOW))):
+        for dev in (0, 1):
+            p.join(RankRef(RankKey(job, dev), job_name=job, device=dev, world_size=2, joined_at=0.0), 0.0)
+        p.classify(job, cls, 0.0)
+    for i in range(10):  # solo on both devices
+        for dev in (0, 1):
+            assert p.request(RankKey("prod", dev), i, 0.1 * i) == [RankKey("prod", dev)]
+            p.release(RankKey("prod", dev), 0.1 * i + 0.05)
+    p.tick(1.0)
+    assert p.request(RankKey("sweep", 1), 0, 1.0) == [RankKey("sweep", 1)]
+    p.observe(RankKey("sweep", 1), "compute", 0.15, 1.15)
+    p.release(RankKey("sweep", 1), 1.15)  # 0.15 s on device 1; another 0.15 s fits 0.2 s on device 0, not on 1
+    assert p.request(RankKey("sweep", 0), 0, 1.2) == [RankKey("sweep", 0)]
+    assert p.request(RankKey("sweep", 1), 1, 1.2) == []

@@ -210,6 +210,21 @@ def test_equal_classes_decide_exactly_as_the_policy_without_classes(seed: int, c
 
 
 @settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), cls=st.sampled_from([HIGH, NORMAL, LOW, JobClass(Priority.LOW, 3.0)]))
+def test_equal_classes_decide_exactly_as_before_with_the_isolation_controller_on(seed: int, cls: JobClass) -> None:
+    """As shipped (`--protect 0.97`): the controller exists only where priorities differ."""
+    plain = CrossoverPolicy()
+    for j in JOBS:
+        plain.join(ref(j), 0.0)
+    classed = CrossoverPolicy()
+    for j in JOBS:
+        classed.join(ref(j), 0.0)
+        classed.classify(j, cls, 0.0)
+    assert _drive(classed, seed) == _drive(plain, seed)
+    assert not classed.isolation
+
+
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_two_nodes_fed_the_same_events_decide_alike(seed: int) -> None:
     classes = {"a": HIGH, "b": LOW, "c": JobClass(Priority.LOW, 2.0)}
