@@ -57,8 +57,29 @@ class _Usage(click.UsageError):
         click.echo(f"crossoverd: {self.format_message()} (see `crossoverd --help`)", err=True)
 
 
+_TUNING = frozenset({
+    "event_log_size", "event_log_max_mb", "event_log_backups", "max_events_per_s", "max_connections",
+    "max_connections_per_user", "idle_timeout", "heartbeat_timeout", "evict_after", "overdue_factor",
+    "overdue_after", "overdue_warmup", "max_hold", "lease", "adapt", "adapt_window", "guard_share", "protect",
+    "quick_yield", "session_socket", "handover"})
+"""The flags an operator tunes rather than sets: `--help` lists them last, under their own heading."""
+
+
 class _Command(click.Command):
-    """crossoverd's command line, whose usage errors are one line on stderr instead of click's four."""
+    """crossoverd's command line, whose usage errors are one line on stderr instead of click's four, and
+    whose help lists what an operator sets (sockets, devices, policy, classes, admin, logs) before the
+    tuning (liveness, overdue, adapt, limits)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = {False: [], True: []}  # type: dict[bool, list[tuple[str, str]]]
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                rows[param.name in _TUNING].append(record)
+        with formatter.section("Options"):
+            formatter.write_dl(rows[False])
+        with formatter.section("Tuning (defaults suit most nodes)"):
+            formatter.write_dl(rows[True])
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:

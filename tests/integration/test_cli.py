@@ -388,6 +388,18 @@ def test_every_help_names_every_admin_command():
     assert all(f"`{cmd}" in codes for cmd in admin), codes
 
 
+def test_crossoverd_help_lists_what_an_operator_sets_before_the_tuning():
+    from crossover.daemon.main import main as crossoverd
+
+    text = CliRunner(env={"COLUMNS": "200"}).invoke(crossoverd, ["--help"]).stdout
+    options, tuning = text.split("Tuning (defaults suit most nodes):")
+    for flag in ("--socket", "--cpu-devices", "--policy", "--class-rule", "--admin-group", "--event-log "):
+        assert flag in options, flag
+    for flag in ("--heartbeat-timeout", "--evict-after", "--overdue-factor", "--adapt-window", "--protect",
+                 "--max-connections"):
+        assert flag in tuning and flag not in options, flag
+
+
 def test_evicting_a_job_that_is_not_here_is_refused_and_not_logged(run, daemon):
     res = run("evict", "--job", "nojob")
     assert res.exit_code == ExitCode.REFUSED == run("priority", "nojob", "low").exit_code
