@@ -105,10 +105,13 @@ _DROP_FIRST = ("pid", "hand-over", "rss", "gpu mem", "cpu%", "user", "comm ms", 
 _RIGHT = {"rank", "pid", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem"}
 
 
+_MIN_WIDTH = {"": 5, "job": 6, "phase": 7}  # "holds" and "#12", a job, a phase keep one width frame to frame
+
+
 def _fit(columns: list[str], rows: list[dict[str, Text]], width: int | None) -> list[str]:
     """The columns that fit `width` (None: all), dropping the least needed first."""
-    def need(cols: list[str]) -> int:  # a cell's text, one space each side, one rule between columns
-        return sum(max([len(c), *(len(r[c].plain) for r in rows)]) + 3 for c in cols) + 1
+    def need(cols: list[str]) -> int:  # a cell's text (or its column's least width), a space each side, rules
+        return sum(max([len(c), _MIN_WIDTH.get(c, 0), *(len(r[c].plain) for r in rows)]) + 3 for c in cols) + 1
 
     kept = list(columns)
     for name in _DROP_FIRST:
@@ -168,9 +171,7 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
         columns = _fit([c for c in _QUEUE_COLUMNS if gpu or c != "gpu mem"], rows, width)
         t = Table(title=title, title_justify="left", expand=False, pad_edge=False)
         for col in columns:
-            # "holds", "#12": the first column keeps one width from frame to frame
-            t.add_column(col, justify="right" if col in _RIGHT else "left", no_wrap=True,
-                         min_width={"": 5, "job": 6, "phase": 7}.get(col))
+            t.add_column(col, justify="right" if col in _RIGHT else "left", no_wrap=True, min_width=_MIN_WIDTH.get(col))
         for row in rows:
             t.add_row(*(row[c] for c in columns))
         if not rows:

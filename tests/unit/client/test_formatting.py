@@ -70,3 +70,21 @@ def test_an_80_column_queue_drops_columns_by_priority_instead_of_cutting_values(
         wide.print(t)
     shown = wide.export_text()
     assert all(col in shown for col in ("pid", "rss", "gpu mem", "cpu%", "comm ms", "iter")), shown
+
+
+def test_a_70_column_queue_of_short_names_drops_columns_instead_of_cutting_iter_and_wait():
+    """Columns with a minimum width (the mark, job, phase) wider than their cells count at that width."""
+    from crossover.client.cli.formatting import to_json
+    from crossover.protos import crossover_v1_pb2 as pb
+
+    state = pb.QueueState()
+    dev = state.devices.add(index=0, kind="cpu", name="cpu0", utilization=-1.0)
+    for k in range(2):
+        dev.others.add(job_name="a", rank=k, pid=4242, iteration=7, phase=pb.COMM, mean_compute_s=0.1,
+                       mean_comm_s=0.2, wait_fraction=0.07, cpu_percent=5.0, rss_bytes=300_000_000, user="root")
+    for width in (60, 70):
+        console = Console(record=True, width=width, force_terminal=False)
+        for t in queue_tables(to_json("queue", state), width):
+            console.print(t)
+        lines = [line for line in console.export_text().splitlines() if line.strip()]
+        assert "…" not in "".join(lines[1:]), "\n".join(lines)
