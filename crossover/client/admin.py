@@ -117,6 +117,8 @@ def translate(exc: grpc.RpcError, target: str, timeout: float, method: str = "",
     if code is grpc.StatusCode.PERMISSION_DENIED:
         if method and command and details.startswith(method):
             details = f"`{command}`{details[len(method):]}"
+        if details.endswith("needs the admin token"):  # over TCP: where that token comes from
+            details += ": pass --token-file with the daemon's --admin-token-file"
         return NotAllowed(f"not allowed: {details}")
     return RequestRefused(f"{details} ({code.name})")
 

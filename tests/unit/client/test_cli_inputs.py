@@ -61,3 +61,20 @@ def test_a_socket_that_is_a_file_or_a_folder_is_called_so(tmp_path):
         assert res.exit_code == 3, res.output
         line = _one_line(res.stderr)
         assert words in line and "stale" not in line, line
+
+
+def test_a_steering_call_refused_for_want_of_the_admin_token_says_where_it_comes_from():
+    import grpc
+
+    from crossover.client.admin import translate
+
+    class Refused(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.PERMISSION_DENIED
+
+        def details(self) -> str:
+            return "SetPolicy over TCP needs the admin token"
+
+    err = translate(Refused(), "127.0.0.1:7070", 5.0, method="SetPolicy", command="crossover policy")
+    assert str(err) == ("not allowed: `crossover policy` over TCP needs the admin token: pass --token-file with "
+                        "the daemon's --admin-token-file")
