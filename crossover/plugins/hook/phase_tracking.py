@@ -179,9 +179,10 @@ class _PhaseTracker(OptimizerHook):
         if self.phases.pace is not None:  # on a GPU
             _follow_outranked(self.phases)
         session = self.phases.session
-        if not session.outranked:
+        outranked = session.outranked
+        if not outranked:
             session.preempted = False  # asked while nobody could: not to be honoured a pass later
-        return session.outranked
+        return outranked
 
     def on_gradient(self, index: int, grad: Any) -> None:
         phases = self.phases
