@@ -155,8 +155,7 @@ class CrossoverPolicy(DispatchPolicy):
         self._now = now
         ref = self._q.ranks.get(key)
         if ref is not None and ref.device in self.isolation:  # a device left without lower jobs drops its controller
-            staying = {k.job_id for k, r in self._q.ranks.items() if r.device == ref.device and k != key}
-            self._isolate(ref.device, staying)
+            self._isolate(ref.device, self._jobs_on(ref.device, without=key))
         self._passed.pop(key, None)
         self._granted_at.pop(key, None)
         self._asked.discard(key)
@@ -171,7 +170,7 @@ class CrossoverPolicy(DispatchPolicy):
         self._now = now
         ref = self._q.ranks.get(key)
         if ref is not None and self.book.settings.isolation.on:
-            jobs = {k.job_id for k, r in self._q.ranks.items() if r.device == ref.device}
+            jobs = self._jobs_on(ref.device)
             ctl = self._isolate(ref.device, jobs)
             if ctl is not None:
                 ctl.request(key.job_id, iteration, now)
@@ -259,8 +258,8 @@ class CrossoverPolicy(DispatchPolicy):
         if dev is None:
             return []
         waiting = list(dev.waiting)
-        jobs = {k.job_id for k, r in self._q.ranks.items() if r.device == device}
-        if not self.book.uniform(jobs):  # classes: higher first, then request order (gaps and the guard aside)
+        # classes: higher first, then request order (gaps and the guard aside)
+        if not self.book.uniform(self._jobs_on(device)):
             at = self._q.requested_at
             return sorted(waiting, key=lambda k: (-self.book.of(k.job_id).priority, at[k], k.job_id, k.rank))
         passed = {k: self._passed.get(k, 0) for k in waiting}
@@ -281,8 +280,7 @@ class CrossoverPolicy(DispatchPolicy):
         serve = self.order(device)
         keys = serve + [k for k in sorted(names, key=lambda k: (k.job_id, k.rank)) if k not in serve]
         if not self.book.uniform({k.job_id for k in names}):
-            owed = {k for k in serve if self.book.credit(k.job_id, self._now)
-                    >= max(self._compute.get(k.job_id, 0.0), 0.01)}
+            owed = {k for k in serve if self.book.credit(k.job_id, self._now) >= self._guard_need(k.job_id)}
             keys.sort(key=lambda k: (k not in owed, -self.book.of(k.job_id).priority))  # stable: serve order within
         return tuple(dict.fromkeys(names[k] for k in keys))
 
@@ -320,7 +318,7 @@ class CrossoverPolicy(DispatchPolicy):
             return []
         self._held_until.pop(dev.index, None)
         waiting = list(dev.waiting)
-        jobs = {k.job_id for k, r in self._q.ranks.items() if r.device == dev.index}
+        jobs = self._jobs_on(dev.index)
         if not self.book.uniform(jobs):
             classed = self._by_class(dev, waiting, jobs)
             if classed is None:
@@ -335,12 +333,20 @@ class CrossoverPolicy(DispatchPolicy):
         self._granted_at[nxt] = self._now
         return [nxt]
 
+    def _guard_need(self, job: str) -> float:
+        """The credit a job's guard must hold before it serves the job's next phase: that phase (at least 10 ms)."""
+        return max(self._compute.get(job, 0.0), 0.01)
+
+    def _jobs_on(self, device: int, without: RankKey | None = None) -> set[str]:
+        """The jobs with a rank on `device` (but for the rank `without`, which is leaving)."""
+        return {k.job_id for k, r in self._q.ranks.items() if r.device == device and k != without}
+
     def _guard(self, ranks: list[RankKey], due: list[float]) -> RankKey | None:
         """The earliest of `ranks` whose guaranteed share covers its next phase (the guard serves it);
         None, after adding to `due` when each will be owed one."""
         book, at = self.book, self._q.requested_at
         for k in sorted(ranks, key=lambda k: (at[k], k.job_id, k.rank)):
-            need = max(self._compute.get(k.job_id, 0.0), 0.01)
+            need = self._guard_need(k.job_id)
             credit = book.credit(k.job_id, self._now)
             if credit >= need:
                 self.guarded += 1

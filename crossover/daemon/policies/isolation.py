@@ -241,8 +241,6 @@ class IsolationController:
             self.reference_s = {j: t for j, t in self.reference_s.items() if j in protected}
             self._unmeasured = 0
             return self._begin(index, Window.SOLO, "the device's jobs changed: measuring the protected job alone")
-        if self._index is None:
-            return self._begin(index, Window.SOLO, "measuring the protected job alone")
         if index == self._index:
             return None
         return self._judge(index, now)
@@ -297,17 +295,20 @@ class IsolationController:
         self._begin(index, Window.SHARED)
         return None if change is None else self._change(change)
 
-    def _change(self, reason: str) -> Change:
+    def _shown(self) -> tuple[float | None, float | None]:
+        """The protected jobs' iteration time alone and in the last shared window (the longest of each)."""
         protected = self._jobs[0]
         ref = [self.reference_s[j] for j in protected if j in self.reference_s]
         cur = [self.current_s[j] for j in protected if j in self.current_s]
-        return Change(round(self.budget, 4), reason, self.window, max(ref, default=None), max(cur, default=None))
+        return max(ref, default=None), max(cur, default=None)
+
+    def _change(self, reason: str) -> Change:
+        return Change(round(self.budget, 4), reason, self.window, *self._shown())
 
     def view(self, lower_held_s: dict[str, float]) -> IsolationView:
         """What `crossover queue` shows; `lower_held_s`: each lower job's device time over the last window."""
-        c = self._change("")
         w = self.settings.window_s
-        return IsolationView(self.window, self.settings.target, self.allowed(), c.reference_s, c.current_s,
+        return IsolationView(self.window, self.settings.target, self.allowed(), *self._shown(),
                              {job: held / w for job, held in lower_held_s.items()}, self.kept())
 
     def kept(self) -> float | None:
