@@ -2,12 +2,15 @@
 
 One production job (`normal`, the default class) shares its devices with one or two
 opportunistic jobs that said `CROSSOVER_PRIORITY=low`. Every job's speed is given
-relative to its speed alone (1.0: as if alone), in three modes measured in one run:
+relative to its speed alone (1.0: as if alone), in four modes measured in one run:
 
   unscheduled  no grants (time-slicing: what a GPU does without us)
-  equal        the default policy, every job in one class (today's crossover)
-  classes      the default policy with the opportunistic jobs in class `low`
-  classes-dscp (model/core, asked with --modes) the same, on links that send the
+  equal        the default policy, every job in one class
+  classes-open the opportunistic jobs in class `low`, the class rules alone
+               (`crossover policy --protect 0`: no isolation controller)
+  classes      the same with the daemon as it ships: the isolation controller
+               holds the production job at --protect 0.97 of its pace alone
+  classes-dscp (model/core, asked with --modes) `classes` on links that send the
                low jobs' traffic last: they mark it DSCP CS1 (CROSSOVER_LOW_DSCP),
                as a network that honours DSCP would
   classes-adaptive (model/core, asked with --modes) `classes` with the daemons as
@@ -57,14 +60,15 @@ from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.policies.isolation import IsolationSettings
 from testbed.simulator import JobSpec, SimConfig, simulate
 
-MODES = ("unscheduled", "equal", "classes")
+MODES = ("unscheduled", "equal", "classes-open", "classes")
 EMULATED_MODES = (*MODES, "classes-dscp", "classes-adaptive")
-"""`classes-dscp` (the emulated beds): `classes` with the links sending the low jobs' DSCP-marked packets last;
-`classes-adaptive`: `classes` where each device keeps grants only if they pay the production job (`--adapt`)."""
+"""The emulated beds' modes: `classes` is the daemons' policy as it ships (the isolation controller holding the
+production job at `--protect` 0.97); `classes-open`, the class rules without it (`crossover policy --protect 0`);
+`classes-dscp`: `classes` with the links sending the low jobs' DSCP-marked packets last; `classes-adaptive`:
+`classes` where each device keeps grants only if they pay the production job (`--adapt`)."""
 _ADAPT_WINDOW_S = 3.0  # the emulated beds' daemons' --adapt-window: ten iterations of 300 ms
-SIM_MODES = ("unscheduled", "equal", "classes-open", "classes")
-"""The simulator's modes: `classes` is the daemon's policy as it ships (the isolation controller holding the
-production job at `--protect` 0.97); `classes-open`, the class rules without it (`crossoverd --protect 0`)."""
+SIM_MODES = MODES
+"""The simulator's modes, as the emulated beds': `classes-open` is the daemon with `--protect 0`."""
 
 
 def _sim_policy(mode: str) -> Any:
@@ -176,7 +180,7 @@ def _sim_table(result: dict[str, Any]) -> Table:
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
     from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
-    from bench.emulated.scenarios import ADAPTS, CLASSES, DSCP, settle_s
+    from bench.emulated.scenarios import ADAPTS, CLASSES, DSCP, OPEN_LOOP, settle_s
     from crossover.protos.event_file import EventName, read_events
     from testbed.cluster import Cluster, ClusterSpec, Link
     from testbed.device_model import DeviceParams
@@ -221,7 +225,8 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             for cycle in range(args.cycles):
                 order = modes[cycle % len(modes):] + modes[:cycle % len(modes)]
                 for mode in order:
-                    admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=mode in ADAPTS)
+                    admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=mode in ADAPTS,
+                                     protect=0.0 if mode in OPEN_LOOP else IsolationSettings.target)
                     admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES)
                     cluster.honour_dscp(mode in DSCP)
                     time.sleep(settle_s(mode, args.settle_s, _ADAPT_WINDOW_S))

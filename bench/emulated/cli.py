@@ -170,11 +170,12 @@ class ClusterAdmin:
     def __init__(self, cluster: Cluster) -> None:
         self._admins = [AdminClient(n.socket, timeout=5) for n in cluster.nodes]
 
-    def set_policy(self, name: str, adapt: bool | None = None, handover: bool | None = None) -> None:
+    def set_policy(self, name: str, adapt: bool | None = None, handover: bool | None = None,
+                   protect: float | None = None) -> None:
         """Switch every daemon to policy `name`; `adapt` also switches whether devices measure if grants pay,
-        `handover` whether ranks end their turns on their device."""
+        `handover` whether ranks end their turns on their device, `protect` the isolation target."""
         for admin in self._admins:
-            admin.set_policy(name, adapt=adapt, handover=handover)
+            admin.set_policy(name, adapt=adapt, handover=handover, protect=protect)
 
     def set_class(self, jobs: list[str], low: bool) -> None:
         """Put `jobs` (ids) in class `low` on every daemon, or back in `normal` (`crossover priority`'s call)."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ADAPTS", "ALL", "CHURN", "CLASSES", "COLOCATED", "CPU_HANDOVER", "DSCP", "FULL", "MODEL", "MODES", "POLICY",
-           "QUICK", "Scenario", "settle_s"]
+from crossover.daemon.policies.isolation import IsolationSettings
+
+__all__ = ["ADAPTS", "ALL", "CHURN", "CLASSES", "COLOCATED", "CPU_HANDOVER", "DSCP", "FULL", "MODEL", "MODES",
+           "OPEN_LOOP", "POLICY", "QUICK", "Scenario", "settle_s"]
 
 MODES = ("sequential", "unscheduled", "exclusive", "crossover", "crossover-cpu", "adaptive", "classes",
          "classes-dscp", "classes-adaptive")
@@ -22,8 +24,11 @@ production job (`crossoverd --adapt`, the default), so each device keeps grants 
 CPU_HANDOVER = frozenset({"crossover-cpu"})
 """`crossover-cpu`: `crossover` with every rank waiting for its device on its CPU before it releases
 (`crossover policy --no-handover`); the other modes let ranks that can end their turns on their device."""
-CLASSES = frozenset({"classes", "classes-dscp", "classes-adaptive"})
+CLASSES = frozenset({"classes", "classes-open", "classes-dscp", "classes-adaptive"})
 """Modes with every job but the first in class `low`."""
+OPEN_LOOP = frozenset({"classes-open"})
+"""Modes whose daemons run the class rules without the isolation controller (`crossover policy --protect 0`);
+the others hold the production job at the daemon's default target."""
 DSCP = frozenset({"classes-dscp"})
 """Modes in which the emulated network honours the low class's DSCP."""
 ADAPTS = frozenset({"adaptive", "classes-adaptive"})
@@ -32,9 +37,13 @@ grant everywhere."""
 
 
 def settle_s(mode: str, settle: float, adapt_window_s: float) -> float:
-    """How long a bed waits after switching to `mode` before it measures: `settle`, and in an adaptive mode
-    the first verdict's probe too (4 windows, from the next even one: 6 windows at most)."""
-    return settle + (6 * adapt_window_s if mode in ADAPTS else 0.0)
+    """How long a bed waits after switching to `mode` before it measures: `settle`; in an adaptive mode the
+    first verdict's probe too (4 windows, from the next even one: 6 windows at most); where the isolation
+    controller runs, its first solo window (from the next window's start: two windows at most), which a
+    switch starts afresh and which would otherwise count as the production job's time alone."""
+    controlled = mode in CLASSES and mode not in OPEN_LOOP
+    return (settle + (6 * adapt_window_s if mode in ADAPTS else 0.0)
+            + (2 * IsolationSettings().window_s if controlled else 0.0))
 
 
 @dataclass(frozen=True)

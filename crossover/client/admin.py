@@ -205,10 +205,13 @@ class AdminClient:
     def policy(self) -> pb.PolicyInfo:
         return self.call("GetPolicy", pb.PolicyRequest(protocol_version=PROTOCOL_VERSION))  # type: ignore[return-value]
 
-    def set_policy(self, name: str = "", *, adapt: bool | None = None, handover: bool | None = None) -> pb.PolicyInfo:
-        """Switch the policy to `name` ("" keeps it) and turn adapting or hand-over on or off (None: as is)."""
+    def set_policy(self, name: str = "", *, adapt: bool | None = None, handover: bool | None = None,
+                   protect: float | None = None) -> pb.PolicyInfo:
+        """Switch the policy to `name` ("" keeps it), turn adapting or hand-over on or off, and set the isolation
+        target `protect` (each None: as is)."""
         req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=switches.to_wire(adapt),
-                               handover=switches.to_wire(handover))
+                               handover=switches.to_wire(handover),
+                               **({"protect": protect} if protect is not None else {}))
         return self.call("SetPolicy", req)  # type: ignore[return-value]
 
     def drain(self, device: int) -> pb.DeviceAck:

@@ -186,17 +186,20 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     def _policy_info(self) -> pb.PolicyInfo:
         return pb.PolicyInfo(name=self._core.policy_name, available=policies.available(), adapt=self._core.adapting,
-                             handover=self._core.handing_over)
+                             handover=self._core.handing_over, protect=self._core.protect)
 
     @_unary
     def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
-        if not request.name and request.adapt == request.handover == pb.ADAPT_UNCHANGED:
+        protect = request.protect if request.HasField("protect") else None
+        if not request.name and protect is None and request.adapt == request.handover == pb.ADAPT_UNCHANGED:
             raise InvalidRequest("name is empty; give the policy to switch to")
         for what, value in (("adapt", request.adapt), ("handover", request.handover)):
             if value not in (pb.ADAPT_UNCHANGED, pb.ADAPT_ON, pb.ADAPT_OFF):
                 raise InvalidRequest(f"{what} {value} is not one of ADAPT_UNCHANGED, ADAPT_ON, ADAPT_OFF")
-        if request.name:
-            self._core.set_policy(request.name, caller=_caller(context))
+        if protect is not None and not 0.0 <= protect <= 1.0:
+            raise InvalidRequest(f"protect {protect:g}: must be within 0..1 (0 turns the isolation controller off)")
+        if request.name or protect is not None:
+            self._core.set_policy(request.name or self._core.policy_name, caller=_caller(context), protect=protect)
         if request.adapt != pb.ADAPT_UNCHANGED:
             self._core.set_adapt(request.adapt == pb.ADAPT_ON, caller=_caller(context))
         if request.handover != pb.ADAPT_UNCHANGED:

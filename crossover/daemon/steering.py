@@ -193,10 +193,22 @@ class Steering(JobOwnership):
         with self._lock:
             return dict(self._phases.policy.decisions())
 
-    def set_policy(self, name: str, caller: str = "") -> str:
-        """Switch policy at once; ranks computing or waiting are re-queued under the new one.
-        `caller` says who asked, as the event log and the daemon log record it."""
-        new = policies.create(name, self._class_settings, self._wall() - self._clock())
+    @property
+    def protect(self) -> float:
+        """The share of its speed alone the highest class on a device keeps (`crossoverd --protect`; 0: off)."""
+        return (self._class_settings or ClassSettings()).isolation.target
+
+    def set_policy(self, name: str, caller: str = "", protect: float | None = None) -> str:
+        """Switch policy at once; ranks computing or waiting are re-queued under the new one. `protect`
+        (None: as is) sets the isolation target from now on (`crossover policy --protect`); the policy then
+        starts afresh even if `name` is the current one. `caller` says who asked, as the event log and the
+        daemon log record it."""
+        settings = self._class_settings
+        if protect is not None:
+            base = settings or ClassSettings()
+            settings = replace(base, isolation=replace(base.isolation, target=protect))
+        new = policies.create(name, settings, self._wall() - self._clock())
+        self._class_settings = settings
         d = Decision()
         with self._lock:
             now = self._clock()
@@ -224,8 +236,8 @@ class Steering(JobOwnership):
             for sess in self._sessions:
                 d.post(sess, PolicyMsg(new.name, new.blocks))
             self._commit(d, now)
-        self.events.record(EventName.POLICY, old=old.name, new=name, caller=caller)
-        _log.warning("operator switched policy %s -> %s (%s)", old.name, name, caller or "?")
+        self.events.record(EventName.POLICY, old=old.name, new=name, protect=self.protect, caller=caller)
+        _log.warning("operator switched policy %s -> %s, protect %g (%s)", old.name, name, self.protect, caller or "?")
         return name
 
     def _instead_of_drained(self, device: Device, ident: RankIdentity) -> Device:

@@ -421,28 +421,32 @@ class JobList(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobState, _Mapping]]] = ...) -> None: ...
 
 class PolicyRequest(_message.Message):
-    __slots__ = ("protocol_version", "name", "adapt", "handover")
+    __slots__ = ("protocol_version", "name", "adapt", "handover", "protect")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADAPT_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    PROTECT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     adapt: Adapt
     handover: Adapt
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., adapt: _Optional[_Union[Adapt, str]] = ..., handover: _Optional[_Union[Adapt, str]] = ...) -> None: ...
+    protect: float
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., adapt: _Optional[_Union[Adapt, str]] = ..., handover: _Optional[_Union[Adapt, str]] = ..., protect: _Optional[float] = ...) -> None: ...
 
 class PolicyInfo(_message.Message):
-    __slots__ = ("name", "available", "adapt", "handover")
+    __slots__ = ("name", "available", "adapt", "handover", "protect")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     ADAPT_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    PROTECT_FIELD_NUMBER: _ClassVar[int]
     name: str
     available: _containers.RepeatedScalarFieldContainer[str]
     adapt: bool
     handover: bool
-    def __init__(self, name: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., adapt: _Optional[bool] = ..., handover: _Optional[bool] = ...) -> None: ...
+    protect: float
+    def __init__(self, name: _Optional[str] = ..., available: _Optional[_Iterable[str]] = ..., adapt: _Optional[bool] = ..., handover: _Optional[bool] = ..., protect: _Optional[float] = ...) -> None: ...
 
 class DeviceRequest(_message.Message):
     __slots__ = ("protocol_version", "device")

@@ -129,6 +129,11 @@ def test_policy_show_and_switch(run, daemon):
     assert daemon.core.policy_name == "passthrough"
     res = run("policy", "--json")
     assert json.loads(res.stdout)["name"] == "passthrough"
+    res = run("policy", "--protect", "0.9")
+    assert res.exit_code == 0, res.output
+    assert "policy passthrough" in res.stdout and "protect 0.9" in res.stdout and daemon.core.protect == 0.9
+    res = run("policy", "--protect", "2")
+    assert res.exit_code == 2 and daemon.core.protect == 0.9  # a usage error; nothing changed
 
 
 def test_unknown_policy_is_refused_with_one_line(run, daemon):

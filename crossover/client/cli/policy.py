@@ -18,7 +18,9 @@ _HELP = "Show the policy, or switch to NAME (ranks waiting are re-queued under i
     "grants make its jobs faster, and runs unscheduled where they do not (`crossover queue` says "
     "which and why); --no-adapt grants everywhere. The daemon starts as crossoverd --adapt says. "
     "--no-handover makes every rank wait for its device on its CPU before it releases; --handover "
-    "lets ranks that can end their turns on their device again (docs/handover.md).")
+    "lets ranks that can end their turns on their device again (docs/handover.md). --protect sets the share "
+    "of its speed alone that the highest class on a device keeps beside lower ones (crossoverd --protect; 0 "
+    "turns the isolation controller off, docs/priorities.md); the policy starts afresh under it.")
 
 
 @click.command(help=_HELP)
@@ -28,12 +30,15 @@ _HELP = "Show the policy, or switch to NAME (ranks waiting are re-queued under i
               help="Measure per device whether grants pay and run unscheduled where they do not (or stop).")
 @click.option("--handover/--no-handover", default=None,
               help="Let ranks that can end their turns on their device (or make every rank's CPU wait for it).")
-def policy(name: str | None, adapt: bool | None, handover: bool | None, **kw: Any) -> None:
+@click.option("--protect", type=click.FloatRange(0.0, 1.0), default=None, metavar="SHARE",
+              help="The share of its speed alone the highest class keeps (0..1; 0 turns the controller off).")
+def policy(name: str | None, adapt: bool | None, handover: bool | None, protect: float | None, **kw: Any) -> None:
     daemon = Daemon.from_options(kw)
-    if name or adapt is not None or handover is not None:
-        reply = daemon.ask(daemon.client.set_policy, name or "", adapt=adapt, handover=handover)
+    if name or adapt is not None or handover is not None or protect is not None:
+        reply = daemon.ask(daemon.client.set_policy, name or "", adapt=adapt, handover=handover, protect=protect)
     else:
         reply = daemon.ask(daemon.client.policy)
     daemon.emit("policy", reply, lambda d: f"policy {d['name']}, adapt {'on' if d.get('adapt') else 'off'}, "
-                                           f"hand-over {'on' if d.get('handover') else 'off'} "
+                                           f"hand-over {'on' if d.get('handover') else 'off'}, "
+                                           f"protect {d.get('protect', 0.0):g} "
                                            f"(available: {', '.join(d['available'])})")

@@ -102,6 +102,11 @@ def test_admin_rpcs_check_version_and_device(serve, channels):
     info = admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, adapt=pb.ADAPT_ON), timeout=5)
     assert info.name == "passthrough" and info.adapt  # the policy is kept, adapt switched on
     assert not admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, adapt=pb.ADAPT_OFF), timeout=5).adapt
+    err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=VERSION, protect=1.5), timeout=5)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "0..1" in err.details()
+    info = admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, protect=0.0), timeout=5)
+    assert info.name == "passthrough" and info.protect == 0.0  # the policy is kept, the controller off
+    assert admin.GetPolicy(pb.PolicyRequest(protocol_version=VERSION), timeout=5).protect == 0.0
 
 
 def test_socket_is_not_world_accessible(serve, tmp_path):

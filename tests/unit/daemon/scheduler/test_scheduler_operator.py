@@ -324,3 +324,23 @@ def test_a_new_cpu_rank_goes_around_a_drained_device_and_a_gpu_rank_is_refused_p
     gpus.drain(0, True)
     with pytest.raises(FailedPrecondition, match="drained"):  # its script picks GPU 0 itself: no moving it
         gpus.register(ident(job="c", rank=0, world=1, local_rank=0, device=-1))
+
+
+def test_set_policy_with_protect_restarts_the_policy_under_the_new_target(make):
+    from crossover.daemon.policies.classes import Priority
+
+    s = make("crossover", n_devices=1)
+    a, _ = join(s, rank=0, world=1)
+    b, _ = join(s, job="job-b", rank=0, world=1)
+    s.set_job_class("job-b", Priority.LOW)
+    s.event(a, "compute_request", seq=1)
+    s.event(b, "compute_request", seq=1)
+    assert s.protect == 0.97 and s.isolation(0) is not None  # the controller holds job-a at 0.97
+    assert s.set_policy("crossover", protect=0.0) == "crossover"
+    s.event(a, "compute_done")
+    s.event(a, "compute_request", seq=2)
+    assert s.protect == 0.0 and s.isolation(0) is None  # off: the open-loop class rules alone
+    s.set_policy("passthrough")
+    assert s.protect == 0.0  # a later switch keeps the operator's target
+    assert [(e.fields["new"], e.fields["protect"]) for e in s.events.events() if e.name == "policy"] == [
+        ("crossover", 0.0), ("passthrough", 0.0)]
