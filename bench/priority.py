@@ -78,16 +78,19 @@ def _sim_policy(mode: str) -> Any:
     return {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}[mode]
 
 
-def low_ceiling(device_s: float, iter_s: float, lows: int = 1, interference: float = 0.0) -> float:
+def low_ceiling(device_s: float, iter_s: float, lows: int = 1, interference: float = 0.0,
+                low_iter_s: float | None = None) -> float:
     """The most each of `lows` low jobs can get (speed relative to alone) beside a production job kept
-    whole, all jobs alike: the device time the production job leaves free in one of its iterations, shared
-    by the low jobs, over the device time a low job needs per iteration of its own, which runs slower by
-    `interference` beside the production job's allreduce. `device_s`: one iteration's device work;
-    `iter_s`: one iteration alone. A target above it cannot be met by any schedule."""
-    if not 0.0 < device_s <= iter_s:
+    whole: the device time the production job leaves free in one of its iterations, shared by the low jobs,
+    over the device time a low job needs per iteration of its own, which runs slower by `interference`
+    beside the production job's allreduce. `device_s`: one iteration's device work (the same for every
+    job); `iter_s`: the production job's iteration alone; `low_iter_s`: a low job's (None: the same, as for
+    identical jobs). A target above it cannot be met by any schedule."""
+    low_iter_s = iter_s if low_iter_s is None else low_iter_s
+    if not 0.0 < device_s <= min(iter_s, low_iter_s):
         return 0.0
-    busy = device_s / iter_s
-    return (1.0 - busy) / busy / lows / (1.0 + interference)
+    free = 1.0 - device_s / iter_s
+    return free / (device_s / low_iter_s) / lows / (1.0 + interference)
 
 
 # ---- the simulator ---------------------------------------------------------------------------------------
@@ -202,13 +205,16 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     batch = max(16, int(round(want_c / per_sample / 16)) * 16)
     rate = float(round(min(2000.0, max(20.0, cal["M"] * 200.0 / (want_c * args.ratio)))))
     names = ["prod", *(f"opp{i}" for i in range(args.lows))]
+    low_nodes = None if args.low_nodes >= 2 else list(range(args.low_nodes))  # None: a rank on every node
     alone = {}
-    for k, name in enumerate(names[:2]):  # identical jobs: prod and one low alone
-        solo = run_solo(name, 1000 + k, rate, batch, args, workdir / f"solo_{name}")
+    for k, name in enumerate(names[:2]):  # prod alone, and one low job alone (the others are alike)
+        solo = run_solo(name, 1000 + k, rate, batch, args, workdir / f"solo_{name}", nodes=low_nodes if k else None)
         r0 = min(solo["jobs"][name], key=lambda r: r["rank"])
         its = list(zip(r0["iter_start"], r0["iter_end"]))[args.warmup:]
         alone[name] = (its[-1][1] - its[0][0]) / max(1, len(its))
-    t_alone = statistics.median(alone.values())
+    if low_nodes is None:  # identical jobs: one figure alone for both, the median
+        alone = dict.fromkeys(alone, statistics.median(alone.values()))
+    alone_of = {n: alone["prod" if n == "prod" else "opp0"] for n in names}
     spec = ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", device_model=args.device_params,
                        daemon_args=("--adapt-window", f"{_ADAPT_WINDOW_S:g}", "--quick-yield", f"{args.quick_yield:g}"))
     stop = workdir / "stop"
@@ -216,7 +222,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     segments: list[dict[str, Any]] = []
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, batch, workdir / f"out_{n}", 1000 + k, stop=stop), name=n,
-                            env=args.job_env) for k, n in enumerate(names)]
+                            env=args.job_env, nodes=low_nodes if k else None) for k, n in enumerate(names)]
         admin = ClusterAdmin(cluster)
         try:
             wait_warm(cluster, jobs, names, args.warmup)
@@ -255,15 +261,18 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for n in names:
             r0 = min(summaries[n], key=lambda r: r["rank"])
             ends = [e for e in r0["iter_end"] if seg["a"] <= e <= seg["b"]]  # a starved job may end one, or none
-            speeds[n] = t_alone * len(ends) / (seg["b"] - seg["a"])
+            speeds[n] = alone_of[n] * len(ends) / (seg["b"] - seg["a"])
         rows.append({**seg, "speed_vs_alone": speeds})
     med = {m: {n: statistics.median(r["speed_vs_alone"][n] for r in rows if r["mode"] == m) for n in names}
            for m in EMULATED_MODES if any(r["mode"] == m for r in rows)}
     device_s = per_sample * batch
-    ceiling = low_ceiling(device_s, t_alone, args.lows, args.interference if args.bed == "model" else 0.0)
+    ceiling = low_ceiling(device_s, alone["prod"], args.lows, args.interference if args.bed == "model" else 0.0,
+                          low_iter_s=alone["opp0"])
     return {"rate_mbit": rate, "batch": batch, "alone_iter_s": alone, "segments": rows, "medians": med,
-            "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]}, "device_busy_alone": device_s / t_alone,
-            "low_ceiling": ceiling}
+            "calibration_ms": {"C": 1000 * cal["C"], "M": 1000 * cal["M"]},
+            "device_busy_alone": device_s / alone["prod"], "low_ceiling": ceiling,
+            "low_share_of_ceiling": {m: {n: v / ceiling if ceiling else 0.0 for n, v in by_job.items() if n != "prod"}
+                                     for m, by_job in med.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=300, help="sim: production iterations per run")
     p.add_argument("--fleet-horizon", type=float, default=120.0, help="sim: seconds simulated on 64 x 8")
     p.add_argument("--lows", type=int, default=1, help="model/core: low jobs beside the production job")
+    p.add_argument("--low-nodes", type=int, default=2, choices=(1, 2),
+                   help="model/core: the nodes each low job runs on (1: a one-rank low job on node 0 only, "
+                        "beside one of the production job's two ranks)")
     p.add_argument("--ratio", type=float, default=1.0, help="model/core: comm:compute of a job alone")
     p.add_argument("--interference", type=float, default=0.19, help="model: compute slowdown beside an allreduce")
     p.add_argument("--iter-ms", type=float, default=300.0)

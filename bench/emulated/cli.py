@@ -55,6 +55,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -245,14 +246,15 @@ class _Visitors:
         self._next.job.wait(self._args.job_timeout)
 
 
-def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Namespace, workdir: Path
-             ) -> dict[str, Any]:
-    """One job alone on a fresh cluster (policy passthrough): its iteration, compute and comm times."""
+def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Namespace, workdir: Path,
+             nodes: Sequence[int] | None = None) -> dict[str, Any]:
+    """One job alone on a fresh cluster (policy passthrough), on `nodes` (None: every node, a rank each): its
+    iteration, compute and comm times."""
     script = _script(workdir, args.host_wait)
     with Cluster(_cluster_spec(rate, args),
                  workdir=workdir / "cluster") as cluster:
         job = cluster.run(_job_cmd(script, args, batch, workdir / f"out_{name}", seed, iters=args.solo_iters),
-                          name=name, env=args.job_env)
+                          name=name, env=args.job_env, nodes=nodes)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"solo {name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_events(n.event_log) for n in cluster.nodes}
