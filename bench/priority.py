@@ -248,12 +248,14 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for j in jobs:
             if j.wait(300) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
-        sharing = sorted(((e.t, node.name, e.get("mode"), e.get("reason")) for node in cluster.nodes
-                          for e in read_events(node.event_log) if e.name is EventName.SHARING),
-                         key=lambda x: x[0])
+        logs = {node.name: read_events(node.event_log) for node in cluster.nodes}
+        sharing = sorted(((e.t, name, e.get("mode"), e.get("reason")) for name, events in logs.items()
+                          for e in events if e.name is EventName.SHARING), key=lambda x: x[0])
+        isolation = [(e.t, name, e) for name, events in logs.items() for e in events if e.name is EventName.ISOLATION]
     for seg in segments:
         if seg["mode"] in ADAPTS:  # each node's verdict in force while the segment was measured
             seg["sharing"] = {node: [mode, reason] for t, node, mode, reason in sharing if t <= seg["a"]}
+        seg["controller"] = _controller_view(isolation, seg["a"], seg["b"])
     summaries = {n: rank_summaries(workdir / f"out_{n}") for n in names}
     rows: list[dict[str, Any]] = []
     for seg in segments:
@@ -273,6 +275,22 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "device_busy_alone": device_s / alone["prod"], "low_ceiling": ceiling,
             "low_share_of_ceiling": {m: {n: v / ceiling if ceiling else 0.0 for n, v in by_job.items() if n != "prod"}
                                      for m, by_job in med.items()}}
+
+
+def _controller_view(isolation: list[tuple[float, str, Any]], a: float, b: float) -> dict[str, Any]:
+    """What each node's isolation controller saw in [a, b]: the production job's speed in its shared windows
+    against its reference (its solo windows, with the low jobs present but not computing), the median over
+    windows, and the median budget. Against the bed's own figure (alone on a cluster of its own), the
+    difference is what the low jobs' mere presence costs, which no grant controls."""
+    out: dict[str, Any] = {}
+    for node in sorted({n for _, n, _ in isolation}):
+        seen = [e for t, n, e in isolation if n == node and a <= t <= b]
+        kept = [e.get("reference_s") / e.get("current_s") for e in seen
+                if e.get("window") == "shared" and e.get("reference_s") and e.get("current_s")]
+        budgets = [e.get("budget") for e in seen if e.get("window") == "shared"]
+        out[node] = {"kept_vs_solo_windows": statistics.median(kept) if kept else None,
+                     "budget": statistics.median(budgets) if budgets else None, "windows": len(kept)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
