@@ -108,10 +108,11 @@ class CrossoverPolicy(DispatchPolicy):
         self.held_back = 0
         self.guarded = 0
         self.budgeted = 0  # lower phases held back by the isolation budget
+        self.starved = 0  # lower phases served by the isolation controller's floor
 
     def decisions(self) -> dict[str, int]:
         return {"overtake": self.overtakes, "preempt": self.preemptions, "held_back": self.held_back,
-                "guard": self.guarded, "budget": self.budgeted}
+                "guard": self.guarded, "budget": self.budgeted, "floor": self.starved}
 
     # ---- classes ---------------------------------------------------------
 
@@ -380,6 +381,7 @@ class CrossoverPolicy(DispatchPolicy):
         """The class rules' choice on a device whose jobs differ in class or weight, with the ranks it was
         chosen among (overtakes count only among those); None: hold the device back for a higher job."""
         now, book, at = self._now, self.book, self._q.requested_at
+        due: list[float] = []  # when a held-back lower rank is owed its phase (by the guard, or the floor)
         ctl = self._isolate(dev.index, jobs)
         if ctl is not None:
             w = ctl.settings.window_s
@@ -393,8 +395,14 @@ class CrossoverPolicy(DispatchPolicy):
                     self.budgeted += 1
                     self._held_until[dev.index] = min(ctl.next_boundary(now), now + w / 10)
                     return None
+            starving = [k for k in waiting if k.job_id in ctl.lower and now - at[k] >= starve_s]
+            if starving:  # the floor: its phase now, gap or not, so that it never waits past its grant timeout
+                self.starved += 1
+                return min(starving, key=lambda k: (at[k], k.job_id, k.rank)), []
+            asked = [at[k] for k in waiting if k.job_id in ctl.lower]
+            if asked:
+                due.append(min(asked) + starve_s)
         top = max(book.of(k.job_id).priority for k in waiting)
-        due: list[float] = []
         owed = self._guard([k for k in waiting if book.of(k.job_id).priority < top], due)
         if owed is not None:
             return owed, []

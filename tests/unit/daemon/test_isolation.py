@@ -236,3 +236,26 @@ def test_each_device_counts_only_the_lower_time_held_on_it():
     p.release(RankKey("sweep", 1), 1.15)  # 0.15 s on device 1; another 0.15 s fits 0.2 s on device 0, not on 1
     assert p.request(RankKey("sweep", 0), 0, 1.2) == [RankKey("sweep", 0)]
     assert p.request(RankKey("sweep", 1), 1, 1.2) == []
+
+
+def test_the_floor_serves_a_starving_lower_rank_even_where_no_gap_fits_it():
+    p = _policy(window_s=1.0, settle_share=0.0, initial=0.01, starve_windows=4)
+    sweep = RankKey("sweep", 0)
+    for i in range(10):
+        _prod_iteration(p, i, 0.1 * i)
+    p.tick(1.0)
+    assert p.request(sweep, 0, 1.0) == [sweep]  # its first phase: 0.3 s, which no gap of prod's fits
+    p.observe(sweep, "compute", 0.3, 1.3)
+    p.release(sweep, 1.3)
+    assert p.request(sweep, 1, 1.3) == []
+    t, i, granted = 1.3, 10, []
+    while t < 8.0 and not granted:  # prod never stops: 95 ms of compute, a 5 ms gap
+        assert p.request(RankKey("prod", 0), i, t) == [RankKey("prod", 0)]
+        p.observe(RankKey("prod", 0), "compute", 0.095, t + 0.095)
+        granted = p.release(RankKey("prod", 0), t + 0.095)
+        if i > 10:
+            p.observe(RankKey("prod", 0), "comm", 0.005, t)  # the allreduce before this iteration
+        granted += p.tick(t + 0.097)
+        t, i = t + 0.1, i + 1
+    assert granted == [sweep] and t >= 1.3 + 4.0, f"granted at {t:.1f}"
+    assert p.decisions()["floor"] == 1
