@@ -43,6 +43,7 @@ the plugin bounds does (docs/priorities.md, rule 3).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -71,8 +72,19 @@ SIM_MODES = MODES
 """The simulator's modes, as the emulated beds': `classes-open` is the daemon with `--protect 0`."""
 
 
-def _sim_policy(mode: str) -> Any:
-    """The policy (a name, or a factory) the simulator runs for `mode`."""
+RULES = {
+    "as shipped": ClassSettings(),
+    "guard 0.05 (the old default)": ClassSettings(guard_share=0.05),
+    "no guard": ClassSettings(guard_share=0.0),
+    "no gap fitting": ClassSettings(fit_margin=math.inf),
+}
+"""`--rules`: the open-loop class rules each taken out (or set as before) under the isolation controller."""
+
+
+def _sim_policy(mode: str, classes: ClassSettings | None = None) -> Any:
+    """The policy (a name, or a factory) the simulator runs for `mode`; `classes`: mode `classes`'s settings."""
+    if mode == "classes" and classes is not None:
+        return lambda: CrossoverPolicy(classes=classes)
     if mode == "classes-open":
         return lambda: CrossoverPolicy(classes=ClassSettings(isolation=IsolationSettings(target=0.0)))
     return {"unscheduled": "passthrough", "equal": "crossover", "classes": "crossover"}[mode]
@@ -106,20 +118,23 @@ def _sim_jobs(compute_s: float, comm_s: float, lows: int, classes: bool,
 
 
 def sim_point(compute_s: float, comm_s: float, lows: int, interference: float, iterations: int = 300,
-              seed: int = 0) -> dict[str, Any]:
+              seed: int = 0, modes: tuple[str, ...] = SIM_MODES, classes: ClassSettings | None = None
+              ) -> dict[str, Any]:
     """One scenario in every mode: each job's speed relative to alone (prod's run ends the measurement)."""
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
                     interference=interference, comm_interference=0.0, startup_spread_s=0.2,
                     horizon_s=iterations * (compute_s + comm_s))
     out: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "lows": lows, "interference": interference}
-    for mode in SIM_MODES:
-        res = simulate(_sim_jobs(compute_s, comm_s, lows, mode.startswith("classes")), _sim_policy(mode), n_nodes=2,
+    for mode in modes:
+        res = simulate(_sim_jobs(compute_s, comm_s, lows, mode.startswith("classes")), _sim_policy(mode, classes),
+                       n_nodes=2,
                        config=cfg)
         out[mode] = {"speed_vs_alone": {j.name: (1.0 / j.slowdown if j.slowdown else 0.0) for j in res.jobs}}
     return out
 
 
-def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0) -> dict[str, Any]:
+def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: ClassSettings | None = None
+              ) -> dict[str, Any]:
     """64 nodes x 8 devices: on each device one production job (ranks over 4 nodes) and churning low jobs."""
     import random
 
@@ -142,11 +157,41 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0) -> dict[str, A
                 t += stay + rng.uniform(2, 10)
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
                     interference=0.19, comm_interference=0.0, horizon_s=horizon_s)
-    res = simulate(jobs, _sim_policy(mode), n_nodes=64, devices_per_node=8, config=cfg)
+    res = simulate(jobs, _sim_policy(mode, classes), n_nodes=64, devices_per_node=8, config=cfg)
     prod = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("prod") and j.slowdown]
     opp = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("opp") and j.slowdown]
     return {"prod_speed_median": statistics.median(prod), "prod_speed_p10": percentile(prod, 10),
             "opp_speed_median": statistics.median(opp) if opp else None, "jobs": len(res.jobs)}
+
+
+_RULE_POINTS = (("1:1", 1.0, 0.0), ("1:1", 1.0, 0.19), ("comm-bound 2:1", 2.0, 0.19), ("no gaps", 0.05, 0.19))
+
+
+def run_rules(args: argparse.Namespace) -> dict[str, Any]:
+    """Mode `classes` (the controller on) with each variant of `RULES`: two nodes beside one low job, and the
+    fleet."""
+    out: dict[str, Any] = {}
+    for name, classes in RULES.items():
+        pts = {}
+        for scenario, ratio, interference in _RULE_POINTS:
+            pt = sim_point(0.1, 0.1 * ratio, 1, interference, iterations=args.iters, modes=("classes",),
+                           classes=classes)
+            pts[f"{scenario}, interference {interference:g}"] = pt["classes"]["speed_vs_alone"]
+        out[name] = {"points": pts, "fleet_64x8": sim_fleet("classes", horizon_s=args.fleet_horizon, classes=classes)}
+    return out
+
+
+def _rules_table(result: dict[str, Any]) -> Table:
+    t = Table(title="speed relative to alone under the isolation controller, simulator: prod / low",
+              title_justify="left")
+    names = list(next(iter(result.values()))["points"])
+    for col in ("rules", *names, "fleet prod median / p10 / low"):
+        t.add_column(col, justify="left" if col == "rules" else "right")
+    for rules, r in result.items():
+        f = r["fleet_64x8"]
+        t.add_row(rules, *(f"{r['points'][n]['prod']:.3f} / {r['points'][n]['opp0']:.3f}" for n in names),
+                  f"{f['prod_speed_median']:.3f} / {f['prod_speed_p10']:.3f} / {f['opp_speed_median']:.3f}")
+    return t
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
@@ -298,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bed", choices=("sim", "model", "core"), default="sim")
     p.add_argument("--iters", type=int, default=300, help="sim: production iterations per run")
     p.add_argument("--fleet-horizon", type=float, default=120.0, help="sim: seconds simulated on 64 x 8")
+    p.add_argument("--rules", action="store_true",
+                   help="sim: the controller with each open-loop class rule taken out or set as before (guard, "
+                        "gap fitting), instead of the modes")
     p.add_argument("--lows", type=int, default=1, help="model/core: low jobs beside the production job")
     p.add_argument("--low-nodes", type=int, default=2, choices=(1, 2),
                    help="model/core: the nodes each low job runs on (1: a one-rank low job on node 0 only, "
@@ -326,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"model/core: the modes to cycle through, of {', '.join(EMULATED_MODES)}")
     args = p.parse_args(argv)
     t0 = time.monotonic()
-    if args.bed == "sim":
+    if args.bed == "sim" and args.rules:
+        result = {"rules": run_rules(args)}
+        Console(width=None if sys.stdout.isatty() else 200).print(_rules_table(result["rules"]))
+    elif args.bed == "sim":
         result = run_sim(args)
         Console(width=None if sys.stdout.isatty() else 160).print(_sim_table(result))
         for mode, r in result["fleet_64x8"].items():
@@ -341,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.bed} bed, 1 prod + {args.lows} low, comm:compute {args.ratio:g}: medians of speed vs alone "
               f"over {args.cycles} cycles: {result['medians']}; the most a low job could get with the production "
               f"job whole: {result['low_ceiling']:.2f}")
-    out = args.out or Path(f"results/priority_{args.bed}.json")
+    out = args.out or Path(f"results/priority_{args.bed}{'_rules' if args.rules else ''}.json")
     write_json(out, {"benchmark": "priority", "bed": args.bed, "time": time.time(), "machine": machine(),
                      "elapsed_s": time.monotonic() - t0,
                      "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()

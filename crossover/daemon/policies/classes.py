@@ -37,6 +37,7 @@ Pure: time comes only through `now`; the policy feeds it what it observes.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ class ClassSettings:
     `guard_window_s`: how much unspent guarantee a job may save up, in seconds of wall time;
     `fit_margin`: a lower phase fits a gap up to this many times the gap's length (1.2: its slower
     quartile may overrun the gap's shorter quartile by a fifth, which the higher job then waits; with
-    yields at gradients it waits less);
+    yields at gradients it waits less; `math.inf`: any gap, the rule off, as `bench.priority --rules` measures it);
     `quick_yield`: a lower job whose yields (from the ask to its release, slower quartile of its latest)
     take at most this share of the higher job's compute phase may start in any gap, fitting or not: the
     higher job back early waits for one such yield, not for the rest of a phase. Off (0: gaps it fits
@@ -117,8 +118,8 @@ class ClassSettings:
             raise ValueError(f"guard_share {self.guard_share}: must be within [0, 1)")
         if self.guard_window_s <= 0 or self.window_s <= 0:
             raise ValueError("guard_window_s and window_s must be > 0")
-        if not 0.5 <= self.fit_margin <= 2.0:
-            raise ValueError(f"fit_margin {self.fit_margin}: must be within 0.5..2")
+        if not (0.5 <= self.fit_margin <= 2.0 or self.fit_margin == math.inf):
+            raise ValueError(f"fit_margin {self.fit_margin}: must be within 0.5..2 (or inf: any gap)")
         if not 0.0 <= self.quick_yield <= 1.0:
             raise ValueError(f"quick_yield {self.quick_yield}: must be within [0, 1]")
 

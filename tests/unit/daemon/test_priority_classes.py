@@ -7,6 +7,8 @@ low phase that started after it asked; two nodes fed the same events decide alik
 """
 from __future__ import annotations
 
+import math
+
 import random
 
 import pytest
@@ -53,6 +55,12 @@ def test_priority_parses_its_three_names_and_refuses_others() -> None:
     with pytest.raises(ValueError, match="weight"):
         JobClass(Priority.LOW, 0.0)
     assert str(JobClass(Priority.LOW, 2.0)) == "low x2" and str(NORMAL) == "normal"
+
+
+def test_the_gap_margin_takes_a_bounded_share_or_inf_for_any_gap() -> None:
+    assert ClassSettings(fit_margin=math.inf).fit_margin == math.inf  # `bench.priority --rules`: the rule off
+    with pytest.raises(ValueError, match="0.5..2"):
+        ClassSettings(fit_margin=3.0)
 
 
 def test_a_waiting_high_rank_goes_before_a_low_one_that_asked_first() -> None:
