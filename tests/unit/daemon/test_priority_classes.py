@@ -8,7 +8,6 @@ low phase that started after it asked; two nodes fed the same events decide alik
 from __future__ import annotations
 
 import math
-
 import random
 
 import pytest
