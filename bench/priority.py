@@ -138,7 +138,7 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: Class
     """64 nodes x 8 devices: on each device one production job (ranks over 4 nodes) and churning low jobs."""
     import random
 
-    classes = mode.startswith("classes")
+    lows_low = mode.startswith("classes")
     rng = random.Random(seed)
     jobs: list[JobSpec] = []
     for group in range(16):  # 16 groups of 4 nodes
@@ -153,7 +153,7 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: Class
                 c2 = rng.uniform(0.05, 0.15)
                 jobs.append(JobSpec(f"opp-{group}-{dev}-{int(t)}", place, c2, c2 * rng.uniform(0.8, 1.5),
                                     arrival_s=t, leave_s=min(horizon_s, t + stay), jitter=0.05,
-                                    priority="low" if classes else "normal"))
+                                    priority="low" if lows_low else "normal"))
                 t += stay + rng.uniform(2, 10)
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
                     interference=0.19, comm_interference=0.0, horizon_s=horizon_s)
