@@ -278,7 +278,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 for mode in order:
                     admin.set_policy("passthrough" if mode == "unscheduled" else "crossover", adapt=mode in ADAPTS,
                                      protect=0.0 if mode in OPEN_LOOP else IsolationSettings.target)
-                    admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES)
+                    admin.set_class([ids[n] for n in names[1:]], low=mode in CLASSES, nodes=low_nodes)
                     cluster.honour_dscp(mode in DSCP)
                     time.sleep(settle_s(mode, args.settle_s, _ADAPT_WINDOW_S))
                     a = time.monotonic()

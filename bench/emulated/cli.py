@@ -178,9 +178,10 @@ class ClusterAdmin:
         for admin in self._admins:
             admin.set_policy(name, adapt=adapt, handover=handover, protect=protect)
 
-    def set_class(self, jobs: list[str], low: bool) -> None:
-        """Put `jobs` (ids) in class `low` on every daemon, or back in `normal` (`crossover priority`'s call)."""
-        for admin in self._admins:
+    def set_class(self, jobs: list[str], low: bool, nodes: Sequence[int] | None = None) -> None:
+        """Put `jobs` (ids) in class `low` on the daemons of `nodes` (None: every one), or back in `normal`
+        (`crossover priority`'s call, which a daemon refuses for a job without ranks on its node)."""
+        for admin in self._admins if nodes is None else [self._admins[n] for n in nodes]:
             for job in jobs:
                 admin.set_job_class(job, "low" if low else "normal")
 
