@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 __all__ = ["AlonePace", "Change", "IsolationController", "IsolationSettings", "IsolationView", "Window"]
@@ -53,7 +54,9 @@ class IsolationSettings:
     far short halves it (in the simulator's fleet, a plain halving left the low jobs 0.13x, a gain of 4 left
     the production job under its target, 8 met it with the low jobs at 0.20x); `max_solo`: consecutive solo
     windows a job without a reference is measured over (a job whose iteration outlasts a window needs
-    several); `alone_keep_s`: how long the job's pace before any lower job came caps its reference."""
+    several); `alone_keep_s`: how long the job's pace before any lower job came caps its reference;
+    `smooth_windows`: the shared windows a judgement pools (the iterations of the last this many since the
+    last cut), so that one window's jitter of a few iterations does not read as a shortfall."""
 
     target: float = 0.97
     window_s: float = 2.0
@@ -67,6 +70,7 @@ class IsolationSettings:
     cut_gain: float = 8.0
     max_solo: int = 3
     alone_keep_s: float = 600.0
+    smooth_windows: int = 2
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.target <= 1.0:
@@ -74,8 +78,8 @@ class IsolationSettings:
         if not self.window_s > 0 or not 0.0 <= self.settle_share < 1.0:
             raise ValueError(f"window {self.window_s}s with settle share {self.settle_share}: need a window > 0 "
                              "and 0 <= settle share < 1")
-        if self.solo_every < 1 or self.starve_windows < 1 or self.max_solo < 1:
-            raise ValueError("solo_every, starve_windows and max_solo must be >= 1")
+        if min(self.solo_every, self.starve_windows, self.max_solo, self.smooth_windows) < 1:
+            raise ValueError("solo_every, starve_windows, max_solo and smooth_windows must be >= 1")
         if not 0.0 < self.decrease < 1.0 or self.increase <= 0 or not 0.0 <= self.initial <= self.ceiling <= 1.0:
             raise ValueError("need 0 < decrease < 1, increase > 0 and 0 <= initial <= ceiling <= 1")
         if self.cut_gain <= 0:
@@ -129,6 +133,11 @@ class _Pace:
             return None
         return (self.last[0] - self.first[0]) / (self.last[1] - self.first[1])
 
+    def span(self) -> tuple[int, float]:
+        """The iterations measured and the seconds they took (after `iteration_s` gave a figure)."""
+        assert self.first is not None and self.last is not None
+        return self.last[1] - self.first[1], self.last[0] - self.first[0]
+
 
 class AlonePace:
     """Each job's latest iteration boundaries while no lower class shares its device: its pace truly alone.
@@ -181,6 +190,7 @@ class IsolationController:
     _jobs: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # protected, lower
     _paces: dict[str, _Pace] = field(default_factory=dict)
     _furthest: dict[str, int] = field(default_factory=dict)  # job -> the furthest iteration asked for
+    _pooled: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)  # job -> (iterations, s) per window
 
     def __post_init__(self) -> None:
         if self.budget < 0:
@@ -239,6 +249,7 @@ class IsolationController:
             self._jobs = jobs
             self._furthest = {j: i for j, i in self._furthest.items() if j in protected}
             self.reference_s = {j: t for j, t in self.reference_s.items() if j in protected}
+            self._pooled.clear()
             self._unmeasured = 0
             return self._begin(index, Window.SOLO, "the device's jobs changed: measuring the protected job alone")
         if index == self._index:
@@ -279,10 +290,15 @@ class IsolationController:
         common = [j for j in paces if j in self.reference_s]
         if common:
             self.current_s = paces
-            kept = min(self.reference_s[j] / paces[j] for j in common)
+            for j in common:
+                self._pooled.setdefault(j, deque(maxlen=s.smooth_windows)).append(self._paces[j].span())
+            kept = min(self.reference_s[j] * sum(n for n, _ in self._pooled[j]) / sum(t for _, t in self._pooled[j])
+                       for j in common)
             within = kept >= s.target
             cut = max(s.decrease, 1.0 - s.cut_gain * (s.target - kept) / s.target)
             budget = min(s.ceiling, self.budget + s.increase) if within else self.budget * cut
+            if not within:
+                self._pooled.clear()  # one cut per shortfall: the next judgement pools windows after it
             why = (f"the protected job keeps {kept:.2f}x of its speed alone (target {s.target:g}): "
                    f"{'more' if within else 'less'} for the lower classes")
             if budget != self.budget:

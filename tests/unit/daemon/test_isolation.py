@@ -50,7 +50,7 @@ def test_the_first_window_is_solo_and_measures_the_reference():
 
 
 def test_the_budget_rises_while_the_protected_job_keeps_its_pace_and_halves_when_it_does_not():
-    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, decrease=0.5, solo_every=100)
+    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, decrease=0.5, solo_every=100, smooth_windows=1)
     ctl = IsolationController(s)
     i = _run(ctl, 0.0, 1.0, 0.1)  # solo
     i = _run(ctl, 1.0, 2.0, 0.1, i)  # shared, as fast as alone
@@ -63,6 +63,24 @@ def test_the_budget_rises_while_the_protected_job_keeps_its_pace_and_halves_when
     i = _run(ctl, 3.0, 4.0, 0.1 / 0.96, i)  # 0.96x: a percent short, trimmed by cut_gain percent
     ctl.step(PROD, LOW, 4.0)
     assert ctl.budget == pytest.approx(0.075 * (1 - s.cut_gain * 0.01 / 0.97), rel=1e-3)
+
+
+def test_a_judgement_pools_the_last_windows_so_one_slow_window_of_jitter_does_not_cut():
+    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, solo_every=100, smooth_windows=2)
+    ctl = IsolationController(s)
+    i = _run(ctl, 0.0, 1.0, 0.1)  # solo
+    i = _run(ctl, 1.0, 2.0, 0.095, i)  # shared: a little faster than alone
+    ctl.step(PROD, LOW, 2.0)
+    i = _run(ctl, 2.0, 3.0, 0.104, i)  # 0.96x alone on its own, pooled with the window before: above 0.97
+    ctl.step(PROD, LOW, 3.0)
+    assert ctl.budget == pytest.approx(0.2)
+    i = _run(ctl, 3.0, 4.0, 0.125, i)  # 0.8x: pooled (0.104 and 0.125) still far short, cut
+    ctl.step(PROD, LOW, 4.0)
+    assert ctl.budget < 0.2
+    cut = ctl.budget
+    i = _run(ctl, 4.0, 5.0, 0.1, i)  # the pool starts after the cut: this window alone, at its reference
+    ctl.step(PROD, LOW, 5.0)
+    assert ctl.budget == pytest.approx(cut + 0.05)
 
 
 def test_a_solo_window_comes_back_every_solo_every_windows_and_when_the_jobs_change():
