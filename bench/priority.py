@@ -263,6 +263,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", device_model=args.device_params,
                        daemon_args=("--adapt-window", f"{_ADAPT_WINDOW_S:g}", "--quick-yield", f"{args.quick_yield:g}"))
     stop = workdir / "stop"
+    stop.unlink(missing_ok=True)  # a kept --workdir's last run left its jobs' stop file there
     script = _script(workdir, "poll")
     segments: list[dict[str, Any]] = []
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
