@@ -261,7 +261,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         alone = dict.fromkeys(alone, statistics.median(alone.values()))
     alone_of = {n: alone["prod" if n == "prod" else "opp0"] for n in names}
     spec = ClusterSpec(nodes=2, link=Link(rate_mbit=rate), policy="passthrough", device_model=args.device_params,
-                       daemon_args=("--adapt-window", f"{_ADAPT_WINDOW_S:g}", "--quick-yield", f"{args.quick_yield:g}"))
+                       daemon_args=("--adapt-window", f"{_ADAPT_WINDOW_S:g}"))
     stop = workdir / "stop"
     stop.unlink(missing_ok=True)  # a kept --workdir's last run left its jobs' stop file there
     script = _script(workdir, "poll")
@@ -361,8 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo-iters", type=int, default=25)
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--device-ms-per-sample", type=float, default=1.0)
-    p.add_argument("--quick-yield", type=float, default=0.0,
-                   help="model/core: the daemons' --quick-yield (0, the default: a low phase only into gaps it fits)")
     p.add_argument("--depth", type=int, default=2,
                    help="model/core: hidden layers of each job's MLP; with --device-in-backward a yield point "
                         "falls between two of its 2 x (depth + 1) parameters")

@@ -61,7 +61,7 @@ _TUNING = frozenset({
     "event_log_size", "event_log_max_mb", "event_log_backups", "max_events_per_s", "max_connections",
     "max_connections_per_user", "idle_timeout", "heartbeat_timeout", "evict_after", "overdue_factor",
     "overdue_after", "overdue_warmup", "max_hold", "lease", "adapt", "adapt_window", "guard_share", "protect",
-    "quick_yield", "session_socket", "handover"})
+    "session_socket", "handover"})
 """The flags an operator tunes rather than sets: `--help` lists them last, under their own heading."""
 
 
@@ -201,10 +201,6 @@ class _Command(click.Command):
               "speed alone: a closed loop measures that job's iteration time alone (short solo windows) and beside "
               "the lower jobs, and sets how much device time per second they may hold. 0: off, the open-loop class "
               "rules alone.")
-@click.option("--quick-yield", type=click.FloatRange(0.0, 1.0), default=ClassSettings.quick_yield, show_default=True,
-              help="A lower-class job that gives the device back within this share of the higher job's compute "
-              "phase when asked (measured) may start in any gap, not only in one it fits: device time for the "
-              "lower jobs, paid with some of the higher job's speed. 0 (the default): only gaps it fits.")
 @click.option("--session-socket/--no-session-socket", default=True, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
@@ -229,7 +225,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
          overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, class_rules: tuple[str, ...],
-         guard_share: float, protect: float, quick_yield: float, session_socket: bool, handover: bool,
+         guard_share: float, protect: float, session_socket: bool, handover: bool,
          metrics_address: str | None, health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -267,7 +263,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                                                    overdue_warmup_s=overdue_warmup, max_hold_s=max_hold),
                          max_sessions=2 * max_connections,
                          payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
-                         class_settings=ClassSettings(guard_share=guard_share, quick_yield=quick_yield,
+                         class_settings=ClassSettings(guard_share=guard_share,
                                                       isolation=IsolationSettings(target=protect)),
                          handover=handover)
         if metrics_address:

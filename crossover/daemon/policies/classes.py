@@ -12,9 +12,7 @@ while its jobs differ in class or weight (equal classes: today's order, exactly)
   the upper quartile of its latest phases. Without a measure yet, or once a higher job is
   overdue by more than its own allreduce (it paused: evaluation, a checkpoint),
   the gap counts as open. A phase that does not fit is held back until the gap
-  closes or the guard below serves it, unless its job gives the device back
-  quickly when asked (`quick_yield`): then any gap will do, since the higher
-  job back early waits for one such yield only.
+  closes or the guard below serves it.
 * **Yield on demand.** When a higher-class rank asks for a device that a
   lower-class job holds, the holders are asked to yield (`take_preemptions`);
   the plugin hands the device back at its next gradient hook, so the higher job
@@ -99,17 +97,12 @@ class ClassSettings:
     `fit_margin`: a lower phase fits a gap up to this many times the gap's length (1.2: its slower
     quartile may overrun the gap's shorter quartile by a fifth, which the higher job then waits; with
     yields at gradients it waits less; `math.inf`: any gap, the rule off, as `bench.priority --rules` measures it);
-    `quick_yield`: a lower job whose yields (from the ask to its release, slower quartile of its latest)
-    take at most this share of the higher job's compute phase may start in any gap, fitting or not: the
-    higher job back early waits for one such yield, not for the rest of a phase. Off (0: gaps it fits
-    only) by default: it buys the lower jobs device time with some of the higher job's speed;
     `window_s`: how far back recent device time counts, for weights;
     `isolation`: the closed loop that holds the highest class at its target pace (`policies.isolation`)."""
 
     guard_share: float = 0.02
     guard_window_s: float = 10.0
     fit_margin: float = 1.2
-    quick_yield: float = 0.0
     window_s: float = 10.0
     isolation: IsolationSettings = field(default_factory=IsolationSettings)
 
@@ -120,8 +113,6 @@ class ClassSettings:
             raise ValueError("guard_window_s and window_s must be > 0")
         if not (0.5 <= self.fit_margin <= 2.0 or self.fit_margin == math.inf):
             raise ValueError(f"fit_margin {self.fit_margin}: must be within 0.5..2 (or inf: any gap)")
-        if not 0.0 <= self.quick_yield <= 1.0:
-            raise ValueError(f"quick_yield {self.quick_yield}: must be within [0, 1]")
 
 
 class ClassBook:
@@ -136,13 +127,12 @@ class ClassBook:
         self.comm: dict[str, float] = {}  # job -> EMA of its allreduce
         self._comms: dict[str, deque[float]] = {}  # job -> its latest allreduces
         self._computes: dict[str, deque[float]] = {}  # job -> its latest compute phases
-        self._yields: dict[str, deque[float]] = {}  # job -> its latest yields, from the ask to the release
 
     def of(self, job: str) -> JobClass:
         return self.classes.get(job, JobClass())
 
     def forget(self, job: str) -> None:
-        for d in (self.classes, self._credit, self.left_at, self.comm, self._comms, self._computes, self._yields):
+        for d in (self.classes, self._credit, self.left_at, self.comm, self._comms, self._computes):
             d.pop(job, None)  # type: ignore[attr-defined]
 
     def credit(self, job: str, now: float) -> float:
@@ -174,13 +164,6 @@ class ClassBook:
 
     def observe_compute(self, job: str, duration_s: float) -> None:
         self._computes.setdefault(job, deque(maxlen=_RECENT)).append(duration_s)
-
-    def observe_yield(self, job: str, duration_s: float) -> None:
-        self._yields.setdefault(job, deque(maxlen=_RECENT)).append(duration_s)
-
-    def slow_yield(self, job: str) -> float | None:
-        """How long the job takes to give the device back when asked, at most about three times in four."""
-        return _quantile(self._yields.get(job), 0.75)
 
     def short_gap(self, job: str) -> float | None:
         """A gap the job's allreduce leaves at least about three times in four: the lower quartile of its

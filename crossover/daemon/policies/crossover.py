@@ -101,7 +101,6 @@ class CrossoverPolicy(DispatchPolicy):
         self._granted_at: dict[RankKey, float] = {}
         self._preempt: list[RankKey] = []  # holders to ask for a yield, not yet taken
         self._asked: set[RankKey] = set()  # holders asked during their current grant
-        self._asked_at: dict[RankKey, float] = {}  # holder -> when it was asked to yield (until it releases)
         self._held_until: dict[int, float] = {}  # device -> when a held-back lower phase is looked at again
         self.overtakes = 0
         self.preemptions = 0
@@ -160,7 +159,6 @@ class CrossoverPolicy(DispatchPolicy):
         self._passed.pop(key, None)
         self._granted_at.pop(key, None)
         self._asked.discard(key)
-        self._asked_at.pop(key, None)
         self._preempt = [k for k in self._preempt if k != key]
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
@@ -186,7 +184,6 @@ class CrossoverPolicy(DispatchPolicy):
                                       for h in dev.holders):
             fresh = [h for h in dev.holders if h not in self._asked]
             self._asked.update(fresh)
-            self._asked_at.update((h, now) for h in fresh)
             self._preempt += fresh
             self.preemptions += bool(fresh)
         return granted
@@ -212,9 +209,6 @@ class CrossoverPolicy(DispatchPolicy):
         if began is not None:
             ref = self._q.ranks.get(key)
             self.book.served(key.job_id, now - began, now, -1 if ref is None else ref.device)
-        asked = self._asked_at.pop(key, None)
-        if asked is not None:
-            self.book.observe_yield(key.job_id, now - asked)
         self._asked.discard(key)
         return super().release(key, now)
 
@@ -411,9 +405,7 @@ class CrossoverPolicy(DispatchPolicy):
         backs = [t for j in higher if (t := book.back_at(j, now)) is not None]
         if backs:
             gap = (min(backs) - now) * book.settings.fit_margin
-            quick = book.settings.quick_yield * min((self._compute.get(j, 0.0) for j in higher), default=0.0)
-            fits = [k for k in cands if (book.long_phase(k.job_id) or 0.0) <= gap
-                    or (y := book.slow_yield(k.job_id)) is not None and y <= quick]
+            fits = [k for k in cands if (book.long_phase(k.job_id) or 0.0) <= gap]
             if not fits:
                 # A lower job whose guaranteed share is due takes it now, while the higher job is away,
                 # rather than when the higher job waits: it then costs the overrun, not a whole phase.

@@ -118,21 +118,6 @@ def test_a_low_phase_that_fits_the_gap_is_granted_at_once() -> None:
     assert p.request(K("lo"), 1, 1.12) == [K("lo")]
 
 
-@pytest.mark.parametrize("quick_yield, granted", [(0.1, True), (0.0, False)])
-def test_a_low_job_that_yields_quickly_may_start_in_a_gap_it_does_not_fit(quick_yield: float, granted: bool) -> None:
-    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001, quick_yield=quick_yield)
-    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
-    phase(p, "hi", 1.0, compute=0.1, comm=0.2)
-    assert p.request(K("lo"), 1, 1.15) == []  # no yield of lo's measured yet: 0.3 s does not fit 0.15 s
-    assert p.tick(1.502) == [K("lo")]  # the gap opens
-    assert p.request(K("hi"), 1, 1.6) == []
-    assert p.take_preemptions() == [K("lo")]
-    assert p.release(K("lo"), 1.605) == [K("hi")]  # lo gave the device back 5 ms after the ask
-    p.observe(K("hi"), "compute", 0.1, 1.705)
-    p.release(K("hi"), 1.705)  # hi away until about 1.905
-    assert p.request(K("lo"), 1, 1.72) == ([K("lo")] if granted else [])  # 5 ms <= a tenth of hi's 0.1 s
-
-
 def test_the_high_job_back_in_time_is_served_and_the_low_one_waits() -> None:
     p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
     phase(p, "lo", 0.0, compute=0.3, comm=0.1)
