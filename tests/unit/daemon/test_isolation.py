@@ -204,12 +204,17 @@ def test_equal_classes_and_a_protect_of_zero_leave_the_device_alone():
     assert not q.isolating(0)
 
 
-def test_a_lower_job_over_its_budget_still_gets_a_phase_after_starve_windows_without_one():
+def _sweep_after_a_solo_window() -> tuple[CrossoverPolicy, RankKey]:
+    """A device whose budget (0.01 s/s) a lower job's 0.3 s phase overruns, its first solo window measured."""
     p = _policy(window_s=1.0, settle_share=0.0, initial=0.01, starve_windows=4)
-    sweep = RankKey("sweep", 0)
     for i in range(10):
         _prod_iteration(p, i, 0.1 * i)
     p.tick(1.0)
+    return p, RankKey("sweep", 0)
+
+
+def test_a_lower_job_over_its_budget_still_gets_a_phase_after_starve_windows_without_one():
+    p, sweep = _sweep_after_a_solo_window()
     assert p.request(sweep, 0, 1.0) == [sweep]  # nothing held for four windows: one phase
     p.observe(sweep, "compute", 0.3, 1.3)
     p.release(sweep, 1.3)
@@ -257,11 +262,7 @@ def test_each_device_counts_only_the_lower_time_held_on_it():
 
 
 def test_the_floor_serves_a_starving_lower_rank_even_where_no_gap_fits_it():
-    p = _policy(window_s=1.0, settle_share=0.0, initial=0.01, starve_windows=4)
-    sweep = RankKey("sweep", 0)
-    for i in range(10):
-        _prod_iteration(p, i, 0.1 * i)
-    p.tick(1.0)
+    p, sweep = _sweep_after_a_solo_window()
     assert p.request(sweep, 0, 1.0) == [sweep]  # its first phase: 0.3 s, which no gap of prod's fits
     p.observe(sweep, "compute", 0.3, 1.3)
     p.release(sweep, 1.3)
