@@ -326,8 +326,10 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def _controller_view(isolation: list[tuple[float, str, Any]], a: float, b: float) -> dict[str, Any]:
     """What each node's isolation controller saw in [a, b]: the production job's speed in its shared windows
     against its reference (its solo windows, with the low jobs present but not computing), the median over
-    windows, and the median budget. Against the bed's own figure (alone on a cluster of its own), the
-    difference is what the low jobs' mere presence costs, which no grant controls."""
+    the windows whose judgement changed the budget (only those write an `isolation` event, so a budget held
+    at its ceiling is missing), each window's own reading (the judgement pools two), and the median budget.
+    Against the bed's own figure (alone on a cluster of its own), the difference is what the low jobs' mere
+    presence costs, which no grant controls."""
     out: dict[str, Any] = {}
     for node in sorted({n for _, n, _ in isolation}):
         seen = [e for t, n, e in isolation if n == node and a <= t <= b]

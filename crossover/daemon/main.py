@@ -194,8 +194,8 @@ class _Command(click.Command):
               "rank may lower its class (CROSSOVER_PRIORITY), never raise it. Classes are the crossover "
               "policy's.")
 @click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=ClassSettings.guard_share, show_default=True,
-              help="The device time every job of a lower class is guaranteed beside higher ones (0.05: a "
-              "twentieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
+              help="The device time every job of a lower class is guaranteed beside higher ones (0.02: a "
+              "fiftieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
 @click.option("--protect", type=click.FloatRange(0.0, 1.0), default=IsolationSettings.target, show_default=True,
               help="Where a device's jobs differ in priority class, hold its highest class at this share of its "
               "speed alone: a closed loop measures that job's iteration time alone (short solo windows) and beside "

@@ -203,14 +203,14 @@ class Steering(JobOwnership):
         (None: as is) sets the isolation target from now on (`crossover policy --protect`); the policy then
         starts afresh even if `name` is the current one. `caller` says who asked, as the event log and the
         daemon log record it."""
-        settings = self._class_settings
-        if protect is not None:
-            base = settings or ClassSettings()
-            settings = replace(base, isolation=replace(base.isolation, target=protect))
-        new = policies.create(name, settings, self._wall() - self._clock())
-        self._class_settings = settings
         d = Decision()
-        with self._lock:
+        with self._lock:  # two operators' calls at once: one policy and its settings, then the other's
+            settings = self._class_settings
+            if protect is not None:
+                base = settings or ClassSettings()
+                settings = replace(base, isolation=replace(base.isolation, target=protect))
+            new = policies.create(name, settings, self._wall() - self._clock())
+            self._class_settings = settings
             now = self._clock()
             old = self._phases.policy
             for device in self._leases.leased_devices():
@@ -236,8 +236,9 @@ class Steering(JobOwnership):
             for sess in self._sessions:
                 d.post(sess, PolicyMsg(new.name, new.blocks))
             self._commit(d, now)
-        self.events.record(EventName.POLICY, old=old.name, new=name, protect=self.protect, caller=caller)
-        _log.warning("operator switched policy %s -> %s, protect %g (%s)", old.name, name, self.protect, caller or "?")
+        target = (settings or ClassSettings()).isolation.target
+        self.events.record(EventName.POLICY, old=old.name, new=name, protect=target, caller=caller)
+        _log.warning("operator switched policy %s -> %s, protect %g (%s)", old.name, name, target, caller or "?")
         return name
 
     def _instead_of_drained(self, device: Device, ident: RankIdentity) -> Device:

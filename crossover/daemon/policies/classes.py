@@ -135,11 +135,16 @@ class ClassBook:
         for d in (self.classes, self._credit, self.left_at, self.comm, self._comms, self._computes):
             d.pop(job, None)  # type: ignore[attr-defined]
 
+    @property
+    def credit_cap(self) -> float:
+        """The most guaranteed device time a job can save up (`guard_share` over `guard_window_s`)."""
+        return self.settings.guard_share * self.settings.guard_window_s
+
     def credit(self, job: str, now: float) -> float:
-        """Seconds of guaranteed device time the job has saved up by `now`."""
-        s = self.settings
+        """Seconds of guaranteed device time the job has saved up by `now` (below 0 after a phase longer than
+        what it had: it pays the rest back before the next)."""
         value, since = self._credit.get(job, (0.0, now))
-        return min(s.guard_share * s.guard_window_s, value + s.guard_share * max(0.0, now - since))
+        return min(self.credit_cap, value + self.settings.guard_share * max(0.0, now - since))
 
     def served(self, job: str, held_s: float, now: float, device: int = -1) -> None:
         """The job held `device` for `held_s` until `now` (its allreduce begins)."""

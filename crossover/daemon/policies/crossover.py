@@ -46,6 +46,7 @@ nothing above changes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from crossover.daemon.api import RankKey, RankRef
@@ -101,6 +102,7 @@ class CrossoverPolicy(DispatchPolicy):
         self._granted_at: dict[RankKey, float] = {}
         self._preempt: list[RankKey] = []  # holders to ask for a yield, not yet taken
         self._asked: set[RankKey] = set()  # holders asked during their current grant
+        self._floored: set[RankKey] = set()  # holders the floor served: their phase is not asked to yield
         self._held_until: dict[int, float] = {}  # device -> when a held-back lower phase is looked at again
         self.overtakes = 0
         self.preemptions = 0
@@ -159,6 +161,7 @@ class CrossoverPolicy(DispatchPolicy):
         self._passed.pop(key, None)
         self._granted_at.pop(key, None)
         self._asked.discard(key)
+        self._floored.discard(key)
         self._preempt = [k for k in self._preempt if k != key]
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
@@ -182,7 +185,7 @@ class CrossoverPolicy(DispatchPolicy):
         mine = self.book.of(key.job_id).priority
         if key in dev.waiting and any(self.book.of(h.job_id).priority < mine and self._long_left(h, now)
                                       for h in dev.holders):
-            fresh = [h for h in dev.holders if h not in self._asked]
+            fresh = [h for h in dev.holders if h not in self._asked and h not in self._floored]
             self._asked.update(fresh)
             self._preempt += fresh
             self.preemptions += bool(fresh)
@@ -210,6 +213,7 @@ class CrossoverPolicy(DispatchPolicy):
             ref = self._q.ranks.get(key)
             self.book.served(key.job_id, now - began, now, -1 if ref is None else ref.device)
         self._asked.discard(key)
+        self._floored.discard(key)
         return super().release(key, now)
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
@@ -329,8 +333,12 @@ class CrossoverPolicy(DispatchPolicy):
         return [nxt]
 
     def _guard_need(self, job: str) -> float:
-        """The credit a job's guard must hold before it serves the job's next phase: that phase (at least 10 ms)."""
-        return max(self._compute.get(job, 0.0), 0.01)
+        """The credit a job's guard must hold before it serves the job's next phase: that phase (at least 10 ms),
+        or all it can save up where the phase is longer (the phase then overdraws it, and the job pays the rest
+        back before its next); never, without a guard (`guard_share` 0)."""
+        if self.book.settings.guard_share <= 0:
+            return math.inf
+        return min(max(self._compute.get(job, 0.0), 0.01), self.book.credit_cap)
 
     def _jobs_on(self, device: int, without: RankKey | None = None) -> set[str]:
         """The jobs with a rank on `device` (but for the rank `without`, which is leaving)."""
@@ -381,21 +389,24 @@ class CrossoverPolicy(DispatchPolicy):
             w = ctl.settings.window_s
             held = book.held_since(ctl.lower, now - w, dev.index)
             starve_s = ctl.settings.starve_windows * w
+            asked = [at[k] for k in dev.waiting if k.job_id in ctl.lower]
+            if asked:  # the floor falls due for the lower rank that has waited longest
+                due.append(min(asked) + starve_s)
             kept_out = [k for k in waiting if k.job_id in ctl.lower
-                        and not ctl.allows(held, self._compute.get(k.job_id, 0.0), now - at[k] >= starve_s)]
+                        and not ctl.allows(held, self._compute.get(k.job_id, 0.0), at[k] + starve_s <= now)]
             if kept_out:
                 waiting = [k for k in waiting if k not in kept_out]
-                if not waiting:  # look again when the window ends, or when some held time has aged out
+                if not waiting:  # look again when the window ends, when some held time has aged out, or at the floor
                     self.budgeted += 1
-                    self._held_until[dev.index] = min(ctl.next_boundary(now), now + w / 10)
+                    self._held_until[dev.index] = min(ctl.next_boundary(now), now + w / 10,
+                                                      *(t for t in due if t > now))
                     return None
-            starving = [k for k in waiting if k.job_id in ctl.lower and now - at[k] >= starve_s]
-            if starving:  # the floor: its phase now, gap or not, so that it never waits past its grant timeout
+            starving = [k for k in waiting if k.job_id in ctl.lower and at[k] + starve_s <= now]
+            if starving:  # the floor: its whole phase now, gap or not, so that it never waits past its grant timeout
                 self.starved += 1
-                return min(starving, key=lambda k: (at[k], k.job_id, k.rank)), []
-            asked = [at[k] for k in waiting if k.job_id in ctl.lower]
-            if asked:
-                due.append(min(asked) + starve_s)
+                chosen = min(starving, key=lambda k: (at[k], k.job_id, k.rank))
+                self._floored.add(chosen)
+                return chosen, []
         top = max(book.of(k.job_id).priority for k in waiting)
         owed = self._guard([k for k in waiting if book.of(k.job_id).priority < top], due)
         if owed is not None:
@@ -403,7 +414,7 @@ class CrossoverPolicy(DispatchPolicy):
         cands = [k for k in waiting if book.of(k.job_id).priority == top]
         higher = [j for j in jobs if book.of(j).priority > top]
         backs = [t for j in higher if (t := book.back_at(j, now)) is not None]
-        if backs:
+        if backs and not math.isinf(book.settings.fit_margin):  # inf: any gap (the rule off)
             gap = (min(backs) - now) * book.settings.fit_margin
             fits = [k for k in cands if (book.long_phase(k.job_id) or 0.0) <= gap]
             if not fits:
@@ -414,7 +425,7 @@ class CrossoverPolicy(DispatchPolicy):
                     return owed, []
                 self.held_back += 1
                 opens = [t for j in higher if (t := book.opens_at(j)) is not None]
-                self._held_until[dev.index] = min([max(opens, default=now) + 1e-3, *due])
+                self._held_until[dev.index] = min([max(opens, default=now) + 1e-3, *(t for t in due if t > now)])
                 return None
             cands = fits
         if len({book.of(k.job_id).weight for k in cands}) > 1:

@@ -47,8 +47,9 @@ class IsolationSettings:
     controller off); `window_s`: one window, aligned on the wall clock; `settle_share`: its start, left out
     of the measure while the previous window's work drains; `solo_every`: a solo window after this many
     shared ones; `initial`, `increase`, `decrease`, `ceiling`: the budget's start, its additive step up,
-    its multiplicative cut and its most (device seconds per second); `starve_windows`: after this many
-    windows without any lower phase, one starts whatever the budget (a floor of about a phase per 8 s);
+    its multiplicative cut and its most (device seconds per second); `starve_windows`: a lower rank that
+    has waited this many windows gets its whole phase whatever the budget, the gaps and its guard credit, and
+    is not asked to yield it (the floor: about a phase per rank per 8 s);
     `cut_gain`: a window short of the target by a share x of it cuts the budget by `cut_gain` x, at most to
     `decrease` of itself, so that a window a percent short (an iteration's jitter) trims the budget and one
     far short halves it (in the simulator's fleet, a plain halving left the low jobs 0.13x, a gain of 4 left
@@ -287,7 +288,7 @@ class IsolationController:
                 return self._change("the protected job measured alone")
             return self._change("the protected job did not run alone: sharing until the next solo window")
         change = None
-        common = [j for j in paces if j in self.reference_s]
+        common = [j for j in paces if j in self.reference_s and paces[j] > 0]
         if common:
             self.current_s = paces
             for j in common:

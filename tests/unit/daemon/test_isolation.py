@@ -278,3 +278,5 @@ def test_the_floor_serves_a_starving_lower_rank_even_where_no_gap_fits_it():
         t, i = t + 0.1, i + 1
     assert granted == [sweep] and t >= 1.3 + 4.0, f"granted at {t:.1f}"
     assert p.decisions()["floor"] == 1
+    assert p.request(RankKey("prod", 0), i, t) == []  # prod back: it waits out the floor's whole phase
+    assert p.take_preemptions() == []

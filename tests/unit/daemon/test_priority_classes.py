@@ -57,9 +57,31 @@ def test_priority_parses_its_three_names_and_refuses_others() -> None:
 
 
 def test_the_gap_margin_takes_a_bounded_share_or_inf_for_any_gap() -> None:
-    assert ClassSettings(fit_margin=math.inf).fit_margin == math.inf  # `bench.priority --rules`: the rule off
     with pytest.raises(ValueError, match="0.5..2"):
         ClassSettings(fit_margin=3.0)
+    for margin, granted in ((1.2, []), (math.inf, [K("lo")])):  # inf: `bench.priority --rules`, the rule off
+        p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001, fit_margin=margin)
+        phase(p, "lo", 0.0, compute=0.3, comm=0.1)
+        phase(p, "hi", 1.0, compute=0.1, comm=0.2)
+        assert p.request(K("lo"), 1, 1.15) == granted  # 0.3 s into a gap of 0.15 s
+
+
+def test_the_guard_serves_a_phase_longer_than_it_can_save_up_once_its_credit_is_full() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.02, guard_window_s=10.0)  # saves up 0.2 s at most
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)  # credit now -0.3 s: full again 25 s later
+    t, i, served = 0.4, 1, None
+    while t < 40.0 and served is None:  # hi never leaves a gap: 95 ms of compute, back 5 ms after
+        if p.request(K("hi"), i, t) != [K("hi")]:
+            served = t  # lo holds the device: hi waits
+            break
+        if i == 4:  # hi's gaps measured: 5 ms
+            assert p.request(K("lo"), 1, t) == []
+        p.observe(K("hi"), "compute", 0.095, t + 0.095)
+        if p.release(K("hi"), t + 0.095) == [K("lo")]:
+            served = t + 0.095
+        p.observe(K("hi"), "comm", 0.005, t + 0.1)
+        t, i = t + 0.1, i + 1
+    assert served is not None and 25.0 <= served <= 26.0, served
 
 
 def test_a_waiting_high_rank_goes_before_a_low_one_that_asked_first() -> None:
