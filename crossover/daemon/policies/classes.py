@@ -91,8 +91,8 @@ class JobClass:
 class ClassSettings:
     """`guard_share`: the device time every lower-class job is guaranteed (0.02: a fiftieth; at 0.05 the
     simulator's production job beside a low job on a device without gaps kept 0.93x, under the isolation
-    controller's 0.97 target, and at 0.02 it keeps 0.97x while the low jobs of its fleet get more than with
-    no guard, `docs/priorities.md`);
+    controller's 0.97 target; at 0.02 it keeps 0.97x, and without a guard the low job there stops,
+    `docs/benchmarks.md`);
     `guard_window_s`: how much unspent guarantee a job may save up, in seconds of wall time;
     `fit_margin`: a lower phase fits a gap up to this many times the gap's length (1.2: its slower
     quartile may overrun the gap's shorter quartile by a fifth, which the higher job then waits; with
