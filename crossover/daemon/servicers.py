@@ -196,8 +196,6 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         for what, value in (("adapt", request.adapt), ("handover", request.handover)):
             if value not in (pb.ADAPT_UNCHANGED, pb.ADAPT_ON, pb.ADAPT_OFF):
                 raise InvalidRequest(f"{what} {value} is not one of ADAPT_UNCHANGED, ADAPT_ON, ADAPT_OFF")
-        if protect is not None and not 0.0 <= protect <= 1.0:
-            raise InvalidRequest(f"protect {protect:g}: must be within 0..1 (0 turns the isolation controller off)")
         if request.name or protect is not None:
             self._core.set_policy(request.name or self._core.policy_name, caller=_caller(context), protect=protect)
         if request.adapt != pb.ADAPT_UNCHANGED:

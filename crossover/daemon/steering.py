@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from crossover.daemon import policies
-from crossover.daemon.api import FailedPrecondition, NotFound, Phase
+from crossover.daemon.api import FailedPrecondition, InvalidRequest, NotFound, Phase
 from crossover.daemon.class_rules import ClassRules
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision
@@ -196,7 +196,7 @@ class Steering(JobOwnership):
     @property
     def protect(self) -> float:
         """The share of its speed alone the highest class on a device keeps (`crossoverd --protect`; 0: off)."""
-        return (self._class_settings or ClassSettings()).isolation.target
+        return _target(self._class_settings)
 
     def set_policy(self, name: str, caller: str = "", protect: float | None = None) -> str:
         """Switch policy at once; ranks computing or waiting are re-queued under the new one. `protect`
@@ -208,7 +208,11 @@ class Steering(JobOwnership):
             settings = self._class_settings
             if protect is not None:
                 base = settings or ClassSettings()
-                settings = replace(base, isolation=replace(base.isolation, target=protect))
+                try:
+                    settings = replace(base, isolation=replace(base.isolation, target=protect))
+                except ValueError:
+                    raise InvalidRequest(f"protect {protect:g}: must be within 0..1 (0 turns the isolation "
+                                         "controller off)") from None
             new = policies.create(name, settings, self._wall() - self._clock())
             self._class_settings = settings
             now = self._clock()
@@ -236,7 +240,7 @@ class Steering(JobOwnership):
             for sess in self._sessions:
                 d.post(sess, PolicyMsg(new.name, new.blocks))
             self._commit(d, now)
-        target = (settings or ClassSettings()).isolation.target
+        target = _target(settings)
         self.events.record(EventName.POLICY, old=old.name, new=name, protect=target, caller=caller)
         _log.warning("operator switched policy %s -> %s, protect %g (%s)", old.name, name, target, caller or "?")
         return name
@@ -363,3 +367,8 @@ class Steering(JobOwnership):
             others = [snaps[sid] for sid, d in devices.items() if d == index and sid not in seen]
             out[index] = DeviceSnapshot(holders, waiting, others, view.order)
         return out, list(snaps.values())
+
+
+def _target(settings: ClassSettings | None) -> float:
+    """The isolation target `settings` hold (the default's where the daemon was given none)."""
+    return (settings or ClassSettings()).isolation.target

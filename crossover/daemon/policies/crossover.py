@@ -392,8 +392,9 @@ class CrossoverPolicy(DispatchPolicy):
             asked = [at[k] for k in dev.waiting if k.job_id in ctl.lower]
             if asked:  # the floor falls due for the lower rank that has waited longest
                 due.append(min(asked) + starve_s)
+            starving = {k for k in waiting if k.job_id in ctl.lower and at[k] + starve_s <= now}
             kept_out = [k for k in waiting if k.job_id in ctl.lower
-                        and not ctl.allows(held, self._compute.get(k.job_id, 0.0), at[k] + starve_s <= now)]
+                        and not ctl.allows(held, self._compute.get(k.job_id, 0.0), k in starving)]
             if kept_out:
                 waiting = [k for k in waiting if k not in kept_out]
                 if not waiting:  # look again when the window ends, when some held time has aged out, or at the floor
@@ -401,7 +402,7 @@ class CrossoverPolicy(DispatchPolicy):
                     self._held_until[dev.index] = min(ctl.next_boundary(now), now + w / 10,
                                                       *(t for t in due if t > now))
                     return None
-            starving = [k for k in waiting if k.job_id in ctl.lower and at[k] + starve_s <= now]
+            starving -= set(kept_out)  # a solo window keeps even a starving rank out
             if starving:  # the floor: its whole phase now, gap or not, so that it never waits past its grant timeout
                 self.starved += 1
                 chosen = min(starving, key=lambda k: (at[k], k.job_id, k.rank))

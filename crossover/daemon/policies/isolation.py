@@ -132,7 +132,8 @@ class _Pace:
     def iteration_s(self) -> float | None:
         if self.first is None or self.last is None or self.last[1] <= self.first[1]:
             return None
-        return (self.last[0] - self.first[0]) / (self.last[1] - self.first[1])
+        iterations, seconds = self.span()
+        return seconds / iterations
 
     def span(self) -> tuple[int, float]:
         """The iterations measured and the seconds they took (after `iteration_s` gave a figure)."""
