@@ -1,21 +1,27 @@
 """`import crossover.auto` as a script's first line schedules it through crossoverd.
 
-Importing this module hooks `horovod.torch.DistributedOptimizer`; nothing
-else changes in the script. `crossover.auto.waiting()` is the one call a
-script may add: around a wait outside Horovod (a file, a queue, a service),
+It hooks the script's framework when the script imports it: Horovod's
+`DistributedOptimizer` (`horovod.torch`), or PyTorch's `DistributedDataParallel`
+(a `torchrun` job). Nothing else changes in the script, and nothing of a framework
+the script does not import is loaded. `crossover.auto.waiting()` is the one call a
+script may add: around a wait outside its framework (a file, a queue, a service),
 it frees the device for the wait's length. `crossover.auto.use_device(turns)`
 hands turns over on a device the plugin does not know itself (CUDA GPUs it
-does). Settings come from `CROSSOVER_*` variables (see
-the README table); without a daemon the import is a quiet no-op apart from
-one warning.
+does). Settings come from `CROSSOVER_*` variables (see the README table); with
+`CROSSOVER_DISABLE=1` the import loads nothing more, and without a daemon it is a
+quiet no-op apart from one warning.
 """
 import logging as _logging
 import os as _os
+from typing import TYPE_CHECKING
+from typing import Any as _Any
 
-from crossover.plugins.hook import horovod_torch as _hook
-from crossover.plugins.hook.horovod_torch import use_device, waiting
 from crossover.plugins.hook.settings import PluginSettings as _PluginSettings
 from crossover.plugins.hook.settings import SettingError as _SettingError
+from crossover.plugins.hook.settings import script_name as _script_name
+
+if TYPE_CHECKING:
+    from crossover.plugins.hook.rank_session import use_device, waiting
 
 __all__ = ["use_device", "waiting"]
 
@@ -26,9 +32,40 @@ if not _logger.handlers:
     _logger.addHandler(_handler)
     _logger.propagate = False
 
+
+def _hook_front_ends(settings: _PluginSettings) -> None:
+    """Hook each framework as the script imports it (at once where it already has)."""
+    from crossover.plugins.hook.import_watch import when_imported
+
+    def horovod(_module: _Any) -> None:  # before the script's `hvd.init()`: see `prepare_horovod`
+        from crossover.plugins.hook import horovod_torch
+
+        horovod_torch.install(settings)
+
+    def ddp(module: _Any) -> None:
+        from crossover.plugins.hook import ddp_torch
+
+        ddp_torch.install(settings, module)
+
+    when_imported("horovod.torch", horovod)
+    when_imported("torch.nn.parallel.distributed", ddp)
+
+
+def __getattr__(name: str) -> _Any:
+    """`waiting` and `use_device`, loaded on first use: a disabled import loads nothing."""
+    if name in __all__:
+        from crossover.plugins.hook import rank_session
+
+        return getattr(rank_session, name)
+    raise AttributeError(f"module 'crossover.auto' has no attribute {name!r}")
+
+
 try:
-    _settings = _PluginSettings.from_env(_hook._script_name())
+    _settings = _PluginSettings.from_env(_script_name())
     _logger.setLevel(_settings.log_level if _settings.log_level in _logging._nameToLevel else "WARNING")
-    _hook.install(_settings)
+    if _settings.disabled:
+        _logger.info("CROSSOVER_DISABLE is set: the import does nothing")
+    else:
+        _hook_front_ends(_settings)
 except _SettingError as _exc:
     _logger.error("%s; crossover is disabled for this run", _exc)

@@ -177,7 +177,7 @@ class Scheduler(Steering):
             note = self._give_class(sess, None, None)
             self._sessions.add(sess)
             d = Decision()
-            d.log(EventName.REGISTER, sess, pid=ident.pid, world_size=ident.world_size)
+            d.log(EventName.REGISTER, sess, pid=ident.pid, world_size=ident.world_size, framework=ident.framework)
             self._leases.revoke(device.index, "another rank joined the device", d)
             self._phases.deliver(self._phases.policy.join(ref, now), now, d)
             self._reclassify(key.job_id, now, d, tell=(sess, note))

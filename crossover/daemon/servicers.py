@@ -175,7 +175,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
             i = r.ident
             job = jobs.setdefault(i.job_id, pb.JobState(
                 job_id=i.job_id, job_name=i.job_name, world_size=i.world_size,
-                priority=to_wire(r.priority), weight=r.weight, class_set_by=r.class_by))
+                priority=to_wire(r.priority), weight=r.weight, class_set_by=r.class_by, framework=i.framework))
             job.ranks.append(_rank_state(r, {}))
             job.registered_s = max(job.registered_s, r.registered_s)
         return jobs

@@ -70,7 +70,7 @@ ADAPT_ON: Adapt
 ADAPT_OFF: Adapt
 
 class RankIdentity(_message.Message):
-    __slots__ = ("job_id", "job_name", "rank", "local_rank", "world_size", "local_size", "node", "device", "pid")
+    __slots__ = ("job_id", "job_name", "rank", "local_rank", "world_size", "local_size", "node", "device", "pid", "framework")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class RankIdentity(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     rank: int
@@ -89,7 +90,8 @@ class RankIdentity(_message.Message):
     node: str
     device: int
     pid: int
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_size: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    framework: str
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_size: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[int] = ..., pid: _Optional[int] = ..., framework: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol_version", "identity", "accepts_leases", "priority", "accepts_preempt", "accepts_handover")
@@ -383,7 +385,7 @@ class JobsRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "job_name", "world_size", "ranks", "registered_s", "priority", "weight", "class_set_by")
+    __slots__ = ("job_id", "job_name", "world_size", "ranks", "registered_s", "priority", "weight", "class_set_by", "framework")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -392,6 +394,7 @@ class JobState(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CLASS_SET_BY_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     world_size: int
@@ -400,7 +403,8 @@ class JobState(_message.Message):
     priority: Priority
     weight: float
     class_set_by: str
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., registered_s: _Optional[float] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., class_set_by: _Optional[str] = ...) -> None: ...
+    framework: str
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., registered_s: _Optional[float] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., class_set_by: _Optional[str] = ..., framework: _Optional[str] = ...) -> None: ...
 
 class JobClassRequest(_message.Message):
     __slots__ = ("protocol_version", "job", "priority", "weight")

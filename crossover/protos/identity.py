@@ -29,14 +29,16 @@ class RankIdentity:
     device: int = -1
     pid: int = 0
     node: str = ""
+    framework: str = ""  # the front end that registered the rank: "horovod" or "ddp"
 
     def to_pb(self) -> pb.RankIdentity:
         return pb.RankIdentity(job_id=self.job_id, job_name=self.job_name, rank=self.rank,
                                local_rank=self.local_rank, world_size=self.world_size,
-                               local_size=self.local_size, node=self.node, device=self.device, pid=self.pid)
+                               local_size=self.local_size, node=self.node, device=self.device, pid=self.pid,
+                               framework=self.framework)
 
     @classmethod
     def from_pb(cls, msg: pb.RankIdentity) -> RankIdentity:
         return cls(job_id=msg.job_id, job_name=msg.job_name, rank=msg.rank, local_rank=msg.local_rank,
                    world_size=msg.world_size, local_size=msg.local_size, device=msg.device, pid=msg.pid,
-                   node=msg.node)
+                   node=msg.node, framework=msg.framework)

@@ -182,7 +182,7 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
 
 def jobs_table(state: dict[str, Any]) -> Table:
     t = Table(title="jobs on this node", title_justify="left")
-    for col in ("job", "user", "id", "class", "world", "ranks here", "phases", "iter", "registered s"):
+    for col in ("job", "framework", "user", "id", "class", "world", "ranks here", "phases", "iter", "registered s"):
         t.add_column(col)
     for job in state.get("jobs", []):
         ranks = job.get("ranks", [])
@@ -193,9 +193,10 @@ def jobs_table(state: dict[str, Any]) -> Table:
         weight = float(job.get("weight") or 1.0)
         by = job.get("class_set_by") or ""
         klass += ("" if weight == 1.0 else f" x{weight:g}") + (f" ({shown(by, 20)})" if by else "")
-        t.add_row(shown(job["job_name"]), shown(",".join(users) or "-", 24), shown(job["job_id"][:12]), klass,
+        t.add_row(shown(job["job_name"]), shown(job.get("framework") or "-", 10), shown(",".join(users) or "-", 24),
+                  shown(job["job_id"][:12]), klass,
                   str(job["world_size"]), str(len(ranks)), phases,
                   str(iters), f"{job.get('registered_s', 0.0):.0f}")
     if not state.get("jobs"):
-        t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "", "", "")
+        t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "", "", "", "")
     return t

@@ -12,82 +12,31 @@ swallows its own errors (logged) so Crossover can never break training.
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
 import functools
-import json
 import logging
 import os
-import threading
 import uuid
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from crossover.client.rank.device_turns import DeviceTurns
 from crossover.client.rank.session import Session
 from crossover.plugins.hook import horovod_waits
 from crossover.plugins.hook.host_staging import HostStager, horovod_reduces_on_gpu
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 from crossover.plugins.hook.phase_tracking import remove_forward_boundaries, track_phases
+from crossover.plugins.hook.rank_session import cuda_device, open_session
 from crossover.plugins.hook.runtime import RUNTIME
-from crossover.plugins.hook.settings import PluginSettings
+from crossover.plugins.hook.settings import PluginSettings, script_name
 from crossover.protos.identity import RankIdentity
 
-__all__ = ["install", "uninstall", "current_session", "use_device", "waiting"]
+__all__ = ["install", "uninstall"]
 
 _log = logging.getLogger(__name__)
 
 
-def current_session() -> Session | None:
-    """The rank's session once the first DistributedOptimizer exists (None before, or when disabled)."""
-    return RUNTIME.session
-
-
-@contextlib.contextmanager
-def waiting(resume: bool = True) -> Iterator[None]:
-    """Around a wait outside Horovod (a file, a queue, a remote service): the device is free during it.
-
-    Horovod's own waits free it already; a rank that holds its device while it waits
-    for something else keeps every co-located job from computing, and past the
-    daemon's overdue floor it is passed over. A holder asks for the device again as
-    the block ends, with the same iteration; with ``resume=False`` only at its next
-    phase point (``zero_grad``, an allreduce's end), for a wait after which the script
-    does other work first (building a model, writing a checkpoint). Without a session
-    this does nothing.
-    """
-    phases = RUNTIME.phases
-    if phases is None:
-        yield
-    elif resume:
-        with phases.waiting_for_peers():
-            yield
-    else:
-        phases.pause()
-        yield
-
-
-def use_device(turns: DeviceTurns) -> None:
-    """This rank's device is not CUDA but can order its work: hand turns over on it (see `device_turns`).
-
-    For a device the plugin does not know (CUDA GPUs it finds itself): `turns` waits on
-    the daemon's turn pages and stores into them in the order of the device's work, and
-    drains it (each release waits for that where the turn does not end on the device).
-    Call it once, before or after the first DistributedOptimizer.
-    """
-    RUNTIME.device = turns
-    phases = RUNTIME.phases
-    if phases is not None:
-        phases.settle = turns.drain
-    session = RUNTIME.session
-    if session is not None:
-        session.use_device(turns)
-
-
 def install(settings: PluginSettings | None = None) -> bool:
     """Wrap `horovod.torch.DistributedOptimizer`; idempotent. False when Horovod is missing or disabled."""
-    settings = settings or PluginSettings.from_env(_script_name())
+    settings = settings or PluginSettings.from_env(script_name())
     if settings.disabled:
         _log.info("CROSSOVER_DISABLE is set; not hooking Horovod")
         return False
@@ -151,13 +100,6 @@ def uninstall() -> None:
     RUNTIME.original_optimizer = RUNTIME.session = RUNTIME.phases = RUNTIME.device = None
 
 
-def _script_name() -> str:
-    import sys
-
-    argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else ""
-    return Path(argv0).stem if argv0 else ""
-
-
 def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:
     """The rank's one phase state, made with its session by the first DistributedOptimizer.
 
@@ -192,34 +134,10 @@ def _ensure_session(hvd: Any, process_set: Any) -> Session:
         return RUNTIME.session
     settings = RUNTIME.settings
     assert settings is not None, "install() reads the settings before any optimizer is built"
-    job_id = _agree_job_id(hvd, process_set)
-    device = settings.device
-    try:
-        import torch
-
-        if device < 0 and torch.cuda.is_available():
-            device = torch.cuda.current_device()
-    except Exception:  # torch without CUDA runtime: let the daemon choose
-        pass
-    info = RankIdentity(job_id=job_id, job_name=settings.job_name, rank=hvd.rank(), local_rank=hvd.local_rank(),
-                    world_size=hvd.size(), local_size=hvd.local_size(), device=device)
-    session = Session(info, settings)
-    if settings.pin:
-        session.on_attach = _pin
-    RUNTIME.session = session.start()
-    if RUNTIME.device is not None:
-        session.use_device(RUNTIME.device)
-    # Close the stream on exit: the daemon then sees a clean end at once instead of
-    # waiting for heartbeats that stop while the interpreter shuts down.
-    atexit.register(_close_session)
-    if settings.stats_file:
-        atexit.register(_write_stats, settings.stats_file.replace("{rank}", str(info.rank)))
-    return session
-
-
-def _close_session() -> None:
-    if RUNTIME.session is not None:
-        RUNTIME.session.close()
+    info = RankIdentity(job_id=_agree_job_id(hvd, process_set), job_name=settings.job_name, rank=hvd.rank(),
+                        local_rank=hvd.local_rank(), world_size=hvd.size(), local_size=hvd.local_size(),
+                        device=cuda_device(settings.device), framework="horovod")
+    return open_session(info, settings)
 
 
 def _follow_reinit(hvd: Any) -> None:
@@ -243,20 +161,6 @@ def _follow_reinit(hvd: Any) -> None:
     RUNTIME.session = phases.session = new.start()
     _log.info("re-registered after a Horovod re-init: rank %d of %d (was %d of %d)", info.rank, info.world_size,
               old.info.rank, old.info.world_size)
-
-
-def _write_stats(path: str) -> None:
-    session = RUNTIME.session
-    if session is None:
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
-                       "grant_waits_s": session.grant_waits, "leased_acquires": session.leased_acquires,
-                       "transport": session.transport,
-                       "yields": RUNTIME.phases.yields if RUNTIME.phases is not None else 0}, f)
-    except OSError as exc:
-        _log.warning("could not write CROSSOVER_STATS_FILE %s: %s", path, exc)
 
 
 def _elastic() -> bool:
@@ -287,53 +191,3 @@ def _agree_job_id(hvd: Any, process_set: Any) -> str:
         kwargs["process_set"] = process_set
         root = ranks[0]
     return str(hvd.broadcast_object(mine, root_rank=root, **kwargs))
-
-
-def _affinity_plan(tids: list[int], compute_tid: int, device_cores: set[int], host_cores: set[int],
-                  usable: set[int]) -> dict[int, set[int]]:
-    """Which cores each thread of a rank may run on.
-
-    Without host cores (or none of them usable, or all of them device cores) every
-    thread goes to the device's cores: the emulated device is then the whole rank.
-    With them, only the compute thread stays on the device's cores and every other
-    thread (Horovod's background loop, which runs Gloo; gRPC's pollers) moves to the
-    host cores, as a GPU's host threads run beside it rather than on it. Threads
-    created later inherit their creator's cores, so intra-op threads the compute
-    thread starts stay on the device.
-    """
-    host = (host_cores & usable) - device_cores
-    if not host:
-        return {tid: set(device_cores) for tid in tids}
-    return {tid: set(device_cores) if tid == compute_tid else set(host) for tid in tids}
-
-
-def _pin(reg: Any) -> None:
-    """CPU devices: pin the rank's threads to the device's cores (and host cores, `CROSSOVER_HOST_CORES`)."""
-    cores = set(reg.cpu_affinity)
-    if not cores:
-        return
-    settings = RUNTIME.settings
-    wanted = set(settings.host_cores) if settings is not None else set()
-    usable = os.sched_getaffinity(0) | cores
-    if wanted and not (wanted & usable) - cores:
-        _log.warning("CROSSOVER_HOST_CORES %s names no usable core outside the device's %s; every thread stays "
-                     "on the device's cores", sorted(wanted), sorted(cores))
-    tids = [int(tid) for tid in os.listdir("/proc/self/task")]
-    plan = _affinity_plan(tids, threading.main_thread().native_id or os.getpid(), cores, wanted, usable)
-    for tid, allowed in plan.items():
-        try:
-            os.sched_setaffinity(tid, allowed)
-        except OSError:  # the thread ended meanwhile
-            pass
-    try:
-        import torch
-
-        torch.set_num_threads(len(cores))
-    except Exception:
-        pass
-    host = sorted(set().union(*plan.values()) - cores)
-    if host:
-        _log.info("compute thread pinned to cores %s (device %d), %d other threads to host cores %s",
-                  sorted(cores), reg.device, len(plan) - 1, host)
-    else:
-        _log.info("pinned to cores %s (device %d)", sorted(cores), reg.device)

@@ -18,15 +18,13 @@ import logging
 import time
 from typing import Any
 
-import horovod.torch.optimizer as hvd_opt
-
 from crossover.client.rank.session import Session
 from crossover.plugins.hook.cuda_turns import CudaUnavailable, RunAhead, torch_cuda_turns, wait_for_device
 from crossover.plugins.hook.host_staging import StagedHandle
 from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 
-__all__ = ["remove_forward_boundaries", "track_phases"]
+__all__ = ["follow_outranked", "pace_on_gpu", "remove_forward_boundaries", "track_phases", "use_cuda_turns"]
 
 _log = logging.getLogger(__name__)
 
@@ -38,7 +36,7 @@ def track_phases(opt: Any, phases: PhaseReporter, quiet_wait: bool = True) -> No
     _PhaseTracker(opt, phases, quiet_wait=quiet_wait).attach()
 
 
-def _use_cuda_turns(phases: PhaseReporter) -> None:
+def use_cuda_turns(phases: PhaseReporter) -> None:
     """End this rank's turns on its GPU where the driver can (`cuda_turns`); else its CPU keeps waiting."""
     session = phases.session
     if not isinstance(session, Session) or not session.settings.handover or session.turns.device is not None:
@@ -49,14 +47,14 @@ def _use_cuda_turns(phases: PhaseReporter) -> None:
         _log.info("crossover: turns end on the CPU, not the GPU (%s)", exc)
 
 
-def _pace_on_gpu(phases: PhaseReporter) -> None:
+def pace_on_gpu(phases: PhaseReporter) -> None:
     """On a GPU, an outranked holder keeps at most two layers queued ahead (`RunAhead`) at every boundary, so
     that a yield frees the GPU within about a layer."""
     if phases.pace is None:
         phases.pace = RunAhead()
 
 
-def _follow_outranked(phases: PhaseReporter) -> None:
+def follow_outranked(phases: PhaseReporter) -> None:
     """While a higher class shares the device, every module's forward is a boundary too (a global forward
     pre-hook); otherwise no hook is there, so a rank nobody outranks (and a compiled model) never meets it."""
     outranked = phases.session.outranked
@@ -69,7 +67,7 @@ def _follow_outranked(phases: PhaseReporter) -> None:
 
 
 def remove_forward_boundaries(phases: PhaseReporter) -> None:
-    """Take the forward pre-hook `_follow_outranked` put on every module back out (also the plugin's uninstall)."""
+    """Take the forward pre-hook `follow_outranked` put on every module back out (also the plugin's uninstall)."""
     if phases.forward_hook is not None:
         phases.forward_hook.remove()
         phases.forward_hook = None
@@ -130,9 +128,11 @@ class _PhaseTracker(OptimizerHook):
         self.expected = max(1, int(getattr(opt, "backward_passes_per_step", 1)))
         if any(p.is_cuda for p in self._chain.params):
             phases.settle = wait_for_device
-            _use_cuda_turns(phases)
-            _pace_on_gpu(phases)
+            use_cuda_turns(phases)
+            pace_on_gpu(phases)
         # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
+        import horovod.torch.optimizer as hvd_opt  # only a Horovod optimizer gets here
+
         self._adasum = isinstance(opt, getattr(hvd_opt, "_DistributedAdasumOptimizer", ()))
 
     def attach(self) -> None:
@@ -177,7 +177,7 @@ class _PhaseTracker(OptimizerHook):
         """The check at each gradient runs only while a higher class shares the device (and, on a GPU, so does
         the forward pre-hook): a rank nobody can ask to yield pays nothing per parameter."""
         if self.phases.pace is not None:  # on a GPU
-            _follow_outranked(self.phases)
+            follow_outranked(self.phases)
         session = self.phases.session
         outranked = session.outranked
         if not outranked:

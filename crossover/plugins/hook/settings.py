@@ -6,16 +6,24 @@ then the default below. The README's settings table mirrors `PLUGIN_SETTINGS`.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from crossover.errors import CrossoverError
 from crossover.protos import default_socket_path
 
-__all__ = ["AggregationSettings", "PluginSettings", "PLUGIN_SETTINGS", "SettingError", "parse_cpu_list"]
+__all__ = ["AggregationSettings", "PluginSettings", "PLUGIN_SETTINGS", "SettingError", "parse_cpu_list", "script_name"]
 
 class SettingError(CrossoverError, ValueError):
     """A `CROSSOVER_*` variable or flag has a value we cannot use."""
+
+
+def script_name() -> str:
+    """The running script's name without its suffix: the job's name when `CROSSOVER_JOB_NAME` is unset."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else ""
+    return Path(argv0).stem if argv0 else ""
 
 
 # name -> (default, help); the README table is generated from this.

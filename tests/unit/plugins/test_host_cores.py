@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from crossover.plugins.hook import horovod_torch
-from crossover.plugins.hook.horovod_torch import _affinity_plan
+from crossover.plugins.hook import rank_session
+from crossover.plugins.hook.rank_session import affinity_plan
 from crossover.plugins.hook.runtime import RUNTIME
 from crossover.plugins.hook.settings import PluginSettings, SettingError, parse_cpu_list
 
@@ -32,18 +32,18 @@ def test_the_variable_reaches_the_settings(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_without_host_cores_every_thread_is_on_the_device() -> None:
-    plan = _affinity_plan([10, 11, 12], 10, {0}, set(), {0, 1, 2})
+    plan = affinity_plan([10, 11, 12], 10, {0}, set(), {0, 1, 2})
     assert plan == {10: {0}, 11: {0}, 12: {0}}
 
 
 def test_with_host_cores_only_the_compute_thread_stays_on_the_device() -> None:
-    plan = _affinity_plan([10, 11, 12], 11, {0}, {2, 3}, {0, 1, 2, 3})
+    plan = affinity_plan([10, 11, 12], 11, {0}, {2, 3}, {0, 1, 2, 3})
     assert plan == {10: {2, 3}, 11: {0}, 12: {2, 3}}
 
 
 def test_host_cores_that_do_not_exist_or_are_device_cores_are_ignored() -> None:
-    assert _affinity_plan([1, 2], 1, {0}, {0, 7}, {0, 1}) == {1: {0}, 2: {0}}
-    assert _affinity_plan([1, 2], 1, {0}, {1, 7}, {0, 1}) == {1: {0}, 2: {1}}
+    assert affinity_plan([1, 2], 1, {0}, {0, 7}, {0, 1}) == {1: {0}, 2: {0}}
+    assert affinity_plan([1, 2], 1, {0}, {1, 7}, {0, 1}) == {1: {0}, 2: {1}}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to put threads on different ones")
@@ -64,7 +64,7 @@ def test_pin_moves_the_real_threads_of_this_process(monkeypatch: pytest.MonkeyPa
     started.wait(10)
     monkeypatch.setattr(RUNTIME, "settings", PluginSettings(target="unix:///x", host_cores=(host,)))
     try:
-        horovod_torch._pin(SimpleNamespace(cpu_affinity=[device], device=0))
+        rank_session.pin(SimpleNamespace(cpu_affinity=[device], device=0))
         assert os.sched_getaffinity(threading.main_thread().native_id) == {device}
         assert os.sched_getaffinity(native[0]) == {host}
     finally:

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("horovod.torch")
-from crossover.plugins.hook import horovod_torch  # noqa: E402
+from crossover.plugins.hook import rank_session  # noqa: E402
 from crossover.plugins.hook.phase_reporter import PhaseReporter  # noqa: E402
 from crossover.plugins.hook.runtime import RUNTIME  # noqa: E402
 from tests.unit.plugins.test_phase_reporter import Clock, Session  # noqa: E402
@@ -13,7 +12,7 @@ from tests.unit.plugins.test_phase_reporter import Clock, Session  # noqa: E402
 
 def test_without_a_session_the_block_just_runs():
     ran = []
-    with horovod_torch.waiting():
+    with rank_session.waiting():
         ran.append(1)
     assert ran == [1]
 
@@ -23,7 +22,7 @@ def test_a_holder_hands_the_device_back_for_the_wait_and_asks_again_with_the_sam
     reporter = PhaseReporter(session, clock=clock)
     reporter.ensure_holding()
     monkeypatch.setattr(RUNTIME, "phases", reporter)
-    with horovod_torch.waiting():
+    with rank_session.waiting():
         assert not reporter.holding
         clock.now += 2.0
     assert reporter.holding
@@ -33,7 +32,7 @@ def test_a_holder_hands_the_device_back_for_the_wait_and_asks_again_with_the_sam
 def test_a_rank_that_does_not_hold_asks_for_nothing(monkeypatch):
     session = Session()
     monkeypatch.setattr(RUNTIME, "phases", PhaseReporter(session, clock=Clock()))
-    with horovod_torch.waiting():
+    with rank_session.waiting():
         pass
     assert session.calls == []
 
@@ -43,7 +42,7 @@ def test_without_resume_the_device_is_asked_for_again_only_at_the_next_phase_poi
     reporter = PhaseReporter(session, clock=clock)
     reporter.ensure_holding()
     monkeypatch.setattr(RUNTIME, "phases", reporter)
-    with horovod_torch.waiting(resume=False):
+    with rank_session.waiting(resume=False):
         pass
     assert not reporter.holding
     assert session.calls[-1] == ("release", 0, 0.0, False, True)

@@ -47,7 +47,7 @@ def test_a_bound_that_leaves_nothing_queued_is_refused():
 def test_on_a_gpu_every_module_forward_is_a_boundary_only_while_a_higher_class_shares_the_device():
     torch = pytest.importorskip("torch")
     from crossover.plugins.hook.phase_reporter import PhaseReporter
-    from crossover.plugins.hook.phase_tracking import _follow_outranked, _pace_on_gpu, remove_forward_boundaries
+    from crossover.plugins.hook.phase_tracking import follow_outranked, pace_on_gpu, remove_forward_boundaries
 
     class Session:
         outranked = False
@@ -62,24 +62,24 @@ def test_on_a_gpu_every_module_forward_is_a_boundary_only_while_a_higher_class_s
     paced: list[str] = []
     session = Session()
     phases = PhaseReporter(session, pace=lambda: paced.append("pace"))  # type: ignore[arg-type]
-    _pace_on_gpu(phases)  # keeps the pace it was given
+    pace_on_gpu(phases)  # keeps the pace it was given
     phases.ensure_holding()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     try:
-        _follow_outranked(phases)  # what each gradient does first
+        follow_outranked(phases)  # what each gradient does first
         model(torch.zeros(1, 4))
         assert paced == [] and phases.forward_hook is None  # nobody above it: no hook at all
         session.outranked = True
-        _follow_outranked(phases)
-        _follow_outranked(phases)  # one hook, however often it is followed
+        follow_outranked(phases)
+        follow_outranked(phases)  # one hook, however often it is followed
         model(torch.zeros(1, 4))
         assert paced == ["pace"] * 3  # the Sequential and its two layers
         session.outranked = False
-        _follow_outranked(phases)
+        follow_outranked(phases)
         model(torch.zeros(1, 4))
         assert len(paced) == 3 and phases.forward_hook is None
         session.outranked = True
-        _follow_outranked(phases)
+        follow_outranked(phases)
     finally:
         remove_forward_boundaries(phases)  # the plugin's uninstall
     model(torch.zeros(1, 4))
