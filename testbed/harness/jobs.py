@@ -1,4 +1,4 @@
-"""Real `horovodrun` jobs on this machine, each in its own process group, with their logs and results."""
+"""Real `horovodrun` and `torchrun` jobs on this machine, each in its own process group, with their logs and results."""
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +19,7 @@ from testbed.workloads.stop_file import request_stop
 from .daemon import kill_group
 from .warm_horovodrun import WarmProcess, start_horovodrun
 
-__all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "rank_summaries", "with_import"]
+__all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "rank_summaries", "torchrun", "with_import"]
 
 WORKLOADS = CHECKOUT / "testbed" / "workloads"
 
@@ -27,7 +27,7 @@ WORKLOADS = CHECKOUT / "testbed" / "workloads"
 @dataclass
 class Job:
     name: str
-    proc: WarmProcess  # the launcher, `horovodrun` (testbed.harness.warm_horovodrun)
+    proc: WarmProcess | subprocess.Popen[bytes]  # the launcher: `horovodrun` (warm_horovodrun) or `torchrun`
     out: Path
     log: Path
     started: float = field(default_factory=time.monotonic)
@@ -99,6 +99,24 @@ def horovodrun(name: str, script: Path, tmp: Path, np: int = 2, args: tuple[str,
     cmd += [sys.executable, str(script), *(["--out", str(out)] if out_flag else []), *args,
             *(["--stop-file", str(stop)] if stop else [])]
     proc = start_horovodrun(cmd, env=full_env, log=log, cwd=cwd)
+    return Job(name, proc, out, log, stop_file=stop)
+
+
+def torchrun(name: str, script: Path, tmp: Path, nproc: int = 2, args: tuple[str, ...] | list[str] = (),
+             env: dict[str, str] | None = None, stoppable: bool = False,
+             launcher_args: tuple[str, ...] = ("--standalone",)) -> Job:
+    """Start `torchrun --nproc-per-node N` (standalone rendezvous by default) running `script` with `--out OUT`
+    and `args`, as `horovodrun` does for Horovod; Gloo is the workloads' backend."""
+    out = tmp / f"out_{name}"
+    log = tmp / f"{name}.log"
+    full_env = {**os.environ, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = checkout_on_path(full_env)
+    stop = tmp / f"stop_{name}" if stoppable else None
+    launcher = Path(sys.executable).parent / "torchrun"
+    cmd = [str(launcher), *launcher_args, "--nproc-per-node", str(nproc), str(script), "--out", str(out), *args,
+           *(["--stop-file", str(stop)] if stop else [])]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     return Job(name, proc, out, log, stop_file=stop)
 
 

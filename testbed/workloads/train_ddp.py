@@ -51,13 +51,25 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--fail-once-at", type=int, default=-1,
+                   help="rank 1 exits with 3 before this iteration in the first attempt (TORCHELASTIC_RESTART_COUNT "
+                        "0): torchrun --max-restarts then starts the workers again")
     p.add_argument("--no-destroy", action="store_true", help="leave the process group to the interpreter's exit")
     p.add_argument("--out", default="")
     p.add_argument("--stop-file", default="", help="stop early (`testbed.workloads.stop_file`)")
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    if args.fail_once_at >= 0:
+        # torch's agent keeps one store across restarts, and Gloo's keys in it carry no attempt: a restarted
+        # worker may read the failed attempt's addresses and never connect (1 run in 3 here, without
+        # Crossover). One prefix per attempt keeps them apart.
+        env = os.environ
+        agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False)
+        store = dist.PrefixStore(f"attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+        dist.init_process_group("gloo", store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     pixels, labels = load_digits()
@@ -87,6 +99,8 @@ def main() -> None:
 
     times, loss, it, epoch = [], torch.zeros(()), 0, 0
     ckpt = os.path.join(args.out or ".", f"ckpt_{os.getpid()}.pt")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     while it < args.iters:
         sampler.set_epoch(epoch)
         batches = iter(loader)
@@ -100,6 +114,8 @@ def main() -> None:
                     break
                 if rank == 0:
                     publish_progress(args.stop_file, it)
+            if it == args.fail_once_at and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os._exit(3)
             t0 = time.perf_counter()
             opt.zero_grad()
             for k, (x, y) in enumerate(chunk):
