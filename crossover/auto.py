@@ -47,8 +47,14 @@ def _hook_front_ends(settings: _PluginSettings) -> None:
 
         ddp_torch.install(settings, module)
 
+    def fsdp(module: _Any) -> None:
+        from crossover.plugins.hook import ddp_torch
+
+        ddp_torch.notice_fsdp(module)
+
     when_imported("horovod.torch", horovod)
     when_imported("torch.nn.parallel.distributed", ddp)
+    when_imported("torch.distributed.fsdp.fully_sharded_data_parallel", fsdp)
 
 
 def __getattr__(name: str) -> _Any:

@@ -107,14 +107,17 @@ _xo_opt.synchronize = _xo_sleep_sync
 """
 
 
-def _script(workdir: Path, host_wait: str) -> Path:
+def _script(workdir: Path, host_wait: str, framework: str = "horovod") -> Path:
+    """The workload with the import; Horovod's spinning wait is replaced where `host_wait` says (DDP's sleeps)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    return with_import(workdir, WORKLOAD, prelude=_POLL_SHIM if host_wait == "poll" else "")
+    poll = host_wait == "poll" and framework == "horovod"
+    return with_import(workdir, WORKLOAD, prelude=_POLL_SHIM if poll else "")
 
 
 def _job_cmd(script: Path, args: argparse.Namespace, batch: int, out: Path, seed: int,
              iters: int = 1_000_000, stop: Path | None = None) -> list[str]:
-    cmd = [sys.executable, str(script), "--iters", str(iters), "--batch", str(batch), "--width", str(args.width),
+    cmd = [sys.executable, str(script), "--framework", args.framework, "--iters", str(iters), "--batch", str(batch),
+           "--width", str(args.width),
            "--depth", str(args.depth), "--in-dim", str(args.in_dim), "--seed", str(seed), "--out", str(out)]
     if args.device_params is not None:
         cmd += ["--device-ms-per-sample", str(args.device_ms_per_sample)]
@@ -152,11 +155,11 @@ def _cluster_spec(rate: float, args: argparse.Namespace, nodes: int = 2) -> Clus
 
 def calibrate(rate: float, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One job alone for a few iterations: medians of its compute (grant→release) and comm phases."""
-    script = _script(workdir, args.host_wait)
+    script = _script(workdir, args.host_wait, args.framework)
     with Cluster(_cluster_spec(rate, args),
                  workdir=workdir / "cluster") as cluster:
         job = cluster.run(_job_cmd(script, args, batch, workdir / "out", 1000, iters=16), name="calibration",
-                          env=args.job_env)
+                          env=args.job_env, framework=args.framework)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"calibration failed:\n{job.output()[-3000:]}")
         events = [e for n in cluster.nodes for e in read_events(n.event_log)]
@@ -219,7 +222,8 @@ class _Visitors:
         for flag in ("go", "stop"):
             (d / flag).unlink(missing_ok=True)
         cmd = _job_cmd(self._script, self._args, self._batch, d / "out", 2000 + self._count, stop=d / "stop")
-        job = self._cluster.run(cmd + ["--go-file", str(d / "go")], name=name, env=self._args.job_env)
+        job = self._cluster.run(cmd + ["--go-file", str(d / "go")], name=name, env=self._args.job_env,
+                                framework=self._args.framework)
         return _Visitor(name, job, d)
 
     def arrive(self) -> _Visitor:
@@ -251,11 +255,11 @@ def run_solo(name: str, seed: int, rate: float, batch: int, args: argparse.Names
              nodes: Sequence[int] | None = None) -> dict[str, Any]:
     """One job alone on a fresh cluster (policy passthrough), on `nodes` (None: every node, a rank each): its
     iteration, compute and comm times."""
-    script = _script(workdir, args.host_wait)
+    script = _script(workdir, args.host_wait, args.framework)
     with Cluster(_cluster_spec(rate, args),
                  workdir=workdir / "cluster") as cluster:
         job = cluster.run(_job_cmd(script, args, batch, workdir / f"out_{name}", seed, iters=args.solo_iters),
-                          name=name, env=args.job_env, nodes=nodes)
+                          name=name, env=args.job_env, nodes=nodes, framework=args.framework)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"solo {name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_events(n.event_log) for n in cluster.nodes}
@@ -282,7 +286,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
     tightly interleaved, but leaves the paused job iterations behind, which a policy that
     orders by iteration count then pays back: an artifact, not the scenario.)
     """
-    script = _script(workdir, args.host_wait)
+    script = _script(workdir, args.host_wait, args.framework)
     stop = workdir / "stop"
     stop.unlink(missing_ok=True)  # left by an earlier run in the same --workdir, it would stop the jobs at once
     spec = _cluster_spec(rate, args, scn.nodes)
@@ -299,7 +303,7 @@ def run_scenario(scn: Scenario, rate: float, batch: int, args: argparse.Namespac
              for k in (range(scn.jobs) if mixed else [0])]
     with Cluster(spec, workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, batches[k], workdir / f"out_{n}", 1000 + k, stop=stop), name=n,
-                            nodes=scn.nodes_of(k), env=args.job_env)
+                            nodes=scn.nodes_of(k), env=args.job_env, framework=args.framework)
                 for k, n in enumerate(names)]
         admin = ClusterAdmin(cluster)
         visitors = _Visitors(cluster, script, args, batches[0], workdir) if scn.visitor else None
@@ -407,6 +411,9 @@ def main() -> int:
     p.add_argument("--mps", action="store_true",
                    help="device model: an MPS-like device, whose contexts share it without switching "
                         "(--switch-us 0); compute still slows beside an allreduce")
+    p.add_argument("--framework", choices=("horovod", "ddp"), default="horovod",
+                   help="the jobs' framework: Horovod (horovodrun's Gloo launcher) or PyTorch DDP (torchrun per "
+                        "node, Gloo); the same model, data and scenarios")
     p.add_argument("--device", choices=("core", "model"), default="core",
                    help="core: a node's device is a CPU core its ranks compute on; model: a GPU-like emulated "
                         "device per node (compute costs no CPU; see docs/emulated-cluster.md)")
@@ -542,7 +549,8 @@ def main() -> int:
         "benchmark": "crossover", "version": 2, "time": time.time(), "machine": machine(),
         "elapsed_s": time.monotonic() - t_start,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "device_params"},
-        "setup": {"host_wait": args.host_wait, "nice": args.nice, "host_cores": args.host_cores,
+        "setup": {"framework": args.framework, "host_wait": args.host_wait, "nice": args.nice,
+                  "host_cores": args.host_cores,
                   "device": args.device,
                   "device_model": None if args.device_params is None else {
                       "slice_us": args.device_params.slice_us, "switch_us": args.device_params.switch_us,

@@ -104,19 +104,23 @@ def _cli() -> Any:
     @click.option("-np", "--ranks-per-node", "rpn", type=click.IntRange(1), default=1, show_default=True,
                   help="Ranks of the job on each node.")
     @click.option("--job-name", default="job", show_default=True)
+    @click.option("--framework", type=click.Choice(["horovod", "ddp"]), default="horovod", show_default=True,
+                  help="ddp: COMMAND (python SCRIPT ARGS) runs as `torchrun SCRIPT ARGS` on every node, one "
+                       "static rendezvous on the first node.")
     @click.option("--verbose", is_flag=True)
     @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-    def run(cluster_ref: str | None, rpn: int, job_name: str, verbose: bool, command: tuple[str, ...],
-            **kw: Any) -> None:
-        """Run one Horovod job (COMMAND) across all nodes; its output is printed as it comes."""
+    def run(cluster_ref: str | None, rpn: int, job_name: str, framework: str, verbose: bool,
+            command: tuple[str, ...], **kw: Any) -> None:
+        """Run one Horovod or DDP job (COMMAND) across all nodes; its output is printed as it comes."""
         try:
             if cluster_ref:
                 state = ClusterState.load(cluster_ref)
                 code = _follow(launch_job(state, command, name=job_name, ranks_per_node=rpn, verbose=int(verbose),
-                                          nice=kw["nice"]))
+                                          nice=kw["nice"], framework=framework))
             else:
                 with Cluster(spec_from(**kw)) as cluster:
-                    code = _follow(cluster.run(command, name=job_name, ranks_per_node=rpn, verbose=int(verbose)))
+                    code = _follow(cluster.run(command, name=job_name, ranks_per_node=rpn, verbose=int(verbose),
+                                               framework=framework))
         except ClusterError as exc:
             raise _Fail(str(exc)) from None
         sys.exit(code)

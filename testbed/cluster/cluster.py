@@ -261,10 +261,10 @@ class Cluster:
 
     def run(self, command: Sequence[str], *, name: str, ranks_per_node: int = 1,
             nodes: Sequence[int] | None = None, env: Mapping[str, str] | None = None,
-            log: Path | None = None, verbose: int = 0) -> ClusterJob:
-        """Start one Horovod job across the cluster (see `launch_job`); it is stopped at teardown."""
+            log: Path | None = None, verbose: int = 0, framework: str = "horovod") -> ClusterJob:
+        """Start one job across the cluster (see `launch_job`); it is stopped at teardown."""
         job = launch_job(self._require(), command, name=name, ranks_per_node=ranks_per_node, nodes=nodes,
-                         env=env, log=log, verbose=verbose, nice=self.spec.nice)
+                         env=env, log=log, verbose=verbose, nice=self.spec.nice, framework=framework)
         self._jobs.append(job)
         return job
 

@@ -1,4 +1,4 @@
-"""Processes in the cluster's namespaces: one crossoverd per node, and Horovod jobs through the hub's launcher."""
+"""Processes in the cluster's namespaces: one crossoverd per node, and jobs (Horovod, torchrun) through the hub."""
 from __future__ import annotations
 
 import contextlib
@@ -115,7 +115,8 @@ def _daemon_answers(socket_path: str, timeout: float = 2.0) -> bool:
 
 @dataclass
 class ClusterJob:
-    """One Horovod job across the cluster: its launcher process (Horovod's Gloo runner in the hub namespace)."""
+    """One job across the cluster: its launcher process in the hub namespace (Horovod's Gloo runner, or one
+    `torchrun` per node for a DDP job)."""
 
     name: str
     proc: subprocess.Popen
@@ -153,12 +154,17 @@ class ClusterJob:
 
 def launch_job(state: ClusterState, command: Sequence[str], *, name: str, ranks_per_node: int = 1,
                nodes: Sequence[int] | None = None, env: Mapping[str, str] | None = None,
-               log: Path | None = None, verbose: int = 0, nice: int = 0) -> ClusterJob:
-    """Start `command` as one Horovod job with `ranks_per_node` ranks on each of `nodes` (default: all).
+               log: Path | None = None, verbose: int = 0, nice: int = 0, framework: str = "horovod") -> ClusterJob:
+    """Start `command` as one job with `ranks_per_node` ranks on each of `nodes` (default: all).
 
-    Ranks are numbered node by node (ranks 0..k-1 on the first node), as `horovodrun -H` does.
-    Each rank gets `CROSSOVER_SOCKET` of its node's daemon and `CROSSOVER_JOB_NAME=name`.
+    Ranks are numbered node by node (ranks 0..k-1 on the first node), as `horovodrun -H` and torchrun's
+    node ranks do. Each rank gets `CROSSOVER_SOCKET` of its node's daemon and `CROSSOVER_JOB_NAME=name`.
+    `framework` "horovod" runs `command` under Horovod's Gloo launcher; "ddp" runs `command` (`python
+    script args...`) as `torchrun script args...` on every node, with a static rendezvous on the first
+    node's address and Gloo on the cluster's interface.
     """
+    if framework not in ("horovod", "ddp"):
+        raise ClusterError(f"framework {framework!r} is not horovod or ddp")
     if not command:
         raise ClusterError("no command to run")
     if ranks_per_node < 1:
@@ -178,6 +184,8 @@ def launch_job(state: ClusterState, command: Sequence[str], *, name: str, ranks_
         "iface": IFACE,
         "verbose": verbose,
         "nice": nice,
+        "framework": framework,
+        "master": f"{chosen[0].address}:{_free_port()}",
         "nodes": {n.hostname: {"netns": n.netns, "env": {"CROSSOVER_SOCKET": n.socket, "CROSSOVER_NODE": n.name,
                                                          **({SOCKET_ENV: n.device_socket} if n.device_socket else {})}}
                   for n in chosen},
@@ -195,13 +203,67 @@ def launch_job(state: ClusterState, command: Sequence[str], *, name: str, ranks_
     return ClusterJob(name, proc, log, np)
 
 
+def _free_port() -> int:
+    """A port for a DDP job's rendezvous: free on this machine's loopback now, so unlikely to be taken in a node."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def launch_in_hub(spec_path: str) -> int:
-    """Runs inside the hub namespace: Horovod's Gloo launcher with an `ip netns exec` per slot."""
+    """Runs inside the hub namespace: the job's launcher, with an `ip netns exec` per node or slot."""
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("framework") == "ddp":
+        return _torchrun_per_node(spec)
+    return _horovod_gloo(spec)
+
+
+def _torchrun_per_node(spec: dict[str, Any]) -> int:
+    """One `torchrun` per node in its namespace, all with one static rendezvous; the first to fail ends the rest."""
+    nodes: dict[str, dict[str, Any]] = spec["nodes"]
+    hosts = [h.split(":")[0] for h in spec["hosts"].split(",")]
+    per_node = int(spec["hosts"].split(",")[0].split(":")[1])
+    addr, port = spec["master"].rsplit(":", 1)
+    python, *script_args = spec["command"]
+    torchrun = str(Path(python).parent / "torchrun")
+    ip = shutil.which("ip") or "ip"
+    procs = []
+    for index, host in enumerate(hosts):
+        node = nodes[host]
+        env = {**os.environ, **node["env"], "GLOO_SOCKET_IFNAME": spec["iface"]}
+        niced = ["nice", "-n", str(int(spec.get("nice", 0)))] if spec.get("nice") else []
+        argv = [ip, "netns", "exec", node["netns"], *niced, torchrun, "--nnodes", str(len(hosts)), "--node-rank",
+                str(index), "--master-addr", addr, "--master-port", port, "--nproc-per-node", str(per_node),
+                *script_args]
+        if spec.get("verbose"):
+            print(" ".join(shlex.quote(a) for a in argv), flush=True)
+        procs.append(subprocess.Popen(argv, env=env))  # in the launcher's group: `ClusterJob.stop` reaches them
+
+    def forward(signum: int, _frame: Any) -> None:  # torchrun passes it on to its workers
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    code = 0
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and not code:
+            code = failed[0]
+            print(f"a node's torchrun exited with {code}; stopping the others", flush=True)
+            forward(signal.SIGTERM, None)
+        time.sleep(0.1)
+    return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _horovod_gloo(spec: dict[str, Any]) -> int:
+    """Horovod's Gloo launcher with an `ip netns exec` per slot."""
     from horovod.runner.common.util import safe_shell_exec
     from horovod.runner.common.util.settings import Settings
     from horovod.runner.gloo_run import launch_gloo
 
-    spec = json.loads(Path(spec_path).read_text())
     nodes: dict[str, dict[str, Any]] = spec["nodes"]
     settings = Settings(hosts=spec["hosts"], num_proc=spec["np"], verbose=spec["verbose"], nics={spec["iface"]},
                         output_filename=None, elastic=False, prefix_output_with_timestamp=False)

@@ -29,12 +29,15 @@ def write_rank_summary(out: str | None, rank: int, summary: dict[str, Any]) -> N
 
 
 def timed_summary(network: torch.nn.Module, batch: int, starts: list[float], ends: list[float], losses: list[float],
-                  **extra: Any) -> dict[str, Any]:
+                  rank: int | None = None, size: int | None = None, **extra: Any) -> dict[str, Any]:
     """A benchmark rank's summary: who it was, its network's size, and when each iteration began and ended
-    (`time.monotonic()`, the daemons' clock), with `extra` fields of the workload's own."""
-    import horovod.torch as hvd
+    (`time.monotonic()`, the daemons' clock), with `extra` fields of the workload's own. `rank` and `size` are
+    Horovod's unless given (a DDP rank gives its process group's)."""
+    if rank is None or size is None:
+        import horovod.torch as hvd
 
-    return {"rank": hvd.rank(), "size": hvd.size(), "batch": batch, "pid": os.getpid(), **extra,
+        rank, size = hvd.rank(), hvd.size()
+    return {"rank": rank, "size": size, "batch": batch, "pid": os.getpid(), **extra,
             "params": sum(p.numel() for p in network.parameters()),
             "iter_start": starts, "iter_end": ends, "losses": losses,
             "job_name": os.environ.get("CROSSOVER_JOB_NAME", "")}

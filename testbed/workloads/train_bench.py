@@ -1,4 +1,4 @@
-"""A data-parallel Horovod PyTorch classifier for benchmarks (no Crossover import).
+"""A data-parallel PyTorch classifier for benchmarks, under Horovod or DDP (no Crossover import).
 
 An MLP (input -> depth x width -> classes, ReLU) trained with SGD + momentum on a
 fixed synthetic classification set: inputs drawn once from a seeded Gaussian,
@@ -22,14 +22,20 @@ place a job's comm:compute ratio.
 Each rank writes a JSON summary to --out: per-iteration start/end on
 time.monotonic() (the clock the daemons' event logs use, shared by every
 network namespace on the machine), losses, and the model's parameter count.
+
+`--framework ddp` trains the same model on the same data with `DistributedDataParallel`
+over Gloo, started by `torchrun` (`testbed.cluster`'s launcher starts one per node);
+ranks that stop at different iterations are evened out by DDP's `Join`, as Horovod's
+by `hvd.join()`. Its allreduce runs inside the backward, so the device model hears of it
+from a callback at the backward's last node until the backward returns.
 """
 import argparse
+import contextlib
 import os
 import sys
 import threading
 import time
 
-import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
@@ -46,6 +52,84 @@ def build(in_dim: int, width: int, depth: int, classes: int) -> nn.Module:
         d = width
     layers.append(nn.Linear(d, classes))
     return nn.Sequential(*layers)
+
+
+class _Horovod:
+    """The Horovod side of the workload: init, the optimizer, the allreduce's end, the uneven end."""
+
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        hvd.init()
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def wrap(self, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.hvd.broadcast_optimizer_state(opt, root_rank=0)
+        return model, self.hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+    def comm_begins(self, opt, device: DeviceClient) -> None:
+        device.comm(True)
+        threading.Thread(target=_comm_done_when_allreduced, args=(opt, device), daemon=True).start()
+
+    def comm_ends(self, device: DeviceClient) -> None:
+        pass
+
+    def uneven(self, model: nn.Module):
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        self.hvd.join()  # with --stop-file the ranks may have done different numbers of steps
+        self.hvd.shutdown()
+
+
+class _DDP:
+    """The DDP side: a Gloo process group from torchrun's variables, DDP's allreduce inside the backward."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        dist.init_process_group("gloo")
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def wrap(self, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model), opt  # DDP broadcasts rank 0's parameters as it is built
+
+    def comm_begins(self, opt, device: DeviceClient) -> None:
+        pass  # told from the backward (`device_hears_of_allreduce`)
+
+    def comm_ends(self, device: DeviceClient) -> None:
+        device.comm(False)  # the backward has returned: DDP has waited for every bucket
+
+    def uneven(self, model: nn.Module):
+        from torch.distributed.algorithms.join import Join
+
+        return Join([model])
+
+    def finish(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def device_hears_of_allreduce(model: nn.Module, device: DeviceClient) -> None:
+    """DDP: once a backward has run every node, its buckets' allreduces are in flight; tell the device then."""
+    from torch.autograd import Variable
+
+    def arm(_module, _args, output) -> None:
+        if torch.is_grad_enabled() and output.grad_fn is not None:
+            fired = []
+
+            def first(_grads):
+                if not fired:
+                    fired.append(1)
+                    Variable._execution_engine.queue_callback(lambda: device.comm(True))
+
+            output.grad_fn.register_prehook(first)
+
+    model.register_forward_hook(arm)
 
 
 def _comm_done_when_allreduced(opt, device: DeviceClient) -> None:
@@ -65,6 +149,8 @@ def _comm_done_when_allreduced(opt, device: DeviceClient) -> None:
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--framework", choices=("horovod", "ddp"), default="horovod",
+                   help="ddp: DistributedDataParallel over Gloo, started by torchrun")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--batch", type=int, default=256, help="per-rank mini-batch")
     p.add_argument("--width", type=int, default=1024)
@@ -103,17 +189,16 @@ def main():
     torch.set_num_threads(args.threads)
     while args.go_file and not os.path.exists(args.go_file):
         time.sleep(0.02)
-    hvd.init()
+    ranks = _DDP() if args.framework == "ddp" else _Horovod()
     torch.manual_seed(args.seed)
-    model = build(args.in_dim, args.width, args.depth, args.classes)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    network = build(args.in_dim, args.width, args.depth, args.classes)
+    model, opt = ranks.wrap(network, torch.optim.SGD(network.parameters(), lr=0.01 * ranks.size, momentum=0.9))
+    if device is not None and args.framework == "ddp":
+        device_hears_of_allreduce(model, device)
 
     # The data set: the same teacher everywhere, a different shard per rank.
     teacher = build(args.in_dim, 64, 1, args.classes)
-    gen = torch.Generator().manual_seed(args.seed + 1 + hvd.rank())
+    gen = torch.Generator().manual_seed(args.seed + 1 + ranks.rank)
     with torch.no_grad():
         for t in teacher.parameters():
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(7)))
@@ -122,39 +207,40 @@ def main():
 
     work = args.batch * args.device_ms_per_sample / 1000  # an iteration's device work, the same in each
     if device is not None and args.device_in_backward:  # a share before each parameter's gradient
-        params = list(model.parameters())
+        params = list(network.parameters())
         for p_ in params:
             p_.register_hook(lambda g, share=work / len(params): device.compute(share))
 
     starts, ends, losses = [], [], []
     n_batches = max(1, args.samples // args.batch)
-    for i in range(args.iters):
-        if args.stop_file and os.path.exists(args.stop_file):
-            break
-        t0 = time.monotonic()
-        b = i % n_batches
-        rows = args.batch if device is None else min(args.batch, args.real_batch)
-        x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
-        opt.zero_grad()
-        if device is not None and args.queue_device_work:
-            device.submit(work)
-        elif device is not None and not args.device_in_backward:
-            device.compute(work)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        if device is not None:
-            if args.queue_device_work:
-                device.sync()
-            device.comm(True)
-            threading.Thread(target=_comm_done_when_allreduced, args=(opt, device), daemon=True).start()
-        opt.step()
-        ends.append(time.monotonic())
-        starts.append(t0)
-        losses.append(float(loss.detach()))
+    with ranks.uneven(model):
+        for i in range(args.iters):
+            if args.stop_file and os.path.exists(args.stop_file):
+                break
+            t0 = time.monotonic()
+            b = i % n_batches
+            rows = args.batch if device is None else min(args.batch, args.real_batch)
+            x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
+            opt.zero_grad()
+            if device is not None and args.queue_device_work:
+                device.submit(work)
+            elif device is not None and not args.device_in_backward:
+                device.compute(work)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if device is not None:
+                if args.queue_device_work:
+                    device.sync()
+                ranks.comm_begins(opt, device)
+                ranks.comm_ends(device)
+            opt.step()
+            ends.append(time.monotonic())
+            starts.append(t0)
+            losses.append(float(loss.detach()))
 
-    hvd.join()  # with --stop-file the ranks may have done different numbers of steps
-    write_rank_summary(args.out, hvd.rank(), timed_summary(model, args.batch, starts, ends, losses))
-    hvd.shutdown()
+    write_rank_summary(args.out, ranks.rank, timed_summary(network, args.batch, starts, ends, losses,
+                                                           rank=ranks.rank, size=ranks.size))
+    ranks.finish()
 
 
 if __name__ == "__main__":

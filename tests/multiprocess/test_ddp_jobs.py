@@ -110,3 +110,16 @@ def test_an_elastic_restart_re_attaches_as_the_same_job(daemon_factory, jobs, tm
     registers = [e for e in d.events() if e.name == "register"]
     assert len(registers) == 4, "two ranks, registered twice: before the failure and after the restart"
     assert len({e.job for e in registers}) == 1, "the restarted workers joined as another job"
+
+
+def test_fsdp_trains_unchanged_and_unscheduled_with_one_line(daemon_factory, jobs, tmp_path):
+    d = daemon_factory("--cpu-devices", "1")
+    jobs.append(torchrun("plain", WORKLOADS / "train_fsdp.py", tmp_path))
+    jobs.append(torchrun("fsdp", with_import(tmp_path, "train_fsdp.py"), tmp_path,
+                         env={"CROSSOVER_SOCKET": str(d.socket)}))
+    for job in jobs:
+        assert job.wait(200) == 0, job.output()[-3000:]
+    plain, hooked = ([s["digest"] for s in job.summaries()] for job in jobs)
+    assert len(plain) == 2 and plain == hooked
+    assert jobs[1].output().count("crossover does not track FSDP's phases") == 2  # one line per rank
+    assert not [e for e in d.events() if e.name == "register"]

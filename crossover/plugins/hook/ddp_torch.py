@@ -48,7 +48,7 @@ from crossover.plugins.hook.settings import PluginSettings
 from crossover.plugins.hook.torchrun_identity import job_id_from_env, place_from_env
 from crossover.protos.identity import RankIdentity
 
-__all__ = ["install", "uninstall"]
+__all__ = ["install", "notice_fsdp", "uninstall"]
 
 _log = logging.getLogger(__name__)
 
@@ -88,6 +88,30 @@ def install(settings: PluginSettings, ddp_module: Any = None) -> bool:
     torch_collectives.install()
     atexit.register(_destroy_process_group)
     return True
+
+
+def notice_fsdp(fsdp_module: Any) -> None:
+    """FSDP's ranks are not tracked (their phases interleave per shard): say so once, when one is built.
+
+    The job trains unchanged and unscheduled: no session is opened for it, and its
+    collectives pass through `torch_collectives` untouched.
+    """
+    fsdp = getattr(fsdp_module, "FullyShardedDataParallel", None)
+    if fsdp is None or hasattr(fsdp.__init__, "_crossover_noticed"):
+        return
+    original = fsdp.__init__
+    told: list[bool] = []
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if not told and RUNTIME.session is None:
+            told.append(True)
+            _log.warning("FullyShardedDataParallel: crossover does not track FSDP's phases; this job trains "
+                         "unscheduled beside the device's other jobs")
+
+    __init__._crossover_noticed = True  # type: ignore[attr-defined]
+    setattr(fsdp, "__init__", __init__)  # noqa: B010 - the class is torch's
 
 
 def uninstall() -> None:
