@@ -1,8 +1,8 @@
-"""Plugin overhead: one job (2 ranks by default), plain Horovod vs. the plugin under passthrough and exclusive.
+"""Plugin overhead: one job (2 ranks by default), plain Horovod or DDP vs. the plugin under passthrough, exclusive.
 
 Variants run interleaved, round after round and in a rotated order, so
 machine noise and order effects hit all of them alike; the table reports the median over rounds of each variant's mean
-iteration time, the overhead relative to plain Horovod measured in the same
+iteration time, the overhead relative to the plain framework measured in the same
 round, the acquire time (what a rank spends in `acquire` with nobody
 contending, measured inside the ranks: under a lease no round trip, with
 `--no-lease` the grant round trip), how many acquires ran under a lease,
@@ -14,6 +14,7 @@ the cost the node pays, less noisy than wall time on a saturated machine).
                              [--out results/overhead.json]
     python -m bench.overhead --hook-cost    # 1 rank, 160 parameter tensors, almost no compute
     python -m bench.overhead --hook-cost --daemon-cpus 1    # crossoverd on CPU 1, the job on the others
+    python -m bench.overhead --hook-cost --framework ddp    # the same for a DDP job under torchrun (Gloo)
 
 `--hook-cost` measures what the plugin adds per iteration where it shows most:
 one rank (nothing to wait for), an MLP of 79 hidden layers of width 16 (160
@@ -38,7 +39,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.lib.jobs import WORKLOAD, finish_job, start_job
+from bench.lib.jobs import WORKLOAD_OF, finish_job, start_job
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
 from crossover.plugins.hook.settings import SettingError, parse_cpu_list
@@ -56,10 +57,11 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
     job_args = ["--iters", str(args.iters), "--width", str(args.width), "--batch", str(args.batch),
                 "--depth", str(args.depth)]
     if args.metric:
-        job_args.append("--metric")
+        job_args += ["--pattern", "metric"] if args.framework == "ddp" else ["--metric"]
     name = f"{variant}{rnd}"
+    workload = WORKLOAD_OF[args.framework]
     if variant == "plain":
-        proc, out = start_job(name, WORKLOAD, workdir, args.np, job_args, {})
+        proc, out = start_job(name, workload, workdir, args.np, job_args, {}, args.framework)
         ranks = finish_job(proc, out)
         waits: list[float] = []
         leased = acquires = 0
@@ -72,10 +74,10 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
                                name=name, nice=args.daemon_nice, cpus=args.daemon_cpus) as d:
             before = psutil.Process(d.pid).cpu_times()  # the daemon's own start-up is not the job's cost
             stats = workdir / f"{name}.stats.{{rank}}.json"
-            # CROSSOVER_PIN=0: plain Horovod is not pinned either, so only the hook and RPC cost differ.
-            proc, out = start_job(name, with_import(workdir, WORKLOAD), workdir, args.np, job_args,
+            # CROSSOVER_PIN=0: the plain job is not pinned either, so only the hook and RPC cost differ.
+            proc, out = start_job(name, with_import(workdir, workload), workdir, args.np, job_args,
                                   {"CROSSOVER_SOCKET": str(d.socket), "CROSSOVER_STATS_FILE": str(stats),
-                                   "CROSSOVER_PIN": "0", **transport})
+                                   "CROSSOVER_PIN": "0", **transport}, args.framework)
             ranks = finish_job(proc, out)
             cpu = psutil.Process(d.pid).cpu_times()
             daemon_cpu_s = cpu.user + cpu.system - before.user - before.system
@@ -97,7 +99,7 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
 
 
 def calibrate(workdir: Path, args: argparse.Namespace, progress: Progress) -> int:
-    """The batch at which plain Horovod's iteration takes about ``--target-ms`` on this machine (time ∝ batch)."""
+    """The batch at which the plain job's iteration takes about ``--target-ms`` on this machine (time ∝ batch)."""
     task = progress.add_task(f"calibrating the batch for {args.target_ms:.0f} ms", total=2)
     batch = 192
     for attempt in range(2):
@@ -122,6 +124,9 @@ def _cpu_list(text: str) -> frozenset[int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--framework", choices=("horovod", "ddp"), default="horovod",
+                   help="the job: a Horovod MLP under horovodrun, or the same MLP under DDP and torchrun (Gloo, "
+                        "the digits); each against its own framework without the plugin")
     p.add_argument("--np", type=int, default=2,
                    help="ranks of the job; on a 2-core machine 2 ranks fill every core, so the daemon's and the "
                         "RPC threads' CPU preempts a rank and stalls both (1 rank leaves them a core)")
@@ -140,7 +145,7 @@ def main() -> None:
                         "--iters or --rounds say otherwise): the "
                         "per-iteration cost of the hooks and the grant path, against the targets")
     p.add_argument("--batch", type=int, default=0,
-                   help="per-rank batch; 0 (default): calibrated so plain Horovod takes --target-ms per iteration")
+                   help="per-rank batch; 0 (default): calibrated so the plain job takes --target-ms per iteration")
     p.add_argument("--target-ms", type=float, default=50.0, help="iteration time the calibration aims at")
     p.add_argument("--daemon-nice", type=int, default=0,
                    help="run crossoverd at this nice value (negative: ahead of the ranks when it wakes; needs root)")
@@ -193,7 +198,8 @@ def main() -> None:
                       "daemon_cpu_ms_per_rank_iter": statistics.median(
                           r[v]["daemon_cpu_ms_per_rank_iter"] for r in rounds)}
 
-    t = Table(title=f"plugin overhead: 1 job x {args.np} ranks, batch {args.batch}, {2 * (args.depth + 1)} parameter "
+    t = Table(title=f"plugin overhead: 1 {args.framework} job x {args.np} ranks, batch {args.batch}, "
+                    f"{2 * (args.depth + 1)} parameter "
                     f"tensors, {args.rounds} interleaved rounds, {args.iters} iters")
     for c in ("variant", "iter ms (median)", "overhead vs plain", "per round", "added ms", "target", "acquire p50 ms",
               "p99 ms",
@@ -211,7 +217,8 @@ def main() -> None:
                   "-" if v == "plain" else f"{s['daemon_cpu_ms_per_rank_iter']:.3f}")
     Console(width=None if sys.stdout.isatty() else 160).print(t)
     per_round = [{v: {k: x for k, x in r[v].items() if k != "grant_waits_s"} for v in r} for r in rounds]
-    write_json(args.out, {"benchmark": "overhead", "time": time.time(), "machine": machine(),
+    write_json(args.out, {"benchmark": "overhead", "framework": args.framework, "time": time.time(),
+                          "machine": machine(),
                           "args": {**vars(args), "out": str(args.out), "daemon_cpus": sorted(args.daemon_cpus)},
                           "summary": summary, "rounds": per_round})
     print(f"wrote {args.out}")

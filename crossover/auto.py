@@ -54,7 +54,7 @@ def _hook_front_ends(settings: _PluginSettings) -> None:
 
     when_imported("horovod.torch", horovod)
     when_imported("torch.nn.parallel.distributed", ddp)
-    when_imported("torch.distributed.fsdp.fully_sharded_data_parallel", fsdp)
+    when_imported("torch.distributed.fsdp", fsdp)
 
 
 def __getattr__(name: str) -> _Any:

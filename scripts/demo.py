@@ -1,9 +1,10 @@
-"""`make demo`: two co-located Horovod jobs on a two-node emulated cluster, unscheduled and then scheduled.
+"""`make demo`: two co-located training jobs on a two-node emulated cluster, unscheduled and then scheduled.
 
 Two nodes are network namespaces with shaped links, each with its own crossoverd
 managing one CPU core as the node's device. Two identical jobs, each a real
-`horovodrun` job with `import crossover.auto` as its first line and one rank per
-node, train side by side. They are measured the way the benchmark measures them
+`horovodrun` job (or, with `--framework ddp`, a DDP job started by one `torchrun` per
+node) with `import crossover.auto` as its first line and one rank per node, train side
+by side. They are measured the way the benchmark measures them
 (`python -m bench.emulated --quick`): the jobs start once and the daemons switch
 policy every few seconds, so unscheduled (`passthrough`) and scheduled
 (`crossover`, and the other policies) segments interleave and see the same machine.
@@ -52,6 +53,8 @@ def main() -> int:
     p.add_argument("--device", choices=("core", "model"), default="core",
                    help="core: a CPU core is each node's device; model: a GPU-like emulated device "
                         "(docs/emulated-cluster.md)")
+    p.add_argument("--framework", choices=("horovod", "ddp"), default="horovod",
+                   help="horovod: horovodrun jobs; ddp: DistributedDataParallel jobs under torchrun (Gloo)")
     args = p.parse_args()
     reasons = preflight()
     if reasons:
@@ -59,9 +62,11 @@ def main() -> int:
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     work, result = args.out / "work", args.out / "emulated.json"
-    console.rule("[bold]Crossover demo[/]: two co-located jobs on two emulated nodes")
+    console.rule(f"[bold]Crossover demo[/]: two co-located {'DDP' if args.framework == 'ddp' else 'Horovod'} jobs on "
+                 "two emulated nodes")
     bench = [sys.executable, "-m", "bench.emulated", "--quick", "--cycles", str(args.cycles), "--out", str(result),
-             "--timeline", str(args.out / "bench_timeline.png"), "--workdir", str(work), "--device", args.device]
+             "--timeline", str(args.out / "bench_timeline.png"), "--workdir", str(work), "--device", args.device,
+             "--framework", args.framework]
     console.print("$ python " + " ".join(bench[1:]))
     if subprocess.run(bench, cwd=ROOT).returncode != 0:
         console.print(f"[red]the run failed; logs are under {work}[/]")

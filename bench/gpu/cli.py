@@ -230,9 +230,10 @@ def judge_release(launched: list[float], releases: list[float], sleep_s: float) 
 
 def _job_cmd(script: Path, args: argparse.Namespace, out: Path, seed: int, peer_ms: float, iters: int,
              stop: Path | None = None) -> list[str]:
-    cmd = [sys.executable, str(script), "--model", args.model, "--batch", str(args.batch), "--image-size",
-           str(args.image_size), "--classes", str(args.classes), "--iters", str(iters), "--seed", str(seed),
-           "--peer-node", "node1", "--peer-compute-ms", f"{peer_ms:.2f}", "--out", str(out)]
+    cmd = [sys.executable, str(script), "--framework", args.framework, "--model", args.model,
+           "--batch", str(args.batch), "--image-size", str(args.image_size), "--classes", str(args.classes),
+           "--iters", str(iters), "--seed", str(seed), "--peer-node", "node1",
+           "--peer-compute-ms", f"{peer_ms:.2f}", "--out", str(out)]
     if args.dry_run:
         cmd.append("--cpu")
     return cmd + (["--stop-file", str(stop)] if stop else [])
@@ -252,7 +253,7 @@ def run_solo(name: str, args: argparse.Namespace, rate: float, peer_ms: float, i
     script = with_import(workdir, WORKLOADS / "train_gpu.py")
     with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
         job = cluster.run(_job_cmd(script, args, workdir / f"out_{name}", 1000, peer_ms, iters), name=name,
-                          env=args.job_env)
+                          env=args.job_env, framework=args.framework)
         if job.wait(args.job_timeout) != 0:
             raise RuntimeError(f"{name} failed:\n{job.output()[-3000:]}")
         events = {n.name: read_events(n.event_log) for n in cluster.nodes}
@@ -289,7 +290,7 @@ def _speedup(args: argparse.Namespace, workdir: Path, deadline: float) -> dict[s
     segments: list[dict[str, Any]] = []
     with Cluster(_spec(args, rate), workdir=workdir / "cluster") as cluster:
         jobs = [cluster.run(_job_cmd(script, args, workdir / f"out_{n}", 1000 + k, peer_ms, 1_000_000, stop),
-                            name=n, env=args.job_env) for k, n in enumerate(names)]
+                            name=n, env=args.job_env, framework=args.framework) for k, n in enumerate(names)]
         admin = ClusterAdmin(cluster)
         seg_s = args.settle_s + args.segment_s
         modes = ((PRIORITY_MODES + (("classes-adaptive",) if args.adaptive else ())) if args.priority
@@ -384,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same steps on the CPU: node 0 is a core, a small model on small images (CI)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "results/gpu"),
                    help="folder for gpu.json and gpu_timeline.png (default $OUT, else results/gpu)")
+    p.add_argument("--framework", choices=("horovod", "ddp"), default="horovod",
+                   help="the speed-up check's jobs: Horovod, or DDP under torchrun (Gloo: NCCL cannot pair the GPU "
+                        "rank with its CPU stand-in on the other node)")
     p.add_argument("--model", default=None, help="torchvision model (default resnet18)")
     p.add_argument("--batch", type=int, default=None, help="per-rank batch (default 128; dry run 8)")
     p.add_argument("--image-size", type=int, default=None, help="default 224; dry run 32")

@@ -108,7 +108,7 @@ class _DDP:
     def uneven(self, model: nn.Module):
         from torch.distributed.algorithms.join import Join
 
-        return Join([model])
+        return Join([model])  # type: ignore[list-item]  # a DistributedDataParallel is Joinable
 
     def finish(self) -> None:
         self.dist.destroy_process_group()
@@ -120,7 +120,7 @@ def device_hears_of_allreduce(model: nn.Module, device: DeviceClient) -> None:
 
     def arm(_module, _args, output) -> None:
         if torch.is_grad_enabled() and output.grad_fn is not None:
-            fired = []
+            fired: list[int] = []
 
             def first(_grads):
                 if not fired:

@@ -41,7 +41,12 @@ from typing import Any
 
 from crossover.plugins.hook import torch_collectives
 from crossover.plugins.hook.phase_reporter import PhaseReporter, guarded
-from crossover.plugins.hook.phase_tracking import follow_outranked, pace_on_gpu, use_cuda_turns
+from crossover.plugins.hook.phase_tracking import (
+    follow_outranked,
+    pace_on_gpu,
+    remove_forward_boundaries,
+    use_cuda_turns,
+)
 from crossover.plugins.hook.rank_session import open_session
 from crossover.plugins.hook.runtime import RUNTIME
 from crossover.plugins.hook.settings import PluginSettings
@@ -90,28 +95,42 @@ def install(settings: PluginSettings, ddp_module: Any = None) -> bool:
     return True
 
 
-def notice_fsdp(fsdp_module: Any) -> None:
+def notice_fsdp(fsdp_package: Any) -> None:
     """FSDP's ranks are not tracked (their phases interleave per shard): say so once, when one is built.
 
-    The job trains unchanged and unscheduled: no session is opened for it, and its
-    collectives pass through `torch_collectives` untouched.
+    Both of torch's FSDPs: the `FullyShardedDataParallel` module and `fully_shard` (FSDP2),
+    as `torch.distributed.fsdp` exports them. The job trains unchanged and unscheduled: no
+    session is opened for it, and its collectives pass through `torch_collectives` untouched.
     """
-    fsdp = getattr(fsdp_module, "FullyShardedDataParallel", None)
-    if fsdp is None or hasattr(fsdp.__init__, "_crossover_noticed"):
-        return
-    original = fsdp.__init__
     told: list[bool] = []
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+    def tell() -> None:
         if not told and RUNTIME.session is None:
             told.append(True)
-            _log.warning("FullyShardedDataParallel: crossover does not track FSDP's phases; this job trains "
-                         "unscheduled beside the device's other jobs")
+            _log.warning("FSDP: crossover does not track FSDP's phases; this job trains unscheduled beside the "
+                         "device's other jobs")
 
-    __init__._crossover_noticed = True  # type: ignore[attr-defined]
-    setattr(fsdp, "__init__", __init__)  # noqa: B010 - the class is torch's
+    fsdp = getattr(fsdp_package, "FullyShardedDataParallel", None)
+    if fsdp is not None and not hasattr(fsdp.__init__, "_crossover_noticed"):
+        original_init = fsdp.__init__
+
+        @functools.wraps(original_init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original_init(self, *args, **kwargs)
+            tell()
+
+        __init__._crossover_noticed = True  # type: ignore[attr-defined]
+        setattr(fsdp, "__init__", __init__)  # noqa: B010 - the class is torch's
+    shard = getattr(fsdp_package, "fully_shard", None)
+    if shard is not None and not hasattr(shard, "_crossover_noticed"):
+        @functools.wraps(shard)
+        def fully_shard(*args: Any, **kwargs: Any) -> Any:
+            result = shard(*args, **kwargs)
+            tell()
+            return result
+
+        fully_shard._crossover_noticed = True  # type: ignore[attr-defined]
+        fsdp_package.fully_shard = fully_shard
 
 
 def uninstall() -> None:
@@ -123,6 +142,8 @@ def uninstall() -> None:
         setattr(DistributedDataParallel, "__init__", _original_init)  # noqa: B010
         _original_init = None
     torch_collectives.uninstall()
+    if RUNTIME.phases is not None:
+        remove_forward_boundaries(RUNTIME.phases)
     if _step_hook is not None:
         _step_hook.remove()
         _step_hook = None
@@ -158,16 +179,24 @@ def _ensure_phases(ddp: Any) -> PhaseReporter:
 
 
 def _identity(ddp: Any, settings: PluginSettings) -> RankIdentity:
+    """The rank in the DDP module's own process group. A group smaller than the world (data parallelism
+    beside another kind) is a job of its own: its id is the launch's, qualified by the group's first rank."""
     import torch.distributed as dist
 
     group = getattr(ddp, "process_group", None)
-    place = place_from_env(os.environ, rank=dist.get_rank(), world_size=dist.get_world_size(group))
+    place = place_from_env(os.environ, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+    job_id = job_id_from_env(os.environ) or _agree_job_id(dist.get_rank())
+    local_rank, local_size = place.local_rank, place.local_size
+    if place.world_size != dist.get_world_size():
+        first = min(dist.get_process_group_ranks(group))
+        job_id = uuid.uuid5(uuid.NAMESPACE_URL, f"ddp-group://{job_id}/{first}").hex
+        local_size = min(local_size, place.world_size)
+        local_rank = local_rank % local_size
     device = settings.device
     if device < 0 and _on_cuda(ddp):
         device = int(next(p for p in ddp.module.parameters() if p.is_cuda).device.index or 0)
-    return RankIdentity(job_id=job_id_from_env(os.environ) or _agree_job_id(place.rank),
-                        job_name=settings.job_name, rank=place.rank, local_rank=place.local_rank,
-                        world_size=place.world_size, local_size=place.local_size, device=device, framework="ddp")
+    return RankIdentity(job_id=job_id, job_name=settings.job_name, rank=place.rank, local_rank=local_rank,
+                        world_size=place.world_size, local_size=local_size, device=device, framework="ddp")
 
 
 def _agree_job_id(rank: int) -> str:
@@ -196,12 +225,25 @@ class _Tracker:
         self.phases = phases
         self.grad_hooks: list[Any] = []  # one per parameter, only while outranked
         self.cuda = _on_cuda(ddp)
+        self.warned = False  # about an output without tensors to follow
 
     def attach(self) -> None:
         import torch
 
         self.ddp.register_forward_pre_hook(torch.compiler.disable(self.before_forward))
         self.ddp.register_forward_hook(torch.compiler.disable(self.after_forward))
+        broadcast = self.ddp._distributed_broadcast_coalesced
+        self.ddp._distributed_broadcast_coalesced = functools.partial(self._buffers_from_peers, broadcast)
+
+    def _buffers_from_peers(self, broadcast: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        """DDP's broadcast of its buffers (BatchNorm's statistics) in each training forward: a wait for the
+        other ranks inside the compute phase, so a holder hands the device back for it where it blocks the host
+        (Gloo; NCCL only orders the GPU's streams)."""
+        phases = self.phases
+        if phases.holding and torch_collectives.blocks_host(tensors, self.ddp.process_group):
+            with phases.waiting_for_peers():
+                return broadcast(tensors, *args, **kwargs)
+        return broadcast(tensors, *args, **kwargs)
 
     @guarded
     def before_forward(self, _module: Any, _args: Any) -> None:
@@ -216,9 +258,13 @@ class _Tracker:
             return  # no_sync() or no_grad: this forward's backward reduces nothing
         _Open.backward = False  # a new reducing forward: any backward before it is over, even one that raised
         backward = _Backward(self.phases, cuda=self.cuda)
-        for tensor in _tensors(output):
-            if tensor.requires_grad and tensor.grad_fn is not None:
-                tensor.grad_fn.register_prehook(backward.first_node)
+        armed = [t.grad_fn.register_prehook(backward.first_node) for t in _tensors(output)
+                 if t.requires_grad and t.grad_fn is not None]
+        if not armed and not self.warned:
+            self.warned = True
+            _log.warning("this DDP module's output holds no tensor crossover can follow (%s): its rank keeps the "
+                         "device through the allreduce, and the daemon passes it over when it is overdue",
+                         type(output).__name__)
 
     def _follow_outranked(self) -> None:
         """Between passes: a gradient hook per parameter while a higher class may ask for the device, none else."""
@@ -243,9 +289,10 @@ class _Tracker:
 
 class _Open:
     """Whether a backward's phase points are already reported: one report per backward, however many DDP
-    modules or outputs it reaches (its callbacks may run on another thread than its forward)."""
+    modules or outputs it reaches (its hooks may run on autograd's device threads, several at once)."""
 
     backward = False
+    lock = threading.Lock()
 
 
 class _Backward:
@@ -257,10 +304,12 @@ class _Backward:
         self.started = False
         self.comm_start = 0.0
 
+    @guarded
     def first_node(self, _grad_outputs: Any) -> None:
-        if self.started or _Open.backward:
-            return
-        self.started = _Open.backward = True
+        with _Open.lock:
+            if self.started or _Open.backward:
+                return
+            self.started = _Open.backward = True
         _queue(self.compute_done)
 
     def compute_done(self) -> None:
@@ -286,21 +335,17 @@ def _queue(callback: Any) -> None:
 
 
 def _tensors(output: Any) -> list[Any]:
-    """Every tensor in a module's output: a tensor, or one nested in tuples, lists, dicts and dataclasses."""
+    """Every tensor in a module's output, as DDP finds them (torch's pytree: tuples, lists, dicts, named
+    tuples, dataclasses and registered types), and in the attributes of any other object one level down."""
     import torch
+    from torch.utils._pytree import tree_leaves
 
     found: list[Any] = []
-    stack = [output]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif hasattr(value, "__dataclass_fields__"):
-            stack.extend(getattr(value, f) for f in value.__dataclass_fields__)
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif hasattr(leaf, "__dict__"):
+            found += [v for v in vars(leaf).values() if isinstance(v, torch.Tensor)]
     return found
 
 

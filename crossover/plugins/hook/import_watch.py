@@ -10,6 +10,7 @@ module's own code, before the `import` statement returns to the script.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import logging
 import sys
 import threading
@@ -21,6 +22,8 @@ __all__ = ["when_imported"]
 
 _log = logging.getLogger(__name__)
 
+_FILE_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader,
+                 importlib.machinery.ExtensionFileLoader)
 _lock = threading.Lock()
 _waiting: dict[str, list[Callable[[ModuleType], None]]] = {}
 
@@ -64,8 +67,14 @@ class _Watcher(importlib.abc.MetaPathFinder):
             if spec is None:
                 continue
             loader = spec.loader
-            if loader is not None and hasattr(loader, "exec_module"):
-                loader.exec_module = _after(loader.exec_module, fullname)  # type: ignore[method-assign,assignment]
+            if isinstance(loader, _FILE_LOADERS):  # one per module: safe to wrap
+                try:
+                    loader.exec_module = _after(loader.exec_module, fullname)  # type: ignore[method-assign,assignment]
+                except (AttributeError, TypeError):
+                    _log.info("crossover cannot watch the import of %s; it is not hooked", fullname)
+            else:
+                _log.info("crossover cannot watch the import of %s (loaded by %r); it is not hooked", fullname,
+                          loader)
             return spec
         return None
 

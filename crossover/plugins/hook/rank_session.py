@@ -41,7 +41,8 @@ def waiting(resume: bool = True) -> Iterator[None]:
     for something else keeps every co-located job from computing, and past the
     daemon's overdue floor it is passed over. A holder asks for the device again as
     the block ends, with the same iteration; with ``resume=False`` only at its next
-    phase point (a forward, ``zero_grad``, an allreduce's end), for a wait after which the script
+    phase point (Horovod: ``zero_grad`` or an allreduce's end; DDP: a forward or an optimizer step), for a
+    wait after which the script
     does other work first (building a model, writing a checkpoint). Without a session
     this does nothing.
     """

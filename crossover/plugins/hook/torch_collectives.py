@@ -18,12 +18,13 @@ cost more than the waits. Inside `torch.compile`'s tracing nothing is bracketed.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any, Callable
 
 from crossover.plugins.hook.runtime import RUNTIME
 
-__all__ = ["install", "uninstall"]
+__all__ = ["blocks_host", "install", "uninstall"]
 
 _log = logging.getLogger(__name__)
 
@@ -73,12 +74,20 @@ def uninstall() -> None:
 
 
 def _bracket(original: Callable[..., Any], host: bool) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         phases = RUNTIME.phases
-        if phases is None or not phases.holding or kwargs.get("async_op"):  # flag reads on the common path
+        if phases is None or not phases.holding:  # flag reads on the common path
             return original(*args, **kwargs)
-        if not (host or _blocks_host(args, kwargs)) or _compiling():
+        try:
+            given = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:  # the call itself will say what is wrong
+            return original(*args, **kwargs)
+        if given.get("async_op") or _compiling():
+            return original(*args, **kwargs)
+        if not host and not blocks_host(_first_tensor(tuple(given.values())), given.get("group")):
             return original(*args, **kwargs)
         with phases.waiting_for_peers():
             return original(*args, **kwargs)
@@ -90,22 +99,34 @@ def _work_wait(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         phases = RUNTIME.phases
-        if phases is not None and phases.holding and phases.settle is None and not _compiling():
-            phases.pause()  # a CPU device: the host waits; resumed at the next phase point
+        if phases is not None and phases.holding and not _compiling() and _work_blocks_host():
+            phases.pause()  # the host waits; resumed at the next phase point
         return original(self, *args, **kwargs)
 
     return wait
 
 
-def _blocks_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a tensor collective makes the host wait: its tensors are on the CPU, or its group is not NCCL's."""
-    tensor = _first_tensor((*args, *kwargs.values()))
+def _work_blocks_host() -> bool:
+    """A handle's wait blocks the host unless the rank's default group reduces CUDA tensors with NCCL."""
+    import torch.distributed as dist
+
+    try:
+        return "nccl" not in str(dist.get_backend())
+    except Exception:
+        return True
+
+
+def blocks_host(tensor: Any, group: Any = None) -> bool:
+    """Whether a collective on ``tensor`` (or a list whose first is it) in ``group`` makes the host wait: its
+    tensors are on the CPU, or its group reduces CUDA tensors without NCCL."""
+    if isinstance(tensor, (list, tuple)):
+        tensor = tensor[0] if tensor else None
     if tensor is None or not getattr(tensor, "is_cuda", False):
         return True
     import torch.distributed as dist
 
     try:
-        return "nccl" not in str(dist.get_backend(kwargs.get("group")))
+        return "nccl" not in str(dist.get_backend(group))
     except Exception:  # a group this rank is not in: the call itself will say so
         return True
 

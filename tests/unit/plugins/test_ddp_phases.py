@@ -19,9 +19,25 @@ def group(tmp_path):
     dist.destroy_process_group()
 
 
-def _ddp(**kwargs):
+class _Out:
+    """An output type of the script's own: the tensors are attributes."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return _Out(self.net(x))
+
+
+def _ddp(net=None, **kwargs):
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    net = net or torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     model = torch.nn.parallel.DistributedDataParallel(net, **kwargs)
     session = Session()
     phases = PhaseReporter(session)
@@ -58,6 +74,22 @@ def test_each_step_is_one_compute_phase_then_one_allreduce(group, kwargs):
     assert phases.iteration == 3
 
 
+def test_an_output_of_the_scripts_own_type_is_followed(group):
+    model, session, _ = _ddp(_Wrapped(torch.nn.Linear(8, 2)))
+    model(torch.randn(4, 8)).logits.sum().backward()
+    assert _kinds(session) == [("acquire", 0), ("release", 0, True), ("acquire", 1)]
+
+
+def test_the_forwards_buffer_broadcast_hands_the_device_back(group):
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    model, session, _ = _ddp(net)
+    _step(model)
+    _step(model)
+    # the second forward holds the device when DDP broadcasts BatchNorm's buffers: a yield for that wait
+    assert ("release", 1, False) in _kinds(session)[2:]
+    assert _kinds(session)[-2:] == [("release", 1, True), ("acquire", 2)]
+
+
 def test_accumulation_under_no_sync_stays_one_compute_phase(group):
     model, session, _ = _ddp()
     _step(model, sync=False)
@@ -76,6 +108,7 @@ def test_a_forward_without_gradients_reduces_nothing(group):
 def test_a_blocking_collective_hands_the_device_back_for_its_wait(group, monkeypatch):
     from crossover.plugins.hook import torch_collectives
 
+    assert not torch_collectives._originals, "torch.distributed is already wrapped in this process"
     model, session, phases = _ddp()
     before = dist.all_reduce
     torch_collectives.install()
@@ -83,11 +116,12 @@ def test_a_blocking_collective_hands_the_device_back_for_its_wait(group, monkeyp
     try:
         _step(model)
         dist.all_reduce(torch.ones(1))  # a metric: a yield, then the same iteration again
-        dist.all_reduce(torch.ones(1), async_op=True).wait()  # a handle's wait: handed back until the next forward
+        work = dist.all_reduce(torch.ones(1), dist.ReduceOp.SUM, None, True)  # async_op by position: no yield
+        work.wait()  # a handle's wait: handed back until the next forward
         assert not phases.holding
         _step(model)
     finally:
         torch_collectives.uninstall()
-    assert _kinds(session)[2:] == [("acquire", 1), ("release", 1, False), ("acquire", 1), ("release", 1, False),
-                                   ("acquire", 1), ("release", 1, True), ("acquire", 2)]
+    assert _kinds(session)[3:] == [("release", 1, False), ("acquire", 1), ("release", 1, False), ("acquire", 1),
+                                   ("release", 1, True), ("acquire", 2)]
     assert dist.all_reduce is before and dist.distributed_c10d.all_reduce is before
