@@ -227,14 +227,14 @@ def _torchrun_per_node(spec: dict[str, Any]) -> int:
     per_node = int(spec["hosts"].split(",")[0].split(":")[1])
     addr, port = spec["master"].rsplit(":", 1)
     python, *script_args = spec["command"]
-    torchrun = str(Path(python).parent / "torchrun")
+    torchrun = [python, "-m", "torch.distributed.run"]  # `torchrun`, wherever this Python's torch put it
     ip = shutil.which("ip") or "ip"
     procs = []
     for index, host in enumerate(hosts):
         node = nodes[host]
         env = {**os.environ, **node["env"], "GLOO_SOCKET_IFNAME": spec["iface"]}
         niced = ["nice", "-n", str(int(spec.get("nice", 0)))] if spec.get("nice") else []
-        argv = [ip, "netns", "exec", node["netns"], *niced, torchrun, "--nnodes", str(len(hosts)), "--node-rank",
+        argv = [ip, "netns", "exec", node["netns"], *niced, *torchrun, "--nnodes", str(len(hosts)), "--node-rank",
                 str(index), "--master-addr", addr, "--master-port", port, "--nproc-per-node", str(per_node),
                 *script_args]
         if spec.get("verbose"):

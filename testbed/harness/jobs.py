@@ -112,8 +112,8 @@ def torchrun(name: str, script: Path, tmp: Path, nproc: int = 2, args: tuple[str
     full_env = {**os.environ, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PYTHONPATH"] = checkout_on_path(full_env)
     stop = tmp / f"stop_{name}" if stoppable else None
-    launcher = Path(sys.executable).parent / "torchrun"
-    cmd = [str(launcher), *launcher_args, "--nproc-per-node", str(nproc), str(script), "--out", str(out), *args,
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, "--nproc-per-node", str(nproc),
+           str(script), "--out", str(out), *args,
            *(["--stop-file", str(stop)] if stop else [])]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, env=full_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,23 @@ def test_the_dry_run_takes_every_step(tmp_path: Path) -> None:
     assert (tmp_path / "gpu_timeline.png").stat().st_size > 10_000
     assert "crossover" in res.stdout  # the table
     assert netns_list() <= before  # every namespace it made is gone
+
+
+@pytest.mark.timeout(300)
+def test_the_dry_run_of_ddp_jobs_takes_the_speedup_steps(tmp_path: Path) -> None:
+    """`bench.gpu --framework ddp`: the same check with DDP jobs under torchrun (one per node), as the next GPU
+    draw runs it."""
+    with tempfile.TemporaryDirectory(prefix="xo") as work:  # short: the daemons' sockets live under it
+        res = subprocess.run([sys.executable, "-m", "bench.gpu", "--dry-run", "--only", "speedup", "--jobs", "2",
+                              "--framework", "ddp", "--out", str(tmp_path), "--workdir", work],
+                             cwd=CHECKOUT, capture_output=True, text=True, timeout=280)
+        registers = [json.loads(line) for log in Path(work).rglob("node*.events.jsonl")
+                     for line in log.read_text().splitlines() if '"register"' in line]
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    speedup = json.loads((tmp_path / "gpu.json").read_text())["checks"]["speedup"]
+    assert speedup["ok"], speedup.get("error")
+    modes = speedup["summary"]["modes"]
+    for mode in ("sequential", "unscheduled", "exclusive", "crossover"):
+        assert modes[mode]["aggregate_samples_per_s"] > 0, mode
+    assert sorted(modes["crossover"]["jobs"]) == ["job0", "job1"]
+    assert registers and {r.get("framework") for r in registers} == {"ddp"}
