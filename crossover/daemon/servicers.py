@@ -133,7 +133,7 @@ def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
         phase=_PHASES[r.phase], iteration=r.iteration, mean_compute_s=r.mean_compute_s,
         mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
         rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s, user=r.user,
-        priority=to_wire(r.priority), weight=r.weight, handover=r.handover,
+        priority=to_wire(r.priority), weight=r.weight, handover=r.handover, framework=i.framework,
     )
 
 

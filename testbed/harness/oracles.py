@@ -2,14 +2,12 @@
 phases overlapped on a device."""
 from __future__ import annotations
 
-from typing import Any
-
-from crossover.protos.event_phases import read_phases
+from crossover.protos.event_phases import Events, read_phases
 
 __all__ = ["compute_intervals", "overlaps"]
 
 
-def compute_intervals(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, str, int]]]:
+def compute_intervals(events: Events) -> dict[int, list[tuple[float, float, str, int]]]:
     """Per device, the [grant, release) intervals of one node's event log, as `crossover.protos.event_phases`
     reads them: (start, end, job id, rank).
 

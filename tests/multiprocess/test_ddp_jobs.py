@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import collections
 import socket
+import time
 
 import pytest
 
+from testbed.harness.daemon import queue_state
 from testbed.harness.jobs import WORKLOADS, Job, horovodrun, torchrun, with_import
 from testbed.harness.oracles import compute_intervals, overlaps
 
@@ -15,7 +17,7 @@ ITERS = 40
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 # Every pattern of issue 53 runs as a 2-rank job beside another pattern's 2-rank job, sharing devices, under both
-# policies and with one and two devices (`bench.ddp_patterns` runs each pattern against itself in all four).
+# policies and with one and two devices (`python -m bench.ddp_patterns` runs each pattern beside itself in all four).
 PAIRS = [
     ("plain", "no_sync", "exclusive", 1),
     ("find_unused", "static_graph", "crossover", 1),
@@ -82,6 +84,14 @@ def test_a_horovod_job_and_a_ddp_job_share_one_device(daemon_factory, jobs, tmp_
     env = {"CROSSOVER_SOCKET": str(d.socket)}
     jobs.append(horovodrun("hvd", with_import(tmp_path), tmp_path, np=2, args=("--iters", "150"), env=env))
     jobs.append(torchrun("ddp", with_import(tmp_path, "train_ddp.py"), tmp_path, args=("--iters", "60"), env=env))
+    shown: dict[str, str] = {}  # what the operator sees: each job's framework in `crossover queue --json`
+    deadline = time.monotonic() + 90
+    while len(shown) < 2 and time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs):
+        for dev in queue_state(d.socket)["devices"]:
+            for r in dev["holders"] + dev["waiting"] + dev["others"]:
+                shown[r["job_name"]] = r.get("framework", "")
+        time.sleep(0.1)
+    assert shown == {"hvd": "horovod", "ddp": "ddp"}, shown
     assert jobs[0].wait(200) == 0, jobs[0].output()[-3000:]
     finished(jobs[1])
     events = d.events()

@@ -157,7 +157,8 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
         rows = []
         for mark, r in marked:
             cpu = r.get("cpu_percent")
-            rows.append({"": Text(mark), "job": shown(r.get("job_name", "")), "user": shown(r.get("user") or "-", 16),
+            job = r.get("job_name", "") + (" (ddp)" if r.get("framework") == "ddp" else "")
+            rows.append({"": Text(mark), "job": shown(job), "user": shown(r.get("user") or "-", 16),
                          "rank": Text(str(r.get("rank", 0))),
                          "pid": Text(str(r.get("pid", 0))), "phase": _phase(r),
                          "iter": Text(str(r.get("iteration", 0))),
