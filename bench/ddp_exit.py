@@ -24,20 +24,9 @@ from rich.progress import Progress
 
 from bench.lib.results import machine, write_json
 from testbed.harness.daemon import DaemonProc
-from testbed.harness.jobs import WORKLOADS, Job, torchrun, with_import
+from testbed.harness.jobs import WORKLOADS, exit_outcome, torchrun, with_import
 
-ABORT = "terminate called without an active exception"
 VARIANTS = ("plain", "plugin")
-
-
-def _outcome(job: Job, timeout: float) -> str:
-    """'ok', 'abort at exit' (every rank wrote its results first) or 'failed'."""
-    rc = job.wait(timeout)
-    if rc == 0:
-        return "ok"
-    if len(job.summaries()) == 2 and ABORT in job.output():
-        return "abort at exit"
-    return "failed"
 
 
 def run_pair(variant: str, workdir: Path, args: argparse.Namespace, k: int) -> list[str]:
@@ -46,7 +35,7 @@ def run_pair(variant: str, workdir: Path, args: argparse.Namespace, k: int) -> l
         env = {"CROSSOVER_SOCKET": str(d.socket)}
         jobs = [torchrun(f"{variant}{k}{side}", script, workdir, args=("--iters", str(args.iters), "--no-destroy"),
                          env=env) for side in "ab"]
-        return [_outcome(job, args.timeout) for job in jobs]
+        return [exit_outcome(job, args.timeout) for job in jobs]
 
 
 def main() -> None:

@@ -28,20 +28,16 @@ from rich.table import Table
 
 from bench.lib.results import machine, write_json
 from testbed.harness.daemon import DaemonProc
-from testbed.harness.jobs import Job, torchrun, with_import
+from testbed.harness.jobs import Job, exit_outcome, torchrun, with_import
 from testbed.harness.oracles import compute_intervals, overlaps
 from testbed.workloads.train_ddp import PATTERNS
 
-ABORT = "terminate called without an active exception"
-
 
 def _job_outcome(job: Job, timeout: float) -> dict[str, Any]:
-    rc = job.wait(timeout)
-    out = job.output()
+    outcome = exit_outcome(job, timeout)
     digests = {s["digest"] for s in job.summaries()}
-    finished = rc == 0 or (len(job.summaries()) == 2 and ABORT in out)
-    return {"rc": rc, "finished": finished, "abort_at_exit": rc != 0 and finished, "ranks_agree": len(digests) == 1,
-            "unscheduled": "unscheduled" in out}
+    return {"rc": job.proc.returncode, "finished": outcome != "failed", "abort_at_exit": outcome == "abort at exit",
+            "ranks_agree": len(digests) == 1, "unscheduled": "unscheduled" in job.output()}
 
 
 def run_pair(pattern: str, policy: str, devices: int, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -9,10 +9,10 @@ from testbed.harness.daemon import kill_group
 from testbed.harness.jobs import WORKLOADS, horovodrun, rank_summaries, torchrun
 from testbed.harness.warm_horovodrun import WarmProcess
 
-__all__ = ["WORKLOAD", "WORKLOAD_OF", "finish_job", "start_job"]
+__all__ = ["WORKLOAD_OF", "finish_job", "start_job"]
 
-WORKLOAD = WORKLOADS / "train_mlp.py"
-WORKLOAD_OF = {"horovod": WORKLOAD, "ddp": WORKLOADS / "train_ddp.py"}  # the same MLP shape: --width, --depth, --batch
+# Each framework's MLP workload, taking the same --width, --depth and --batch.
+WORKLOAD_OF = {"horovod": WORKLOADS / "train_mlp.py", "ddp": WORKLOADS / "train_ddp.py"}
 
 
 def start_job(name: str, script: Path, workdir: Path, np: int, args: list[str], env: dict[str, str],

@@ -19,7 +19,7 @@ from testbed.workloads.stop_file import request_stop
 from .daemon import kill_group
 from .warm_horovodrun import WarmProcess, start_horovodrun
 
-__all__ = ["CHECKOUT", "WORKLOADS", "Job", "horovodrun", "rank_summaries", "torchrun", "with_import"]
+__all__ = ["CHECKOUT", "WORKLOADS", "Job", "exit_outcome", "horovodrun", "rank_summaries", "torchrun", "with_import"]
 
 WORKLOADS = CHECKOUT / "testbed" / "workloads"
 
@@ -68,6 +68,20 @@ class Job:
 
     def summaries(self) -> list[dict[str, Any]]:
         return rank_summaries(self.out)
+
+
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def exit_outcome(job: Job, timeout: float, ranks: int = 2) -> str:
+    """How a DDP job ended: "ok"; "abort at exit" when torch's Gloo teardown aborted a rank after all `ranks`
+    wrote their summaries (the script's last line: torch's at interpreter exit, never a failure of training);
+    else "failed". A job still running after `timeout` is killed and the wait fails (`Job.wait`)."""
+    if job.wait(timeout) == 0:
+        return "ok"
+    if len(job.summaries()) == ranks and GLOO_EXIT_ABORT in job.output():
+        return "abort at exit"
+    return "failed"
 
 
 def rank_summaries(out: Path) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ TENSORS = 160
 # Called once per tensor by Horovod itself: its allreduce_async_ and synchronize, which the plugin wraps.
 HOROVOD_PER_TENSOR = {"horovod_waits._allreduce_async_", "horovod_waits._synchronize", "horovod_waits._wait"}
 # The check at each gradient of an outranked rank: the chain's hook and the tracker's flag read.
-YIELD_CHECK = {"optimizer_hooks.HookChain._on_gradient", "phase_tracking._PhaseTracker.on_gradient"}
+YIELD_CHECK = {"optimizer_hooks.HookChain._on_gradient", "phase_tracking.GradientYields.on_gradient"}
 # Calls into crossover/ per iteration beyond those, and the frames the training thread sends, as measured at the
 # fix, with a few calls to spare in a granted rank's grant wait (a heartbeat's answer may wake it). Late reports
 # are batched every second in these runs: at most one batch in the 40 measured iterations. An outranked rank

@@ -42,7 +42,7 @@ from typing import Any
 from crossover.plugins.hook import torch_collectives
 from crossover.plugins.hook.phase_reporter import PhaseReporter, guarded
 from crossover.plugins.hook.phase_tracking import (
-    follow_outranked,
+    GradientYields,
     pace_on_gpu,
     remove_forward_boundaries,
     use_cuda_turns,
@@ -162,10 +162,11 @@ def _ensure_phases(ddp: Any) -> PhaseReporter:
     if settings.aggregation.rule:
         _log.warning("CROSSOVER_AGGREGATION=%s is Horovod's; this DDP job averages its gradients as DDP does",
                      settings.aggregation.rule)
-    session = open_session(_identity(ddp, settings), settings)
+    cuda = _cuda_index(ddp)
+    session = open_session(_identity(ddp, settings, cuda), settings)
     device = RUNTIME.device
     phases = PhaseReporter(session, settle=None if device is None else device.drain)
-    if _on_cuda(ddp):
+    if cuda is not None:
         from crossover.plugins.hook.cuda_turns import wait_for_device
 
         phases.settle = wait_for_device
@@ -178,7 +179,7 @@ def _ensure_phases(ddp: Any) -> PhaseReporter:
     return phases
 
 
-def _identity(ddp: Any, settings: PluginSettings) -> RankIdentity:
+def _identity(ddp: Any, settings: PluginSettings, cuda: int | None) -> RankIdentity:
     """The rank in the DDP module's own process group. A group smaller than the world (data parallelism
     beside another kind) is a job of its own: its id is the launch's, qualified by the group's first rank."""
     import torch.distributed as dist
@@ -192,9 +193,7 @@ def _identity(ddp: Any, settings: PluginSettings) -> RankIdentity:
         job_id = uuid.uuid5(uuid.NAMESPACE_URL, f"ddp-group://{job_id}/{first}").hex
         local_size = min(local_size, place.world_size)
         local_rank = local_rank % local_size
-    device = settings.device
-    if device < 0 and _on_cuda(ddp):
-        device = int(next(p for p in ddp.module.parameters() if p.is_cuda).device.index or 0)
+    device = cuda if settings.device < 0 and cuda is not None else settings.device
     return RankIdentity(job_id=job_id, job_name=settings.job_name, rank=place.rank, local_rank=local_rank,
                         world_size=place.world_size, local_size=local_size, device=device, framework="ddp")
 
@@ -213,18 +212,19 @@ def _agree_job_id(rank: int) -> str:
     return bytes(store.get(_STORE_KEY)).decode()
 
 
-def _on_cuda(ddp: Any) -> bool:
-    return any(p.is_cuda for p in ddp.module.parameters())
+def _cuda_index(ddp: Any) -> int | None:
+    """The CUDA device of the module's first parameter there, or None on the CPU."""
+    return next((int(p.device.index or 0) for p in ddp.module.parameters() if p.is_cuda), None)
 
 
-class _Tracker:
+class _Tracker(GradientYields):
     """One DDP module's phase points, reported to the rank's shared `PhaseReporter`."""
 
     def __init__(self, ddp: Any, phases: PhaseReporter) -> None:
         self.ddp = ddp
         self.phases = phases
         self.grad_hooks: list[Any] = []  # one per parameter, only while outranked
-        self.cuda = _on_cuda(ddp)
+        self.cuda = _cuda_index(ddp) is not None
         self.warned = False  # about an output without tensors to follow
 
     def attach(self) -> None:
@@ -268,10 +268,7 @@ class _Tracker:
 
     def _follow_outranked(self) -> None:
         """Between passes: a gradient hook per parameter while a higher class may ask for the device, none else."""
-        phases = self.phases
-        if phases.pace is not None:
-            follow_outranked(phases)
-        outranked = phases.session.outranked
+        outranked = self.between_passes()
         if outranked and not self.grad_hooks:
             self.grad_hooks = [p.register_post_accumulate_grad_hook(self._at_gradient)
                                for p in self.ddp.module.parameters() if p.requires_grad]
@@ -279,12 +276,9 @@ class _Tracker:
             for hook in self.grad_hooks:
                 hook.remove()
             self.grad_hooks = []
-            phases.session.preempted = False  # asked while nobody could: not to be honoured a pass later
 
     def _at_gradient(self, _param: Any) -> None:
-        phases = self.phases
-        if phases.pace is not None or phases.session.preempted:
-            phases.at_boundary()
+        self.on_gradient(0, None)
 
 
 class _Open:

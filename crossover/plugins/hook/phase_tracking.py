@@ -24,7 +24,8 @@ from crossover.plugins.hook.host_staging import StagedHandle
 from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 
-__all__ = ["follow_outranked", "pace_on_gpu", "remove_forward_boundaries", "track_phases", "use_cuda_turns"]
+__all__ = ["GradientYields", "follow_outranked", "pace_on_gpu", "remove_forward_boundaries", "track_phases",
+           "use_cuda_turns"]
 
 _log = logging.getLogger(__name__)
 
@@ -115,7 +116,32 @@ class _QuietWait(OptimizerHook):
             _wait_quietly(self.opt)
 
 
-class _PhaseTracker(OptimizerHook):
+class GradientYields:
+    """Yields at gradients, only while a higher class shares the device: the rule both front ends' trackers
+    follow (Horovod's optimizer hook, `_PhaseTracker`, and DDP's module tracker, `ddp_torch`), which call
+    ``between_passes`` between backward passes and ``on_gradient`` at each gradient while it said so."""
+
+    phases: PhaseReporter
+
+    def between_passes(self) -> bool:
+        """The check at each gradient runs only while a higher class shares the device (and, on a GPU, so does
+        the forward pre-hook): a rank nobody can ask to yield pays nothing per parameter."""
+        if self.phases.pace is not None:  # on a GPU
+            follow_outranked(self.phases)
+        session = self.phases.session
+        outranked = session.outranked
+        if not outranked:
+            session.preempted = False  # asked while nobody could: not to be honoured a pass later
+        return outranked
+
+    def on_gradient(self, index: int, grad: Any) -> None:
+        phases = self.phases
+        if phases.pace is not None or phases.session.preempted:  # flag reads, unless there is work
+            phases.at_boundary()
+        return None
+
+
+class _PhaseTracker(GradientYields, OptimizerHook):
     """One optimizer's phase points, reported to the rank's shared `PhaseReporter`."""
 
     def __init__(self, opt: Any, phases: PhaseReporter, quiet_wait: bool = True) -> None:
@@ -172,23 +198,6 @@ class _PhaseTracker(OptimizerHook):
 
     def _new_phase(self) -> None:
         self.passes = 0
-
-    def between_passes(self) -> bool:
-        """The check at each gradient runs only while a higher class shares the device (and, on a GPU, so does
-        the forward pre-hook): a rank nobody can ask to yield pays nothing per parameter."""
-        if self.phases.pace is not None:  # on a GPU
-            follow_outranked(self.phases)
-        session = self.phases.session
-        outranked = session.outranked
-        if not outranked:
-            session.preempted = False  # asked while nobody could: not to be honoured a pass later
-        return outranked
-
-    def on_gradient(self, index: int, grad: Any) -> None:
-        phases = self.phases
-        if phases.pace is not None or phases.session.preempted:  # flag reads, unless there is work
-            phases.at_boundary()
-        return None
 
     def on_backward_done(self) -> None:
         self.passes += 1

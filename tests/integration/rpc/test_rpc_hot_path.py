@@ -153,7 +153,7 @@ def test_the_plugins_work_per_iteration_does_not_grow_with_the_model(serve, sess
         assert not per_tensor, (f"{state}: work per parameter tensor on the hot path, {per_tensor} calls per "
                                 f"iteration at {TENSORS} tensors; only an outranked rank checks at each gradient")
     else:
-        hooks = {"optimizer_hooks.HookChain._on_gradient", "phase_tracking._PhaseTracker.on_gradient"}
+        hooks = {"optimizer_hooks.HookChain._on_gradient", "phase_tracking.GradientYields.on_gradient"}
         assert set(per_tensor) == hooks, (f"outranked: the check at each gradient must cost one hook and a flag "
                                           f"read, found {per_tensor}")
     assert total <= PINNED_CALLS[state], (f"{state}: {total:g} calls into crossover/ per iteration, pinned at "
