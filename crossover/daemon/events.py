@@ -36,6 +36,7 @@ class EventKind(enum.Enum):
     HEARTBEAT = "heartbeat"
     LEASE_RELEASED = "lease_released"
     HANDOVER_READY = "handover_ready"
+    MEMORY_CAP_HIT = "memory_cap_hit"
 
 
 _WIRE_KINDS = {
@@ -46,6 +47,7 @@ _WIRE_KINDS = {
     pb.HEARTBEAT: EventKind.HEARTBEAT,
     pb.LEASE_RELEASED: EventKind.LEASE_RELEASED,
     pb.HANDOVER_READY: EventKind.HANDOVER_READY,
+    pb.MEMORY_CAP_HIT: EventKind.MEMORY_CAP_HIT,
 }
 
 
@@ -68,6 +70,7 @@ class RankEvent:
     ago_s: float = 0.0
     yields: bool = False
     handover_ticket: int = 0
+    memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, value in (("duration_s", self.duration_s), ("comm_s", self.comm_s), ("ago_s", self.ago_s)):
@@ -95,7 +98,7 @@ class RankEvent:
         return cls(kind, ev.iteration, ev.seq, ev.duration_s, comm_begins=ev.comm_begins,
                    no_wait=ev.no_wait, requested=ev.requested, comm_s=ev.comm_s,
                    ago_s=ev.ago_s if in_batch else 0.0, yields=ev.yields,
-                   handover_ticket=ev.handover_ticket)
+                   handover_ticket=ev.handover_ticket, memory_bytes=ev.memory_bytes)
 
 
 def record_rank(log: EventLog, event: EventName, sess: Session, node: str, t: float | None,

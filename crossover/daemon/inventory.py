@@ -24,6 +24,7 @@ class Device:
     kind: str  # "gpu" | "cpu"
     name: str
     cpu_affinity: tuple[int, ...] = ()
+    memory_total: int = 0  # bytes its jobs may use, the driver's own reserve left out (0: not known)
 
 
 @dataclass
@@ -31,6 +32,7 @@ class DeviceStats:
     utilization: float = -1.0
     memory_used: int = 0
     memory_total: int = 0
+    memory_free: int = 0
     process_memory: dict[int, int] = field(default_factory=dict)  # pid -> bytes
 
 
@@ -65,6 +67,16 @@ def parse_cpu_devices(spec: str, cpu_count: int) -> list[int]:
     return cores
 
 
+def _usable_memory(nv: Any, handle: Any) -> int:
+    """The device's memory less what its driver reserves for itself (NVML's version 2 query says how
+    much; an older driver's total is used as it is)."""
+    try:
+        info = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
+        return int(info.total) - int(info.reserved)
+    except Exception:  # NVMLError_FunctionNotFound / TypeError from an older driver or binding
+        return int(nv.nvmlDeviceGetMemoryInfo(handle).total)
+
+
 class Inventory:
     """Lists devices and samples their utilization; NVML when a driver is present."""
 
@@ -75,10 +87,11 @@ class Inventory:
         self._nvml = nvml
 
     @classmethod
-    def detect(cls, cpu_cores: Sequence[int] | None) -> Inventory:
-        """CPU devices when cores are given, else the GPUs NVML reports."""
+    def detect(cls, cpu_cores: Sequence[int] | None, cpu_memory: int = 0) -> Inventory:
+        """CPU devices when cores are given (each standing in for a GPU of `cpu_memory` bytes, for memory
+        reservations on a test bed), else the GPUs NVML reports."""
         if cpu_cores:
-            return cls([Device(i, "cpu", f"cpu{c}", (c,)) for i, c in enumerate(cpu_cores)])
+            return cls([Device(i, "cpu", f"cpu{c}", (c,), cpu_memory) for i, c in enumerate(cpu_cores)])
         try:
             import pynvml
 
@@ -91,7 +104,8 @@ class Inventory:
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = pynvml.nvmlDeviceGetName(h)
-            devices.append(Device(i, "gpu", name.decode() if isinstance(name, bytes) else str(name)))
+            devices.append(Device(i, "gpu", name.decode() if isinstance(name, bytes) else str(name),
+                                  memory_total=_usable_memory(pynvml, h)))
         _log.info("NVML reports %d GPU(s)", len(devices))
         return cls(devices, nvml=pynvml)
 
@@ -109,7 +123,7 @@ class Inventory:
             util = nv.nvmlDeviceGetUtilizationRates(h)
             mem = nv.nvmlDeviceGetMemoryInfo(h)
             procs = {p.pid: int(p.usedGpuMemory or 0) for p in nv.nvmlDeviceGetComputeRunningProcesses(h)}
-            return DeviceStats(float(util.gpu), int(mem.used), int(mem.total), procs)
+            return DeviceStats(float(util.gpu), int(mem.used), int(mem.total), procs, int(mem.free))
         except Exception as exc:  # NVMLError: keep serving without GPU figures
             _log.warning("NVML query for device %d failed: %s", index, exc)
             return DeviceStats()

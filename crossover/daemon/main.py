@@ -25,6 +25,7 @@ from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.policies.isolation import IsolationSettings
+from crossover.daemon.policies.memory import MemoryRules, parse_size
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
 from crossover.protos import STEERING_COMMANDS_TEXT, default_socket_path
@@ -61,7 +62,7 @@ _TUNING = frozenset({
     "event_log_size", "event_log_max_mb", "event_log_backups", "max_events_per_s", "max_connections",
     "max_connections_per_user", "idle_timeout", "heartbeat_timeout", "evict_after", "overdue_factor",
     "overdue_after", "overdue_warmup", "max_hold", "lease", "adapt", "adapt_window", "guard_share", "protect",
-    "session_socket", "handover"})
+    "session_socket", "handover", "cpu_device_memory"})
 """The flags an operator tunes rather than sets: `--help` lists them last, under their own heading."""
 
 
@@ -193,6 +194,14 @@ class _Command(click.Command):
               "group:batch=low. Repeat for several; a user's rule wins over its group's. Others get normal; a "
               "rank may lower its class (CROSSOVER_PRIORITY), never raise it. Classes are the crossover "
               "policy's.")
+@click.option("--reserve", "reservations", multiple=True, metavar="CLASS=SIZE",
+              help="Hold SIZE of each GPU's memory for the jobs of CLASS while one is on it: high=50% or "
+              "high=40GiB. Jobs of lower classes there are capped (in their own process, at their allocator) "
+              "to what the reservations leave, shared equally, and a job that runs out of its cap is told why in "
+              "one line. Repeat for several classes; docs/priorities.md, \"Memory\".")
+@click.option("--cpu-device-memory", metavar="SIZE", default="0",
+              help="With --cpu-devices: the memory each CPU device stands for (8GiB), so that --reserve caps "
+              "ranks of the emulated device on a test bed. 0: none.")
 @click.option("--guard-share", type=click.FloatRange(0.0, 0.9), default=ClassSettings.guard_share, show_default=True,
               help="The device time every job of a lower class is guaranteed beside higher ones (0.02: a "
               "fiftieth), so it never stops; a higher job keeps at most 1 minus this where there are no gaps.")
@@ -225,7 +234,8 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
          heartbeat_timeout: float,
          evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
          overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, class_rules: tuple[str, ...],
-         guard_share: float, protect: float, session_socket: bool, handover: bool,
+         reservations: tuple[str, ...], cpu_device_memory: str, guard_share: float, protect: float,
+         session_socket: bool, handover: bool,
          metrics_address: str | None, health_address: str | None, log_level: str) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
@@ -245,6 +255,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token, admin_token, rules = _checked_options(token, token_file, admin_token_file, tls_cert, tls_key,
                                                  metrics_address, health_address, class_rules)
+    memory, cpu_memory = _reservations(reservations), _cpu_memory(cpu_device_memory)
     if evict_after < heartbeat_timeout:
         raise click.BadParameter(f"{evict_after:g} s is shorter than --heartbeat-timeout {heartbeat_timeout:g} s: "
                                  "a rank is removed only after it was suspended", param_hint="'--evict-after'")
@@ -256,7 +267,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                            backups=event_log_backups)
         except OSError as exc:
             raise OSError(f"cannot open --event-log {event_log}: {exc.strerror or exc}") from None
-        core = Scheduler(Inventory.detect(cores), policy, node=node_name, event_log=log,
+        core = Scheduler(Inventory.detect(cores, cpu_memory), policy, node=node_name, event_log=log,
                          heartbeat_interval_s=min(0.2, heartbeat_timeout / 4), lease=lease,
                          liveness=LivenessSettings(heartbeat_timeout_s=heartbeat_timeout, evict_after_s=evict_after,
                                                    overdue_factor=overdue_factor, overdue_after_s=overdue_after,
@@ -265,7 +276,7 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
                          payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
                          class_settings=ClassSettings(guard_share=guard_share,
                                                       isolation=IsolationSettings(target=protect)),
-                         handover=handover)
+                         handover=handover, memory=memory)
         if metrics_address:
             metrics = DaemonMetrics(core, __version__)
             metrics.serve(metrics_address)
@@ -314,6 +325,25 @@ def _checked_options(
         return token, admin_token, ClassRules(tuple(parse_rule(r) for r in class_rules))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--class-rule") from None
+
+
+def _reservations(texts: tuple[str, ...]) -> MemoryRules:
+    try:
+        return MemoryRules.parse(texts)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--reserve") from None
+
+
+def _cpu_memory(text: str) -> int:
+    if text.strip() in ("", "0"):
+        return 0
+    try:
+        fraction, amount = parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--cpu-device-memory") from None
+    if fraction:
+        raise click.BadParameter(f"{text!r}: give an amount (8GiB), not a share", param_hint="--cpu-device-memory")
+    return amount
 
 
 def _serve(daemon: Daemon, metrics: DaemonMetrics | None) -> None:

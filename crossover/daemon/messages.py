@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from crossover.daemon.policies.classes import JobClass
+from crossover.daemon.policies.memory import MemoryCap
 
 __all__ = ["AliveMsg", "ClassMsg", "CloseMsg", "GrantMsg", "LeaseMsg", "Message", "PageMsg", "PolicyMsg", "PreemptMsg",
            "ShareMsg"]
@@ -43,6 +44,7 @@ class ShareMsg:
     other_ranks: int
     handover: bool = False  # every rank on the device ends its turns on the device
     outranked: bool = False  # a rank of a higher class shares the device
+    memory_cap: MemoryCap = MemoryCap()  # what the rank may hold on the device (see `policies.memory`)
 
 
 @dataclass(frozen=True)

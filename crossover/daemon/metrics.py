@@ -93,6 +93,9 @@ class DaemonMetrics:
         self._class_of: dict[str, str] = {}  # job id -> its class, as the event log last said
         self.drain_refusals = Counter("crossover_drain_refusals", "New ranks refused on a drained device (they "
                                       "train there unscheduled).", ("device",), registry=r)
+        self.memory_cap_hits = Counter("crossover_memory_cap_hits", "Allocations a rank's allocator refused at "
+                                       "its memory cap (crossoverd --reserve), by device and job.",
+                                       ("device", *_JOB), registry=r)
         ProcessCollector(registry=r)
         self._state = _StateCollector(core, version)
         r.register(self._state)
@@ -129,6 +132,8 @@ class DaemonMetrics:
             self._job(self.comm, job).observe(ev.get("duration_s", 0.0))
         elif name is EventName.CANCEL:
             self._job(self.fail_opens, job).inc()
+        elif name is EventName.MEMORY_CAP_HIT:
+            self._job(self.memory_cap_hits, job, device).inc()
         elif name is EventName.REGISTER:
             with self._lock:
                 self._ranks[job[1]] += 1
@@ -185,6 +190,32 @@ class _StateCollector(Collector):
         self._version = version
         self.connections: Connections | None = None
 
+    def _memory(self, devices: dict[int, Any]) -> Iterator[Any]:
+        """Each job's GPU memory per device (NVML's per process, summed per job), its cap there, and the
+        device's free memory."""
+        used = GaugeMetricFamily("crossover_job_gpu_memory_bytes", "GPU memory the job's processes hold on the "
+                                 "device (NVML, summed per job).", labels=["device", *_JOB])
+        cap = GaugeMetricFamily("crossover_job_memory_cap_bytes", "What the job may hold on the device "
+                                "(crossoverd --reserve; no series: no cap).", labels=["device", *_JOB])
+        free = GaugeMetricFamily("crossover_device_memory_free_bytes", "The device's free memory (NVML).",
+                                 labels=["device"])
+        for index, snap in sorted(devices.items()):
+            dev = str(index)
+            stats = self._core.inventory.stats(index)
+            if stats.memory_total:
+                free.add_metric([dev], stats.memory_free)
+            per_job: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+            for r in (*snap.holders, *snap.waiting, *snap.others):
+                held = per_job[(r.ident.job_name, r.ident.job_id)]
+                held[0] += stats.process_memory.get(r.ident.pid, 0)
+                held[1] += r.memory_cap
+            for job, (n, limit) in per_job.items():
+                if stats.memory_total:
+                    used.add_metric([dev, *job], n)
+                if limit:
+                    cap.add_metric([dev, *job], limit)
+        yield from (used, cap, free)
+
     def collect(self) -> Iterator[Any]:
         core = self._core
         devices, ranks = core.snapshot()
@@ -205,6 +236,7 @@ class _StateCollector(Collector):
             for job in {(r.ident.job_name, r.ident.job_id) for r in snap.holders}:
                 holder.add_metric([dev, *job], 1)
         yield from (queue, busy, holder, on, draining)
+        yield from self._memory(devices)
         kept = GaugeMetricFamily("crossover_protected_speed_ratio", "The protected (highest-class) job's speed "
                                  "beside the lower ones relative to alone, last shared window (crossoverd "
                                  "--protect).", labels=["device"])

@@ -8,6 +8,7 @@ every step is dated by the `now` it is given.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from crossover.daemon.api import FailedPrecondition, Phase, Policy, RankKey
@@ -15,6 +16,7 @@ from crossover.daemon.events import Decision, EventKind, RankEvent
 from crossover.daemon.handover import Pages
 from crossover.daemon.leases import Leases
 from crossover.daemon.messages import AliveMsg, GrantMsg, PageMsg, ShareMsg
+from crossover.daemon.policies.memory import MemoryCap, format_bytes
 from crossover.daemon.registry import Registry, Session
 from crossover.protos.event_file import EventName
 
@@ -38,6 +40,8 @@ class PhaseMachine:
         # ended on the device hides from the daemon: where jobs' classes differ, turns end on the CPU.
         self.classes_differ: Callable[[int], bool] = lambda device: False
         self.priority_of: Callable[[str], int] = lambda job: 0  # a job's class as a number; larger goes first
+        # Each job's memory cap on a device, given the sessions there (`policies.memory`); none by default.
+        self.caps_on: Callable[[int, list[Session]], dict[str, MemoryCap]] = lambda device, on: {}
         self._registry = registry
         self._leases = leases
         self._owed: dict[int, str] = {}  # device -> the session that released it last, its ticket still owed
@@ -74,6 +78,18 @@ class PhaseMachine:
             self.end_revoke(sess.ref.device, sess.id, now, d)
         elif kind is EventKind.HANDOVER_READY:
             self._handover_ready(sess, d)
+        elif kind is EventKind.MEMORY_CAP_HIT:
+            self._cap_hit(sess, ev.iteration, ev.memory_bytes, d)
+
+    @staticmethod
+    def _cap_hit(sess: Session, iteration: int, asked: int, d: Decision) -> None:
+        """The rank's allocator refused an allocation at its cap: kept for `crossover jobs`, and logged."""
+        cap = sess.memory_cap
+        if not cap.limit:
+            return  # a cap lifted since: the rank ran out of the device itself, not of a cap
+        more = f", asking for {format_bytes(asked)} more" if asked else ""
+        sess.memory_note = f"out of its memory cap at iteration {iteration}{more}: it may hold {cap.why}"
+        d.log(EventName.MEMORY_CAP_HIT, sess, iteration=iteration, asked_bytes=asked, cap_bytes=cap.limit)
 
     def _handover_ready(self, sess: Session, d: Decision) -> None:
         """The rank's device waits on pages and stores tickets: it may end its turns there."""
@@ -247,10 +263,20 @@ class PhaseMachine:
 
     def tell_share(self, device: int, d: Decision) -> None:
         """Tell each rank on the device how many others share it (they joined or left), whether every
-        rank there ends its turns on the device, and whether a rank of a higher class is there."""
+        rank there ends its turns on the device, whether a rank of a higher class is there, and what it
+        may hold of the device's memory (its job's cap, split among the job's ranks there)."""
         on_device = self._registry.on_device(device)
         handover = (self.pages is not None and self.handover_on and not self.classes_differ(device)
                     and all(s.handover == "device" for s in on_device))
         top = max((self.priority_of(s.ref.key.job_id) for s in on_device), default=0)
+        caps = self.caps_on(device, on_device)
+        ranks = Counter(s.ref.key.job_id for s in on_device)
         for sess in on_device:
-            d.post(sess, ShareMsg(len(on_device) - 1, handover, self.priority_of(sess.ref.key.job_id) < top))
+            job = sess.ref.key.job_id
+            cap = caps.get(job, MemoryCap())
+            if cap.limit and ranks[job] > 1:
+                cap = MemoryCap(cap.limit // ranks[job], f"{cap.why}; its {ranks[job]} ranks here share that")
+            if cap != sess.memory_cap:
+                sess.memory_cap = cap
+                d.log(EventName.MEMORY_CAP, sess, cap_bytes=cap.limit, why=cap.why)
+            d.post(sess, ShareMsg(len(on_device) - 1, handover, self.priority_of(job) < top, cap))

@@ -16,6 +16,7 @@ import psutil
 from crossover.daemon.api import InvalidRequest, NotFound, Phase, RankKey, RankRef
 from crossover.daemon.messages import Message
 from crossover.daemon.policies.classes import JobClass, Priority
+from crossover.daemon.policies.memory import MemoryCap
 from crossover.protos.identity import RankIdentity
 
 __all__ = ["Registration", "Registry", "Session", "Stats", "validate_identity"]
@@ -90,6 +91,8 @@ class Session:
     accepts_handover: bool = False  # the client takes turn pages (`handover`) on its session socket
     handover: str = ""  # "device": it ends its turns on its device (its own page is mapped); "": the usual way
     pages_sent: set[int] = field(default_factory=set)  # the turn pages it holds a descriptor of
+    memory_cap: MemoryCap = field(default_factory=MemoryCap)  # what it may hold on its device, as last told
+    memory_note: str = ""  # its last out-of-memory at its cap, in one line
 
     def send(self, msg: Message) -> None:
         if self.deliver is None:

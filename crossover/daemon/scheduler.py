@@ -42,6 +42,7 @@ from crossover.daemon.liveness import Liveness, LivenessSettings
 from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PageMsg, PreemptMsg
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.policies.classes import ClassSettings, JobClass, Priority
+from crossover.daemon.policies.memory import MemoryRules, caps
 from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
 from crossover.daemon.steering import Steering
 from crossover.protos.event_file import EventName
@@ -95,6 +96,7 @@ class Scheduler(Steering):
         class_rules: ClassRules | None = None,
         class_settings: ClassSettings | None = None,
         handover: bool = True,
+        memory: MemoryRules = MemoryRules(),
     ) -> None:
         self._sessions = Registry()
         self._leases = Leases(lease, self._sessions, clock)
@@ -106,6 +108,11 @@ class Scheduler(Steering):
             {s.ref.key.job_id for s in self._sessions.on_device(device)})
         self._phases.priority_of = lambda job: int(self._classes.get(job, (JobClass(), ""))[0].priority)
         self._rules = class_rules or ClassRules()
+        self.memory = memory  # the memory reservations by class (`crossoverd --reserve`)
+        self._phases.caps_on = lambda device, on: caps(
+            self.inventory.by_index(device).memory_total,
+            {s.ref.key.job_id: self._classes.get(s.ref.key.job_id, (JobClass(), ""))[0].priority for s in on},
+            self.memory)
         self._classes: dict[str, tuple[JobClass, str]] = {}  # job -> its class as the policy has it, and by what
         self._set_by_operator: dict[str, JobClass] = {}  # job -> the class `crossover priority/share` set
         self._pid_alive = pid_alive

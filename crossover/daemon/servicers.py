@@ -134,6 +134,7 @@ def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
         mean_comm_s=r.mean_comm_s, wait_fraction=r.wait_fraction, cpu_percent=r.cpu_percent,
         rss_bytes=r.rss_bytes, gpu_memory_bytes=gpu_mem.get(i.pid, 0), since_s=r.since_s, user=r.user,
         priority=to_wire(r.priority), weight=r.weight, handover=r.handover, framework=i.framework,
+        device=r.device, memory_cap_bytes=r.memory_cap, memory_note=r.memory_note,
     )
 
 
@@ -157,7 +158,8 @@ class AdminService(_Service, pb_grpc.AdminServicer):
                 index=dev.index, kind=dev.kind, name=dev.name, draining=self._core.is_draining(dev.index),
                 holders=[_rank_state(r, mem) for r in holders], waiting=[_rank_state(r, mem) for r in waiting],
                 others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
-                memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total, order=list(order),
+                memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total or dev.memory_total,
+                memory_free_bytes=st.memory_free, order=list(order),
                 refused_while_draining=self._core.drain_refusals(dev.index),
                 **_sharing(self._core.sharing(dev.index)), isolation=_isolation(self._core.isolation(dev.index)),
             ))
@@ -170,13 +172,16 @@ class AdminService(_Service, pb_grpc.AdminServicer):
     def _jobs(self) -> dict[str, pb.JobState]:
         """Each job with ranks on this node, by id, as `crossover jobs` shows it."""
         _, ranks = self._core.snapshot()
+        mem: dict[int, int] = {}
+        for dev in {r.device for r in ranks}:
+            mem.update(self._core.inventory.stats(dev).process_memory)
         jobs: dict[str, pb.JobState] = {}
         for r in sorted(ranks, key=lambda r: (r.ident.job_name, r.ident.rank)):
             i = r.ident
             job = jobs.setdefault(i.job_id, pb.JobState(
                 job_id=i.job_id, job_name=i.job_name, world_size=i.world_size,
                 priority=to_wire(r.priority), weight=r.weight, class_set_by=r.class_by, framework=i.framework))
-            job.ranks.append(_rank_state(r, {}))
+            job.ranks.append(_rank_state(r, mem))
             job.registered_s = max(job.registered_s, r.registered_s)
         return jobs
 

@@ -117,7 +117,8 @@ def directive(msg: Message) -> pb.Directive | None:
         return pb.Directive(policy=pb.PolicyUpdate(policy=msg.policy, policy_blocks=msg.blocks))
     if isinstance(msg, ShareMsg):
         return pb.Directive(share=pb.DeviceShare(other_ranks=msg.other_ranks, handover=msg.handover,
-                                                       outranked=msg.outranked))
+                                                 outranked=msg.outranked, memory_cap_bytes=msg.memory_cap.limit,
+                                                 memory_cap_why=msg.memory_cap.why))
     if isinstance(msg, AliveMsg):
         return pb.Directive(alive=pb.Alive())
     if isinstance(msg, ClassMsg):

@@ -31,6 +31,9 @@ class RankSnapshot:
     weight: float = 1.0
     class_by: str = ""  # what set the class: "operator", a --class-rule, "rank", or "" (the default)
     handover: str = ""  # "device": it ends its turns on its device; "": its CPU waits for the device
+    device: int = 0
+    memory_cap: int = 0  # what it may hold on its device (0: no cap)
+    memory_note: str = ""  # its last out-of-memory at its cap
 
 
 class DeviceSnapshot(NamedTuple):
@@ -58,6 +61,9 @@ def rank_snapshot(s: Session, now: float) -> RankSnapshot:
         rss_bytes=0,
         user="" if s.uid is None else _user_name(s.uid),
         handover=s.handover,
+        device=s.ref.device,
+        memory_cap=s.memory_cap.limit,
+        memory_note=s.memory_note,
     )
 
 

@@ -26,6 +26,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LEASE_RELEASED: _ClassVar[EventKind]
     HANDOVER_READY: _ClassVar[EventKind]
     BATCH: _ClassVar[EventKind]
+    MEMORY_CAP_HIT: _ClassVar[EventKind]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +58,7 @@ HEARTBEAT: EventKind
 LEASE_RELEASED: EventKind
 HANDOVER_READY: EventKind
 BATCH: EventKind
+MEMORY_CAP_HIT: EventKind
 PHASE_UNSPECIFIED: Phase
 IDLE: Phase
 WAITING: Phase
@@ -144,7 +146,7 @@ class Preempt(_message.Message):
     def __init__(self) -> None: ...
 
 class RankEvent(_message.Message):
-    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "handover_ticket", "yields")
+    __slots__ = ("kind", "session_id", "iteration", "seq", "duration_s", "comm_begins", "no_wait", "requested", "comm_s", "batch", "ago_s", "handover_ticket", "yields", "memory_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,7 @@ class RankEvent(_message.Message):
     AGO_S_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_TICKET_FIELD_NUMBER: _ClassVar[int]
     YIELDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     session_id: str
     iteration: int
@@ -171,7 +174,8 @@ class RankEvent(_message.Message):
     ago_s: float
     handover_ticket: int
     yields: bool
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., handover_ticket: _Optional[int] = ..., yields: _Optional[bool] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., session_id: _Optional[str] = ..., iteration: _Optional[int] = ..., seq: _Optional[int] = ..., duration_s: _Optional[float] = ..., comm_begins: _Optional[bool] = ..., no_wait: _Optional[bool] = ..., requested: _Optional[bool] = ..., comm_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[RankEvent, _Mapping]]] = ..., ago_s: _Optional[float] = ..., handover_ticket: _Optional[int] = ..., yields: _Optional[bool] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("grant", "policy", "lease", "error", "share", "alive", "job_class", "preempt", "handover_page")
@@ -208,14 +212,18 @@ class Alive(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceShare(_message.Message):
-    __slots__ = ("other_ranks", "handover", "outranked")
+    __slots__ = ("other_ranks", "handover", "outranked", "memory_cap_bytes", "memory_cap_why")
     OTHER_RANKS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
     OUTRANKED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAP_WHY_FIELD_NUMBER: _ClassVar[int]
     other_ranks: int
     handover: bool
     outranked: bool
-    def __init__(self, other_ranks: _Optional[int] = ..., handover: _Optional[bool] = ..., outranked: _Optional[bool] = ...) -> None: ...
+    memory_cap_bytes: int
+    memory_cap_why: str
+    def __init__(self, other_ranks: _Optional[int] = ..., handover: _Optional[bool] = ..., outranked: _Optional[bool] = ..., memory_cap_bytes: _Optional[int] = ..., memory_cap_why: _Optional[str] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")
@@ -254,7 +262,7 @@ class PolicyUpdate(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., policy_blocks: _Optional[bool] = ...) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user", "priority", "weight", "handover", "framework")
+    __slots__ = ("job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s", "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user", "priority", "weight", "handover", "framework", "device", "memory_cap_bytes", "memory_note")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +282,9 @@ class RankState(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
     FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_NOTE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_name: str
     rank: int
@@ -293,10 +304,13 @@ class RankState(_message.Message):
     weight: float
     handover: str
     framework: str
-    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., handover: _Optional[str] = ..., framework: _Optional[str] = ...) -> None: ...
+    device: int
+    memory_cap_bytes: int
+    memory_note: str
+    def __init__(self, job_id: _Optional[str] = ..., job_name: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., iteration: _Optional[int] = ..., mean_compute_s: _Optional[float] = ..., mean_comm_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., user: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., weight: _Optional[float] = ..., handover: _Optional[str] = ..., framework: _Optional[str] = ..., device: _Optional[int] = ..., memory_cap_bytes: _Optional[int] = ..., memory_note: _Optional[str] = ...) -> None: ...
 
 class DeviceState(_message.Message):
-    __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order", "refused_while_draining", "sharing", "sharing_reason", "isolation")
+    __slots__ = ("index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes", "memory_total_bytes", "order", "refused_while_draining", "sharing", "sharing_reason", "isolation", "memory_free_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +326,7 @@ class DeviceState(_message.Message):
     SHARING_FIELD_NUMBER: _ClassVar[int]
     SHARING_REASON_FIELD_NUMBER: _ClassVar[int]
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     kind: str
     name: str
@@ -327,7 +342,8 @@ class DeviceState(_message.Message):
     sharing: str
     sharing_reason: str
     isolation: Isolation
-    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ..., refused_while_draining: _Optional[int] = ..., sharing: _Optional[str] = ..., sharing_reason: _Optional[str] = ..., isolation: _Optional[_Union[Isolation, _Mapping]] = ...) -> None: ...
+    memory_free_bytes: int
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., draining: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., others: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., order: _Optional[_Iterable[str]] = ..., refused_while_draining: _Optional[int] = ..., sharing: _Optional[str] = ..., sharing_reason: _Optional[str] = ..., isolation: _Optional[_Union[Isolation, _Mapping]] = ..., memory_free_bytes: _Optional[int] = ...) -> None: ...
 
 class Isolation(_message.Message):
     __slots__ = ("window", "target", "budget", "reference_s", "current_s", "lower_share", "kept")

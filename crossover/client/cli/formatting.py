@@ -99,10 +99,10 @@ def _phase(rank: dict[str, Any]) -> Text:
 
 
 _QUEUE_COLUMNS = ("", "job", "user", "rank", "pid", "phase", "iter", "comp ms", "comm ms", "wait", "hand-over",
-                  "cpu%", "rss", "gpu mem")
+                  "cpu%", "rss", "gpu mem", "mem cap")
 # What a narrow terminal loses, in order:
 _DROP_FIRST = ("pid", "hand-over", "rss", "gpu mem", "cpu%", "user", "comm ms", "iter")
-_RIGHT = {"rank", "pid", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem"}
+_RIGHT = {"rank", "pid", "iter", "comp ms", "comm ms", "wait", "cpu%", "rss", "gpu mem", "mem cap"}
 
 
 _MIN_WIDTH = {"": 5, "job": 6, "phase": 7}  # "holds" and "#12", a job, a phase keep one width frame to frame
@@ -141,7 +141,7 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
         if util is not None and util >= 0:
             extras.append(f"util {util:.0f}%")
         if int(dev.get("memory_total_bytes", 0)):
-            extras.append(f"mem {_bytes(int(dev['memory_used_bytes']))}/{_bytes(int(dev['memory_total_bytes']))}")
+            extras.append(_device_memory(dev))
         if dev.get("order"):
             extras.append("order " + " → ".join(shown(o, 40).plain for o in dev["order"]))
         if dev.get("sharing"):
@@ -154,6 +154,7 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
         marked += [(f"#{i + 1}", r) for i, r in enumerate(dev.get("waiting", []))]
         marked += [("", r) for r in dev.get("others", [])]
         gpu = any(int(r.get("gpu_memory_bytes", 0)) for _, r in marked)
+        capped = any(int(r.get("memory_cap_bytes", 0)) for _, r in marked)
         rows = []
         for mark, r in marked:
             cpu = r.get("cpu_percent")
@@ -168,8 +169,10 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
                          "hand-over": Text(r.get("handover") or "cpu"),
                          "cpu%": Text("-" if cpu is None or cpu < 0 else f"{cpu:.0f}"),
                          "rss": Text(_bytes(int(r.get("rss_bytes", 0)))),
-                         "gpu mem": Text(_bytes(int(r.get("gpu_memory_bytes", 0))))})
-        columns = _fit([c for c in _QUEUE_COLUMNS if gpu or c != "gpu mem"], rows, width)
+                         "gpu mem": Text(_bytes(int(r.get("gpu_memory_bytes", 0)))),
+                         "mem cap": Text(_bytes(int(r.get("memory_cap_bytes", 0))))})
+        columns = _fit([c for c in _QUEUE_COLUMNS if (gpu or c != "gpu mem") and (capped or c != "mem cap")], rows,
+                       width)
         t = Table(title=title, title_justify="left", expand=False, pad_edge=False)
         for col in columns:
             t.add_column(col, justify="right" if col in _RIGHT else "left", no_wrap=True, min_width=_MIN_WIDTH.get(col))
@@ -181,9 +184,35 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
     return tables
 
 
+def _device_memory(dev: dict[str, Any]) -> str:
+    """`mem 61 GiB/80 GiB (19 GiB free; prod 50 GiB, batch 9 GiB)`: the device's memory and each job's there."""
+    used, total, free = (int(dev.get(k, 0)) for k in ("memory_used_bytes", "memory_total_bytes", "memory_free_bytes"))
+    per_job: dict[str, int] = {}
+    for key in ("holders", "waiting", "others"):
+        for r in dev.get(key, []):
+            name = r.get("job_name", "")
+            per_job[name] = per_job.get(name, 0) + int(r.get("gpu_memory_bytes", 0))
+    jobs = ", ".join(f"{shown(job, 24).plain} {_bytes(n)}" for job, n in per_job.items() if n)
+    inner = "; ".join(part for part in (f"{_bytes(free)} free" if free else "", jobs) if part)
+    return f"mem {_bytes(used)}/{_bytes(total)}" + (f" ({inner})" if inner else "")
+
+
+def _job_memory(ranks: list[dict[str, Any]]) -> str:
+    """Each device's share of the job here: `d0 9.1 GiB (cap 16 GiB)`; `-` when nothing is known."""
+    per_device: dict[int, list[int]] = {}
+    for r in ranks:
+        held = per_device.setdefault(int(r.get("device", 0)), [0, 0])
+        held[0] += int(r.get("gpu_memory_bytes", 0))
+        held[1] += int(r.get("memory_cap_bytes", 0))
+    shown_ = [f"d{d} {_bytes(used)}" + (f" (cap {_bytes(cap)})" if cap else "")
+              for d, (used, cap) in sorted(per_device.items()) if used or cap]
+    return ", ".join(shown_) or "-"
+
+
 def jobs_table(state: dict[str, Any]) -> Table:
     t = Table(title="jobs on this node", title_justify="left")
-    for col in ("job", "framework", "user", "id", "class", "world", "ranks here", "phases", "iter", "registered s"):
+    for col in ("job", "framework", "user", "id", "class", "world", "ranks here", "phases", "iter", "gpu mem",
+                "registered s"):
         t.add_column(col)
     for job in state.get("jobs", []):
         ranks = job.get("ranks", [])
@@ -197,7 +226,12 @@ def jobs_table(state: dict[str, Any]) -> Table:
         t.add_row(shown(job["job_name"]), shown(job.get("framework") or "-", 10), shown(",".join(users) or "-", 24),
                   shown(job["job_id"][:12]), klass,
                   str(job["world_size"]), str(len(ranks)), phases,
-                  str(iters), f"{job.get('registered_s', 0.0):.0f}")
+                  str(iters), _job_memory(ranks), f"{job.get('registered_s', 0.0):.0f}")
+    notes = [f"{job['job_name']} rank {r.get('rank', 0)}: {r['memory_note']}" for job in state.get("jobs", [])
+             for r in job.get("ranks", []) if r.get("memory_note")]
+    if notes:
+        t.caption = "\n".join(shown(n, 400).plain for n in notes)
+        t.caption_justify = "left"
     if not state.get("jobs"):
-        t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "", "", "", "")
+        t.add_row(Text("no jobs registered", style="dim"), "", "", "", "", "", "", "", "", "", "")
     return t

@@ -1,0 +1,159 @@
+"""GPU memory by class: what each job on a device may hold, so that no neighbour runs a higher job out of it.
+
+The operator reserves part of each device's memory for a class
+(`crossoverd --reserve high=50%`). A reservation is *active* on a device while
+a job of that class is registered there; a job leaving frees it. The rules:
+
+* **Only below.** A reservation guards its class against the classes below it,
+  never against its own or those above. Jobs of the highest class with an active
+  reservation, and every class above it, are not capped.
+* **The rest is shared.** Every job of a lower class is capped. The memory no
+  active reservation holds is split equally among the capped jobs; a capped job
+  whose own class has an active reservation adds its part of that reservation.
+  So the caps of the jobs below any reservation never add up to more than the
+  device less that reservation and every one above it.
+* **Nothing changes** for a job alone on its device, or where no reservation is
+  active: it gets no cap.
+
+A cap is the job's whole footprint on the device as NVML counts it (its CUDA
+context, NCCL's buffers and its allocator's pool); the rank measures what lies
+outside its allocator and applies the rest to it. A reservation covers the whole
+footprint of its class's jobs likewise. The device's total is what the driver
+does not keep for itself.
+
+Pure: no I/O; the scheduler feeds it each device's jobs and total.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from crossover.daemon.policies.classes import Priority
+
+__all__ = ["MemoryCap", "MemoryRules", "Reservation", "caps", "format_bytes", "parse_reservation",
+           "parse_size"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000 ** 2,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1000 ** 3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000 ** 4,
+          "TIB": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(%|[A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> tuple[float, int]:
+    """`"50%"` → (0.5, 0); `"40GiB"`, `"40G"`, `"512MiB"`, `"1.5GB"`, `"1073741824"` → (0, bytes).
+    ValueError says what is wrong."""
+    m = _SIZE.match(text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or (unit != "%" and unit not in _UNITS):
+        raise ValueError(f"size {text!r}: write a share of the device (50%) or an amount (40GiB, 512MiB)")
+    value = float(m.group(1))
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise ValueError(f"size {text!r}: a share must be above 0% and at most 100%")
+        return value / 100, 0
+    amount = int(value * _UNITS[unit])
+    if amount <= 0:
+        raise ValueError(f"size {text!r} is no memory at all")
+    return 0.0, amount
+
+
+def format_bytes(n: int) -> str:
+    """`42.5 GiB`, `512 MiB`: the unit that keeps the figure between 1 and 1024."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}".replace(".0 ", " ")
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Memory held on each device for the jobs of `priority`: a `fraction` of the device, or `amount` bytes."""
+
+    priority: Priority
+    fraction: float = 0.0
+    amount: int = 0
+
+    def on(self, total: int) -> int:
+        """The bytes it holds on a device of `total` bytes."""
+        return min(total, int(self.fraction * total) if self.fraction else self.amount)
+
+    def __str__(self) -> str:
+        size = f"{100 * self.fraction:g}%" if self.fraction else format_bytes(self.amount)
+        return f"{self.priority}={size}"
+
+
+def parse_reservation(text: str) -> Reservation:
+    """`high=50%`, `normal=20GiB`; ValueError says what is wrong."""
+    klass, sep, size = text.partition("=")
+    if not sep:
+        raise ValueError(f"reservation {text!r}: write CLASS=SIZE, e.g. high=50% or high=40GiB")
+    try:
+        priority = Priority.parse(klass)
+        fraction, amount = parse_size(size)
+    except ValueError as exc:
+        raise ValueError(f"reservation {text!r}: {exc}") from None
+    return Reservation(priority, fraction, amount)
+
+
+@dataclass(frozen=True)
+class MemoryRules:
+    """The node's reservations, at most one per class."""
+
+    reservations: tuple[Reservation, ...] = ()
+
+    def __post_init__(self) -> None:
+        classes = [r.priority for r in self.reservations]
+        if len(set(classes)) != len(classes):
+            raise ValueError("a class is reserved twice; give each class one --reserve")
+        if sum(r.fraction for r in self.reservations) > 1.0:
+            raise ValueError("the reservations add up to more than 100% of a device")
+
+    @classmethod
+    def parse(cls, texts: tuple[str, ...] | list[str]) -> MemoryRules:
+        return cls(tuple(parse_reservation(t) for t in texts))
+
+    def of(self, priority: Priority) -> Reservation | None:
+        return next((r for r in self.reservations if r.priority == priority), None)
+
+    def __str__(self) -> str:
+        return ", ".join(map(str, self.reservations)) or "none"
+
+
+@dataclass(frozen=True)
+class MemoryCap:
+    """What a job may hold on one device: `limit` bytes of footprint (0: no cap), and why, in words that
+    finish the rank's out-of-memory line: the cap, the reservations behind it, the setting that changes it."""
+
+    limit: int = 0
+    why: str = ""
+
+
+def caps(total: int, jobs: Mapping[str, Priority], rules: MemoryRules) -> dict[str, MemoryCap]:
+    """Each job's cap on a device of `total` bytes whose jobs are `jobs` (job → class); a job without a cap
+    gets `MemoryCap()`."""
+    uncapped = {job: MemoryCap() for job in jobs}
+    if total <= 0 or not rules.reservations:
+        return uncapped
+    present = set(jobs.values())
+    active = [r for r in rules.reservations if r.priority in present]
+    if not active:
+        return uncapped
+    top = max(r.priority for r in active)
+    capped = [job for job, p in jobs.items() if p < top]
+    if not capped:
+        return uncapped
+    held = {r.priority: r.on(total) for r in active}
+    free = max(0, total - sum(held.values()))
+    per_class = {p: sum(1 for job in capped if jobs[job] == p) for p in held}
+    reasons = ", ".join(f"{p} reserves {format_bytes(b)}" for p, b in sorted(held.items(), reverse=True))
+    out = dict(uncapped)
+    for job in capped:
+        p = jobs[job]
+        limit = free // len(capped) + (held[p] // per_class[p] if p in held else 0)
+        shared = f"split among {len(capped)} capped jobs" if len(capped) > 1 else "left to it"
+        out[job] = MemoryCap(limit, f"{format_bytes(limit)} of {format_bytes(total)}, as {reasons} and the rest "
+                                    f"is {shared} (the operator's crossoverd --reserve; a higher class or a smaller "
+                                    "batch fits it)")
+    return out
+
