@@ -123,7 +123,7 @@ class Inventory:
             util = nv.nvmlDeviceGetUtilizationRates(h)
             mem = nv.nvmlDeviceGetMemoryInfo(h)
             procs = {p.pid: int(p.usedGpuMemory or 0) for p in nv.nvmlDeviceGetComputeRunningProcesses(h)}
-            return DeviceStats(float(util.gpu), int(mem.used), int(mem.total), procs, int(mem.free))
+            return DeviceStats(float(util.gpu), int(mem.used), int(mem.total), int(mem.free), procs)
         except Exception as exc:  # NVMLError: keep serving without GPU figures
             _log.warning("NVML query for device %d failed: %s", index, exc)
             return DeviceStats()

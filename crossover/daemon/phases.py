@@ -275,7 +275,8 @@ class PhaseMachine:
             job = sess.ref.key.job_id
             cap = caps.get(job, MemoryCap())
             if cap.limit and ranks[job] > 1:
-                cap = MemoryCap(cap.limit // ranks[job], f"{cap.why}; its {ranks[job]} ranks here share that")
+                each = cap.limit // ranks[job]
+                cap = MemoryCap(each, f"{cap.why}; its {ranks[job]} ranks here share that, {format_bytes(each)} each")
             if cap != sess.memory_cap:
                 sess.memory_cap = cap
                 d.log(EventName.MEMORY_CAP, sess, cap_bytes=cap.limit, why=cap.why)

@@ -81,7 +81,29 @@ class DeviceClient:
         """This rank's job has an allreduce in flight (True) or no longer has (False)."""
         self._send(f"comm {int(active)}\n")
 
+    def alloc(self, pool_bytes: int) -> list[str]:
+        """Grow this context's memory pool to `pool_bytes`; [] when done, else the refusal's words
+        (`cap|device pool limit free`)."""
+        self._send(f"alloc {int(pool_bytes)}\n")
+        words = self._await_line().split()
+        return [] if words == ["ok"] else words[1:]
+
+    def limit(self, pool_bytes: int | None) -> None:
+        """Cap this context's pool (None: no cap); returns at once."""
+        self._send(f"limit {'none' if pool_bytes is None else int(pool_bytes)}\n")
+
+    def footprint(self) -> tuple[int, int] | None:
+        """(pool, outside) this context holds; None before its first allocation."""
+        self._send("footprint\n")
+        words = self._await_line().split()
+        return None if words[1:] == ["none"] else (int(words[1]), int(words[2]))
+
     def _await_done(self) -> None:
+        line = self._await_line()
+        if line != "done":
+            raise DeviceGone(f"emulated device {self.path} answered {line[:40]!r}")
+
+    def _await_line(self) -> str:
         while b"\n" not in self._buf:
             try:
                 data = self._sock.recv(64)
@@ -91,8 +113,7 @@ class DeviceClient:
                 raise DeviceGone(f"emulated device {self.path} closed the connection")
             self._buf += data
         line, self._buf = self._buf.split(b"\n", 1)
-        if line != b"done":
-            raise DeviceGone(f"emulated device {self.path} answered {line[:40]!r}")
+        return line.decode(errors="replace")
 
     def _send(self, line: str, fds: Sequence[int] = ()) -> None:
         """One line, with `fds` on the same sendmsg as its first byte."""

@@ -12,8 +12,12 @@ operations, like a CUDA stream. Lines it may send:
     page own            with one fd (SCM_RIGHTS, same sendmsg): this context's own page, mapped read-write
     page <id>           with one fd: peer page <id>, which `wait` may name; mapped read-only (the fd may be O_RDONLY)
     comm 1 | comm 0     this rank's job has an allreduce in flight / no longer has
+    alloc <bytes>       grow this context's memory pool to that (`memory.MemoryBudget`); answers `ok`, or
+                        `oom cap|device <pool> <limit> <free>` when its cap or the device refuses
+    limit <bytes>|none  cap this context's pool (torch's per-process memory fraction); no answer
+    footprint           answers `footprint <pool> <outside>`, or `footprint none` before its first alloc
 
-`page` and `comm` take effect when they arrive; the others are ops of the stream.
+`page`, `comm`, `alloc`, `limit` and `footprint` take effect when they arrive; the others are ops of the stream.
 A page is 4096 bytes of shared memory (a memfd) whose word is the little-endian
 uint32 at offset 0: the emulated form of cuStreamWaitValue32 /
 cuStreamWriteValue32 on host-mapped memory, by which one rank's device work
@@ -56,6 +60,7 @@ from types import FrameType
 
 from crossover.protos.turn_page import PAGE_BYTES, WORD, reached
 
+from .memory import MemoryBudget
 from .model import DeviceModel, DeviceParams
 
 _log = logging.getLogger("testbed.device_model")
@@ -139,9 +144,10 @@ def _parse_op(words: list[str]) -> list[_Op]:
 class DeviceServer:
     """The loop: accept contexts, read their lines, run their streams, answer `done` when the model says so."""
 
-    def __init__(self, path: Path, params: DeviceParams) -> None:
+    def __init__(self, path: Path, params: DeviceParams, memory: MemoryBudget | None = None) -> None:
         self.path = path
         self.model = DeviceModel(params)
+        self.memory = memory or MemoryBudget(0)
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
@@ -244,6 +250,7 @@ class DeviceServer:
         ctx.closed = True
         self.contexts.pop(ctx, None)
         self.model.remove(ctx, time.monotonic())
+        self.memory.remove(ctx)
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(ctx.conn)
         ctx.conn.close()
@@ -290,6 +297,9 @@ class DeviceServer:
             if words[:1] == ["comm"] and len(words) == 2 and words[1] in ("0", "1"):
                 self.model.set_comm(ctx, words[1] == "1", time.monotonic())
                 return
+            if words[:1] in (["alloc"], ["limit"], ["footprint"]):
+                self._memory_line(ctx, words)
+                return
             ops = _parse_op(words)
             self._check(ctx, ops)
         except (ValueError, OSError) as exc:
@@ -298,6 +308,19 @@ class DeviceServer:
         ctx.ops.extend(ops)
         self.phases += sum(op.kind == "work" for op in ops)
         self._advance(ctx)
+
+    def _memory_line(self, ctx: _Context, words: list[str]) -> None:
+        if words == ["footprint"]:
+            held = self.memory.footprint(ctx)
+            self._send(ctx, b"footprint none\n" if held is None else f"footprint {held[0]} {held[1]}\n".encode())
+        elif words[0] == "alloc" and len(words) == 2 and words[1].isdigit():
+            refused = self.memory.grow(ctx, int(words[1]))
+            self._send(ctx, b"ok\n" if refused is None else
+                       f"oom {refused.reason} {refused.pool} {refused.limit} {refused.free}\n".encode())
+        elif words[0] == "limit" and len(words) == 2 and (words[1].isdigit() or words[1] == "none"):
+            self.memory.set_limit(ctx, None if words[1] == "none" else int(words[1]))
+        else:
+            raise ValueError("not a memory line")
 
     @staticmethod
     def _check(ctx: _Context, ops: list[_Op]) -> None:
@@ -336,11 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-us", type=float, default=defaults.switch_us, help="cost of one context switch (µs)")
     p.add_argument("--interference", type=float, default=defaults.interference,
                    help="compute slowdown while an allreduce is in flight (0.19: 19%% slower)")
+    p.add_argument("--memory-mb", type=int, default=0, help="the device's memory (MiB; 0: not modelled)")
+    p.add_argument("--context-mb", type=int, default=300,
+                   help="what each context holds outside its allocator pool once it allocates (MiB)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         params = DeviceParams(args.slice_us, args.switch_us, args.interference)
-        server = DeviceServer(args.socket, params)
+        server = DeviceServer(args.socket, params, MemoryBudget(args.memory_mb << 20, args.context_mb << 20))
     except (ValueError, OSError) as exc:
         print(f"device server: {exc}", file=sys.stderr)
         return 2

@@ -5,9 +5,16 @@ cuStreamWriteValue32 on host-mapped memory): a rank's device work waits on a
 peer's page word, and the device writes the rank's own page word when its work
 is done, so the next rank's work starts without a round trip through the host.
 `ModelTurns` is the emulated device's `crossover.client.rank.device_turns.DeviceTurns`,
-which a rank hands to the plugin (`crossover.auto.use_device`).
+which a rank hands to the plugin (`crossover.auto.use_device`). It is the device's
+`crossover.client.rank.device_memory.DeviceMemory` too: its allocator pool (`memory`)
+is what the daemon's memory caps apply to, and `need` is a workload's allocation.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+
+from crossover.client.rank.device_memory import Footprint, OverMemoryCap
+from crossover.plugins.hook.cuda_memory import cap_exceeded
 
 from .client import DeviceClient
 
@@ -24,6 +31,36 @@ class ModelTurns:
 
     def __init__(self, client: DeviceClient) -> None:
         self.client = client
+        self._refused: Callable[[int], str] | None = None
+
+    def need(self, pool_bytes: int) -> None:
+        """The workload's allocations reach `pool_bytes`: grow the pool, or raise torch's `OutOfMemoryError`
+        as its allocator does, with the plugin's line when a cap refused it."""
+        refusal = self.client.alloc(pool_bytes)
+        if not refusal:
+            return
+        import torch
+
+        reason, pool, limit, free = refusal[0], *map(int, refusal[1:])
+        line = self._refused(max(0, pool_bytes - pool)) if self._refused is not None else ""
+        what = (f"its pool may not pass {limit / 2**20:.0f} MiB" if reason == "cap"
+                else f"the device has {free / 2**20:.0f} MiB free")
+        raise torch.OutOfMemoryError(f"emulated device out of memory: tried to grow the pool from "
+                                     f"{pool / 2**20:.0f} MiB to {pool_bytes / 2**20:.0f} MiB and {what}"
+                                     + (f"\n{line}" if line else ""))
+
+    def footprint(self) -> Footprint | None:
+        held = self.client.footprint()
+        return None if held is None else Footprint(*held)
+
+    def set_limit(self, pool_bytes: int | None) -> None:
+        self.client.limit(pool_bytes)
+
+    def on_refusal(self, callback: Callable[[int], str]) -> None:
+        self._refused = callback
+
+    def refusal(self, line: str) -> OverMemoryCap:
+        return cap_exceeded(f"emulated device out of memory: this process holds more than its cap\n{line}")
 
     def attach_own(self, fd: int) -> None:
         """Map the own page on the server before returning (a sync follows the line): the daemon seals the

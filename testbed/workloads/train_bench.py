@@ -175,6 +175,12 @@ def main():
                         "can end before the device has done it; the allreduce is not held back for it")
     p.add_argument("--real-batch", type=int, default=8,
                    help="with an emulated device: rows of the batch really computed on the CPU")
+    p.add_argument("--device-memory-mb", type=int, default=0,
+                   help="with an emulated device: the memory (MiB) its allocator pool needs from the first iteration "
+                        "(a model, its optimizer state, its activations); 0: memory is not modelled")
+    p.add_argument("--device-memory-growth-mb", type=int, default=0,
+                   help="what the pool needs more at each later iteration (a job that grows)")
+    p.add_argument("--device-memory-max-mb", type=int, default=0, help="where the growth stops (0: it does not)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     device = DeviceClient.from_env()
@@ -183,8 +189,9 @@ def main():
     if device is not None and args.device_ms_per_sample <= 0:
         p.error("an emulated device is set (EMULATED_DEVICE_SOCKET): give --device-ms-per-sample > 0")
     plugin = sys.modules.get("crossover.auto")
-    if device is not None and plugin is not None:
-        plugin.use_device(ModelTurns(device))
+    turns = None if device is None else ModelTurns(device)
+    if turns is not None and plugin is not None:
+        plugin.use_device(turns)
 
     torch.set_num_threads(args.threads)
     while args.go_file and not os.path.exists(args.go_file):
@@ -222,6 +229,9 @@ def main():
             rows = args.batch if device is None else min(args.batch, args.real_batch)
             x, y = x_all[b * args.batch:b * args.batch + rows], y_all[b * args.batch:b * args.batch + rows]
             opt.zero_grad()
+            if turns is not None and args.device_memory_mb:
+                grown = args.device_memory_mb + i * args.device_memory_growth_mb
+                turns.need(min(grown, args.device_memory_max_mb or grown) << 20)
             if device is not None and args.queue_device_work:
                 device.submit(work)
             elif device is not None and not args.device_in_backward:

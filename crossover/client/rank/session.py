@@ -17,6 +17,7 @@ from typing import Callable
 import grpc
 
 from crossover.client.rank.daemon_silence import Silence
+from crossover.client.rank.device_memory import DeviceMemory, MemoryCaps
 from crossover.client.rank.device_turns import DeviceTurns, TurnHandover
 from crossover.client.rank.late_reports import LateReports
 from crossover.client.rank.traffic_class import TrafficMark
@@ -70,6 +71,8 @@ class Session:
         self.turns = TurnHandover()  # the hand-over on the device: pages, the device that uses them, tickets
         self._after = (0, 0)  # the latest grant's page and ticket to wait for on the device
         self._device_handover = False  # every rank on this device ends its turns on the device
+        self.memory = MemoryCaps(self.info.job_name, self._report_cap_hit)  # the daemon's memory cap, applied
+        self._iteration = 0  # the latest iteration it asked for the device in
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
 
     # ---- phase calls (made from the training thread) --------------------
@@ -94,6 +97,9 @@ class Session:
         """
         if self.turns.attach_pending():  # a turn page arrived since: this thread maps it on the device
             self._say_ready()
+        if self.memory.pending:  # a memory cap arrived since: this thread applies it to the device's allocator
+            self.memory.apply_pending()
+        self._iteration = iteration
         with self._cond:
             if not self._attached:
                 return False
@@ -157,6 +163,15 @@ class Session:
         CROSSOVER_HANDOVER=0."""
         if self.settings.handover and self.turns.use(device):
             self._say_ready()
+
+    def use_memory(self, device: DeviceMemory) -> None:
+        """The rank's device has an allocator the daemon's memory caps apply to (see `device_memory`)."""
+        self.memory.use(device)
+
+    def _report_cap_hit(self, asked: int) -> None:
+        with self._cond:
+            if self._attached:
+                self._send(pb.RankEvent(kind=pb.MEMORY_CAP_HIT, iteration=self._iteration, memory_bytes=asked))
 
     def _say_ready(self) -> None:
         with self._cond:
@@ -341,6 +356,8 @@ class Session:
                         self._shares_device = d.share.other_ranks > 0
                         self._device_handover = d.share.handover
                         self._outranked = d.share.outranked
+                        self.memory.told(d.share.memory_cap_bytes, d.share.memory_cap_why,
+                                         self.registration.device if self.registration else -1)
                     elif d.HasField("handover_page"):
                         self.turns.page(d.handover_page.page, d.handover_page.own, stream.take_fd())
                     elif d.HasField("job_class"):

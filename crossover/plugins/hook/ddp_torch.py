@@ -40,6 +40,7 @@ import uuid
 from typing import Any
 
 from crossover.plugins.hook import torch_collectives
+from crossover.plugins.hook.cuda_memory import use_cuda_memory
 from crossover.plugins.hook.phase_reporter import PhaseReporter, guarded
 from crossover.plugins.hook.phase_tracking import (
     GradientYields,
@@ -171,6 +172,7 @@ def _ensure_phases(ddp: Any) -> PhaseReporter:
 
         phases.settle = wait_for_device
         use_cuda_turns(phases)
+        use_cuda_memory(session, cuda)
         pace_on_gpu(phases)
     RUNTIME.phases = phases
     from torch.optim.optimizer import register_optimizer_step_pre_hook

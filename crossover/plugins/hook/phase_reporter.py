@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, Protocol
 
+from crossover.client.rank.device_memory import OverMemoryCap
+
 __all__ = ["PhaseReporter", "PhaseSession"]
 
 _log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except OverMemoryCap:  # the rank holds memory a higher class reserved: the one error training sees
+            raise
         except Exception:
             _log.exception("crossover phase hook failed; continuing unscheduled")
             return None

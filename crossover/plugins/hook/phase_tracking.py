@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from crossover.client.rank.session import Session
+from crossover.plugins.hook.cuda_memory import use_cuda_memory
 from crossover.plugins.hook.cuda_turns import CudaUnavailable, RunAhead, torch_cuda_turns, wait_for_device
 from crossover.plugins.hook.host_staging import StagedHandle
 from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of
@@ -152,9 +153,11 @@ class _PhaseTracker(GradientYields, OptimizerHook):
         self._comm_start = 0.0
         self._chain = hooks_of(opt)
         self.expected = max(1, int(getattr(opt, "backward_passes_per_step", 1)))
-        if any(p.is_cuda for p in self._chain.params):
+        cuda = next((p.device.index for p in self._chain.params if p.is_cuda), None)
+        if cuda is not None:
             phases.settle = wait_for_device
             use_cuda_turns(phases)
+            use_cuda_memory(phases.session, cuda)
             pace_on_gpu(phases)
         # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
         import horovod.torch.optimizer as hvd_opt  # only a Horovod optimizer gets here

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from crossover.client.rank.device_memory import DeviceMemory
 from crossover.client.rank.device_turns import DeviceTurns
 from crossover.client.rank.session import Session
 from crossover.plugins.hook.runtime import RUNTIME
@@ -63,7 +64,8 @@ def use_device(turns: DeviceTurns) -> None:
     For a device the plugin does not know (CUDA GPUs it finds itself): `turns` waits on
     the daemon's turn pages and stores into them in the order of the device's work, and
     drains it (each release waits for that where the turn does not end on the device).
-    Call it once, before or after the rank registers.
+    Call it once, before or after the rank registers. A device that is a `DeviceMemory` too has its
+    allocator capped as the daemon says (`crossoverd --reserve`).
     """
     RUNTIME.device = turns
     phases = RUNTIME.phases
@@ -71,7 +73,14 @@ def use_device(turns: DeviceTurns) -> None:
         phases.settle = turns.drain
     session = RUNTIME.session
     if session is not None:
-        session.use_device(turns)
+        _use(session, turns)
+
+
+def _use(session: Session, device: DeviceTurns) -> None:
+    """Hand turns over on the device; where it has an allocator the memory caps apply to, cap it too."""
+    session.use_device(device)
+    if isinstance(device, DeviceMemory):
+        session.use_memory(device)
 
 
 def cuda_device(default: int) -> int:
@@ -95,7 +104,7 @@ def open_session(info: RankIdentity, settings: PluginSettings) -> Session:
         session.on_attach = pin
     RUNTIME.session = session.start()
     if RUNTIME.device is not None:
-        session.use_device(RUNTIME.device)
+        _use(session, RUNTIME.device)
     # Close the stream on exit: the daemon then sees a clean end at once instead of
     # waiting for heartbeats that stop while the interpreter shuts down.
     atexit.register(_close_session)

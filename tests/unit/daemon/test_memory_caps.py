@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 
 from crossover.daemon.policies.classes import Priority
-from crossover.daemon.policies.memory import (MemoryCap, MemoryRules, Reservation, caps, format_bytes,
-                                              parse_reservation, parse_size)
+from crossover.daemon.policies.memory import (
+    MemoryCap,
+    MemoryRules,
+    Reservation,
+    caps,
+    format_bytes,
+    parse_reservation,
+    parse_size,
+)
 
 GiB = 1 << 30
 HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
@@ -36,7 +43,8 @@ def test_reservations_parse_and_read_back() -> None:
     assert parse_reservation("high=50%") == Reservation(HIGH, 0.5)
     assert str(parse_reservation("normal=20GiB")) == "normal=20 GiB"
     assert str(rules("high=60%", "low=1GiB")) == "high=60%, low=1 GiB"
-    for bad, says in (("high", "CLASS=SIZE"), ("urgent=5%", "high, normal, low"), ("high=much", "reservation 'high=much'")):
+    for bad, says in (("high", "CLASS=SIZE"), ("urgent=5%", "high, normal, low"),
+                      ("high=much", "reservation 'high=much'")):
         with pytest.raises(ValueError, match=says):
             parse_reservation(bad)
     with pytest.raises(ValueError, match="reserved twice"):
