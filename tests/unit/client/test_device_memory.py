@@ -1,0 +1,115 @@
+"""The rank's side of the memory caps (`MemoryCaps`), against a fake device: when a cap is applied, what the
+allocator is limited to, the one line, and the one error the plugin raises into training."""
+from __future__ import annotations
+
+import pytest
+
+from crossover.client.rank.device_memory import DeviceMemory, Footprint, MemoryCaps, OverMemoryCap
+
+GiB = 1 << 30
+WHY = "2.5 GiB of 10 GiB, as high reserves 7.5 GiB and the rest is left to it (the operator's crossoverd --reserve)"
+
+
+class FakeDevice:
+    name = "fake"
+
+    def __init__(self, footprint: Footprint | None = None, frees_to: int | None = None) -> None:
+        self.held = footprint
+        self.frees_to = frees_to  # what the pool shrinks to when a lower limit gives cached memory back
+        self.limits: list[int | None] = []
+        self.callback = None
+
+    def footprint(self) -> Footprint | None:
+        return self.held
+
+    def set_limit(self, pool_bytes: int | None) -> None:
+        self.limits.append(pool_bytes)
+        if pool_bytes is not None and self.held is not None and self.frees_to is not None:
+            self.held = Footprint(min(self.held.pool, max(self.frees_to, 0)), self.held.outside)
+
+    def on_refusal(self, callback) -> None:
+        self.callback = callback
+
+    def refusal(self, line: str) -> OverMemoryCap:
+        return OverMemoryCap(line)
+
+
+def caps() -> tuple[MemoryCaps, list[int]]:
+    reports: list[int] = []
+    return MemoryCaps("batch", reports.append), reports
+
+
+def test_a_fake_device_is_a_device_memory() -> None:
+    assert isinstance(FakeDevice(), DeviceMemory)
+
+
+def test_a_cap_waits_for_the_device_and_its_context_then_limits_the_pool_less_what_lies_outside() -> None:
+    m, _ = caps()
+    m.told(int(2.5 * GiB), WHY, 0)
+    assert m.pending
+    m.apply_pending()  # no device yet
+    device = FakeDevice(None)
+    m.use(device)
+    m.apply_pending()  # no context yet: nothing measured, nothing applied
+    assert device.limits == [] and m.pending
+    device.held = Footprint(GiB, GiB // 4)
+    m.apply_pending()
+    assert device.limits == [int(2.5 * GiB) - GiB // 4] and not m.pending and m.pool_limit == device.limits[0]
+    m.told(int(2.5 * GiB), WHY, 0)  # the same word again: nothing to do
+    assert not m.pending
+
+
+def test_a_lifted_cap_lifts_the_limit_once() -> None:
+    m, _ = caps()
+    device = FakeDevice(Footprint(GiB, 0))
+    m.use(device)
+    m.apply_pending()
+    assert device.limits == []  # never capped: nothing to lift
+    m.told(2 * GiB, WHY, 0)
+    m.apply_pending()
+    m.told(0, "", 0)
+    m.apply_pending()
+    assert device.limits == [2 * GiB, None] and m.pool_limit is None
+
+
+def test_a_rank_over_its_new_cap_gives_cached_memory_back_or_fails_at_once_with_the_line() -> None:
+    m, reports = caps()
+    device = FakeDevice(Footprint(3 * GiB, GiB // 2), frees_to=GiB)  # most of it was cached
+    m.use(device)
+    m.told(2 * GiB, WHY, 0)
+    m.apply_pending()
+    assert device.limits == [int(1.5 * GiB)] and reports == []
+
+    m, reports = caps()
+    device = FakeDevice(Footprint(3 * GiB, GiB // 2), frees_to=int(2.5 * GiB))  # live tensors hold 2.5 GiB
+    m.use(device)
+    m.told(2 * GiB, WHY, 0)
+    with pytest.raises(OverMemoryCap) as err:
+        m.apply_pending()
+    assert str(err.value).startswith("crossover: job 'batch' ran out of its memory cap on device 0 asking for "
+                                     "1.00 GiB more: it may hold 2.5 GiB of 10 GiB")
+    assert "crossoverd --reserve" in str(err.value) and reports == [GiB]
+
+
+def test_a_refusal_is_told_once_per_allocation_and_only_under_a_cap() -> None:
+    m, reports = caps()
+    device = FakeDevice(Footprint(GiB, 0))
+    m.use(device)
+    assert device.callback is not None and device.callback(GiB) == "" and reports == []  # no cap: the device was full
+    m.told(2 * GiB, WHY, 0)
+    m.apply_pending()
+    line = device.callback(GiB // 2)
+    assert line == m.line(GiB // 2) and "asking for 0.50 GiB more" in line and reports == [GiB // 2]
+    assert m.refusals == 1
+
+
+def test_a_failing_report_never_hides_the_error() -> None:
+    def broken(asked: int) -> None:
+        raise ConnectionError("daemon gone")
+
+    m = MemoryCaps("batch", broken)
+    device = FakeDevice(Footprint(GiB, 0))
+    m.use(device)
+    m.told(2 * GiB, WHY, 0)
+    m.apply_pending()
+    assert device.callback(1).startswith("crossover: job 'batch'")
