@@ -61,6 +61,7 @@ from bench.emulated.cli import ClusterAdmin, job_ids, solo_result, wait_warm
 from bench.emulated.judge import phase_medians, summarize
 from bench.emulated.report import plot_timeline
 from bench.emulated.scenarios import ADAPTS, CLASSES, CPU_HANDOVER, DSCP, POLICY, Scenario, settle_s
+from bench.gpu.memory import check_memory
 from bench.lib.mps import MpsDaemon
 from bench.lib.results import git_commit, machine, write_json
 from crossover.protos.event_file import EventName, read_events
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "inventory": lambda: check_inventory(args, workdir / "inventory"),
         "release": lambda: check_release(args, workdir / "release"),
         "speedup": lambda: check_speedup(args, workdir / "speedup", deadline),
+        "memory": lambda: check_memory(args, workdir / "memory"),
     }
     wanted = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = [c for c in wanted if c not in checks]
@@ -486,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         (workdir / name).mkdir(parents=True, exist_ok=True)
         try:
             result = checks[name]()
-            result["ok"] = result.get("released_after_device_work", True)
+            result["ok"] = result.get("ok", result.get("released_after_device_work", True))
         except Exception as exc:  # noqa: BLE001 - report it and go on to the next check
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         result["elapsed_s"] = round(time.monotonic() - t, 1)
