@@ -58,6 +58,7 @@ class _Run:
 
     def start(self, name: str, script: Path, extra: dict[str, str], *args: str) -> None:
         env = {**os.environ, **self.env, **extra, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1",
+               "CROSSOVER_LOG_LEVEL": "INFO",
                "PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{os.environ.get('PYTHONPATH', '')}"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script),
                "--out", str(self.dir / f"{name}.json"), "--stop-file", str(self.stop), *args,
@@ -95,7 +96,8 @@ class _Run:
             path = self.dir / f"{name}.json"
             summary = json.loads(path.read_text()) if path.exists() else {"outcome": "no summary"}
             log = (self.dir / f"{name}.log").read_text(errors="replace")
-            out[name] = {"exit": proc.returncode, "outcome": summary.get("outcome"),
+            measured = [ln.split("crossover: ", 1)[1] for ln in log.splitlines() if "outside its allocator" in ln]
+            out[name] = {"exit": proc.returncode, "cap_applied": measured[-1:], "outcome": summary.get("outcome"),
                          "oom_iteration": summary.get("iteration"), "spiked": summary.get("spiked"),
                          "iterations": len(summary.get("starts", [])),
                          "iteration_s": _median_iteration(summary), "peak_reserved": summary.get("peak_reserved"),
