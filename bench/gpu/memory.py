@@ -12,7 +12,11 @@ The low job grows by `LOW_GROW` an iteration up to a target. Four runs:
 * `reserved`: both jobs under a daemon with `--reserve high=RESERVE`: the low job is capped below what the
   production job needs, and stops at its cap with the line;
 * `reserved-fits`: the same daemon, the low job growing only to `LOW_FITS`, under its cap: both train, and
-  the production job's speed beside it is measured against alone.
+  the production job's speed beside it is measured against alone;
+* `spill` (GPU only, where `nvcc` builds `managed_alloc.cu`): as `reserved`, but every allocation of the low
+  job is managed memory (torch's `CUDAPluggableAllocator`), which its cap cannot limit and the driver can
+  move to the host: whether the production job's spike still fits (the driver evicting the low job's pages)
+  and what the low job's speed is then, beside the hard cap's line.
 
 The dry run takes the same steps on the emulated device (`testbed.device_model`) of `DRY_TOTAL_MB`, with
 `--cpu-devices 1 --cpu-device-memory`, so CI keeps the benchmark whole between GPU draws.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +43,7 @@ PROD_BASE, PROD_ACT, PROD_SPIKE = 0.45, 0.05, 0.15
 LOW_GROW, LOW_TARGET, LOW_FITS = 0.05, 0.40, 0.10
 RESERVE = 0.70
 DRY_TOTAL_MB, DRY_CONTEXT_MB = 4096, 50
-_ARMS = ("alone", "today", "reserved", "reserved-fits")
+_ARMS = ("alone", "today", "reserved", "reserved-fits", "spill")
 
 
 def _log(msg: str) -> None:
@@ -112,8 +117,26 @@ def _median_iteration(summary: dict[str, Any]) -> float | None:
     return round(statistics.median(spans), 5) if spans else None
 
 
+def _managed_allocator(workdir: Path) -> Path | str:
+    """`managed_alloc.cu` built with nvcc; the reason as text where it cannot be."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return "no nvcc on this machine"
+    lib = workdir / "managed_alloc.so"
+    res = subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-o", str(lib),
+                          str(Path(__file__).with_name("managed_alloc.cu"))], capture_output=True, text=True)
+    return lib if res.returncode == 0 else f"nvcc failed: {res.stderr[-500:]}"
+
+
 def _arm(arm: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from bench.gpu.cli import _Daemon  # the benchmark's own daemon helper
+
+    managed: list[str] = []
+    if arm == "spill":
+        lib = "the dry run has no CUDA" if args.dry_run else _managed_allocator(workdir)
+        if not isinstance(lib, Path):
+            return {"skipped": lib}
+        managed = ["--managed-alloc", str(lib)]
 
     dry = args.dry_run
     env: dict[str, str] = {}
@@ -130,7 +153,7 @@ def _arm(arm: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             time.sleep(0.05)
     run = _Run(workdir, arm, env, dry)
     try:
-        scheduled = arm.startswith("reserved")
+        scheduled = arm.startswith("reserved") or arm == "spill"
         if scheduled:
             extra = ["--cpu-devices", "1", "--cpu-device-memory", f"{DRY_TOTAL_MB}MiB"] if dry else []
             daemon = _Daemon(run.dir, *extra, "--reserve", f"high={100 * RESERVE:g}%",
@@ -144,7 +167,7 @@ def _arm(arm: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if arm != "alone":
             target = LOW_FITS if arm == "reserved-fits" else LOW_TARGET
             run.start("low", script, {"CROSSOVER_PRIORITY": "low"}, "--grow", str(LOW_GROW), "--target",
-                      str(target), "--act", "0.01")
+                      str(target), "--act", "0.01", *managed)
             run.wait("the low job to grow or end", lambda: run.progress("low")[1] or not run.running("low")
                      or not run.running("prod"), args.job_timeout)
             at = run.progress("low")[0]
@@ -180,6 +203,9 @@ def check_memory(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     for arm in _ARMS:
         _log(f"{arm} ...")
         arms[arm] = _arm(arm, args, workdir)
+        if "skipped" in arms[arm]:
+            _log(f"{arm}: skipped ({arms[arm]['skipped']})")
+            continue
         jobs = {k: v for k, v in arms[arm].items() if k != "memory_events"}
         _log(f"{arm}: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "crossover_line"}
                                       for k, v in jobs.items()}))
@@ -192,6 +218,10 @@ def check_memory(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {"arms": arms, "production_kept": kept, "production_survived": prod_ok, "low_told": low_told,
             "today": {"prod": arms["today"]["prod"]["outcome"], "low": arms["today"]["low"]["outcome"]},
             "low_fits_kept_training": arms["reserved-fits"]["low"]["outcome"] == "ok",
+            "spill": arms["spill"] if "skipped" in arms["spill"] else {
+                "prod": arms["spill"]["prod"]["outcome"], "low": arms["spill"]["low"]["outcome"],
+                "low_iteration_s": arms["spill"]["low"]["iteration_s"],
+                "low_iteration_s_capped": arms["reserved-fits"]["low"]["iteration_s"]},
             "shares": {"prod_base": PROD_BASE, "prod_act": PROD_ACT, "prod_spike": PROD_SPIKE,
                        "low_grow": LOW_GROW, "low_target": LOW_TARGET, "low_fits": LOW_FITS, "reserve": RESERVE},
             "ok": prod_ok and low_told and (args.dry_run or (kept or 0) >= 0.95)}

@@ -1,7 +1,7 @@
 """A DDP job whose GPU memory is set in shares of the device: for the memory benchmark (`bench.gpu --only memory`).
 
-It holds `--base` of the device from the start (frozen weights, a cache: a buffer
-DDP does not broadcast), needs `--act` more during each iteration (activations,
+It holds `--base` of the device from the start (frozen weights, a cache: a tensor
+outside the module, which DDP neither broadcasts nor reduces), needs `--act` more during each iteration (activations,
 freed at its end and kept cached by torch's allocator, as a real job's are), and
 `--grow` more at each iteration, kept, up to `--target` (a job whose cache grows).
 Once `--spike-file` exists it needs `--spike` more in one iteration (a longer batch,
@@ -33,12 +33,11 @@ from testbed.device_model.turns import ModelTurns
 
 
 class Job(nn.Module):
-    """A small trainable part (the device work) beside a large frozen buffer (the memory)."""
+    """The trainable part: the device work of each iteration."""
 
-    def __init__(self, base_bytes: int, width: int) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
         self.layer = nn.Linear(width, width)
-        self.register_buffer("held", torch.empty(base_bytes, dtype=torch.uint8), persistent=False)
 
     def forward(self, x: torch.Tensor, repeat: int) -> torch.Tensor:
         for _ in range(repeat):
@@ -60,7 +59,13 @@ def main() -> int:
     p.add_argument("--work-ms", type=float, default=20.0, help="device work per iteration (about)")
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--total-mb", type=int, default=0, help="the emulated device's memory (MiB)")
+    p.add_argument("--managed-alloc", default="", help="a shared library with xo_managed_malloc/xo_managed_free: "
+                   "every CUDA allocation becomes managed memory, which can spill to the host")
     args = p.parse_args()
+    if args.managed_alloc:  # before anything allocates on the device
+        from torch.cuda.memory import CUDAPluggableAllocator, change_current_allocator
+
+        change_current_allocator(CUDAPluggableAllocator(args.managed_alloc, "xo_managed_malloc", "xo_managed_free"))
 
     emulated = DeviceClient.from_env()
     turns = None if emulated is None else ModelTurns(emulated)
@@ -77,8 +82,9 @@ def main() -> int:
     device = torch.device("cuda") if cuda else torch.device("cpu")
     share = lambda f: int(f * total)  # noqa: E731
     width = args.width if cuda else 64
-    model = Job(share(args.base) if cuda else 0, width).to(device)
-    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    held = torch.ones(share(args.base), dtype=torch.uint8, device=device) if cuda else None
+    model = Job(width).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.layer.parameters(), lr=1e-3)
     x = torch.randn(256, width, device=device)
     repeat = 1
@@ -136,6 +142,7 @@ def main() -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({**result, "starts": starts, "ends": ends, "peak_reserved": peak,
                                        "spiked": spiked, "total": total}))
+    del held
     dist.destroy_process_group()
     return 0
 

@@ -65,8 +65,13 @@ class CudaMemory:
 
         total = int(torch.cuda.get_device_properties(self.index).total_memory)
         fraction = 1.0 if pool_bytes is None else min(1.0, max(0.0, pool_bytes / total))
-        lowered = fraction < torch.cuda.get_per_process_memory_fraction(self.index)
-        torch.cuda.set_per_process_memory_fraction(fraction, self.index)
+        try:
+            lowered = fraction < torch.cuda.get_per_process_memory_fraction(self.index)
+            torch.cuda.set_per_process_memory_fraction(fraction, self.index)
+        except RuntimeError as exc:  # an allocator of the script's own (CUDAPluggableAllocator) has no fraction
+            _log.warning("crossover: the memory cap cannot be applied to this process's allocator (%s); it is "
+                         "not capped", exc)
+            return
         if lowered:
             with torch.cuda.device(self.index):
                 torch.cuda.empty_cache()
