@@ -74,7 +74,11 @@ def _usable_memory(nv: Any, handle: Any) -> int:
         info = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
         return int(info.total) - int(info.reserved)
     except Exception:  # NVMLError_FunctionNotFound / TypeError from an older driver or binding
-        return int(nv.nvmlDeviceGetMemoryInfo(handle).total)
+        try:
+            return int(nv.nvmlDeviceGetMemoryInfo(handle).total)
+        except Exception:  # NVMLError: the device still schedules; reservations there cap nothing
+            _log.warning("NVML cannot say how much memory this GPU has; --reserve caps nothing on it")
+            return 0
 
 
 class Inventory:

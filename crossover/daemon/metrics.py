@@ -204,15 +204,16 @@ class _StateCollector(Collector):
             stats = self._core.inventory.stats(index)
             if stats.memory_total:
                 free.add_metric([dev], stats.memory_free)
-            per_job: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+            per_job: dict[tuple[str, str], list[int | None]] = defaultdict(lambda: [0, None])
             for r in (*snap.holders, *snap.waiting, *snap.others):
                 held = per_job[(r.ident.job_name, r.ident.job_id)]
-                held[0] += stats.process_memory.get(r.ident.pid, 0)
-                held[1] += r.memory_cap
+                held[0] = (held[0] or 0) + stats.process_memory.get(r.ident.pid, 0)
+                if r.memory_cap is not None:
+                    held[1] = (held[1] or 0) + r.memory_cap
             for job, (n, limit) in per_job.items():
                 if stats.memory_total:
-                    used.add_metric([dev, *job], n)
-                if limit:
+                    used.add_metric([dev, *job], n or 0)
+                if limit is not None:
                     cap.add_metric([dev, *job], limit)
         yield from (used, cap, free)
 

@@ -85,7 +85,7 @@ class PhaseMachine:
     def _cap_hit(sess: Session, iteration: int, asked: int, d: Decision) -> None:
         """The rank's allocator refused an allocation at its cap: kept for `crossover jobs`, and logged."""
         cap = sess.memory_cap
-        if not cap.limit:
+        if cap.limit is None:
             return  # a cap lifted since: the rank ran out of the device itself, not of a cap
         more = f", asking for {format_bytes(asked)} more" if asked else ""
         sess.memory_note = f"out of its memory cap at iteration {iteration}{more}: it may hold {cap.why}"
@@ -274,7 +274,7 @@ class PhaseMachine:
         for sess in on_device:
             job = sess.ref.key.job_id
             cap = caps.get(job, MemoryCap())
-            if cap.limit and ranks[job] > 1:
+            if cap.limit is not None and ranks[job] > 1:
                 each = cap.limit // ranks[job]
                 cap = MemoryCap(each, f"{cap.why}; its {ranks[job]} ranks here share that, {format_bytes(each)} each")
             if cap != sess.memory_cap:

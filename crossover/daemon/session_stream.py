@@ -118,7 +118,7 @@ def directive(msg: Message) -> pb.Directive | None:
     if isinstance(msg, ShareMsg):
         return pb.Directive(share=pb.DeviceShare(other_ranks=msg.other_ranks, handover=msg.handover,
                                                  outranked=msg.outranked, memory_cap_bytes=msg.memory_cap.limit,
-                                                 memory_cap_why=msg.memory_cap.why))
+                                                 memory_cap_why=msg.memory_cap.why))  # None leaves it unset
     if isinstance(msg, AliveMsg):
         return pb.Directive(alive=pb.Alive())
     if isinstance(msg, ClassMsg):

@@ -32,7 +32,7 @@ class RankSnapshot:
     class_by: str = ""  # what set the class: "operator", a --class-rule, "rank", or "" (the default)
     handover: str = ""  # "device": it ends its turns on its device; "": its CPU waits for the device
     device: int = 0
-    memory_cap: int = 0  # what it may hold on its device (0: no cap)
+    memory_cap: int | None = None  # what it may hold on its device (None: no cap)
     memory_note: str = ""  # its last out-of-memory at its cap
 
 

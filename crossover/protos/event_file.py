@@ -54,7 +54,7 @@ class EventName(str, enum.Enum):
     HANDOVER = "handover"
     HANDOVER_RESCUE = "handover_rescue"
     DRAIN_REFUSED = "drain_refused"
-    MEMORY_CAP = "memory_cap"  # its cap on its device changed: cap_bytes (0: none), why
+    MEMORY_CAP = "memory_cap"  # its cap on its device changed: cap_bytes (None: no cap), why
     MEMORY_CAP_HIT = "memory_cap_hit"  # its allocator refused an allocation at its cap: asked_bytes, cap_bytes
     # About the node or a device (no rank):
     POLICY = "policy"

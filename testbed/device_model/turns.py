@@ -42,7 +42,7 @@ class ModelTurns:
         import torch
 
         reason, pool, limit, free = refusal[0], *map(int, refusal[1:])
-        line = self._refused(max(0, pool_bytes - pool)) if self._refused is not None else ""
+        line = self._refused(max(0, pool_bytes - pool)) if self._refused is not None and reason == "cap" else ""
         what = (f"its pool may not pass {limit / 2**20:.0f} MiB" if reason == "cap"
                 else f"the device has {free / 2**20:.0f} MiB free")
         raise torch.OutOfMemoryError(f"emulated device out of memory: tried to grow the pool from "

@@ -154,7 +154,7 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
         marked += [(f"#{i + 1}", r) for i, r in enumerate(dev.get("waiting", []))]
         marked += [("", r) for r in dev.get("others", [])]
         gpu = any(int(r.get("gpu_memory_bytes", 0)) for _, r in marked)
-        capped = any(int(r.get("memory_cap_bytes", 0)) for _, r in marked)
+        capped = any("memory_cap_bytes" in r for _, r in marked)
         rows = []
         for mark, r in marked:
             cpu = r.get("cpu_percent")
@@ -170,7 +170,7 @@ def queue_tables(state: dict[str, Any], width: int | None = None) -> list[Table]
                          "cpu%": Text("-" if cpu is None or cpu < 0 else f"{cpu:.0f}"),
                          "rss": Text(_bytes(int(r.get("rss_bytes", 0)))),
                          "gpu mem": Text(_bytes(int(r.get("gpu_memory_bytes", 0)))),
-                         "mem cap": Text(_bytes(int(r.get("memory_cap_bytes", 0))))})
+                         "mem cap": Text(_cap(r))})
         columns = _fit([c for c in _QUEUE_COLUMNS if (gpu or c != "gpu mem") and (capped or c != "mem cap")], rows,
                        width)
         t = Table(title=title, title_justify="left", expand=False, pad_edge=False)
@@ -197,15 +197,23 @@ def _device_memory(dev: dict[str, Any]) -> str:
     return f"mem {_bytes(used)}/{_bytes(total)}" + (f" ({inner})" if inner else "")
 
 
+def _cap(r: dict[str, Any]) -> str:
+    """A rank's memory cap: `-` for none, `0B` for a cap of nothing."""
+    if "memory_cap_bytes" not in r:
+        return "-"
+    return _bytes(int(r["memory_cap_bytes"])) if int(r["memory_cap_bytes"]) else "0B"
+
+
 def _job_memory(ranks: list[dict[str, Any]]) -> str:
     """Each device's share of the job here: `d0 9.1 GiB (cap 16 GiB)`; `-` when nothing is known."""
-    per_device: dict[int, list[int]] = {}
+    per_device: dict[int, tuple[int, int | None]] = {}
     for r in ranks:
-        held = per_device.setdefault(int(r.get("device", 0)), [0, 0])
-        held[0] += int(r.get("gpu_memory_bytes", 0))
-        held[1] += int(r.get("memory_cap_bytes", 0))
-    shown_ = [f"d{d} {_bytes(used)}" + (f" (cap {_bytes(cap)})" if cap else "")
-              for d, (used, cap) in sorted(per_device.items()) if used or cap]
+        used, cap = per_device.get(int(r.get("device", 0)), (0, None))
+        if "memory_cap_bytes" in r:
+            cap = (cap or 0) + int(r["memory_cap_bytes"])
+        per_device[int(r.get("device", 0))] = (used + int(r.get("gpu_memory_bytes", 0)), cap)
+    shown_ = [f"d{d} {_bytes(used)}" + ("" if cap is None else f" (cap {_bytes(cap) if cap else '0B'})")
+              for d, (used, cap) in sorted(per_device.items()) if used or cap is not None]
     return ", ".join(shown_) or "-"
 
 

@@ -8,11 +8,15 @@ is measured and the rest becomes the allocator's limit. A device whose
 allocator can be capped is a `DeviceMemory`: the CUDA caching allocator
 (`crossover.plugins.hook.cuda_memory`), or the test bed's emulated device.
 
-Every device call is made on the training thread (`apply_pending`, at a
-phase point): the session's receiving thread only records the cap. When the
-allocator refuses an allocation, the device calls `refused`, which logs one
-line (what the cap was, why, which setting changes it), reports the refusal
-to the daemon and returns the line for the error the rank raises.
+Every device call is made on the training thread (`at_phase_point`, where the
+rank is about to use its device: a forward, zero_grad, the update), never
+mid-backward: the session's receiving thread only records the cap. When the
+allocator refuses an allocation at the cap, the device calls `refused`, which
+logs one line (what the cap was, why, which setting changes it), reports the
+refusal to the daemon and returns the line for the error the rank raises. A
+rank with no cap gets no observer and no measurement: nothing changes for it.
+A cap stays while the daemon is away: lifting it could let the job take memory
+a higher class has reserved.
 """
 from __future__ import annotations
 
@@ -69,6 +73,11 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
+RECHECK_EVERY = 200
+"""Phase points between two measurements of a capped rank's footprint: what lies outside its allocator grows
+after the cap is first applied (NCCL's buffers at the first collective), and the pool's limit follows it."""
+
+
 class MemoryCaps:
     """The rank's cap as the daemon last said it, and its application to the rank's device.
 
@@ -79,61 +88,86 @@ class MemoryCaps:
         self._job = job
         self._report = report
         self._lock = threading.Lock()
-        self.limit = 0  # the footprint the rank may hold on its device (0: no cap)
+        self.limit: int | None = None  # the footprint the rank may hold on its device (None: no cap)
         self.why = ""
         self.device_index = -1
         self.pool_limit: int | None = None  # what was applied to the allocator (None: no limit)
         self._device: DeviceMemory | None = None
+        self._watching = False  # the device reports refusals to `refused` (from the first cap on)
         self.pending = False  # a cap (or a device) arrived that the training thread has not applied yet
+        self._since = 0  # phase points since the footprint was last measured
+        self._failed = False
         self.refusals = 0
-
-    def told(self, limit: int, why: str, device_index: int) -> None:
-        """The daemon's word (on the receiving thread): applied at the next `apply_pending`."""
-        with self._lock:
-            if (limit, why) == (self.limit, self.why):
-                return
-            self.limit, self.why, self.device_index = limit, why, device_index
-            self.pending = True
 
     @property
     def in_use(self) -> bool:
         """Whether a device's allocator was given (`use`)."""
         return self._device is not None
 
+    def told(self, limit: int | None, why: str, device_index: int) -> None:
+        """The daemon's word (on the receiving thread): applied at the next phase point."""
+        with self._lock:
+            if (limit, why) == (self.limit, self.why):
+                return
+            self.limit, self.why, self.device_index = limit, why, device_index
+            self.pending = True
+
     def use(self, device: DeviceMemory) -> None:
         """The device whose allocator the caps apply to (once, before or after the first cap)."""
         with self._lock:
             self._device = device
             self.pending = True
-        device.on_refusal(self.refused)
 
-    def apply_pending(self) -> None:
-        """Apply the latest cap to the device's allocator (the training thread, at a phase point). Until the
-        rank uses its device (no context yet) it stays pending. A rank that still holds more than its new
-        cap once its cached memory is given back fails here, with the line (`OverMemoryCap`): it would
-        otherwise keep memory a higher class has reserved."""
+    def at_phase_point(self) -> None:
+        """The training thread is about to use the device (a forward, zero_grad, the update): apply a new cap,
+        and measure a capped rank's footprint again now and then. Nothing here runs mid-backward."""
+        if self.pending:
+            self._apply()
+        elif self.limit is not None and self._device is not None:
+            self._since += 1
+            if self._since >= RECHECK_EVERY:
+                self._apply()
+
+    def _apply(self) -> None:
+        """Apply the latest cap to the device's allocator. Until the rank uses its device (no context yet) it
+        stays pending. A rank that still holds more than its cap once its cached memory is given back fails
+        here, with the line (`OverMemoryCap`): it would otherwise keep memory a higher class reserved. A
+        device call that fails is logged once and the cap left as it was: it never stops training."""
+        self._since = 0
         with self._lock:
             device, limit, why = self._device, self.limit, self.why
-            if device is None or not self.pending:
+            if device is None:
                 return
-            held = device.footprint() if limit else None
-            if limit and held is None:
+        try:
+            held = device.footprint() if limit is not None else None
+            if limit is not None and held is None:
                 return  # not in use yet: applied once it is
             self.pending = False
-        if not limit:
-            if self.pool_limit is not None:
-                device.set_limit(None)
-                self.pool_limit = None
-                _log.info("crossover: job %r: no memory cap on device %d any more", self._job, self.device_index)
+            if limit is None:
+                if self.pool_limit is not None:
+                    device.set_limit(None)
+                    self.pool_limit = None
+                    _log.info("crossover: job %r: no memory cap on device %d any more", self._job,
+                              self.device_index)
+                return
+            assert held is not None
+            if not self._watching:
+                self._watching = True
+                device.on_refusal(self.refused)
+            pool = max(0, limit - held.outside)
+            if pool != self.pool_limit:
+                device.set_limit(pool)
+                self.pool_limit = pool
+                _log.info("crossover: job %r may hold %s on device %d (%s outside its allocator, measured: the "
+                          "allocator keeps below %s)", self._job, why.split(",")[0], self.device_index,
+                          _gib(held.outside), _gib(pool))
+            after = device.footprint() or held
+        except Exception:  # a device call failed: keep training, with the cap as it was
+            self.pending = False
+            if not self._failed:
+                self._failed = True
+                _log.exception("crossover: could not apply the memory cap on device %d", self.device_index)
             return
-        assert held is not None
-        pool = max(0, limit - held.outside)
-        device.set_limit(pool)
-        self.pool_limit = pool
-        _log.info("crossover: job %r may hold %s on device %d (%s outside its allocator, measured: the "
-                  "allocator keeps below %s)", self._job, why.split(",")[0], self.device_index, _gib(held.outside),
-                  _gib(pool))
-        after = device.footprint() or held
         if after.pool > pool:
             raise device.refusal(self.refused(after.pool - pool))
 
@@ -144,9 +178,10 @@ class MemoryCaps:
                 f"it may hold {self.why}")
 
     def refused(self, asked: int) -> str:
-        """The allocator refused an allocation (on the allocating thread): one line, and a word to the
-        daemon; returns the line ("" when the rank has no cap: the device itself was full)."""
-        if not self.limit:
+        """The allocator refused an allocation at the cap (on the allocating thread; the device tells a full
+        device apart and does not call this for one): one line, and a word to the daemon; returns the line
+        ("" when the rank has no cap)."""
+        if self.limit is None:
             return ""
         self.refusals += 1
         text = self.line(asked)

@@ -97,8 +97,6 @@ class Session:
         """
         if self.turns.attach_pending():  # a turn page arrived since: this thread maps it on the device
             self._say_ready()
-        if self.memory.pending:  # a memory cap arrived since: this thread applies it to the device's allocator
-            self.memory.apply_pending()
         self._iteration = iteration
         with self._cond:
             if not self._attached:
@@ -356,8 +354,8 @@ class Session:
                         self._shares_device = d.share.other_ranks > 0
                         self._device_handover = d.share.handover
                         self._outranked = d.share.outranked
-                        self.memory.told(d.share.memory_cap_bytes, d.share.memory_cap_why,
-                                         self.registration.device if self.registration else -1)
+                        self.memory.told(d.share.memory_cap_bytes if d.share.HasField("memory_cap_bytes") else None,
+                                         d.share.memory_cap_why, self.registration.device if self.registration else -1)
                     elif d.HasField("handover_page"):
                         self.turns.page(d.handover_page.page, d.handover_page.own, stream.take_fd())
                     elif d.HasField("job_class"):

@@ -122,38 +122,52 @@ class MemoryRules:
 
 @dataclass(frozen=True)
 class MemoryCap:
-    """What a job may hold on one device: `limit` bytes of footprint (0: no cap), and why, in words that
-    finish the rank's out-of-memory line: the cap, the reservations behind it, the setting that changes it."""
+    """What a job may hold on one device: `limit` bytes of footprint (None: no cap; 0: nothing), and why, in
+    words that finish the rank's out-of-memory line: the cap, the reservations behind it, the setting."""
 
-    limit: int = 0
+    limit: int | None = None
     why: str = ""
 
 
 def caps(total: int, jobs: Mapping[str, Priority], rules: MemoryRules) -> dict[str, MemoryCap]:
     """Each job's cap on a device of `total` bytes whose jobs are `jobs` (job → class); a job without a cap
-    gets `MemoryCap()`."""
+    gets `MemoryCap()`.
+
+    The active reservations are held from the highest class down, each at most what the ones above it left.
+    The capped jobs share what the uncapped classes' reservations leave, layer by layer from the top: at each
+    capped class, what is not that class's own reservation is split equally among its jobs and every capped
+    job below (the lower ones take their part at the next layer), and the class's jobs add their reservation
+    as far as the layer has room. So a reservation takes only from the classes below its own."""
     uncapped = {job: MemoryCap() for job in jobs}
     if total <= 0 or not rules.reservations:
         return uncapped
     present = set(jobs.values())
-    active = [r for r in rules.reservations if r.priority in present]
-    if not active:
+    held: dict[Priority, int] = {}
+    left = total
+    for r in sorted((r for r in rules.reservations if r.priority in present), key=lambda r: -r.priority):
+        held[r.priority] = min(r.on(total), left)
+        left -= held[r.priority]
+    if not held:
         return uncapped
-    top = max(r.priority for r in active)
-    capped = [job for job, p in jobs.items() if p < top]
-    if not capped:
+    top = max(held)
+    capped_classes = sorted({p for p in present if p < top}, reverse=True)
+    if not capped_classes:
         return uncapped
-    held = {r.priority: r.on(total) for r in active}
-    free = max(0, total - sum(held.values()))
-    per_class = {p: sum(1 for job in capped if jobs[job] == p) for p in held}
+    pool = total - sum(b for p, b in held.items() if p >= top)
+    members = {p: [job for job, q in jobs.items() if q == p] for p in capped_classes}
     reasons = ", ".join(f"{p} reserves {format_bytes(b)}" for p, b in sorted(held.items(), reverse=True))
+    n_capped = sum(len(m) for m in members.values())
+    shared = f"split among {n_capped} capped jobs" if n_capped > 1 else "left to it"
     out = dict(uncapped)
-    for job in capped:
-        p = jobs[job]
-        limit = free // len(capped) + (held[p] // per_class[p] if p in held else 0)
-        shared = f"split among {len(capped)} capped jobs" if len(capped) > 1 else "left to it"
-        out[job] = MemoryCap(limit, f"{format_bytes(limit)} of {format_bytes(total)}, as {reasons} and the rest "
-                                    f"is {shared} (the operator's crossoverd --reserve; a higher class or a smaller "
-                                    "batch fits it)")
+    below = n_capped
+    for p in capped_classes:
+        own = held.get(p, 0)
+        equal = max(0, pool - own) // below
+        limit = min(pool, equal * len(members[p]) + own) // len(members[p])
+        for job in members[p]:
+            out[job] = MemoryCap(limit, f"{format_bytes(limit)} of {format_bytes(total)}, as {reasons} and the "
+                                        f"rest is {shared} (the operator's crossoverd --reserve; a higher class "
+                                        "or a smaller batch fits it)")
+        pool -= limit * len(members[p])
+        below -= len(members[p])
     return out
-

@@ -87,7 +87,8 @@ class CudaMemory:
         self._line = callback
 
         def observed(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-            if device == self.index and self._line is not None:
+            # The device had room for it: the cap refused it. Otherwise the device itself was full.
+            if device == self.index and self._line is not None and device_free >= alloc:
                 self._last_line = self._line(int(alloc))
 
         attach(observed)
@@ -107,8 +108,10 @@ class CudaMemory:
             procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
         except Exception:  # NVMLError, or no NVML at all
             return None
-        mine = [int(p.usedGpuMemory or 0) for p in procs if p.pid == os.getpid()]
-        return sum(mine) if mine else None
+        mine = [p.usedGpuMemory for p in procs if p.pid == os.getpid()]
+        if not mine or any(used is None for used in mine):  # None: MIG or vGPU, where NVML does not count it
+            return None
+        return sum(int(used) for used in mine)
 
     def _nvml_handle(self) -> Any:
         import pynvml
@@ -145,7 +148,8 @@ def _note_on_uncaught_oom(line: Callable[[], str]) -> None:
         import torch
 
         text = line()
-        if text and isinstance(exc, torch.OutOfMemoryError) and text not in getattr(exc, "__notes__", ()):
+        if (text and isinstance(exc, torch.OutOfMemoryError) and hasattr(exc, "add_note")
+                and text not in getattr(exc, "__notes__", ())):
             exc.add_note(text)
         previous(kind, exc, tb)
 

@@ -92,6 +92,7 @@ class PhaseReporter:
     def __init__(self, session: PhaseSession, settle: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, pace: Callable[[], None] | None = None) -> None:
         self.session = session
+        self._memory = getattr(session, "memory", None)  # its memory caps (`Session.memory`); None: a bare session
         self.settle = settle
         self.pace = pace
         self.forward_hook: Any = None  # the handle of a forward pre-hook that calls `at_boundary`, if one is set
@@ -109,7 +110,11 @@ class PhaseReporter:
 
     @guarded
     def ensure_holding(self) -> None:
-        """The rank is about to use its device (zero_grad, the update): ask for it if not held."""
+        """The rank is about to use its device (zero_grad, the update): ask for it if not held; a memory cap
+        the daemon sent since is applied first (`device_memory`)."""
+        memory = self._memory
+        if memory is not None and (memory.pending or memory.limit is not None):
+            memory.at_phase_point()
         with self._lock:
             if self.yielded:
                 self._resume()

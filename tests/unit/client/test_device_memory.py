@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from crossover.client.rank import device_memory
 from crossover.client.rank.device_memory import DeviceMemory, Footprint, MemoryCaps, OverMemoryCap
 
 GiB = 1 << 30
@@ -18,8 +19,11 @@ class FakeDevice:
         self.frees_to = frees_to  # what the pool shrinks to when a lower limit gives cached memory back
         self.limits: list[int | None] = []
         self.callback = None
+        self.broken = False
 
     def footprint(self) -> Footprint | None:
+        if self.broken:
+            raise OSError("the device is gone")
         return self.held
 
     def set_limit(self, pool_bytes: int | None) -> None:
@@ -47,29 +51,62 @@ def test_a_cap_waits_for_the_device_and_its_context_then_limits_the_pool_less_wh
     m, _ = caps()
     m.told(int(2.5 * GiB), WHY, 0)
     assert m.pending
-    m.apply_pending()  # no device yet
+    m.at_phase_point()  # no device yet
     device = FakeDevice(None)
     m.use(device)
-    m.apply_pending()  # no context yet: nothing measured, nothing applied
-    assert device.limits == [] and m.pending
+    m.at_phase_point()  # no context yet: nothing measured, nothing applied
+    assert device.limits == [] and m.pending and device.callback is None
     device.held = Footprint(GiB, GiB // 4)
-    m.apply_pending()
+    m.at_phase_point()
     assert device.limits == [int(2.5 * GiB) - GiB // 4] and not m.pending and m.pool_limit == device.limits[0]
+    assert device.callback is not None  # refusals are watched from the first cap on
     m.told(int(2.5 * GiB), WHY, 0)  # the same word again: nothing to do
     assert not m.pending
+
+
+def test_no_cap_no_observer_no_measurement() -> None:
+    m, _ = caps()
+    device = FakeDevice(Footprint(GiB, 0))
+    device.broken = True  # any measurement would fail loudly
+    m.use(device)
+    for _ in range(device_memory.RECHECK_EVERY * 2):
+        m.at_phase_point()
+    assert device.limits == [] and device.callback is None
+
+
+def test_a_cap_of_nothing_is_a_cap() -> None:
+    m, _ = caps()
+    device = FakeDevice(Footprint(0, GiB // 2))
+    m.use(device)
+    m.told(0, WHY, 0)
+    m.at_phase_point()
+    assert device.limits == [0] and m.pool_limit == 0
 
 
 def test_a_lifted_cap_lifts_the_limit_once() -> None:
     m, _ = caps()
     device = FakeDevice(Footprint(GiB, 0))
     m.use(device)
-    m.apply_pending()
-    assert device.limits == []  # never capped: nothing to lift
     m.told(2 * GiB, WHY, 0)
-    m.apply_pending()
-    m.told(0, "", 0)
-    m.apply_pending()
+    m.at_phase_point()
+    m.told(None, "", 0)
+    m.at_phase_point()
+    m.at_phase_point()
     assert device.limits == [2 * GiB, None] and m.pool_limit is None
+
+
+def test_what_lies_outside_the_allocator_is_measured_again_and_the_limit_follows() -> None:
+    m, _ = caps()
+    device = FakeDevice(Footprint(GiB, GiB // 4))
+    m.use(device)
+    m.told(4 * GiB, WHY, 0)
+    m.at_phase_point()
+    device.held = Footprint(GiB, GiB)  # NCCL's buffers came at the first collective
+    for _ in range(device_memory.RECHECK_EVERY - 1):
+        m.at_phase_point()
+    assert device.limits == [4 * GiB - GiB // 4]
+    m.at_phase_point()
+    assert device.limits == [4 * GiB - GiB // 4, 3 * GiB]
 
 
 def test_a_rank_over_its_new_cap_gives_cached_memory_back_or_fails_at_once_with_the_line() -> None:
@@ -77,7 +114,7 @@ def test_a_rank_over_its_new_cap_gives_cached_memory_back_or_fails_at_once_with_
     device = FakeDevice(Footprint(3 * GiB, GiB // 2), frees_to=GiB)  # most of it was cached
     m.use(device)
     m.told(2 * GiB, WHY, 0)
-    m.apply_pending()
+    m.at_phase_point()
     assert device.limits == [int(1.5 * GiB)] and reports == []
 
     m, reports = caps()
@@ -85,22 +122,35 @@ def test_a_rank_over_its_new_cap_gives_cached_memory_back_or_fails_at_once_with_
     m.use(device)
     m.told(2 * GiB, WHY, 0)
     with pytest.raises(OverMemoryCap) as err:
-        m.apply_pending()
+        m.at_phase_point()
     assert str(err.value).startswith("crossover: job 'batch' ran out of its memory cap on device 0 asking for "
                                      "1.00 GiB more: it may hold 2.5 GiB of 10 GiB")
     assert "crossoverd --reserve" in str(err.value) and reports == [GiB]
+
+
+def test_a_failing_device_never_stops_training_and_is_said_once(caplog) -> None:
+    m, _ = caps()
+    device = FakeDevice(Footprint(GiB, 0))
+    device.broken = True
+    m.use(device)
+    m.told(2 * GiB, WHY, 0)
+    m.at_phase_point()
+    m.told(3 * GiB, WHY, 0)
+    m.at_phase_point()
+    assert not m.pending and device.limits == []
+    assert sum("could not apply the memory cap" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_refusal_is_told_once_per_allocation_and_only_under_a_cap() -> None:
     m, reports = caps()
     device = FakeDevice(Footprint(GiB, 0))
     m.use(device)
-    assert device.callback is not None and device.callback(GiB) == "" and reports == []  # no cap: the device was full
     m.told(2 * GiB, WHY, 0)
-    m.apply_pending()
+    m.at_phase_point()
     line = device.callback(GiB // 2)
     assert line == m.line(GiB // 2) and "asking for 0.50 GiB more" in line and reports == [GiB // 2]
-    assert m.refusals == 1
+    m.told(None, "", 0)
+    assert device.callback(GiB) == "" and reports == [GiB // 2] and m.refusals == 1
 
 
 def test_a_failing_report_never_hides_the_error() -> None:
@@ -111,5 +161,5 @@ def test_a_failing_report_never_hides_the_error() -> None:
     device = FakeDevice(Footprint(GiB, 0))
     m.use(device)
     m.told(2 * GiB, WHY, 0)
-    m.apply_pending()
+    m.at_phase_point()
     assert device.callback(1).startswith("crossover: job 'batch'")

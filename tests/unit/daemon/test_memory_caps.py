@@ -102,35 +102,51 @@ def test_reservations_in_bytes_past_a_small_device_hold_all_of_it() -> None:
     assert got["b"].limit == 0 and "high reserves 16 GiB" in got["b"].why
 
 
+def held_top_down(total: int, r: MemoryRules, present: set[Priority]) -> dict[Priority, int]:
+    """The oracle's reading of what the active reservations hold: from the top, each within what is left."""
+    held, left = {}, total
+    for res in sorted((x for x in r.reservations if x.priority in present), key=lambda x: -x.priority):
+        held[res.priority] = min(res.on(total), left)
+        left -= held[res.priority]
+    return held
+
+
 def test_caps_of_any_mix_respect_every_active_reservation() -> None:
     import random
 
     rnd = random.Random(7)
-    for _ in range(300):
+    for _ in range(500):
         total = rnd.randint(1, 200) * GiB
-        shares = rnd.sample([HIGH, NORMAL, LOW], rnd.randint(1, 3))
-        left = 1.0
         texts = []
-        for p in shares:
-            f = round(rnd.uniform(0.01, left), 2) if left > 0.02 else 0
-            if f > 0:
-                texts.append(f"{p}={100 * f:g}%")
-                left -= f
+        for p in rnd.sample([HIGH, NORMAL, LOW], rnd.randint(1, 3)):
+            texts.append(f"{p}={rnd.randint(1, 300)}GiB" if rnd.random() < 0.4 else f"{p}={rnd.randint(1, 33)}%")
         r = rules(*texts)
         jobs = {f"j{i}": rnd.choice([HIGH, NORMAL, LOW]) for i in range(rnd.randint(1, 6))}
         got = caps(total, jobs, r)
-        for res in r.reservations:
-            if res.priority not in jobs.values():
-                continue
-            below = sum(got[j].limit for j, p in jobs.items() if p < res.priority)
-            above_or_at = sum(x.on(total) for x in r.reservations if x.priority >= res.priority
-                              and x.priority in jobs.values())
-            assert below <= total - above_or_at, (total, texts, jobs, got)
-            mine = [j for j, p in jobs.items() if p == res.priority and got[j].limit]
-            assert all(got[j].limit >= res.on(total) // len(mine) for j in mine)  # its own part, at least
+        held = held_top_down(total, r, set(jobs.values()))
+        assert sum(held.values()) <= total
+        for res in held:
+            below = sum(got[j].limit or 0 for j, p in jobs.items() if p < res)
+            assert below <= total - sum(b for q, b in held.items() if q >= res), (total, texts, jobs, got)
         for j, p in jobs.items():
-            if not any(x.priority > p and x.priority in jobs.values() for x in r.reservations):
+            if any(q > p for q in held):
+                assert got[j].limit is not None and got[j].limit >= 0, (texts, jobs, got)  # capped, maybe at 0
+            else:
                 assert got[j] == MemoryCap()
+            for k, q in jobs.items():
+                if got[j].limit is not None and got[k].limit is not None and p > q:
+                    assert got[j].limit >= got[k].limit - len(jobs), (texts, jobs, got)  # never less than lower
+
+
+def test_a_lower_class_reservation_takes_nothing_from_a_higher_capped_class() -> None:
+    got = caps(100 * GiB, {"h": HIGH, "n": NORMAL, "l": LOW}, rules("high=50%", "low=20%"))
+    assert got["n"].limit == got["l"].limit == 25 * GiB  # low's 20 % fits in its equal half of what high leaves
+
+
+def test_byte_reservations_past_the_device_are_held_from_the_top() -> None:
+    got = caps(80 * GiB, {"h": HIGH, "n": NORMAL, "l": LOW}, rules("high=60GiB", "normal=40GiB"))
+    assert got["n"].limit == 20 * GiB and got["l"].limit == 0  # normal holds what high left; low gets nothing
+    assert "normal reserves 20 GiB" in got["l"].why
 
 
 def test_bytes_read_as_a_person_writes_them() -> None:

@@ -53,8 +53,8 @@ def test_no_context_no_footprint_and_nothing_initialized(fake_cuda) -> None:
 def test_the_footprint_outside_the_allocator_is_nvml_less_the_pool(fake_cuda, monkeypatch) -> None:
     fake_cuda.initialized = True
     memory = CudaMemory(1)
-    monkeypatch.setattr(memory, "_process_memory", lambda: 2 * GiB + 700 << 20)
-    assert memory.footprint() == Footprint(2 * GiB, (2 * GiB + 700 << 20) - 2 * GiB)
+    monkeypatch.setattr(memory, "_process_memory", lambda: 2 * GiB + (700 << 20))
+    assert memory.footprint() == Footprint(2 * GiB, 700 << 20)
     monkeypatch.setattr(memory, "_process_memory", lambda: None)  # NVML cannot name the process: said, not hidden
     assert memory.footprint() == Footprint(2 * GiB, cuda_memory._UNMEASURED_OUTSIDE)
 
@@ -65,6 +65,20 @@ def test_a_limit_is_a_fraction_and_only_a_lower_one_empties_the_cache(fake_cuda)
     memory.set_limit(30 * GiB)
     memory.set_limit(None)
     assert fake_cuda.calls == [(0.25, 1), (0.375, 1), (1.0, 1)] and fake_cuda.emptied == 1
+
+
+def test_the_observer_blames_the_cap_only_where_the_device_had_room(fake_cuda, monkeypatch) -> None:
+    observers = []
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False)
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: None)
+    told = []
+    memory = CudaMemory(1)
+    memory.on_refusal(lambda asked: told.append(asked) or f"line {asked}")
+    (observe,) = observers
+    observe(1, GiB, 79 * GiB, 10 * GiB)  # (device, alloc, allowed or total, device free): room, the cap refused
+    observe(1, GiB, 79 * GiB, GiB // 2)  # the device itself was full
+    observe(0, GiB, 79 * GiB, 10 * GiB)  # another device
+    assert told == [GiB]
 
 
 def test_cap_exceeded_is_both_errors_and_an_uncaught_oom_carries_the_line(fake_cuda, monkeypatch) -> None:

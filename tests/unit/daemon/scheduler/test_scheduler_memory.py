@@ -25,7 +25,7 @@ def join(s: Scheduler, job: str, rank: int = 0, asked: Priority | None = None):
     return reg.session_id, s.attach(reg.session_id)
 
 
-def last_cap(box) -> int:
+def last_cap(box) -> int | None:
     shares = [m for m in drain_outbox(box, shares=True) if isinstance(m, ShareMsg)]
     return shares[-1].memory_cap.limit
 
@@ -37,10 +37,10 @@ def caps_logged(s: Scheduler, job: str) -> list[int]:
 def test_a_lower_job_is_capped_while_a_reserved_class_is_there(clock, pids):
     s = scheduler(clock, pids)
     low, low_box = join(s, "batch", asked=Priority.LOW)
-    assert last_cap(low_box) == 0 and caps_logged(s, "batch") == []  # alone: nothing changes
+    assert last_cap(low_box) is None and caps_logged(s, "batch") == []  # alone: nothing changes
     prod, prod_box = join(s, "prod")
     s.set_job_class("prod", Priority.HIGH)
-    assert last_cap(low_box) == 40 * GiB and last_cap(prod_box) == 0
+    assert last_cap(low_box) == 40 * GiB and last_cap(prod_box) is None
     share = [m for m in drain_outbox(low_box, shares=True) if isinstance(m, ShareMsg)]
     assert share == []  # told once per change, not again
     assert caps_logged(s, "batch") == [40 * GiB] and caps_logged(s, "prod") == []
@@ -48,14 +48,14 @@ def test_a_lower_job_is_capped_while_a_reserved_class_is_there(clock, pids):
     assert why.startswith("40 GiB of 80 GiB, as high reserves 40 GiB")
     per_dev, _ = s.snapshot()
     capped = {r.ident.job_name: r.memory_cap for r in per_dev[0].others + per_dev[0].waiting + per_dev[0].holders}
-    assert capped == {"batch": 40 * GiB, "prod": 0}
+    assert capped == {"batch": 40 * GiB, "prod": None}
 
     s.set_job_class("prod", Priority.NORMAL)  # the operator lowers it mid-run: its reservation goes
-    assert last_cap(low_box) == 0 and caps_logged(s, "batch") == [40 * GiB, 0]
+    assert last_cap(low_box) is None and caps_logged(s, "batch") == [40 * GiB, None]
     s.set_job_class("prod", Priority.HIGH)
     assert last_cap(low_box) == 40 * GiB
     s.close(prod, "done")  # it leaves: its reservation is freed
-    assert last_cap(low_box) == 0 and caps_logged(s, "batch") == [40 * GiB, 0, 40 * GiB, 0]
+    assert last_cap(low_box) is None and caps_logged(s, "batch") == [40 * GiB, None, 40 * GiB, None]
 
 
 def test_a_jobs_ranks_on_one_device_share_its_cap(clock, pids):
@@ -86,7 +86,7 @@ def test_without_a_reservation_or_a_known_total_nobody_is_capped(clock, pids):
         join(s, "prod")
         s.set_job_class("prod", Priority.HIGH)
         low, box = join(s, "batch", asked=Priority.LOW)
-        assert last_cap(box) == 0
+        assert last_cap(box) is None
         s.apply(low, RankEvent.named("memory_cap_hit", iteration=1))  # the device itself was full: no cap to blame
         assert not [e for e in s.events.events() if e.name.startswith("memory_cap")]
         s.shutdown()
