@@ -24,14 +24,9 @@ from crossover.plugins.hook.runtime import RUNTIME
 from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.identity import RankIdentity
 
-__all__ = ["cuda_device", "current_session", "open_session", "use_device", "waiting"]
+__all__ = ["cuda_device", "open_session", "use_device", "waiting"]
 
 _log = logging.getLogger(__name__)
-
-
-def current_session() -> Session | None:
-    """The rank's session once its front end has registered it (None before, or when disabled)."""
-    return RUNTIME.session
 
 
 @contextlib.contextmanager
@@ -125,7 +120,9 @@ def _write_stats(path: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
-                       "grant_waits_s": session.grant_waits, "leased_acquires": session.leased_acquires,
+                       "grant_waits_s": session.grant_waits.first, "acquires": session.grant_waits.count,
+                       "grant_wait_histogram": session.grant_waits.histogram(),
+                       "leased_acquires": session.leased_acquires,
                        "transport": session.transport, "framework": session.info.framework,
                        "yields": RUNTIME.phases.yields if RUNTIME.phases is not None else 0}, f)
     except OSError as exc:
