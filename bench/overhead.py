@@ -90,7 +90,7 @@ def run_variant(variant: str, workdir: Path, args: argparse.Namespace, rnd: int)
             assert s["transport"] == want, f"{variant}: rank {r}'s stream went over {s['transport']}, not {want}"
             waits += s["grant_waits_s"][args.warmup:]
             leased += s["leased_acquires"]
-            acquires += len(s["grant_waits_s"])
+            acquires += s.get("acquires", len(s["grant_waits_s"]))
     iters = [t for r in ranks for t in r["iter_times"][args.warmup:]]
     steps = sum(len(r["iter_times"]) for r in ranks)
     return {"iter_mean_s": mean(iters), "iter_p50_s": percentile(iters, 50), "grant_waits_s": waits,

@@ -19,6 +19,7 @@ import grpc
 from crossover.client.rank.daemon_silence import Silence
 from crossover.client.rank.device_memory import DeviceMemory, MemoryCaps
 from crossover.client.rank.device_turns import DeviceTurns, TurnHandover
+from crossover.client.rank.grant_waits import GrantWaits
 from crossover.client.rank.late_reports import LateReports
 from crossover.client.rank.traffic_class import TrafficMark
 from crossover.client.rank.transport import SessionStream, StreamBroken, Unreachable, channel_for, connect
@@ -61,7 +62,7 @@ class Session:
         self._receiver: threading.Thread | None = None
         self.registration: pb.RegisterResponse | None = None
         self.on_attach: Callable[[pb.RegisterResponse], None] | None = None
-        self.grant_waits: list[float] = []  # seconds each blocking acquire took (benchmarks read it)
+        self.grant_waits = GrantWaits()  # how long each blocking acquire took, bounded (benchmarks read it)
         self.leased_acquires = 0  # how many of those returned at once under a lease
         self.transport = ""  # how the session stream travels: "session socket" or "grpc"
         self.job_class = ("normal", 1.0)  # this job's class on this node, as the daemon last said
@@ -119,7 +120,7 @@ class Session:
                 self._unsent = (request, start)
                 if self._blocks:
                     self.leased_acquires += 1
-                    self.grant_waits.append(self._clock() - start)
+                    self.grant_waits.add(self._clock() - start)
                 return True
             self._send(request)
             deadline = start + self.settings.grant_timeout_s
@@ -134,7 +135,7 @@ class Session:
                                  "asking again", self.settings.grant_timeout_s, iteration, cool)
                     return False
                 self._cond.wait(left)
-            self.grant_waits.append(self._clock() - start)
+            self.grant_waits.add(self._clock() - start)
             granted = self._granted_seq >= seq
             after, self._after = self._after, (0, 0)
         if granted and after[0]:

@@ -78,8 +78,8 @@ PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
                                "copying them back one by one in the middle of its ring, each waiting for a GPU that "
                                "another job's compute fills (docs/priorities.md); the same results."),
     "CROSSOVER_LOG_LEVEL": ("WARNING", "Log level of the plugin's `crossover` loggers."),
-    "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats (grant waits) as JSON here; "
-                             "`{rank}` is replaced by the Horovod rank."),
+    "CROSSOVER_STATS_FILE": ("", "At exit, write this rank's session stats as JSON here: its first 4096 grant "
+                             "waits, their count and a histogram of all; `{rank}` is replaced by the rank."),
     "CROSSOVER_AGGREGATION": ("", "How gradients are combined: average, sum, adasum, weighted (LB-BSP) or "
                               "group_async (synchronous inside groups, asynchronous between them); empty keeps "
                               "the script's own `op`."),

@@ -1,0 +1,67 @@
+"""How long a rank's blocking acquires waited, in bounded memory for the life of a job.
+
+The first `KEEP` waits are kept in full: a benchmark drops its warm-up from them and reads their
+percentiles. Every wait is counted in a histogram of log-spaced buckets (four a decade, from 1 µs
+to 1000 s), so a job that runs for weeks keeps a few hundred numbers, not one per iteration.
+"""
+from __future__ import annotations
+
+import math
+
+__all__ = ["GrantWaits"]
+
+_PER_DECADE = 4
+_LOW_EXP, _HIGH_EXP = -6, 3  # 1 µs .. 1000 s
+
+
+class GrantWaits:
+    """The waits of one rank's acquires: the first `KEEP` in order, all of them in a histogram."""
+
+    KEEP = 4096
+
+    def __init__(self) -> None:
+        self.first: list[float] = []
+        self.count = 0
+        self.total_s = 0.0
+        self._buckets = [0] * ((_HIGH_EXP - _LOW_EXP) * _PER_DECADE + 2)  # below 1 µs, ..., 1000 s and above
+
+    def add(self, seconds: float) -> None:
+        if len(self.first) < self.KEEP:
+            self.first.append(seconds)
+        self.count += 1
+        self.total_s += seconds
+        self._buckets[self._bucket(seconds)] += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    @staticmethod
+    def _bucket(seconds: float) -> int:
+        if seconds < 10.0 ** _LOW_EXP:
+            return 0
+        index = 1 + int((math.log10(seconds) - _LOW_EXP) * _PER_DECADE)
+        return min(index, (_HIGH_EXP - _LOW_EXP) * _PER_DECADE + 1)
+
+    @staticmethod
+    def upper_edge(bucket: int) -> float:
+        """The largest wait bucket `bucket` holds (seconds; inf for the last)."""
+        if bucket >= (_HIGH_EXP - _LOW_EXP) * _PER_DECADE + 1:
+            return math.inf
+        return 10.0 ** (_LOW_EXP + bucket / _PER_DECADE)
+
+    def histogram(self) -> dict[str, int]:
+        """Each non-empty bucket by its upper edge in seconds (`"inf"` for the last): the stats file's form."""
+        return {("inf" if math.isinf(self.upper_edge(i)) else f"{self.upper_edge(i):.3g}"): n
+                for i, n in enumerate(self._buckets) if n}
+
+    def quantile(self, q: float) -> float:
+        """The upper edge of the bucket holding the `q` quantile of every wait (0 with none)."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        seen = 0
+        for i, n in enumerate(self._buckets):
+            seen += n
+            if seen >= rank and n:
+                return self.upper_edge(i)
+        return math.inf
