@@ -12,6 +12,8 @@ __all__ = ["GrantWaits"]
 
 _PER_DECADE = 4
 _LOW_EXP, _HIGH_EXP = -6, 3  # 1 µs .. 1000 s
+_FLOOR = 10.0 ** _LOW_EXP
+_LAST = (_HIGH_EXP - _LOW_EXP) * _PER_DECADE + 1  # the bucket of 1000 s and above
 
 
 class GrantWaits:
@@ -23,29 +25,26 @@ class GrantWaits:
         self.first: list[float] = []
         self.count = 0
         self.total_s = 0.0
-        self._buckets = [0] * ((_HIGH_EXP - _LOW_EXP) * _PER_DECADE + 2)  # below 1 µs, ..., 1000 s and above
+        self._buckets = [0] * (_LAST + 1)  # below 1 µs, then a quarter decade each, then 1000 s and above
 
     def add(self, seconds: float) -> None:
+        """One acquire's wait; a single call on the rank's hot path (the bucket is worked out inline)."""
         if len(self.first) < self.KEEP:
             self.first.append(seconds)
         self.count += 1
         self.total_s += seconds
-        self._buckets[self._bucket(seconds)] += 1
+        if seconds < _FLOOR:
+            self._buckets[0] += 1
+        else:
+            self._buckets[min(1 + int((math.log10(seconds) - _LOW_EXP) * _PER_DECADE), _LAST)] += 1
 
     def __len__(self) -> int:
         return self.count
 
     @staticmethod
-    def _bucket(seconds: float) -> int:
-        if seconds < 10.0 ** _LOW_EXP:
-            return 0
-        index = 1 + int((math.log10(seconds) - _LOW_EXP) * _PER_DECADE)
-        return min(index, (_HIGH_EXP - _LOW_EXP) * _PER_DECADE + 1)
-
-    @staticmethod
     def upper_edge(bucket: int) -> float:
         """The largest wait bucket `bucket` holds (seconds; inf for the last)."""
-        if bucket >= (_HIGH_EXP - _LOW_EXP) * _PER_DECADE + 1:
+        if bucket >= _LAST:
             return math.inf
         return 10.0 ** (_LOW_EXP + bucket / _PER_DECADE)
 
