@@ -1,4 +1,4 @@
-"""Rewrite the README's settings table from crossover.plugins.hook.settings.PLUGIN_SETTINGS.
+"""Rewrite docs/settings.md's table from crossover.plugins.hook.settings.PLUGIN_SETTINGS.
 
 Usage: python -m scripts.gen_settings_table   (tests/unit/test_readme.py fails while they differ)
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from crossover.plugins.hook.settings import PLUGIN_SETTINGS
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 _BEGIN = "<!-- settings-table"
 _END = "<!-- /settings-table -->"
 

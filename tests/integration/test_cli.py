@@ -388,8 +388,8 @@ def test_every_help_names_every_admin_command():
         if param.name in ("admin_group", "admin_token_file"):
             assert all(cmd in param.help for cmd in admin), param.help  # type: ignore[attr-defined]
     assert all(cmd in crossoverd.help.split("SOCKET.admin")[0] for cmd in admin), crossoverd.help
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    codes = readme.split("Exit codes:", 1)[1].split("\n\n", 1)[0]
+    cli_doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    codes = cli_doc.split("Exit codes:", 1)[1].split("\n\n", 1)[0]
     assert all(f"`{cmd}" in codes for cmd in admin), codes
 
 
