@@ -7,7 +7,7 @@ the script does not import is loaded. `crossover.auto.waiting()` is the one call
 script may add: around a wait outside its framework (a file, a queue, a service),
 it frees the device for the wait's length. `crossover.auto.use_device(turns)`
 hands turns over on a device the plugin does not know itself (CUDA GPUs it
-does). Settings come from `CROSSOVER_*` variables (see the README table); with
+does). Settings come from `CROSSOVER_*` variables (docs/settings.md); with
 `CROSSOVER_DISABLE=1` the import loads nothing more, and without a daemon it is a
 quiet no-op apart from one warning.
 """

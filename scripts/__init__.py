@@ -1,1 +1,1 @@
-"""Repository chores: bootstrap, the demo, generated stubs and the README settings table."""
+"""Repository chores: bootstrap, the demo, generated stubs and the settings table."""

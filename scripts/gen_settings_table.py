@@ -8,7 +8,7 @@ from pathlib import Path
 
 from crossover.plugins.hook.settings import PLUGIN_SETTINGS
 
-README = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
+TABLE_DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 _BEGIN = "<!-- settings-table"
 _END = "<!-- /settings-table -->"
 
@@ -19,11 +19,11 @@ def table() -> str:
 
 
 def main() -> None:
-    text = README.read_text()
+    text = TABLE_DOC.read_text()
     head, rest = text.split(_BEGIN, 1)
     marker, _old = rest.split("\n", 1)
     _, tail = rest.split(_END, 1)
-    README.write_text(f"{head}{_BEGIN}{marker}\n{table()}\n{_END}{tail}")
+    TABLE_DOC.write_text(f"{head}{_BEGIN}{marker}\n{table()}\n{_END}{tail}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 PROTOCOL_VERSION = 2  # RegisterRequest and every Admin request carry it; the daemon refuses another
 # Admin calls that change the daemon: its admin socket only
 STEERING_CALLS = ("SetPolicy", "Drain", "Resume", "Evict", "SetJobClass")
-# The `crossover` commands that make them, as every help text and the README list them
+# The `crossover` commands that make them, as every help text and docs/cli.md list them
 STEERING_COMMANDS = ("policy NAME", "drain", "resume", "evict", "priority", "share")
 STEERING_COMMANDS_TEXT = ", ".join(STEERING_COMMANDS[:-1]) + " and " + STEERING_COMMANDS[-1]
 TOKEN_METADATA_KEY = "x-crossover-token"

@@ -1,7 +1,7 @@
-"""Every Crossover setting in one place: names, defaults, validation.
+"""Every plugin setting (`CROSSOVER_*`) in one place: names, defaults, validation.
 
-Order everywhere: command-line flag, then `CROSSOVER_*` environment variable,
-then the default below. The README's settings table mirrors `PLUGIN_SETTINGS`.
+The daemon's settings are `crossoverd`'s flags (`crossover.daemon.main`). Here the
+order is: the environment variable, then the default below. docs/settings.md's table mirrors `PLUGIN_SETTINGS`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def script_name() -> str:
     return Path(argv0).stem if argv0 else ""
 
 
-# name -> (default, help); the README table is generated from this.
+# name -> (default, help); docs/settings.md's table is generated from this.
 PLUGIN_SETTINGS: dict[str, tuple[str, str]] = {
     "CROSSOVER_SOCKET": ("(see daemon)", "Unix socket of the node's daemon."),
     "CROSSOVER_ADDRESS": ("", "host:port of a daemon listening on TCP (overrides the socket)."),

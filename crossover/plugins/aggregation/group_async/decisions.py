@@ -1,6 +1,7 @@
 """What rank 0 decides at a global boundary, for every rank to take: the groups, the stage, and the steps
-each group plans over the next epoch. Pure: measurements and state come in, a decision record goes out
-(the record every rank receives by broadcast and the runtime's history keeps)."""
+each group plans over the next epoch. No I/O: measurements and state come in, a decision record goes out
+(the record every rank receives by broadcast and the runtime's history keeps); the one state it changes is
+the `Schedule` it is given, whose stage it advances."""
 from __future__ import annotations
 
 import dataclasses
