@@ -335,5 +335,5 @@ def test_a_plugin_of_another_protocol_is_refused_plainly_and_trains_unscheduled(
         wait_for(lambda: "protocol_version=1 is not supported" in caplog.text)
         t0 = time.monotonic()
         assert s.acquire(0) is False  # not attached: the rank trains unscheduled at once
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 2.5, "it waited: half its grant timeout (5 s) went by"  # a hang guard
     assert f"it speaks {PROTOCOL_VERSION}" in caplog.text and "upgrade the client or the daemon" in caplog.text
