@@ -16,7 +16,7 @@ from types import TracebackType
 
 import grpc
 
-from crossover.client.rank.transport import channel_for, untrusted_socket
+from crossover.client.daemon_socket import channel_for, untrusted_socket
 from crossover.errors import CrossoverError
 from crossover.protos import PROTOCOL_VERSION, STEERING_CALLS, USER_METADATA_KEY, admin_socket_path, switches
 from crossover.protos import crossover_v1_pb2 as pb

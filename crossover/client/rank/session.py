@@ -16,13 +16,14 @@ from typing import Callable
 
 import grpc
 
+from crossover.client.daemon_socket import channel_for
 from crossover.client.rank.daemon_silence import Silence
 from crossover.client.rank.device_memory import DeviceMemory, MemoryCaps
 from crossover.client.rank.device_turns import DeviceTurns, TurnHandover
 from crossover.client.rank.grant_waits import GrantWaits
 from crossover.client.rank.late_reports import LateReports
 from crossover.client.rank.traffic_class import TrafficMark
-from crossover.client.rank.transport import SessionStream, StreamBroken, Unreachable, channel_for, connect
+from crossover.client.rank.transport import SessionStream, StreamBroken, Unreachable, connect
 from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos.identity import RankIdentity

@@ -11,26 +11,24 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import pwd
 import queue
 import socket
-import stat
 from collections.abc import Iterator
 from typing import Protocol
 
 import grpc
 
+from crossover.client.daemon_socket import missing_socket, untrusted_socket
 from crossover.errors import CrossoverError
 from crossover.plugins.hook.settings import PluginSettings
-from crossover.protos import PROTOCOL_VERSION, TOKEN_METADATA_KEY, framing
+from crossover.protos import PROTOCOL_VERSION, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.priority import to_wire
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "Unreachable", "channel_for", "connect",
-           "missing_socket", "untrusted_socket"]
+__all__ = ["FrameStream", "GrpcStream", "SessionStream", "StreamBroken", "Unreachable", "connect"]
 
 _CLOSE = object()
 _MAX_FDS = 4
@@ -205,68 +203,3 @@ def _drain(outbox: queue.SimpleQueue) -> Iterator[pb.RankEvent]:
         if item is _CLOSE:
             return
         yield item
-
-
-def channel_for(target: str, token: str = "", tls_ca: str = "") -> tuple[grpc.Channel, list[tuple[str, str]]]:
-    """A channel to a daemon (`unix:///path` or `host:port`) and the metadata every call must carry."""
-    metadata = [(TOKEN_METADATA_KEY, token)] if token else []
-    if tls_ca and not target.startswith("unix:"):
-        with open(tls_ca, "rb") as f:
-            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-        return grpc.secure_channel(target, creds), metadata
-    return grpc.insecure_channel(target), metadata
-
-
-def _unix_path(target: str) -> str:
-    """The path of a `unix:` or `unix://` target; "" for any other (TCP)."""
-    if not target.startswith("unix:"):
-        return ""
-    return target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
-
-
-def missing_socket(target: str) -> str:
-    """The path of a Unix-socket target that does not exist ("" otherwise).
-
-    No socket file means no daemon on this node: say so at once instead of
-    spending the connect timeout, which is meant for a daemon that is there but busy.
-    """
-    path = _unix_path(target)
-    return "" if not path or os.path.exists(path) else path
-
-
-def untrusted_socket(target: str) -> str:
-    """Why a Unix-socket target cannot be the node's daemon ("" when it can, or when it is no socket path).
-
-    A daemon's socket belongs to root, to this user (a daemon of one's own), to
-    `CROSSOVER_DAEMON_USER`, or to the owner of its folder where only root could
-    have made that folder theirs (its parent is root's and no one else may write
-    there, as with /run/crossover). Anything else is another user's socket in the
-    daemon's place: talking to it would hand them this rank's phases or this
-    operator's commands.
-    """
-    path = _unix_path(target)
-    if not path:
-        return ""
-    try:
-        st = os.stat(path)
-        folder = os.stat(os.path.dirname(os.path.abspath(path)))
-        parent = os.stat(os.path.dirname(os.path.dirname(os.path.abspath(path))))
-    except OSError:
-        return ""
-    trusted = {0, os.geteuid()}
-    daemon_user = os.environ.get("CROSSOVER_DAEMON_USER", "")
-    if daemon_user:
-        try:
-            trusted.add(pwd.getpwnam(daemon_user).pw_uid)
-        except KeyError:
-            return f"CROSSOVER_DAEMON_USER={daemon_user}: no such user"
-    if parent.st_uid == 0 and not parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        trusted.add(folder.st_uid)
-    if st.st_uid in trusted:
-        return ""
-    try:
-        owner = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        owner = f"uid {st.st_uid}"
-    return (f"{path} belongs to {owner}, not to root, this user or the daemon's user: refusing to use it "
-            "(set CROSSOVER_DAEMON_USER to the user crossoverd runs as)")
