@@ -16,9 +16,9 @@ import os as _os
 from typing import TYPE_CHECKING
 from typing import Any as _Any
 
-from crossover.plugins.hook.settings import PluginSettings as _PluginSettings
-from crossover.plugins.hook.settings import SettingError as _SettingError
-from crossover.plugins.hook.settings import script_name as _script_name
+from crossover.settings import PluginSettings as _PluginSettings
+from crossover.settings import SettingError as _SettingError
+from crossover.settings import script_name as _script_name
 
 if TYPE_CHECKING:
     from crossover.plugins.hook.rank_session import use_device, waiting

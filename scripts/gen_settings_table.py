@@ -1,4 +1,4 @@
-"""Rewrite docs/settings.md's table from crossover.plugins.hook.settings.PLUGIN_SETTINGS.
+"""Rewrite docs/settings.md's table from crossover.settings.PLUGIN_SETTINGS.
 
 Usage: python -m scripts.gen_settings_table   (tests/unit/test_readme.py fails while they differ)
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crossover.plugins.hook.settings import PLUGIN_SETTINGS
+from crossover.settings import PLUGIN_SETTINGS
 
 TABLE_DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 _BEGIN = "<!-- settings-table"

@@ -72,7 +72,7 @@ def test_clients_refuse_another_users_socket_in_the_daemons_place(base, tmp_path
         # A rank refuses it too, and trains on (unscheduled) instead of hanging or talking to it.
         rank = subprocess.run(
             [sys.executable, "-c", "from crossover.client.rank.session import Session; "
-             "from crossover.plugins.hook.settings import PluginSettings; "
+             "from crossover.settings import PluginSettings; "
              "from crossover.protos.identity import RankIdentity; import os; "
              "s = Session(RankIdentity('j', 'j', 0, 0, 1, 1), PluginSettings.from_env('x')).start(); "
              "print('attached' if s.attached else 'refused')"],

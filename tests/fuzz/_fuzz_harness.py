@@ -23,12 +23,12 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos import framing
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings
 from tests.fuzz._fuzz_strategies import ALLOWED, BATCH, EVENTS, HUGE, LONG, OPENINGS, POLICIES
 
 

@@ -21,8 +21,8 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.server import Daemon
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings
 
 pytestmark = pytest.mark.timeout(60)
 

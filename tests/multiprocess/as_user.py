@@ -21,11 +21,11 @@ import rich.text  # noqa: F401
 
 from crossover.client import cli
 from crossover.client.rank.session import Session
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings
 
 
 def _rank(socket: str) -> int:

@@ -79,8 +79,8 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
     """SIGSTOP: a rank waiting for a grant stops waiting once its heartbeat goes unanswered
     (CROSSOVER_DAEMON_SILENCE), not after the 30 s grant timeout; after SIGCONT it waits for grants again."""
     from crossover.client.rank.session import Session
-    from crossover.plugins.hook.settings import PluginSettings
     from crossover.protos.identity import RankIdentity
+    from crossover.settings import PluginSettings
 
     d = daemon_factory("--cpu-devices", "1", "--policy", "exclusive", "--no-lease", "--overdue-after", "600",
                        "--heartbeat-timeout", "5", "--evict-after", "60")

@@ -3,7 +3,7 @@ page, stays short and names no variable the code does not read."""
 import re
 from pathlib import Path
 
-from crossover.plugins.hook.settings import PLUGIN_SETTINGS
+from crossover.settings import PLUGIN_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

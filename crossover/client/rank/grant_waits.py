@@ -38,6 +38,11 @@ class GrantWaits:
         else:
             self._buckets[min(1 + int((math.log10(seconds) - _LOW_EXP) * _PER_DECADE), _LAST)] += 1
 
+    def add_many(self, waits: list[float]) -> None:
+        """Several waits, oldest first (a rank folds its hot path's plain list in now and then)."""
+        for seconds in waits:
+            self.add(seconds)
+
     def __len__(self) -> int:
         return self.count
 

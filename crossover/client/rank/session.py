@@ -24,14 +24,15 @@ from crossover.client.rank.grant_waits import GrantWaits
 from crossover.client.rank.late_reports import LateReports
 from crossover.client.rank.traffic_class import TrafficMark
 from crossover.client.rank.transport import SessionStream, StreamBroken, Unreachable, connect
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos.identity import RankIdentity
 from crossover.protos.priority import name_of
+from crossover.settings import PluginSettings
 
 __all__ = ["Session"]
 
 _log = logging.getLogger(__name__)
+_FOLD_EVERY = 1024  # waits kept as a plain list before they go into the bounded record (one call per this many)
 
 
 class Session:
@@ -63,7 +64,8 @@ class Session:
         self._receiver: threading.Thread | None = None
         self.registration: pb.RegisterResponse | None = None
         self.on_attach: Callable[[pb.RegisterResponse], None] | None = None
-        self.grant_waits = GrantWaits()  # how long each blocking acquire took, bounded (benchmarks read it)
+        self._grant_waits = GrantWaits()  # how long each blocking acquire took, bounded (`grant_waits`)
+        self._unfolded: list[float] = []  # the latest waits, a plain list on the hot path, folded in 1024 at a time
         self.leased_acquires = 0  # how many of those returned at once under a lease
         self.transport = ""  # how the session stream travels: "session socket" or "grpc"
         self.job_class = ("normal", 1.0)  # this job's class on this node, as the daemon last said
@@ -78,6 +80,16 @@ class Session:
         self._thread = threading.Thread(target=self._run, name="crossover-session", daemon=True)
 
     # ---- phase calls (made from the training thread) --------------------
+
+    @property
+    def grant_waits(self) -> GrantWaits:
+        """How long each blocking acquire waited (benchmarks and the stats file read it)."""
+        self._fold_waits()
+        return self._grant_waits
+
+    def _fold_waits(self) -> None:
+        waits, self._unfolded = self._unfolded, []
+        self._grant_waits.add_many(waits)
 
     @property
     def attached(self) -> bool:
@@ -121,7 +133,9 @@ class Session:
                 self._unsent = (request, start)
                 if self._blocks:
                     self.leased_acquires += 1
-                    self.grant_waits.add(self._clock() - start)
+                    self._unfolded.append(self._clock() - start)
+                    if len(self._unfolded) >= _FOLD_EVERY:
+                        self._fold_waits()
                 return True
             self._send(request)
             deadline = start + self.settings.grant_timeout_s
@@ -136,7 +150,9 @@ class Session:
                                  "asking again", self.settings.grant_timeout_s, iteration, cool)
                     return False
                 self._cond.wait(left)
-            self.grant_waits.add(self._clock() - start)
+            self._unfolded.append(self._clock() - start)
+            if len(self._unfolded) >= _FOLD_EVERY:
+                self._fold_waits()
             granted = self._granted_seq >= seq
             after, self._after = self._after, (0, 0)
         if granted and after[0]:

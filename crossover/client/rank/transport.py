@@ -20,11 +20,11 @@ import grpc
 
 from crossover.client.daemon_socket import missing_socket, untrusted_socket
 from crossover.errors import CrossoverError
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import PROTOCOL_VERSION, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.priority import to_wire
+from crossover.settings import PluginSettings
 
 _log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from crossover.plugins.aggregation.selection import (
 )
 from crossover.plugins.hook import optimizer_state
 from crossover.plugins.hook.composed_optimizer import ComposedOptimizer
-from crossover.plugins.hook.settings import LBBSP_METHODS, AggregationSettings
+from crossover.settings import LBBSP_METHODS, AggregationSettings
 
 __all__ = [
     "AdasumDecision",

@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional
 
 from crossover.errors import CrossoverError
 from crossover.plugins.aggregation.process_state import STATE
-from crossover.plugins.hook.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
+from crossover.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
 
 __all__ = ["AggregationError", "Rule", "current_rule", "prepare_horovod", "set_aggregation", "settings"]
 

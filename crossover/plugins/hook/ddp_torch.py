@@ -50,9 +50,9 @@ from crossover.plugins.hook.phase_tracking import (
 )
 from crossover.plugins.hook.rank_session import open_session
 from crossover.plugins.hook.runtime import RUNTIME
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.plugins.hook.torchrun_identity import job_id_from_env, place_from_env
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings
 
 __all__ = ["install", "notice_fsdp", "uninstall"]
 

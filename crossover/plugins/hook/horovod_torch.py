@@ -26,8 +26,8 @@ from crossover.plugins.hook.phase_reporter import PhaseReporter
 from crossover.plugins.hook.phase_tracking import remove_forward_boundaries, track_phases
 from crossover.plugins.hook.rank_session import cuda_device, open_session
 from crossover.plugins.hook.runtime import RUNTIME
-from crossover.plugins.hook.settings import PluginSettings, script_name
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings, script_name
 
 __all__ = ["install", "uninstall"]
 

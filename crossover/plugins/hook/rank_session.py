@@ -21,8 +21,8 @@ from crossover.client.rank.device_memory import DeviceMemory
 from crossover.client.rank.device_turns import DeviceTurns
 from crossover.client.rank.session import Session
 from crossover.plugins.hook.runtime import RUNTIME
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings
 
 __all__ = ["cuda_device", "open_session", "use_device", "waiting"]
 
@@ -117,11 +117,12 @@ def _write_stats(path: str) -> None:
     session = RUNTIME.session
     if session is None:
         return
+    waits = session.grant_waits
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"rank": session.info.rank, "job_id": session.info.job_id, "attached": session.attached,
-                       "grant_waits_s": session.grant_waits.first, "acquires": session.grant_waits.count,
-                       "grant_wait_histogram": session.grant_waits.histogram(),
+                       "grant_waits_s": waits.first, "acquires": waits.count,
+                       "grant_wait_histogram": waits.histogram(),
                        "leased_acquires": session.leased_acquires,
                        "transport": session.transport, "framework": session.info.framework,
                        "yields": RUNTIME.phases.yields if RUNTIME.phases is not None else 0}, f)

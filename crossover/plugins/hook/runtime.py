@@ -15,7 +15,7 @@ from crossover.client.rank.device_turns import DeviceTurns
 from crossover.client.rank.session import Session
 from crossover.plugins.hook.host_staging import HostStager
 from crossover.plugins.hook.phase_reporter import PhaseReporter
-from crossover.plugins.hook.settings import PluginSettings
+from crossover.settings import PluginSettings
 
 __all__ = ["RUNTIME", "HookRuntime"]
 

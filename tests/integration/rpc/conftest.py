@@ -12,10 +12,10 @@ import pytest
 from crossover.client.rank.session import Session
 from crossover.daemon.limits import StreamLimits
 from crossover.daemon.server import Daemon
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings
 from tests.integration.rpc._world import _END, make_core
 
 

@@ -29,3 +29,13 @@ def test_the_histogram_has_an_underflow_and_an_overflow_bucket() -> None:
     hist = waits.histogram()
     assert hist["1e-06"] == 2 and hist["inf"] == 1 and sum(hist.values()) == 5
     assert waits.quantile(1.0) == math.inf and GrantWaits().quantile(0.5) == 0.0
+
+
+def test_waits_folded_in_a_batch_are_the_waits_added_one_by_one() -> None:
+    one, many = GrantWaits(), GrantWaits()
+    waits = [i * 1e-4 for i in range(5000)]
+    for w in waits:
+        one.add(w)
+    many.add_many(waits[:1024])
+    many.add_many(waits[1024:])
+    assert (one.first, one.count, one.histogram()) == (many.first, many.count, many.histogram())

@@ -16,7 +16,7 @@ from crossover.plugins.aggregation import (
     set_aggregation,
     weight_scale,
 )
-from crossover.plugins.hook.settings import AggregationSettings, SettingError
+from crossover.settings import AggregationSettings, SettingError
 from tests.unit.plugins._aggregation_fixtures import FakeHvd, FakeProcessSet, _clean, fake_factory, sgd  # noqa: F401
 
 # --- selection and settings ---------------------------------------------------
@@ -188,6 +188,6 @@ def test_a_nested_call_passes_through():
 
 
 def test_every_rule_the_setting_accepts_has_a_builder_and_no_other():
-    from crossover.plugins.hook.settings import AGGREGATION_RULES
+    from crossover.settings import AGGREGATION_RULES
 
     assert sorted(aggregation._RULES) == sorted(AGGREGATION_RULES)  # noqa: SLF001 - the registry itself

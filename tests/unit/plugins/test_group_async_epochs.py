@@ -10,7 +10,7 @@ import pytest
 
 from crossover.plugins.aggregation.group_async.runtime import GroupRuntime
 from crossover.plugins.aggregation.selection import AggregationError
-from crossover.plugins.hook.settings import AggregationSettings
+from crossover.settings import AggregationSettings
 
 
 class _Hvd:

@@ -10,7 +10,7 @@ import pytest
 from crossover.plugins.hook import rank_session
 from crossover.plugins.hook.rank_session import affinity_plan
 from crossover.plugins.hook.runtime import RUNTIME
-from crossover.plugins.hook.settings import PluginSettings, SettingError, parse_cpu_list
+from crossover.settings import PluginSettings, SettingError, parse_cpu_list
 
 
 @pytest.mark.parametrize("raw,cores", [("", ()), ("3", (3,)), ("2-4,8", (2, 3, 4, 8)), ("1,0,1", (0, 1)),

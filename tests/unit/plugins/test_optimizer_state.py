@@ -9,7 +9,7 @@ import torch
 from crossover.plugins.aggregation.group_async.optimizer import GroupAsyncOptimizer
 from crossover.plugins.aggregation.group_async.runtime import GroupRuntime
 from crossover.plugins.hook.optimizer_state import _broadcast_composed
-from crossover.plugins.hook.settings import AggregationSettings
+from crossover.settings import AggregationSettings
 
 
 class _Hvd:

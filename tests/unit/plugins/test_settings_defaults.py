@@ -1,7 +1,7 @@
 """The defaults a `CROSSOVER_*` variable falls back to are the fields' own defaults, in one place."""
 import os
 
-from crossover.plugins.hook.settings import AggregationSettings, PluginSettings
+from crossover.settings import AggregationSettings, PluginSettings
 
 
 def test_from_env_without_variables_is_the_fields_defaults(monkeypatch):

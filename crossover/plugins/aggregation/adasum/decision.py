@@ -6,7 +6,7 @@ from typing import Literal
 
 from crossover.plugins.aggregation.adasum.algorithms import AdasumAlgorithm
 from crossover.plugins.aggregation.selection import AggregationError
-from crossover.plugins.hook.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS
+from crossover.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS
 
 __all__ = ["AdasumDecision", "AdasumFacts", "adasum_path", "resolve_algorithm"]
 

@@ -36,7 +36,7 @@ from crossover.plugins.aggregation.group_async.member_shares import MemberShares
 from crossover.plugins.aggregation.group_async.schedule import Schedule, Stage
 from crossover.plugins.aggregation.group_async.service_process import ServiceProcess, start_for_job
 from crossover.plugins.aggregation.selection import AggregationError
-from crossover.plugins.hook.settings import AggregationSettings
+from crossover.settings import AggregationSettings
 
 __all__ = ["GroupRuntime"]
 

@@ -1,7 +1,9 @@
 """Every plugin setting (`CROSSOVER_*`) in one place: names, defaults, validation.
 
-The daemon's settings are `crossoverd`'s flags (`crossover.daemon.main`). Here the
-order is: the environment variable, then the default below. docs/settings.md's table mirrors `PLUGIN_SETTINGS`.
+Read by a rank's session (`crossover.client.rank`) and by the plugin that opens it
+(`crossover.plugins`), so it sits below both. The daemon's settings are `crossoverd`'s
+flags (`crossover.daemon.main`). Here the order is: the environment variable, then the
+default below. docs/settings.md's table mirrors `PLUGIN_SETTINGS`.
 """
 from __future__ import annotations
 
