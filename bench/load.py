@@ -67,9 +67,9 @@ from bench.lib.results import machine, write_json
 from bench.load_analysis import Key, grant_records, leak_suspected, lost_requests, net_of_queueing, split
 from crossover.client.admin import AdminClient
 from crossover.client.rank.session import Session
-from crossover.plugins.hook.settings import PluginSettings
 from crossover.protos.event_file import EventName, read_events
 from crossover.protos.identity import RankIdentity
+from crossover.settings import PluginSettings
 from testbed.harness.daemon import DaemonProc
 
 _log = logging.getLogger("bench.load")

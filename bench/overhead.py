@@ -42,7 +42,7 @@ from rich.table import Table
 from bench.lib.jobs import WORKLOAD_OF, finish_job, start_job
 from bench.lib.judge import mean, percentile
 from bench.lib.results import machine, write_json
-from crossover.plugins.hook.settings import SettingError, parse_cpu_list
+from crossover.settings import SettingError, parse_cpu_list
 from testbed.harness.daemon import DaemonProc
 from testbed.harness.jobs import with_import
 

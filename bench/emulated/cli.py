@@ -78,8 +78,8 @@ from bench.emulated.scenarios import (
 )
 from bench.lib.results import ROOT, machine, write_json
 from crossover.client.admin import AdminClient
-from crossover.plugins.hook.settings import SettingError, parse_cpu_list
 from crossover.protos.event_file import EventName, read_events, typed
+from crossover.settings import SettingError, parse_cpu_list
 from testbed.cluster import Cluster, ClusterSpec, Link, preflight
 from testbed.device_model import DeviceParams
 from testbed.harness.jobs import WORKLOADS, rank_summaries, with_import

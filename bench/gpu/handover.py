@@ -216,8 +216,8 @@ def _worker(kind: str, role: int, cfg: dict[str, Any], parent: Connection, peer:
 
 def _run_daemon_path(role: int, cfg: dict[str, Any], parent: Connection, peer: Connection | None) -> dict[str, Any]:
     from crossover.client.rank.session import Session
-    from crossover.plugins.hook.settings import PluginSettings
     from crossover.protos.identity import RankIdentity
+    from crossover.settings import PluginSettings
 
     dev = _device(cfg)
     offset = dev.clock_offset()
