@@ -40,13 +40,12 @@ import uuid
 from typing import Any
 
 from crossover.plugins.hook import torch_collectives
-from crossover.plugins.hook.cuda_memory import use_cuda_memory
 from crossover.plugins.hook.phase_reporter import PhaseReporter, guarded
 from crossover.plugins.hook.phase_tracking import (
     GradientYields,
-    pace_on_gpu,
+    cuda_index,
+    on_gpu,
     remove_forward_boundaries,
-    use_cuda_turns,
 )
 from crossover.plugins.hook.rank_session import open_session
 from crossover.plugins.hook.runtime import RUNTIME
@@ -163,17 +162,12 @@ def _ensure_phases(ddp: Any) -> PhaseReporter:
     if settings.aggregation.rule:
         _log.warning("CROSSOVER_AGGREGATION=%s is Horovod's; this DDP job averages its gradients as DDP does",
                      settings.aggregation.rule)
-    cuda = _cuda_index(ddp)
+    cuda = cuda_index(ddp.module.parameters())
     session = open_session(_identity(ddp, settings, cuda), settings)
     device = RUNTIME.device
     phases = PhaseReporter(session, settle=None if device is None else device.drain)
     if cuda is not None:
-        from crossover.plugins.hook.cuda_turns import wait_for_device
-
-        phases.settle = wait_for_device
-        use_cuda_turns(phases)
-        use_cuda_memory(session, cuda)
-        pace_on_gpu(phases)
+        on_gpu(phases, cuda)
     RUNTIME.phases = phases
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -214,11 +208,6 @@ def _agree_job_id(rank: int) -> str:
     return bytes(store.get(_STORE_KEY)).decode()
 
 
-def _cuda_index(ddp: Any) -> int | None:
-    """The CUDA device of the module's first parameter there, or None on the CPU."""
-    return next((int(p.device.index or 0) for p in ddp.module.parameters() if p.is_cuda), None)
-
-
 class _Tracker(GradientYields):
     """One DDP module's phase points, reported to the rank's shared `PhaseReporter`."""
 
@@ -226,7 +215,7 @@ class _Tracker(GradientYields):
         self.ddp = ddp
         self.phases = phases
         self.grad_hooks: list[Any] = []  # one per parameter, only while outranked
-        self.cuda = _cuda_index(ddp) is not None
+        self.cuda = cuda_index(ddp.module.parameters()) is not None
         self.warned = False  # about an output without tensors to follow
 
     def attach(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from crossover.client.rank.session import Session
@@ -25,8 +26,8 @@ from crossover.plugins.hook.host_staging import StagedHandle
 from crossover.plugins.hook.optimizer_hooks import OptimizerHook, hooks_of
 from crossover.plugins.hook.phase_reporter import PhaseReporter
 
-__all__ = ["GradientYields", "follow_outranked", "pace_on_gpu", "remove_forward_boundaries", "track_phases",
-           "use_cuda_turns"]
+__all__ = ["GradientYields", "cuda_index", "follow_outranked", "on_gpu", "pace_on_gpu", "remove_forward_boundaries",
+           "track_phases", "use_cuda_turns"]
 
 _log = logging.getLogger(__name__)
 
@@ -36,6 +37,21 @@ _POLL_MIN_S, _POLL_MAX_S = 50e-6, 250e-6
 def track_phases(opt: Any, phases: PhaseReporter, quiet_wait: bool = True) -> None:
     """Report ``opt``'s phase points to ``phases`` (the rank's one reporter)."""
     _PhaseTracker(opt, phases, quiet_wait=quiet_wait).attach()
+
+
+def cuda_index(params: Iterable[Any]) -> int | None:
+    """The CUDA device of the first of `params` on one, or None when all are on the CPU."""
+    return next((int(p.device.index or 0) for p in params if p.is_cuda), None)
+
+
+def on_gpu(phases: PhaseReporter, index: int) -> None:
+    """A rank that trains on CUDA device `index`, whichever front end: each release waits for its device, its
+    turns end on the device where the driver can, its allocator is capped as the daemon says, and an
+    outranked holder keeps little work queued ahead."""
+    phases.settle = wait_for_device
+    use_cuda_turns(phases)
+    use_cuda_memory(phases.session, index)
+    pace_on_gpu(phases)
 
 
 def use_cuda_turns(phases: PhaseReporter) -> None:
@@ -153,12 +169,9 @@ class _PhaseTracker(GradientYields, OptimizerHook):
         self._comm_start = 0.0
         self._chain = hooks_of(opt)
         self.expected = max(1, int(getattr(opt, "backward_passes_per_step", 1)))
-        cuda = next((p.device.index for p in self._chain.params if p.is_cuda), None)
+        cuda = cuda_index(self._chain.params)
         if cuda is not None:
-            phases.settle = wait_for_device
-            use_cuda_turns(phases)
-            use_cuda_memory(phases.session, cuda)
-            pace_on_gpu(phases)
+            on_gpu(phases, cuda)
         # Horovod's Adasum optimizer's synchronize() is a no-op: step() waits on the allreduce.
         import horovod.torch.optimizer as hvd_opt  # only a Horovod optimizer gets here
 
