@@ -18,7 +18,7 @@ import grpc
 
 from crossover.client.daemon_socket import channel_for
 from crossover.client.rank.daemon_silence import Silence
-from crossover.client.rank.device_memory import DeviceMemory, MemoryCaps
+from crossover.client.rank.device_memory import MemoryCaps
 from crossover.client.rank.device_turns import DeviceTurns, TurnHandover
 from crossover.client.rank.grant_waits import GrantWaits
 from crossover.client.rank.late_reports import LateReports
@@ -179,10 +179,6 @@ class Session:
         CROSSOVER_HANDOVER=0."""
         if self.settings.handover and self.turns.use(device):
             self._say_ready()
-
-    def use_memory(self, device: DeviceMemory) -> None:
-        """The rank's device has an allocator the daemon's memory caps apply to (see `device_memory`)."""
-        self.memory.use(device)
 
     def _report_cap_hit(self, asked: int) -> None:
         with self._cond:

@@ -160,4 +160,4 @@ def use_cuda_memory(session: Any, index: int) -> None:
     """Cap this rank's allocator on CUDA device `index` as the daemon says (once per session)."""
     memory = getattr(session, "memory", None)
     if memory is not None and not memory.in_use:
-        session.use_memory(CudaMemory(index))
+        memory.use(CudaMemory(index))

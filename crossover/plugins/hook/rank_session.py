@@ -75,7 +75,7 @@ def _use(session: Session, device: DeviceTurns) -> None:
     """Hand turns over on the device; where it has an allocator the memory caps apply to, cap it too."""
     session.use_device(device)
     if isinstance(device, DeviceMemory):
-        session.use_memory(device)
+        session.memory.use(device)
 
 
 def cuda_device(default: int) -> int:
