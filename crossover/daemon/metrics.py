@@ -204,17 +204,18 @@ class _StateCollector(Collector):
             stats = self._core.inventory.stats(index)
             if stats.memory_total:
                 free.add_metric([dev], stats.memory_free)
-            per_job: dict[tuple[str, str], list[int | None]] = defaultdict(lambda: [0, None])
+            held: dict[tuple[str, str], int] = defaultdict(int)
+            capped: dict[tuple[str, str], int] = defaultdict(int)  # only the jobs with a cap here
             for r in (*snap.holders, *snap.waiting, *snap.others):
-                held = per_job[(r.ident.job_name, r.ident.job_id)]
-                held[0] = (held[0] or 0) + stats.process_memory.get(r.ident.pid, 0)
+                job = (r.ident.job_name, r.ident.job_id)
+                held[job] += stats.process_memory.get(r.ident.pid, 0)
                 if r.memory_cap is not None:
-                    held[1] = (held[1] or 0) + r.memory_cap
-            for job, (n, limit) in per_job.items():
+                    capped[job] += r.memory_cap
+            for job, n in held.items():
                 if stats.memory_total:
-                    used.add_metric([dev, *job], n or 0)
-                if limit is not None:
-                    cap.add_metric([dev, *job], limit)
+                    used.add_metric([dev, *job], n)
+            for job, limit in capped.items():
+                cap.add_metric([dev, *job], limit)
         yield from (used, cap, free)
 
     def collect(self) -> Iterator[Any]:

@@ -7,11 +7,17 @@ a job of that class is registered there; a job leaving frees it. The rules:
 * **Only below.** A reservation guards its class against the classes below it,
   never against its own or those above. Jobs of the highest class with an active
   reservation, and every class above it, are not capped.
-* **The rest is shared.** Every job of a lower class is capped. The memory no
-  active reservation holds is split equally among the capped jobs; a capped job
-  whose own class has an active reservation adds its part of that reservation.
-  So the caps of the jobs below any reservation never add up to more than the
-  device less that reservation and every one above it.
+* **Held from the top.** Active reservations are held from the highest class
+  down, each at most what the ones above it left, so byte sizes never promise
+  more than the device has.
+* **The rest is shared, layer by layer.** Every job of a lower class is capped.
+  The capped jobs share what the uncapped classes' reservations leave: at each
+  capped class, from the top, what is not that class's own reservation is split
+  equally among its jobs and every capped job below it, and the class's jobs add
+  their reservation as far as the layer has room. So the caps of the jobs below
+  any reservation never add up to more than the device less that reservation
+  and every one above it, and a lower class's reservation takes nothing from a
+  higher class.
 * **Nothing changes** for a job alone on its device, or where no reservation is
   active: it gets no cap.
 
