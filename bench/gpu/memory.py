@@ -34,8 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from crossover.protos.event_file import read_jsonl
+from testbed import checkout_on_path
 from testbed.harness.daemon import kill_group
 from testbed.harness.jobs import WORKLOADS, with_import
+from testbed.harness.polling import wait_until
 
 __all__ = ["check_memory"]
 
@@ -63,8 +66,8 @@ class _Run:
 
     def start(self, name: str, script: Path, extra: dict[str, str], *args: str) -> None:
         env = {**os.environ, **self.env, **extra, "CROSSOVER_JOB_NAME": name, "PYTHONUNBUFFERED": "1",
-               "CROSSOVER_LOG_LEVEL": "INFO",
-               "PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{os.environ.get('PYTHONPATH', '')}"}
+               "CROSSOVER_LOG_LEVEL": "INFO"}
+        env["PYTHONPATH"] = checkout_on_path(env)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script),
                "--out", str(self.dir / f"{name}.json"), "--stop-file", str(self.stop), *args,
                *(["--total-mb", str(DRY_TOTAL_MB), "--width", "64"] if self.dry else [])]
@@ -80,11 +83,7 @@ class _Run:
         return (int(words[0]) if words else 0), "grown" in words
 
     def wait(self, what: str, check: Any, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: not within {timeout:.0f} s; logs in {self.dir}")
-            time.sleep(0.1)
+        wait_until(check, timeout, f"{what} (logs in {self.dir})", interval=0.1)
 
     def running(self, name: str) -> bool:
         return self.procs[name].poll() is None
@@ -148,9 +147,7 @@ def _arm(arm: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                    "--context-mb", str(DRY_CONTEXT_MB)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         env["EMULATED_DEVICE_SOCKET"] = str(workdir / f"{arm}.dev.sock")
-        deadline = time.monotonic() + 20
-        while not (workdir / f"{arm}.dev.sock").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until((workdir / f"{arm}.dev.sock").exists, 20, "the emulated device's socket")
     run = _Run(workdir, arm, env, dry)
     try:
         scheduled = arm.startswith("reserved") or arm == "spill"
@@ -183,8 +180,7 @@ def _arm(arm: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if proc.poll() is None:
                 kill_group(proc)
         if daemon is not None:
-            events = [json.loads(ln) for ln in daemon.events.read_text().splitlines() if ln.strip()] \
-                if daemon.events.exists() else []
+            events = read_jsonl(daemon.events) if daemon.events.exists() else []
             result_events = [e for e in events if e.get("event", "").startswith("memory_cap")]
             daemon.close()
         if device is not None:

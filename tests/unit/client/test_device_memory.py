@@ -43,6 +43,15 @@ def caps() -> tuple[MemoryCaps, list[int]]:
     return MemoryCaps("batch", reports.append), reports
 
 
+def told_on(device: FakeDevice, limit: int | None, report=None) -> tuple[MemoryCaps, list[int]]:
+    """Caps on `device`, told `limit` by the daemon and not applied yet (the next phase point does)."""
+    reports: list[int] = []
+    m = MemoryCaps("batch", report or reports.append)
+    m.use(device)
+    m.told(limit, WHY, 0)
+    return m, reports
+
+
 def test_a_fake_device_is_a_device_memory() -> None:
     assert isinstance(FakeDevice(), DeviceMemory)
 
@@ -75,19 +84,15 @@ def test_no_cap_no_observer_no_measurement() -> None:
 
 
 def test_a_cap_of_nothing_is_a_cap() -> None:
-    m, _ = caps()
     device = FakeDevice(Footprint(0, GiB // 2))
-    m.use(device)
-    m.told(0, WHY, 0)
+    m, _ = told_on(device, 0)
     m.at_phase_point()
     assert device.limits == [0] and m.pool_limit == 0
 
 
 def test_a_lifted_cap_lifts_the_limit_once() -> None:
-    m, _ = caps()
     device = FakeDevice(Footprint(GiB, 0))
-    m.use(device)
-    m.told(2 * GiB, WHY, 0)
+    m, _ = told_on(device, 2 * GiB)
     m.at_phase_point()
     m.told(None, "", 0)
     m.at_phase_point()
@@ -96,10 +101,8 @@ def test_a_lifted_cap_lifts_the_limit_once() -> None:
 
 
 def test_what_lies_outside_the_allocator_is_measured_again_and_the_limit_follows() -> None:
-    m, _ = caps()
     device = FakeDevice(Footprint(GiB, GiB // 4))
-    m.use(device)
-    m.told(4 * GiB, WHY, 0)
+    m, _ = told_on(device, 4 * GiB)
     m.at_phase_point()
     device.held = Footprint(GiB, GiB)  # NCCL's buffers came at the first collective
     for _ in range(device_memory.RECHECK_EVERY - 1):
@@ -110,17 +113,13 @@ def test_what_lies_outside_the_allocator_is_measured_again_and_the_limit_follows
 
 
 def test_a_rank_over_its_new_cap_gives_cached_memory_back_or_fails_at_once_with_the_line() -> None:
-    m, reports = caps()
     device = FakeDevice(Footprint(3 * GiB, GiB // 2), frees_to=GiB)  # most of it was cached
-    m.use(device)
-    m.told(2 * GiB, WHY, 0)
+    m, reports = told_on(device, 2 * GiB)
     m.at_phase_point()
     assert device.limits == [int(1.5 * GiB)] and reports == []
 
-    m, reports = caps()
     device = FakeDevice(Footprint(3 * GiB, GiB // 2), frees_to=int(2.5 * GiB))  # live tensors hold 2.5 GiB
-    m.use(device)
-    m.told(2 * GiB, WHY, 0)
+    m, reports = told_on(device, 2 * GiB)
     with pytest.raises(OverMemoryCap) as err:
         m.at_phase_point()
     assert str(err.value).startswith("crossover: job 'batch' ran out of its memory cap on device 0 asking for "
@@ -129,11 +128,9 @@ def test_a_rank_over_its_new_cap_gives_cached_memory_back_or_fails_at_once_with_
 
 
 def test_a_failing_device_never_stops_training_and_is_said_once(caplog) -> None:
-    m, _ = caps()
     device = FakeDevice(Footprint(GiB, 0))
     device.broken = True
-    m.use(device)
-    m.told(2 * GiB, WHY, 0)
+    m, _ = told_on(device, 2 * GiB)
     m.at_phase_point()
     m.told(3 * GiB, WHY, 0)
     m.at_phase_point()
@@ -142,10 +139,8 @@ def test_a_failing_device_never_stops_training_and_is_said_once(caplog) -> None:
 
 
 def test_a_refusal_is_told_once_per_allocation_and_only_under_a_cap() -> None:
-    m, reports = caps()
     device = FakeDevice(Footprint(GiB, 0))
-    m.use(device)
-    m.told(2 * GiB, WHY, 0)
+    m, reports = told_on(device, 2 * GiB)
     m.at_phase_point()
     line = device.callback(GiB // 2)
     assert line == m.line(GiB // 2) and "asking for 0.50 GiB more" in line and reports == [GiB // 2]
@@ -157,9 +152,7 @@ def test_a_failing_report_never_hides_the_error() -> None:
     def broken(asked: int) -> None:
         raise ConnectionError("daemon gone")
 
-    m = MemoryCaps("batch", broken)
     device = FakeDevice(Footprint(GiB, 0))
-    m.use(device)
-    m.told(2 * GiB, WHY, 0)
+    m, _ = told_on(device, 2 * GiB, broken)
     m.at_phase_point()
     assert device.callback(1).startswith("crossover: job 'batch'")
