@@ -15,7 +15,7 @@ from typing import IO, Any, Callable
 
 from crossover.protos.event_file import Event, EventName, encode, header, rotated_paths, typed
 
-__all__ = ["BACKUPS", "EventLog", "MAXLEN"]
+__all__ = ["BACKUPS", "EventLog", "MAXLEN", "MAX_BYTES"]
 
 _log = logging.getLogger(__name__)
 
@@ -23,6 +23,8 @@ MAXLEN = 100_000
 """Events kept in memory by default (crossoverd --event-log-size)."""
 BACKUPS = 3
 """Rotated files kept by default (crossoverd --event-log-backups)."""
+MAX_BYTES = 64 << 20
+"""A file rotates before it grows past this size by default (crossoverd --event-log-max-mb)."""
 
 
 class EventLog:
@@ -33,8 +35,8 @@ class EventLog:
     that decides grants. A daemon killed with SIGKILL loses at most that last
     interval of the file (the in-memory log is complete); `close()` writes the rest.
 
-    With `max_bytes`, the file is rotated like any daemon's log before it grows
-    past that size: `path` becomes `path.1`, `path.1` becomes `path.2`, and so on up
+    The file is rotated like any daemon's log before it grows past `max_bytes`
+    (0: never): `path` becomes `path.1`, `path.1` becomes `path.2`, and so on up
     to `backups` (the oldest is deleted), so clients cannot fill the disk through it.
 
     Entries wait for the writer in a queue of at most `maxlen`; a write that fails
@@ -51,7 +53,7 @@ class EventLog:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         flush_interval_s: float = 0.1,
-        max_bytes: int = 0,
+        max_bytes: int = MAX_BYTES,
         backups: int = BACKUPS,
         retry_s: float = 1.0,
     ) -> None:

@@ -80,15 +80,6 @@ class RankEvent:
             raise InvalidRequest(f"iteration={self.iteration} is negative")
 
     @classmethod
-    def named(cls, kind: str, **fields: Any) -> RankEvent:
-        """An event by its kind's name (`compute_request`, ...), as the event log spells it."""
-        try:
-            known = EventKind(kind)
-        except ValueError:
-            raise InvalidRequest(f"unknown event kind {kind!r}") from None
-        return cls(known, **fields)
-
-    @classmethod
     def from_pb(cls, ev: pb.RankEvent, in_batch: bool) -> RankEvent:
         """The typed form of one wire event (not OPEN, not BATCH); only one `in_batch` keeps its `ago_s`."""
         kind = _WIRE_KINDS.get(ev.kind)

@@ -26,11 +26,12 @@ from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.policies.isolation import IsolationSettings
 from crossover.daemon.policies.memory import MemoryRules, parse_size
-from crossover.daemon.scheduler import Scheduler
-from crossover.daemon.server import Daemon
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.daemon.server import Daemon, Endpoints
 from crossover.protos import STEERING_COMMANDS_TEXT, default_socket_path
 
 _log = logging.getLogger("crossover.daemon")
+_MIB = 1 << 20
 
 
 def _read_secret(value: str | None, file: str | None, what: str) -> str | None:
@@ -121,7 +122,7 @@ class _Command(click.Command):
 @click.option("--cpu-devices", metavar="N|IDS",
               help="Manage CPU cores as devices: a count (2: cores 0 and 1) or core ids (0,1 or 2-3; one core: "
               "3, or a lone 0). Without it, GPUs are found through NVML.")
-@click.option("--policy", type=click.Choice(policies.available()), default="crossover", show_default=True,
+@click.option("--policy", type=click.Choice(policies.available()), default=SchedulerSettings.policy, show_default=True,
               help="crossover: one job's compute phase per device at a time, served in the order jobs' allreduces "
               "ended (one order on every node), clearly shorter computes first; one job computes "
               "while another communicates. exclusive: plain FIFO. "
@@ -132,7 +133,8 @@ class _Command(click.Command):
               help="Append every phase change to this JSON-lines file (written every 0.1 s, off the grant path).")
 @click.option("--event-log-size", type=click.IntRange(1), default=event_log_file.MAXLEN, show_default=True,
               help="Events kept in memory.")
-@click.option("--event-log-max-mb", type=click.FloatRange(0.001), default=64.0, show_default=True,
+@click.option("--event-log-max-mb", type=click.FloatRange(0.001), default=event_log_file.MAX_BYTES / _MIB,
+              show_default=True,
               help="Rotate --event-log before it grows past this many MiB: FILE becomes FILE.1, and so on.")
 @click.option("--event-log-backups", type=click.IntRange(0, 100), default=event_log_file.BACKUPS, show_default=True,
               help="Rotated event-log files kept (FILE.1 .. FILE.N); older ones are deleted.")
@@ -175,11 +177,11 @@ class _Command(click.Command):
 @click.option("--max-hold", type=click.FloatRange(0.1, 86_400), default=LivenessSettings.max_hold_s, show_default=True,
               help="Seconds any rank may hold its device while another rank waits, whatever its measured "
               "compute time: past it, the holder is treated as stalled (`overdue`) and the next rank is served.")
-@click.option("--lease/--no-lease", default=True, show_default=True,
+@click.option("--lease/--no-lease", default=SchedulerSettings.lease, show_default=True,
               help="Let the ranks of a job alone on their device compute without waiting for each grant "
               "(they still report their phases); revoked the moment another rank joins the device. --no-lease "
               "makes every request a round trip.")
-@click.option("--adapt/--no-adapt", default=True, show_default=True,
+@click.option("--adapt/--no-adapt", default=SchedulerSettings.adapt, show_default=True,
               help="Measure, per device, whether grants pay: the jobs there train in alternate windows with and "
               "without grants, and the faster mode is kept for --adapt-window x 20 seconds, then probed again "
               "(and at once when a job comes or goes). Where grants do not pay the device is unscheduled: every "
@@ -210,10 +212,10 @@ class _Command(click.Command):
               "speed alone: a closed loop measures that job's iteration time alone (short solo windows) and beside "
               "the lower jobs, and sets how much device time per second they may hold. 0: off, the open-loop class "
               "rules alone.")
-@click.option("--session-socket/--no-session-socket", default=True, show_default=True,
+@click.option("--session-socket/--no-session-socket", default=Endpoints.session_socket, show_default=True,
               help="Also serve ranks' session streams as plain frames on SOCKET.session, a grant round trip "
               "several times shorter than through gRPC. Ranks fall back to the gRPC stream without it.")
-@click.option("--handover/--no-handover", default=True, show_default=True,
+@click.option("--handover/--no-handover", default=SchedulerSettings.handover, show_default=True,
               help="Let ranks on the session socket end their turns on their device: each gets a shared page "
               "whose word its device sets when a turn's work is done, and the next holder's device waits for "
               "it, so no CPU or socket sits between two turns (docs/handover.md). Ranks whose device cannot "
@@ -226,17 +228,7 @@ class _Command(click.Command):
               "token, for liveness and readiness probes. The sockets and --listen serve it too.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default="INFO", show_default=True)
-def main(socket_path: str, no_socket: bool, listen: str | None, token: str | None, token_file: str | None,
-         admin_token_file: str | None, socket_group: str | None, admin_group: str | None, tls_cert: str | None,
-         tls_key: str | None, cpu_devices: str | None, policy: str, node_name: str,
-         event_log: str | None, event_log_size: int, event_log_max_mb: float, event_log_backups: int,
-         max_events_per_s: float, max_connections: int, max_connections_per_user: int, idle_timeout: float,
-         heartbeat_timeout: float,
-         evict_after: float, overdue_factor: float, overdue_after: float, max_hold: float,
-         overdue_warmup: float, lease: bool, adapt: bool, adapt_window: float, class_rules: tuple[str, ...],
-         reservations: tuple[str, ...], cpu_device_memory: str, guard_share: float, protect: float,
-         session_socket: bool, handover: bool,
-         metrics_address: str | None, health_address: str | None, log_level: str) -> None:
+def main(**flags: Any) -> None:
     """Schedule the compute phases of co-located Horovod jobs on this node's devices.
 
     Run one per node (GPU machine), then start jobs whose script begins with
@@ -252,42 +244,18 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
       crossoverd --cpu-devices 2 --policy exclusive
       crossoverd --listen 0.0.0.0:7070 --token-file /etc/crossover/token
     """
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token, admin_token, rules = _checked_options(token, token_file, admin_token_file, tls_cert, tls_key,
-                                                 metrics_address, health_address, class_rules)
-    memory, cpu_memory = _reservations(reservations), _cpu_memory(cpu_device_memory)
-    if evict_after < heartbeat_timeout:
-        raise click.BadParameter(f"{evict_after:g} s is shorter than --heartbeat-timeout {heartbeat_timeout:g} s: "
-                                 "a rank is removed only after it was suspended", param_hint="'--evict-after'")
+    logging.basicConfig(level=flags["log_level"].upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings, endpoints, limits = _scheduler_settings(flags), _endpoints(flags), _limits(flags)
     metrics = None
     try:
-        cores = parse_cpu_devices(cpu_devices, os.cpu_count() or 1) if cpu_devices else None
-        try:
-            log = EventLog(maxlen=event_log_size, path=event_log, max_bytes=int(event_log_max_mb * (1 << 20)),
-                           backups=event_log_backups)
-        except OSError as exc:
-            raise OSError(f"cannot open --event-log {event_log}: {exc.strerror or exc}") from None
-        core = Scheduler(Inventory.detect(cores, cpu_memory), policy, node=node_name, event_log=log,
-                         heartbeat_interval_s=min(0.2, heartbeat_timeout / 4), lease=lease,
-                         liveness=LivenessSettings(heartbeat_timeout_s=heartbeat_timeout, evict_after_s=evict_after,
-                                                   overdue_factor=overdue_factor, overdue_after_s=overdue_after,
-                                                   overdue_warmup_s=overdue_warmup, max_hold_s=max_hold),
-                         max_sessions=2 * max_connections,
-                         payoff=PayoffSettings(window_s=adapt_window), adapt=adapt, class_rules=rules,
-                         class_settings=ClassSettings(guard_share=guard_share,
-                                                      isolation=IsolationSettings(target=protect)),
-                         handover=handover, memory=memory)
-        if metrics_address:
+        cores = parse_cpu_devices(flags["cpu_devices"], os.cpu_count() or 1) if flags["cpu_devices"] else None
+        inventory = Inventory.detect(cores, _cpu_memory(flags["cpu_device_memory"]))
+        core = Scheduler(inventory, settings, event_log=_event_log(flags))
+        if flags["metrics_address"]:
             metrics = DaemonMetrics(core, __version__)
-            metrics.serve(metrics_address)
-        tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
-        daemon = Daemon(core, None if no_socket else socket_path, listen=listen, token=token, tls=tls,
-                        session_socket=session_socket, admin_token=admin_token,
-                        socket_group=_group(socket_group, "--socket-group"),
-                        admin_group=_group(admin_group, "--admin-group"), health_address=health_address,
-                        limits=StreamLimits(events_per_s=max_events_per_s, max_connections=max_connections,
-                                            max_connections_per_uid=max_connections_per_user,
-                                            idle_timeout_s=idle_timeout)).start()
+            metrics.serve(flags["metrics_address"])
+        daemon = Daemon(core, endpoints, limits).start()
         if metrics is not None:
             metrics.watch_connections(daemon.connections)
     except CrossoverError as exc:
@@ -301,37 +269,80 @@ def main(socket_path: str, no_socket: bool, listen: str | None, token: str | Non
     _serve(daemon, metrics)
 
 
-def _checked_options(
-    token: str | None, token_file: str | None, admin_token_file: str | None, tls_cert: str | None,
-    tls_key: str | None, metrics_address: str | None, health_address: str | None, class_rules: tuple[str, ...],
-) -> tuple[str | None, str | None, ClassRules]:
-    """The tokens and class rules the flags give, each checked; a usage error names the flag at fault."""
-    if token and click.get_current_context().get_parameter_source("token") is click.core.ParameterSource.COMMANDLINE:
-        logging.getLogger("crossover.daemon").warning(
-            "--token on the command line is visible to every user in `ps`; prefer --token-file or CROSSOVER_TOKEN")
-    token = _read_secret(token, token_file, "token")
-    admin_token = _read_secret(None, admin_token_file, "admin token")
-    if admin_token and admin_token == token:
-        raise click.UsageError("the admin token must differ from the token every rank holds")
+def _scheduler_settings(flags: dict[str, Any]) -> SchedulerSettings:
+    """How this node schedules, from the flags; a usage error names the flag at fault."""
+    heartbeat_timeout, evict_after = flags["heartbeat_timeout"], flags["evict_after"]
+    if evict_after < heartbeat_timeout:
+        raise click.BadParameter(f"{evict_after:g} s is shorter than --heartbeat-timeout {heartbeat_timeout:g} s: "
+                                 "a rank is removed only after it was suspended", param_hint="'--evict-after'")
+    try:
+        rules = ClassRules(tuple(parse_rule(r) for r in flags["class_rules"]))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--class-rule") from None
+    try:
+        memory = MemoryRules.parse(flags["reservations"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--reserve") from None
+    return SchedulerSettings(
+        policy=flags["policy"], node=flags["node_name"], heartbeat_interval_s=min(0.2, heartbeat_timeout / 4),
+        liveness=LivenessSettings(heartbeat_timeout_s=heartbeat_timeout, evict_after_s=evict_after,
+                                  overdue_factor=flags["overdue_factor"], overdue_after_s=flags["overdue_after"],
+                                  overdue_warmup_s=flags["overdue_warmup"], max_hold_s=flags["max_hold"]),
+        lease=flags["lease"], max_sessions=2 * flags["max_connections"], adapt=flags["adapt"],
+        payoff=PayoffSettings(window_s=flags["adapt_window"]), class_rules=rules,
+        classes=ClassSettings(guard_share=flags["guard_share"], isolation=IsolationSettings(target=flags["protect"])),
+        handover=flags["handover"], memory=memory)
+
+
+def _limits(flags: dict[str, Any]) -> StreamLimits:
+    return StreamLimits(events_per_s=flags["max_events_per_s"], max_connections=flags["max_connections"],
+                        max_connections_per_uid=flags["max_connections_per_user"],
+                        idle_timeout_s=flags["idle_timeout"])
+
+
+def _event_log(flags: dict[str, Any]) -> EventLog:
+    path = flags["event_log"]
+    try:
+        return EventLog(maxlen=flags["event_log_size"], path=path, max_bytes=int(flags["event_log_max_mb"] * _MIB),
+                        backups=flags["event_log_backups"])
+    except OSError as exc:
+        raise OSError(f"cannot open --event-log {path}: {exc.strerror or exc}") from None
+
+
+def _endpoints(flags: dict[str, Any]) -> Endpoints:
+    """Where the daemon serves and whom it lets in, each flag checked; a usage error names the flag at fault."""
+    token, admin_token = _tokens(flags["token"], flags["token_file"], flags["admin_token_file"])
+    tls_cert, tls_key = flags["tls_cert"], flags["tls_key"]
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
-    for flag, address in (("--metrics-address", metrics_address), ("--health-address", health_address)):
+    for flag, address in (("--metrics-address", flags["metrics_address"]),
+                          ("--health-address", flags["health_address"])):
         if address:
             try:
                 parse_address(address)
             except ValueError as exc:
                 raise click.BadParameter(str(exc), param_hint=flag) from None
     try:
-        return token, admin_token, ClassRules(tuple(parse_rule(r) for r in class_rules))
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--class-rule") from None
+        tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert and tls_key else None
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read it: {exc.strerror or exc}", param_hint="--tls-cert/--tls-key") from None
+    return Endpoints(socket_path=None if flags["no_socket"] else flags["socket_path"], listen=flags["listen"],
+                     token=token, tls=tls, session_socket=flags["session_socket"], admin_token=admin_token,
+                     socket_group=_group(flags["socket_group"], "--socket-group"),
+                     admin_group=_group(flags["admin_group"], "--admin-group"),
+                     health_address=flags["health_address"])
 
 
-def _reservations(texts: tuple[str, ...]) -> MemoryRules:
-    try:
-        return MemoryRules.parse(texts)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--reserve") from None
+def _tokens(token: str | None, token_file: str | None, admin_token_file: str | None) -> tuple[str | None, str | None]:
+    """The token ranks send and the admin token, each read and checked."""
+    if token and click.get_current_context().get_parameter_source("token") is click.core.ParameterSource.COMMANDLINE:
+        _log.warning("--token on the command line is visible to every user in `ps`; prefer --token-file or "
+                     "CROSSOVER_TOKEN")
+    token = _read_secret(token, token_file, "token")
+    admin_token = _read_secret(None, admin_token_file, "admin token")
+    if admin_token and admin_token == token:
+        raise click.UsageError("the admin token must differ from the token every rank holds")
+    return token, admin_token
 
 
 def _cpu_memory(text: str) -> int:

@@ -220,7 +220,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         core = self._core
-        devices, ranks = core.snapshot()
+        devices, ranks = core.steering.snapshot()
         queue = GaugeMetricFamily("crossover_device_queue_length", "Ranks waiting for a grant on the device.",
                                   labels=["device"])
         busy = GaugeMetricFamily("crossover_device_busy", "1 while some rank holds the device.", labels=["device"])
@@ -234,7 +234,7 @@ class _StateCollector(Collector):
             queue.add_metric([dev], len(snap.waiting))
             busy.add_metric([dev], 1 if snap.holders else 0)
             on.add_metric([dev], len(snap.holders) + len(snap.waiting) + len(snap.others))
-            draining.add_metric([dev], 1 if core.is_draining(index) else 0)
+            draining.add_metric([dev], 1 if core.steering.is_draining(index) else 0)
             for job in {(r.ident.job_name, r.ident.job_id) for r in snap.holders}:
                 holder.add_metric([dev, *job], 1)
         yield from (queue, busy, holder, on, draining)
@@ -245,7 +245,7 @@ class _StateCollector(Collector):
         budget = GaugeMetricFamily("crossover_isolation_budget", "Device seconds per second the lower classes "
                                    "may hold now (0 in a solo window).", labels=["device"])
         for index in sorted(devices):
-            view = core.isolation(index)
+            view = core.steering.isolation(index)
             if view is not None:
                 budget.add_metric([str(index)], view.budget)
                 if view.kept is not None:
@@ -255,7 +255,7 @@ class _StateCollector(Collector):
                                 value=len({r.ident.job_id for r in ranks}))
         sessions = GaugeMetricFamily("crossover_sessions", "Registered ranks, by local user (the kernel's uid of "
                                      "the session socket peer; unknown on the gRPC stream).", labels=["uid"])
-        for uid, n in sorted(core.sessions_by_uid().items()):
+        for uid, n in sorted(core.steering.sessions_by_uid().items()):
             sessions.add_metric([uid], n)
         yield sessions
         if self.connections is not None:
@@ -269,8 +269,8 @@ class _StateCollector(Collector):
         decisions = CounterMetricFamily("crossover_policy_decisions", "The current policy's notable decisions "
                                         "(overtake) since it was set.",
                                         labels=["policy", "decision"])
-        policy = core.policy_name
-        for name, count in sorted(core.policy_decisions().items()):
+        policy = core.steering.policy_name
+        for name, count in sorted(core.steering.policy_decisions().items()):
             decisions.add_metric([policy, name], count)
         yield decisions
         errors = CounterMetricFamily("crossover_rpc_errors", "Calls ended with an error, by gRPC status code.",
@@ -285,4 +285,5 @@ class _StateCollector(Collector):
                                   "(they stay in memory).", value=log.dropped)
         yield InfoMetricFamily("crossover_daemon", "The daemon: version, node, policy.",
                                value={"version": self._version, "node": core.node, "policy": policy})
-        yield GaugeMetricFamily("crossover_uptime_seconds", "Seconds since the daemon started.", value=core.uptime())
+        yield GaugeMetricFamily("crossover_uptime_seconds", "Seconds since the daemon started.",
+                                value=core.steering.uptime())

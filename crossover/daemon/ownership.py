@@ -1,4 +1,4 @@
-"""Whose a job is on this node and the class it runs at (`Scheduler`'s base, under its one lock).
+"""Whose a job is on this node and the class it runs at: a part of the scheduler, under its one lock.
 
 A job id is a name a client chooses; the kernel names a rank's user on the session socket
 (`bind_peer`). A job on a node belongs to the first user named for it, and its class is the
@@ -6,17 +6,15 @@ operator's, else the lowest its ranks were given (`class_rules`) and asked for."
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
+from collections.abc import Iterable
 
 from crossover.daemon.api import InvalidRequest, NotFound, PermissionDenied
 from crossover.daemon.class_rules import ClassRules, effective_class
-from crossover.daemon.event_log import EventLog
 from crossover.daemon.events import Decision
 from crossover.daemon.messages import ClassMsg
-from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.policies.classes import JobClass, Priority
-from crossover.daemon.registry import Registry, Session
+from crossover.daemon.registry import Session
+from crossover.daemon.scheduler_state import SchedulerState
 from crossover.protos.event_file import EventName
 
 __all__ = ["JobOwnership"]
@@ -25,20 +23,33 @@ _log = logging.getLogger("crossover.daemon.scheduler")
 
 
 class JobOwnership:
-    """Jobs' owners and classes over the scheduler's state (see `Scheduler`)."""
+    """Jobs' owners and classes over the scheduler's state. The scheduler calls `check_owner`, `give_class`,
+    `reclassify` and the readers with the lock held; the calls from outside (`refuse_unnamed`,
+    `set_job_class`, `job_class`) take it themselves."""
 
-    _lock: threading.Lock
-    _clock: Callable[[], float]
-    _phases: PhaseMachine
-    _sessions: Registry
-    _classes: dict[str, tuple[JobClass, str]]
-    _set_by_operator: dict[str, JobClass]
-    _rules: ClassRules
-    events: EventLog
+    def __init__(self, state: SchedulerState, rules: ClassRules) -> None:
+        self._state = state
+        self._rules = rules
+        self._classes: dict[str, tuple[JobClass, str]] = {}  # job -> its class as the policy has it, and by what
+        self._set_by_operator: dict[str, JobClass] = {}  # job -> the class `crossover priority/share` set
 
-    _commit: Callable[[Decision, float], None]  # the scheduler's
+    def class_of(self, job_id: str) -> JobClass:
+        """The job's class as the policy has it (the default for a job it has not classed); lock held."""
+        return self._classes.get(job_id, (JobClass(), ""))[0]
 
-    def _check_owner(self, sess: Session, uid: int | None) -> None:
+    def classes_differ(self, jobs: Iterable[str]) -> bool:
+        """Whether these jobs are of different classes or weights on this node (lock held)."""
+        return len({self.class_of(job) for job in jobs}) > 1
+
+    def classes(self) -> list[tuple[str, JobClass]]:
+        """Every classed job and its class, by job id (lock held): what a new policy is told."""
+        return [(job, cls) for job, (cls, _) in sorted(self._classes.items())]
+
+    def class_and_setter(self, job_id: str) -> tuple[JobClass, str]:
+        """The job's class and what set it (lock held)."""
+        return self._classes.get(job_id, (JobClass(), ""))
+
+    def check_owner(self, sess: Session, uid: int | None) -> None:
         """PermissionDenied unless the job's ranks here are of no other named user than `uid` (None: the
         kernel did not name this rank's user, so the job must have no named user at all)."""
         owners = self._users_of(sess.ref.key.job_id, but=sess)
@@ -57,12 +68,12 @@ class JobOwnership:
         """A rank on the gRPC stream, whose user the kernel does not name, may not join a job whose ranks on
         this node the kernel named (`bind_peer`): its job id would otherwise be only its claim. The job's
         own ranks reach the session socket; one that falls back to gRPC is refused and asks again."""
-        with self._lock:
-            sess = self._sessions.find(session_id)
+        with self._state.lock:
+            sess = self._state.sessions.find(session_id)
             if sess is not None and sess.uid is None:
-                self._check_owner(sess, None)
+                self.check_owner(sess, None)
 
-    def _give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
+    def give_class(self, sess: Session, uid: int | None, gid: int | None) -> str:
         """Set the class the session's rank is given (its user's, lowered as it asked); the refusal line, if any.
         Before the kernel names its user, a rank that asks for a class some rule may give it waits for that,
         and so does a rank that asks to lower a job whose ranks here the kernel has named: it may be another
@@ -82,13 +93,13 @@ class JobOwnership:
 
     def _users_of(self, job_id: str, but: Session | None = None) -> set[int]:
         """The users the kernel named (`bind_peer`) for the job's ranks on this node, `but` left out."""
-        return {s.uid for s in self._sessions.of_job(job_id) if s is not but and s.uid is not None}
+        return {s.uid for s in self._state.sessions.of_job(job_id) if s is not but and s.uid is not None}
 
-    def _reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:
+    def reclassify(self, job_id: str, now: float, d: Decision, tell: tuple[Session, str] | None = None) -> None:
         """Give the job its class on this node (the operator's, else the lowest of its ranks'); when it
         changes, the policy decides again and every rank of the job is told. `tell`: a session to tell
         in any case, with its note (a new rank)."""
-        ranks = self._sessions.of_job(job_id)
+        ranks = self._state.sessions.of_job(job_id)
         if not ranks:
             self._classes.pop(job_id, None)
             self._set_by_operator.pop(job_id, None)
@@ -102,9 +113,9 @@ class JobOwnership:
         changed = before != (cls, by) and (cls != JobClass() or (before is not None and before[0] != JobClass()))
         if changed:
             d.log(EventName.JOB_CLASS, ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
-            self._phases.deliver(self._phases.policy.classify(job_id, cls, now), now, d)
+            self._state.phases.deliver(self._state.phases.policy.classify(job_id, cls, now), now, d)
             for device in {s.ref.device for s in ranks}:  # whether its ranks hand over there may change
-                self._phases.tell_share(device, d)
+                self._state.phases.tell_share(device, d)
         told, note = tell if tell is not None else (None, "")
         for s in ranks:
             if changed or (s is told and (note or cls != JobClass())):
@@ -114,9 +125,10 @@ class JobOwnership:
                       caller: str = "") -> tuple[str, JobClass]:
         """The operator's `crossover priority` / `share`: set a job's class or weight on this node (the job by id
         or name; None keeps that part). Its ranks are told; the policy decides again. Returns (job id, class)."""
-        with self._lock:
-            now = self._clock()
-            ids = sorted({s.ref.key.job_id for s in self._sessions if job in (s.ref.key.job_id, s.ident.job_name)})
+        with self._state.lock:
+            now = self._state.clock()
+            ids = sorted({s.ref.key.job_id for s in self._state.sessions
+                          if job in (s.ref.key.job_id, s.ident.job_name)})
             if not ids:
                 raise NotFound(f"no job {job!r} has ranks on this node (`crossover jobs` lists them)")
             if len(ids) > 1:
@@ -126,14 +138,14 @@ class JobOwnership:
             cls = JobClass(current.priority if priority is None else priority, weight or current.weight)
             self._set_by_operator[job_id] = cls
             d = Decision()
-            self._reclassify(job_id, now, d)
-            self._commit(d, now)
-        self.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight,
+            self.reclassify(job_id, now, d)
+            self._state.commit(d, now)
+        self._state.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight,
                            caller=caller)
         _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
         return job_id, cls
 
     def job_class(self, job_id: str) -> tuple[JobClass, str]:
         """The job's class on this node and what set it (\"operator\", a rule, \"rank\" or \"\")."""
-        with self._lock:
-            return self._classes.get(job_id, (JobClass(), ""))
+        with self._state.lock:
+            return self.class_and_setter(job_id)

@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -32,7 +33,7 @@ from crossover.protos import admin_socket_path, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 
-__all__ = ["Daemon"]
+__all__ = ["Daemon", "Endpoints"]
 
 _log = logging.getLogger(__name__)
 
@@ -122,47 +123,53 @@ def _open_up(path: str, group: int | None, mode: int) -> None:
     os.chmod(path, mode)
 
 
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a daemon serves and whom it lets in, as `crossoverd`'s flags say.
+
+    `socket_path`: the rank socket (None: TCP only), with the admin socket beside it and, with
+    `session_socket`, the session socket; `listen` (HOST:PORT): TCP too, for callers with `token`
+    (and `admin_token` to steer), over TLS with `tls` (certificate, key; PEM). `socket_group` (a gid)
+    may reach the rank sockets (ranks run as its members); the admin socket is the daemon user's alone
+    unless `admin_group` may use it too. `health_address` (HOST:PORT) serves only the gRPC health
+    service, in plain text, for probes."""
+
+    socket_path: str | None = None
+    listen: str | None = None
+    token: str | None = None
+    tls: tuple[bytes, bytes] | None = None
+    session_socket: bool = True
+    admin_token: str | None = None
+    socket_group: int | None = None
+    admin_group: int | None = None
+    health_address: str | None = None
+
+
 class Daemon:
     """A running `crossoverd`: gRPC server (asyncio, on its own thread), scheduler core, liveness reaper."""
 
-    def __init__(
-        self,
-        core: Scheduler,
-        socket_path: str | None,
-        listen: str | None = None,
-        token: str | None = None,
-        tls: tuple[bytes, bytes] | None = None,
-        reap_interval_s: float = 0.1,
-        max_workers: int = 32,
-        session_socket: bool = True,
-        limits: StreamLimits | None = None,
-        admin_token: str | None = None,
-        socket_group: int | None = None,
-        admin_group: int | None = None,
-        health_address: str | None = None,
-    ) -> None:
-        """`socket_group` (a gid) may reach the rank sockets (ranks run as its members); the admin
-        socket is the daemon user's alone unless `admin_group` may use it too. `health_address`
-        (HOST:PORT) serves only the gRPC health service, in plain text, for probes."""
-        if listen and not token:
+    def __init__(self, core: Scheduler, endpoints: Endpoints, limits: StreamLimits = StreamLimits(), *,
+                 reap_interval_s: float = 0.1, max_workers: int = 32) -> None:
+        socket_path, listen = endpoints.socket_path, endpoints.listen
+        if listen and not endpoints.token:
             raise InvalidRequest("--listen needs --token (or --token-file): TCP calls must be authenticated")
         if not socket_path and not listen:
             raise InvalidRequest("nothing to listen on: give a socket path or --listen")
         self.core = core
         self.socket_path = socket_path
         # Beside the gRPC socket, a socket for Session streams as frames (see session_socket).
-        self.session_socket = f"{socket_path}.session" if socket_path and session_socket else None
+        self.session_socket = f"{socket_path}.session" if socket_path and endpoints.session_socket else None
         self.admin_socket = admin_socket_path(socket_path) if socket_path else None
-        self._admin_token = admin_token
-        self._socket_group = socket_group
-        self._admin_group = admin_group
+        self._admin_token = endpoints.admin_token
+        self._socket_group = endpoints.socket_group
+        self._admin_group = endpoints.admin_group
         self._session_server: SessionSocketServer | None = None
         self.listen = listen
         self.port: int | None = None
-        self._token = token
-        self._tls = tls
+        self._token = endpoints.token
+        self._tls = endpoints.tls
         self._max_workers = max_workers
-        self.limits = limits or StreamLimits()
+        self.limits = limits
         self.connections = Connections(self.limits.max_connections, self.limits.max_connections_per_uid)
         self._stop = threading.Event()
         self._reap_interval = reap_interval_s
@@ -171,7 +178,7 @@ class Daemon:
         self._servers: list[grpc.aio.Server] = []
         self.health = _HealthService()
         self._probe_health = _ProbeHealthService()
-        self.health_address = health_address
+        self.health_address = endpoints.health_address
         self.health_port: int | None = None
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
 
@@ -201,7 +208,7 @@ class Daemon:
                   " and ".join(where for where in (self.socket_path, self.listen) if where),
                   f"; session streams also on {self.session_socket}" if self.session_socket else "",
                   f"; admin calls on {self.admin_socket}" if self.admin_socket else "",
-                  self.core.policy_name, len(self.core.inventory.devices))
+                  self.core.steering.policy_name, len(self.core.inventory.devices))
         return self
 
     async def _serve(self) -> None:

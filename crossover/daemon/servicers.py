@@ -20,6 +20,7 @@ from crossover.daemon.scheduler import Scheduler
 from crossover.daemon.session_grpc import GrpcSessionStream, serve_session
 from crossover.daemon.session_stream import refusal
 from crossover.daemon.snapshots import RankSnapshot
+from crossover.daemon.steering import Steering
 from crossover.protos import USER_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -139,13 +140,18 @@ def _rank_state(r: RankSnapshot, gpu_mem: dict[int, int]) -> pb.RankState:
 
 
 class AdminService(_Service, pb_grpc.AdminServicer):
+    """The operator's calls: what `crossover` shows and steers, through the scheduler's `steering`."""
+
+    @property
+    def _steer(self) -> Steering:
+        return self._core.steering
 
     @_unary
     def GetQueue(self, request: pb.QueueRequest, context: grpc.ServicerContext) -> pb.QueueState:
         if request.device >= 0:
             self._core.inventory.by_index(request.device)
-        per_device, _ = self._core.snapshot()
-        out = pb.QueueState(node=self._core.node, policy=self._core.policy_name, uptime_s=self._core.uptime(),
+        per_device, _ = self._steer.snapshot()
+        out = pb.QueueState(node=self._core.node, policy=self._steer.policy_name, uptime_s=self._steer.uptime(),
                              overdue_total=self._core.liveness.overdue_total, connections=self._connections.count,
                              max_connections=self._connections.cap)
         for dev in self._core.inventory.devices:
@@ -155,13 +161,13 @@ class AdminService(_Service, pb_grpc.AdminServicer):
             st = self._core.inventory.stats(dev.index)
             mem = st.process_memory
             out.devices.append(pb.DeviceState(
-                index=dev.index, kind=dev.kind, name=dev.name, draining=self._core.is_draining(dev.index),
+                index=dev.index, kind=dev.kind, name=dev.name, draining=self._steer.is_draining(dev.index),
                 holders=[_rank_state(r, mem) for r in holders], waiting=[_rank_state(r, mem) for r in waiting],
                 others=[_rank_state(r, mem) for r in others], utilization=st.utilization,
                 memory_used_bytes=st.memory_used, memory_total_bytes=st.memory_total or dev.memory_total,
                 memory_free_bytes=st.memory_free, order=list(order),
-                refused_while_draining=self._core.drain_refusals(dev.index),
-                **_sharing(self._core.sharing(dev.index)), isolation=_isolation(self._core.isolation(dev.index)),
+                refused_while_draining=self._steer.drain_refusals(dev.index),
+                **_sharing(self._steer.sharing(dev.index)), isolation=_isolation(self._steer.isolation(dev.index)),
             ))
         return out
 
@@ -171,7 +177,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
 
     def _jobs(self) -> dict[str, pb.JobState]:
         """Each job with ranks on this node, by id, as `crossover jobs` shows it."""
-        _, ranks = self._core.snapshot()
+        _, ranks = self._steer.snapshot()
         mem: dict[int, int] = {}
         for dev in {r.device for r in ranks}:
             mem.update(self._core.inventory.stats(dev).process_memory)
@@ -190,8 +196,8 @@ class AdminService(_Service, pb_grpc.AdminServicer):
         return self._policy_info()
 
     def _policy_info(self) -> pb.PolicyInfo:
-        return pb.PolicyInfo(name=self._core.policy_name, available=policies.available(), adapt=self._core.adapting,
-                             handover=self._core.handing_over, protect=self._core.protect)
+        return pb.PolicyInfo(name=self._steer.policy_name, available=policies.available(), adapt=self._steer.adapting,
+                             handover=self._steer.handing_over, protect=self._steer.protect)
 
     @_unary
     def SetPolicy(self, request: pb.PolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
@@ -202,21 +208,21 @@ class AdminService(_Service, pb_grpc.AdminServicer):
             if value not in (pb.ADAPT_UNCHANGED, pb.ADAPT_ON, pb.ADAPT_OFF):
                 raise InvalidRequest(f"{what} {value} is not one of ADAPT_UNCHANGED, ADAPT_ON, ADAPT_OFF")
         if request.name or protect is not None:
-            self._core.set_policy(request.name or self._core.policy_name, caller=_caller(context), protect=protect)
+            self._steer.set_policy(request.name or self._steer.policy_name, caller=_caller(context), protect=protect)
         if request.adapt != pb.ADAPT_UNCHANGED:
-            self._core.set_adapt(request.adapt == pb.ADAPT_ON, caller=_caller(context))
+            self._steer.set_adapt(request.adapt == pb.ADAPT_ON, caller=_caller(context))
         if request.handover != pb.ADAPT_UNCHANGED:
-            self._core.set_handover(request.handover == pb.ADAPT_ON, caller=_caller(context))
+            self._steer.set_handover(request.handover == pb.ADAPT_ON, caller=_caller(context))
         return self._policy_info()
 
     @_unary
     def Drain(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
-        return pb.DeviceAck(device=request.device, draining=self._core.drain(request.device, True, _caller(context)))
+        return pb.DeviceAck(device=request.device, draining=self._steer.drain(request.device, True, _caller(context)))
 
     @_unary
     def Resume(self, request: pb.DeviceRequest, context: grpc.ServicerContext) -> pb.DeviceAck:
         return pb.DeviceAck(device=request.device,
-                            draining=self._core.drain(request.device, False, _caller(context)))
+                            draining=self._steer.drain(request.device, False, _caller(context)))
 
     @_unary
     def SetJobClass(self, request: pb.JobClassRequest, context: grpc.ServicerContext) -> pb.JobState:
@@ -227,7 +233,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
             raise InvalidRequest(f"weight {request.weight}: must be within 0.01..100")
         if request.priority == pb.PRIORITY_UNSPECIFIED and request.weight == 0:
             raise InvalidRequest("give a priority, a weight, or both")
-        job_id, cls = self._core.set_job_class(request.job, asked,
+        job_id, cls = self._core.ownership.set_job_class(request.job, asked,
                                                request.weight or None, caller=_caller(context))
         job = self._jobs().get(job_id) or pb.JobState(job_id=job_id)  # the job as `crossover jobs` shows it now
         job.priority = pb.Priority.Value(to_wire(str(cls.priority)))
@@ -238,7 +244,7 @@ class AdminService(_Service, pb_grpc.AdminServicer):
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
         if request.device < 0 and not request.job:
             raise InvalidRequest("name a device or a job to evict")
-        return pb.EvictReply(done=self._core.evict(request.device, request.job, _caller(context)))
+        return pb.EvictReply(done=self._steer.evict(request.device, request.job, _caller(context)))
 
 
 def _isolation(view: IsolationView | None) -> pb.Isolation | None:

@@ -88,7 +88,7 @@ async def _serve_session(core: Scheduler, stream: GrpcSessionStream, limits: Str
     life = SessionLifecycle(core, limits)
     try:
         life.open(first, deliver)
-        core.refuse_unnamed(life.sid)
+        core.ownership.refuse_unnamed(life.sid)
     except CrossoverError as exc:
         if life.sid:
             core.close(life.sid, "refused")

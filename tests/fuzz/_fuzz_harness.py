@@ -21,8 +21,8 @@ from crossover.client.rank.session import Session
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
-from crossover.daemon.scheduler import Scheduler
-from crossover.daemon.server import Daemon
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.daemon.server import Daemon, Endpoints
 from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -73,9 +73,10 @@ class Fuzzd:
 
     def __init__(self, sock: Path, stats: Stats, problems: Problems) -> None:
         inv = Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))])
-        core = Scheduler(inv, "exclusive", node="node-fuzz", event_log=EventLog(), heartbeat_interval_s=0.1,
-                         liveness=LivenessSettings(heartbeat_timeout_s=0.8))
-        self.daemon = Daemon(core, socket_path=str(sock), reap_interval_s=0.05).start()
+        settings = SchedulerSettings(policy="exclusive", node="node-fuzz", heartbeat_interval_s=0.1,
+                                     liveness=LivenessSettings(heartbeat_timeout_s=0.8), adapt=False)
+        core = Scheduler(inv, settings, event_log=EventLog())
+        self.daemon = Daemon(core, Endpoints(socket_path=str(sock)), reap_interval_s=0.05).start()
         assert self.daemon.session_socket, "the daemon offers no session socket"
         self.channel = grpc.insecure_channel(f"unix://{sock}")
         self.sched = pb_grpc.SchedulerStub(self.channel)

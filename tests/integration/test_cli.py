@@ -19,8 +19,8 @@ from crossover.daemon.api import FailedPrecondition
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
-from crossover.daemon.scheduler import Scheduler
-from crossover.daemon.server import Daemon
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.daemon.server import Daemon, Endpoints
 from crossover.protos.identity import RankIdentity
 from crossover.settings import PluginSettings
 
@@ -31,10 +31,11 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture
 def daemon(tmp_path):
-    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))]), "exclusive",
-                     node="node-cli", event_log=EventLog(), heartbeat_interval_s=0.1,
-                     liveness=LivenessSettings(heartbeat_timeout_s=0.8))
-    d = Daemon(core, socket_path=str(tmp_path / "cli.sock"), reap_interval_s=0.05).start()
+    settings = SchedulerSettings(policy="exclusive", node="node-cli", heartbeat_interval_s=0.1,
+                                 liveness=LivenessSettings(heartbeat_timeout_s=0.8), adapt=False)
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,)), Device(1, "cpu", "cpu1", (1,))]), settings,
+                     event_log=EventLog())
+    d = Daemon(core, Endpoints(socket_path=str(tmp_path / "cli.sock")), reap_interval_s=0.05).start()
     yield d
     d.stop(grace=0.5)
 
@@ -126,14 +127,14 @@ def test_policy_show_and_switch(run, daemon):
     res = run("policy", "passthrough")
     assert res.exit_code == 0, res.output
     assert "policy passthrough" in res.stdout
-    assert daemon.core.policy_name == "passthrough"
+    assert daemon.core.steering.policy_name == "passthrough"
     res = run("policy", "--json")
     assert json.loads(res.stdout)["name"] == "passthrough"
     res = run("policy", "--protect", "0.9")
     assert res.exit_code == 0, res.output
-    assert "policy passthrough" in res.stdout and "protect 0.9" in res.stdout and daemon.core.protect == 0.9
+    assert "policy passthrough" in res.stdout and "protect 0.9" in res.stdout and daemon.core.steering.protect == 0.9
     res = run("policy", "--protect", "2")
-    assert res.exit_code == 2 and daemon.core.protect == 0.9  # a usage error; nothing changed
+    assert res.exit_code == 2 and daemon.core.steering.protect == 0.9  # a usage error; nothing changed
 
 
 def test_unknown_policy_is_refused_with_one_line(run, daemon):
@@ -142,7 +143,7 @@ def test_unknown_policy_is_refused_with_one_line(run, daemon):
     line = one_line(res.stderr)
     assert line.startswith("crossover: ") and "bogus" in line and "exclusive" in line
     assert res.stdout == ""
-    assert daemon.core.policy_name == "exclusive"
+    assert daemon.core.steering.policy_name == "exclusive"
 
 
 def test_drain_unknown_device_is_refused(run):
@@ -155,7 +156,7 @@ def test_drain_and_resume(run, daemon):
     res = run("drain", "0", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout) == {"version": 1, "kind": "drain", "device": 0, "draining": True}
-    assert daemon.core.is_draining(0)
+    assert daemon.core.steering.is_draining(0)
     q = json.loads(run("queue", "--json").stdout)
     assert [d["draining"] for d in q["devices"]] == [True, False]
     assert "DRAINING" in run("queue").stdout
@@ -174,7 +175,7 @@ def test_drain_and_resume(run, daemon):
     res = run("resume", "0", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout) == {"version": 1, "kind": "resume", "device": 0, "draining": False}
-    assert not daemon.core.is_draining(0)
+    assert not daemon.core.steering.is_draining(0)
     assert "accepting ranks" in run("resume", "0").stdout
 
 
@@ -283,9 +284,10 @@ def test_the_cli_talks_to_a_tls_daemon_with_tls_ca(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
-    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="node-tls", event_log=EventLog())
-    d = Daemon(core, socket_path=None, listen="127.0.0.1:0", token="s3cret",
-               tls=(cert.read_bytes(), key.read_bytes()), reap_interval_s=0.05).start()
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]),
+                     SchedulerSettings(policy="exclusive", node="node-tls", adapt=False), event_log=EventLog())
+    endpoints = Endpoints(listen="127.0.0.1:0", token="s3cret", tls=(cert.read_bytes(), key.read_bytes()))
+    d = Daemon(core, endpoints, reap_interval_s=0.05).start()
     try:
         runner = CliRunner(env={"CROSSOVER_ADDRESS": None, "CROSSOVER_TOKEN": None, "CROSSOVER_TLS_CA": None})
         base = ["policy", "--address", f"localhost:{d.port}", "--token", "s3cret", "--json", "--timeout", "5"]
@@ -329,8 +331,9 @@ ADMIN_COMMANDS = [("policy", "exclusive"), ("drain", "0"), ("resume", "0"), ("ev
 @pytest.fixture
 def tcp_daemon():
     """A daemon on TCP alone, with a token and no admin token: it shows, and refuses to be steered."""
-    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="node-tcp", event_log=EventLog())
-    d = Daemon(core, socket_path=None, listen="127.0.0.1:0", token="s3cret", reap_interval_s=0.05).start()
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]),
+                     SchedulerSettings(policy="exclusive", node="node-tcp", adapt=False), event_log=EventLog())
+    d = Daemon(core, Endpoints(socket_path=None, listen="127.0.0.1:0", token="s3cret"), reap_interval_s=0.05).start()
     yield d
     d.stop(grace=0.5)
 
@@ -349,7 +352,7 @@ def test_admin_commands_where_only_the_rank_socket_is_mounted_say_so(run, daemon
         line = one_line(res.stderr)
         assert f"crossover {args[0]}" in line and f"{sock}.admin" in line and "not running" not in line, line
         assert "mount" in line, line
-    assert daemon.core.policy_name == "exclusive"
+    assert daemon.core.steering.policy_name == "exclusive"
 
 
 def test_an_admin_command_with_no_daemon_names_the_daemon_socket(run, tmp_path):
@@ -483,9 +486,10 @@ def test_cpu_devices_that_cannot_be_are_one_short_line(spec, words):
 
 
 def test_crossoverd_without_a_socket_logs_what_it_serves_on(caplog):
-    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="n", event_log=EventLog())
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]),
+                     SchedulerSettings(policy="exclusive", node="n", adapt=False), event_log=EventLog())
     with caplog.at_level("INFO", logger="crossover.daemon.server"):
-        d = Daemon(core, socket_path=None, listen="127.0.0.1:0", token="t", reap_interval_s=0.05).start()
+        d = Daemon(core, Endpoints(socket_path=None, listen="127.0.0.1:0", token="t"), reap_interval_s=0.05).start()
         d.stop(grace=0.5)
     line = next(r.getMessage() for r in caplog.records if "serving on" in r.getMessage())
     assert "serving on 127.0.0.1:0" in line and "  " not in line, line

@@ -9,7 +9,7 @@ from crossover.client.cli.formatting import _QUEUE_COLUMNS
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.main import main as crossoverd
 from crossover.daemon.metrics import DaemonMetrics
-from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from crossover.protos.identity import RankIdentity
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -35,7 +35,8 @@ def test_the_queue_example_shows_the_columns_the_table_has() -> None:
 
 
 def test_every_exported_metric_is_documented() -> None:
-    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "crossover", node="n0", pid_alive=lambda _p: True)
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]),
+                     SchedulerSettings(policy="crossover", node="n0", adapt=False), pid_alive=lambda _p: True)
     core.register(RankIdentity(job_id="j", job_name="j", rank=0, local_rank=0, world_size=1, local_size=1, device=0,
                                pid=1))
     metrics = DaemonMetrics(core)

@@ -14,7 +14,7 @@ import pytest
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
-from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
@@ -30,7 +30,9 @@ def make_core(**kw) -> Scheduler:
     kw.setdefault("heartbeat_interval_s", 0.1)
     kw.setdefault("heartbeat_timeout_s", 0.8)
     kw["liveness"] = LivenessSettings(**{k: kw.pop(k) for k in list(kw) if k in _LIVENESS})
-    return Scheduler(inv, kw.pop("policy", "exclusive"), node="node-rpc", event_log=EventLog(), **kw)
+    kw.setdefault("policy", "exclusive")
+    kw.setdefault("adapt", False)
+    return Scheduler(inv, SchedulerSettings(node="node-rpc", **kw), event_log=EventLog())
 
 
 def identity(job: str = "job-x", rank: int = 0, world: int = 2, device: int = 0, pid: int | None = None):

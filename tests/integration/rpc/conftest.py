@@ -11,7 +11,7 @@ import pytest
 
 from crossover.client.rank.session import Session
 from crossover.daemon.limits import StreamLimits
-from crossover.daemon.server import Daemon
+from crossover.daemon.server import Daemon, Endpoints
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.identity import RankIdentity
@@ -28,8 +28,9 @@ def serve(tmp_path):
               session_socket: bool = True, limits: StreamLimits | None = None, admin_token: str | None = None,
               **core_kw) -> Daemon:
         sock = None if listen and socket is None else str(socket or tmp_path / "d.sock")
-        d = Daemon(make_core(**core_kw), socket_path=sock, listen=listen, token=token, reap_interval_s=0.05,
-                   session_socket=session_socket, limits=limits, admin_token=admin_token)
+        endpoints = Endpoints(socket_path=sock, listen=listen, token=token, session_socket=session_socket,
+                              admin_token=admin_token)
+        d = Daemon(make_core(**core_kw), endpoints, limits or StreamLimits(), reap_interval_s=0.05)
         daemons.append(d)
         return d.start()
 

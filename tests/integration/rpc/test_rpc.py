@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from crossover.daemon.api import FailedPrecondition, InvalidRequest
-from crossover.daemon.server import Daemon
+from crossover.daemon.server import Daemon, Endpoints
 from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import TOKEN_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
@@ -68,7 +68,7 @@ def test_bad_requests_get_clear_statuses_and_the_daemon_keeps_serving(serve, cha
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
 
     # the offending sessions are gone: their ranks may register again
-    wait_for(lambda: not any(r.ident.job_name in ("twice", "kind0") for r in d.core.snapshot()[1]))
+    wait_for(lambda: not any(r.ident.job_name in ("twice", "kind0") for r in d.core.steering.snapshot()[1]))
 
     # after all that, a well-behaved client still works end to end
     good = sessions(target, "good-job")
@@ -124,7 +124,7 @@ def test_socket_path_that_is_a_regular_file_is_not_replaced(tmp_path):
     made: list[Daemon] = []
     try:
         with pytest.raises(FailedPrecondition, match="not a socket"):
-            made.append(Daemon(make_core(), socket_path=str(path)))  # refused here or at start()
+            made.append(Daemon(make_core(), Endpoints(socket_path=str(path))))  # refused here or at start()
             made[0].start()
     finally:
         for d in made:
@@ -188,7 +188,7 @@ def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_p
     for name, call in calls.items():
         err = rpc_error(call)
         assert err.code() is grpc.StatusCode.UNAUTHENTICATED, f"{name}: {err.code()}"
-    assert d.core.policy_name == "exclusive"
+    assert d.core.steering.policy_name == "exclusive"
     unix = pb_grpc.AdminStub(channels(f"unix://{d.socket_path}"))
     state = unix.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1), timeout=5)
     assert [dev.draining for dev in state.devices] == [False, False]
@@ -199,7 +199,7 @@ def test_tcp_calls_without_the_right_token_change_nothing(serve, channels, tmp_p
     assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "admin token" in err.details()
     policy = admin.GetPolicy(pb.PolicyRequest(protocol_version=VERSION), timeout=5, metadata=rank_token)
     assert policy.name == "exclusive"
-    assert not d.core.is_draining(1)
+    assert not d.core.steering.is_draining(1)
     admin.Drain(pb.DeviceRequest(protocol_version=VERSION, device=1), timeout=5,
                 metadata=[(TOKEN_METADATA_KEY, "4dmin")])
     assert [dev.draining for dev in unix.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1),
@@ -212,7 +212,7 @@ def test_over_tcp_without_an_admin_token_nobody_steers(serve, channels, tmp_path
     err = rpc_error(admin.SetPolicy, pb.PolicyRequest(protocol_version=VERSION, name="passthrough"), timeout=5,
                     metadata=[(TOKEN_METADATA_KEY, "s3cret")])
     assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "--admin-token-file" in err.details()
-    assert d.core.policy_name == "exclusive"
+    assert d.core.steering.policy_name == "exclusive"
 
 
 def test_the_rank_socket_refuses_admin_calls_and_the_admin_socket_is_the_owners_alone(serve, channels):
@@ -226,7 +226,7 @@ def test_the_rank_socket_refuses_admin_calls_and_the_admin_socket_is_the_owners_
         err = rpc_error(call, req, timeout=5)
         assert err.code() is grpc.StatusCode.PERMISSION_DENIED and d.admin_socket in err.details()
     assert rank_side.GetQueue(pb.QueueRequest(protocol_version=VERSION, device=-1), timeout=5).policy == "exclusive"
-    assert d.core.policy_name == "exclusive" and not d.core.is_draining(0)
+    assert d.core.steering.policy_name == "exclusive" and not d.core.steering.is_draining(0)
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
     assert admin.Drain(pb.DeviceRequest(protocol_version=VERSION, device=0), timeout=5).draining
     reply = admin.SetPolicy(pb.PolicyRequest(protocol_version=VERSION, name="passthrough"), timeout=5)
@@ -253,10 +253,10 @@ def test_session_client_over_tcp_sends_its_token(serve, sessions):
 @pytest.mark.parametrize("token", [None, ""])
 def test_listen_without_token_is_refused(token, tmp_path):
     with pytest.raises(InvalidRequest, match="token"):
-        Daemon(make_core(), socket_path=str(tmp_path / "x.sock"), listen="127.0.0.1:0", token=token)
+        Daemon(make_core(), Endpoints(socket_path=str(tmp_path / "x.sock"), listen="127.0.0.1:0", token=token))
     assert not (tmp_path / "x.sock").exists()
 
 
 def test_nothing_to_listen_on_is_refused():
     with pytest.raises(InvalidRequest, match="nothing to listen on"):
-        Daemon(make_core(), socket_path=None)
+        Daemon(make_core(), Endpoints(socket_path=None))

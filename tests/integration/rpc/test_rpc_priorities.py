@@ -63,7 +63,7 @@ def test_a_rule_for_the_ranks_user_gives_the_class_it_asks_and_a_rank_may_lower_
 def test_the_operator_sets_a_class_and_a_low_holder_yields_to_a_high_request(serve, channels, ranks):
     # The yield on demand alone (--protect 0): with the controller, the idle high job's first solo windows
     # would keep the low job from holding the device at all.
-    d = serve(policy="crossover", class_settings=ClassSettings(isolation=IsolationSettings(target=0.0)))
+    d = serve(policy="crossover", classes=ClassSettings(isolation=IsolationSettings(target=0.0)))
     target = f"unix://{d.socket_path}"
     admin = pb_grpc.AdminStub(channels(f"unix://{d.admin_socket}"))
     low, high = ranks(target, "sweep"), ranks(target, "prod")

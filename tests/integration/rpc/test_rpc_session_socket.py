@@ -16,7 +16,7 @@ import pytest
 
 from crossover.daemon.api import FailedPrecondition
 from crossover.daemon.limits import StreamLimits
-from crossover.daemon.server import Daemon
+from crossover.daemon.server import Daemon, Endpoints
 from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import TOKEN_METADATA_KEY, framing
 from crossover.protos import crossover_v1_pb2 as pb
@@ -192,7 +192,7 @@ def test_after_a_grant_timeout_a_rank_trains_unscheduled_for_the_cool_off_instea
 def test_the_socket_folder_is_made_0750_and_an_unsafe_one_is_refused(tmp_path):
     old = os.umask(0o027)
     try:
-        d = Daemon(make_core(), socket_path=str(tmp_path / "new" / "d.sock"), reap_interval_s=0.05).start()
+        d = Daemon(make_core(), Endpoints(socket_path=str(tmp_path / "new" / "d.sock")), reap_interval_s=0.05).start()
         d.stop(grace=0.2)
     finally:
         os.umask(old)
@@ -200,16 +200,16 @@ def test_the_socket_folder_is_made_0750_and_an_unsafe_one_is_refused(tmp_path):
     ours = tmp_path / "ours"
     ours.mkdir()
     os.chmod(ours, 0o770)  # as an older daemon left it: its group could replace the sockets
-    Daemon(make_core(), socket_path=str(ours / "d.sock"), reap_interval_s=0.05).start().stop(grace=0.2)
+    Daemon(make_core(), Endpoints(socket_path=str(ours / "d.sock")), reap_interval_s=0.05).start().stop(grace=0.2)
     assert stat.S_IMODE(os.stat(ours).st_mode) == 0o750
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chown(shared, 65534, 65534)  # another user's folder
     with pytest.raises(FailedPrecondition, match="belongs to uid 65534"):
-        Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start()
+        Daemon(make_core(), Endpoints(socket_path=str(shared / "d.sock")), reap_interval_s=0.05).start()
     os.chown(shared, 0, 0)
     os.chmod(shared, 0o1777)  # sticky, like /tmp: others cannot replace our files
-    Daemon(make_core(), socket_path=str(shared / "d.sock"), reap_interval_s=0.05).start().stop(grace=0.2)
+    Daemon(make_core(), Endpoints(socket_path=str(shared / "d.sock")), reap_interval_s=0.05).start().stop(grace=0.2)
 
 
 # ---- limits: what one client may cost the daemon (issue 13 items 3, 4 and 8) -----------------------
@@ -242,7 +242,7 @@ def test_a_session_sending_faster_than_the_limit_is_closed_with_resource_exhaust
         if msg.HasField("error"):
             codes.append(msg.error.code)
     assert codes == ["RESOURCE_EXHAUSTED"]
-    wait_for(lambda: not any(r.ident.job_name == "chatty" for r in d.core.snapshot()[1]))
+    wait_for(lambda: not any(r.ident.job_name == "chatty" for r in d.core.steering.snapshot()[1]))
     rank = sessions(f"unix://{d.socket_path}", "polite")  # a rank within the limit is served as before
     assert rank.acquire(0) is True
     rank.release(0)

@@ -39,7 +39,7 @@ def test_silent_rank_is_suspended_its_grant_goes_to_the_waiter_and_it_is_evicted
     suspend = wait_for(lambda: [e for e in d.core.events.events()
                                 if e.name == "suspend" and e.get("job_name") == "silent"])
     assert "heartbeat" in suspend[0].fields["reason"] and suspend[0].fields["phase"] == "compute"
-    silent_rank = [r for r in d.core.snapshot()[1] if r.ident.job_name == "silent"]
+    silent_rank = [r for r in d.core.steering.snapshot()[1] if r.ident.job_name == "silent"]
     assert [r.phase.value for r in silent_rank] == ["suspended"]
     waiter.release(0)
 
@@ -48,9 +48,9 @@ def test_silent_rank_is_suspended_its_grant_goes_to_the_waiter_and_it_is_evicted
                               if e.name == "leave" and e.get("job_name") == "silent"])
     assert "heartbeat" in leave[0].fields["reason"]
     assert time.monotonic() - t0 >= 2.0
-    assert not any(r.ident.job_name == "silent" for r in d.core.snapshot()[1])
+    assert not any(r.ident.job_name == "silent" for r in d.core.steering.snapshot()[1])
     # the waiter kept heartbeating through it all and is still registered
-    assert any(r.ident.job_name == "patient" for r in d.core.snapshot()[1])
+    assert any(r.ident.job_name == "patient" for r in d.core.steering.snapshot()[1])
 
 
 def test_a_starved_rank_that_speaks_again_carries_on_in_its_session(serve, channels, streams, sessions):
@@ -85,7 +85,7 @@ def test_stream_end_frees_the_grant(serve, channels, streams, sessions):
     result: list[bool] = []
     t = threading.Thread(target=lambda: result.append(waiter.acquire(0)), daemon=True)
     t.start()
-    wait_for(lambda: d.core.snapshot()[0][0][1])  # device 0 has a waiting rank
+    wait_for(lambda: d.core.steering.snapshot()[0][0][1])  # device 0 has a waiting rank
     q.put(_END)  # the client half-closes its stream: the daemon must free the grant at once
     t.join(timeout=3)
     assert result == [True]
@@ -160,7 +160,7 @@ def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sess
     assert comm_begin.name == "comm_begin" and comm_begin.fields["iteration"] == 0
     assert comm_end.name == "comm_end" and comm_end.fields["iteration"] == 0 and comm_end.fields["duration_s"] == 0.25
     assert request.name == "request" and request.fields["iteration"] == 1
-    rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "folded")
+    rank = next(r for r in d.core.steering.snapshot()[1] if r.ident.job_name == "folded")
     assert rank.mean_comm_s == pytest.approx(0.25)
 
 
@@ -305,7 +305,7 @@ def test_a_rank_that_does_not_wait_reports_in_dated_batches(serve, sessions):
     assert all(x > -0.015 for x in late), shown
     assert sum(x >= 0.015 for x in late) <= 2, shown
     assert statistics.median(b.t - a.t for a, b in zip(grants, grants[1:])) > 0.010, shown  # not bunched
-    rank = next(r for r in d.core.snapshot()[1] if r.ident.job_name == "batched")
+    rank = next(r for r in d.core.steering.snapshot()[1] if r.ident.job_name == "batched")
     # The rank's 20 ms where the batch's dates agree; where the dates (ago_s) say less, the daemon's figure.
     assert rank.iteration == 11 and rank.mean_compute_s == pytest.approx(0.02, rel=0.15)
 

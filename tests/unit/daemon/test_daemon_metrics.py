@@ -7,9 +7,9 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import ClassSettings, Priority
 from crossover.daemon.policies.isolation import IsolationSettings
-from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from crossover.protos.identity import RankIdentity
-from tests.unit.daemon.scheduler._world import FakeClock
+from tests.unit.daemon.scheduler._world import FakeClock, event
 
 
 @pytest.mark.parametrize("text,address", [("127.0.0.1:9464", ("127.0.0.1", 9464)), (":9464", ("127.0.0.1", 9464)),
@@ -38,22 +38,22 @@ def clock() -> FakeClock:
 
 @pytest.fixture()
 def core(clock: FakeClock) -> Scheduler:
-    return Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "exclusive", node="n0", pid_alive=lambda _p: True,
-                     clock=clock,
-                     lease=False)
+    return Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]),
+                     SchedulerSettings(policy="exclusive", node="n0", lease=False, adapt=False),
+                     pid_alive=lambda _p: True, clock=clock)
 
 
 def test_grants_phases_and_waits_are_counted_per_job(core: Scheduler, clock: FakeClock) -> None:
     m = DaemonMetrics(core, "9.9")
     a, b = _rank(core, "a", 0), _rank(core, "b", 0)
     get = m.registry.get_sample_value
-    core.event(a, "compute_request", iteration=1, seq=1)
-    core.event(b, "compute_request", iteration=1, seq=1)
+    event(core, a, "compute_request", iteration=1, seq=1)
+    event(core, b, "compute_request", iteration=1, seq=1)
     clock.advance(0.05)
-    core.event(a, "compute_done", iteration=1, duration_s=0.05)
-    core.event(a, "comm_begin", iteration=1)
+    event(core, a, "compute_done", iteration=1, duration_s=0.05)
+    event(core, a, "comm_begin", iteration=1)
     clock.advance(0.2)
-    core.event(a, "comm_end", iteration=1, duration_s=0.2)
+    event(core, a, "comm_end", iteration=1, duration_s=0.2)
     labels_a = {"device": "0", "job_name": "a", "job_id": "id-a"}
     assert get("crossover_grants_total", labels_a) == 1
     assert get("crossover_grants_total", {**labels_a, "job_name": "b", "job_id": "id-b"}) == 1
@@ -69,7 +69,7 @@ def test_grants_phases_and_waits_are_counted_per_job(core: Scheduler, clock: Fak
 def test_a_jobs_series_go_when_its_last_rank_leaves(core: Scheduler) -> None:
     m = DaemonMetrics(core)
     first, second = _rank(core, "a", 0), _rank(core, "a", 1)
-    core.event(first, "compute_request", iteration=1, seq=1)
+    event(core, first, "compute_request", iteration=1, seq=1)
     labels = {"device": "0", "job_name": "a", "job_id": "id-a"}
     core.close(first, "done")
     assert m.registry.get_sample_value("crossover_grants_total", labels) == 1, "one rank of the job is still here"
@@ -81,9 +81,9 @@ def test_a_jobs_series_go_when_its_last_rank_leaves(core: Scheduler) -> None:
 def test_evictions_and_fail_opens_are_counted(core: Scheduler) -> None:
     m = DaemonMetrics(core)
     a, b = _rank(core, "a", 0), _rank(core, "b", 0)
-    core.event(a, "compute_request", iteration=1, seq=1)
-    core.event(b, "compute_request", iteration=1, seq=1)
-    core.event(b, "compute_done", iteration=1, duration_s=0.05)  # b went ahead without its grant
+    event(core, a, "compute_request", iteration=1, seq=1)
+    event(core, b, "compute_request", iteration=1, seq=1)
+    event(core, b, "compute_done", iteration=1, duration_s=0.05)  # b went ahead without its grant
     assert m.registry.get_sample_value("crossover_fail_opens_total", {"job_name": "b", "job_id": "id-b"}) == 1
     core.close(a, "no heartbeat", evicted=True)
     assert m.registry.get_sample_value("crossover_evictions_total", {"device": "0"}) == 1
@@ -95,25 +95,26 @@ def test_a_failing_listener_never_stops_the_scheduler(core: Scheduler) -> None:
 
     core.events.add_listener(broken)
     a = _rank(core, "a", 0)
-    core.event(a, "compute_request", iteration=1, seq=1)
+    event(core, a, "compute_request", iteration=1, seq=1)
     assert [e.name for e in core.events.events()][-1] == "grant"
 
 
 def test_device_time_is_counted_by_class_and_preemptions_by_device(clock: FakeClock) -> None:
-    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "crossover", node="n0", pid_alive=lambda _p: True,
-                     clock=clock, lease=False, class_settings=ClassSettings(isolation=IsolationSettings(target=0)))
+    settings = SchedulerSettings(policy="crossover", node="n0", lease=False, adapt=False,
+                                 classes=ClassSettings(isolation=IsolationSettings(target=0)))
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), settings, pid_alive=lambda _p: True, clock=clock)
     m = DaemonMetrics(core, "9.9")
     get = m.registry.get_sample_value
     low = core.register(RankIdentity(job_id="id-low", job_name="low", rank=0, local_rank=0, world_size=1,
                                      local_size=1, device=0, pid=4242), asked=Priority.LOW,
                         accepts_preempt=True).session_id
     prod = _rank(core, "prod", 0)
-    core.event(low, "compute_request", iteration=0, seq=1)
+    event(core, low, "compute_request", iteration=0, seq=1)
     clock.advance(0.25)
-    core.event(prod, "compute_request", iteration=0, seq=1)  # a higher rank asks: the low holder is asked to yield
+    event(core, prod, "compute_request", iteration=0, seq=1)  # a higher rank asks: the low holder is asked to yield
     assert get("crossover_preemptions_total", {"device": "0"}) == 1
-    core.event(low, "compute_done", duration_s=0.25, yields=True)
+    event(core, low, "compute_done", duration_s=0.25, yields=True)
     clock.advance(0.5)
-    core.event(prod, "compute_done", duration_s=0.5, comm_begins=True)
+    event(core, prod, "compute_done", duration_s=0.5, comm_begins=True)
     assert get("crossover_class_compute_seconds_total", {"priority": "low"}) == pytest.approx(0.25)
     assert get("crossover_class_compute_seconds_total", {"priority": "normal"}) == pytest.approx(0.5)

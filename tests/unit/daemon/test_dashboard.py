@@ -7,7 +7,7 @@ from pathlib import Path
 
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.metrics import DaemonMetrics
-from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "crossover-dashboard.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",),
@@ -17,7 +17,8 @@ _NAME = re.compile(r"\b((?:crossover|process)_[a-z0-9_]+)\b(?!\s*[(=!~])")
 
 
 def _exported() -> set[str]:
-    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), "crossover", node="n")
+    core = Scheduler(Inventory([Device(0, "cpu", "cpu0", (0,))]), SchedulerSettings(policy="crossover", node="n",
+                                                                                    adapt=False))
     return {family.name + suffix for family in DaemonMetrics(core).registry.collect()
             for suffix in _SUFFIXES[family.type]}
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import queue
+from typing import Any
 
 from crossover.daemon.api import Phase
+from crossover.daemon.events import EventKind, RankEvent
 from crossover.daemon.messages import AliveMsg, GrantMsg, LeaseMsg, ShareMsg
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos.identity import RankIdentity
@@ -61,13 +63,20 @@ def drain_outbox(box: queue.SimpleQueue, shares: bool = False) -> list:
         out.append(msg)
 
 
+def event(s: Scheduler, sid: str, kind: str, iteration: int = 0, seq: int = 0, duration_s: float = 0.0,
+          **flags: Any) -> None:
+    """Apply one rank event, given by its kind's name as the event log spells it (`compute_request`,
+    `compute_done`, `comm_begin`, `comm_end`, `heartbeat`, `lease_released`), as its stream would."""
+    s.apply(sid, RankEvent(EventKind(kind), iteration, seq, duration_s, **flags))
+
+
 def join(s: Scheduler, leases: bool = True, **kw) -> tuple[str, queue.SimpleQueue]:
     reg = s.register(ident(**kw), accepts_leases=leases)
     return reg.session_id, s.attach(reg.session_id)
 
 
 def _phase(s: Scheduler, sid: str) -> Phase:
-    return s._sessions[sid].phase  # noqa: SLF001 (test introspection)
+    return s._state.sessions[sid].phase  # noqa: SLF001 (test introspection)
 
 
 def _events_of(s: Scheduler, rank: int, job: str = "job-a") -> list[str]:
@@ -91,8 +100,8 @@ def holders_over_time(s: Scheduler, device: int = 0) -> int:
 
 def leased(s: Scheduler) -> tuple[str, queue.SimpleQueue]:
     a, box = join(s, job="old", world=1, rank=0, device=0)
-    s.event(a, "compute_request", iteration=0, seq=1)
-    s.event(a, "compute_done", iteration=0, comm_begins=True)
+    event(s, a, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_done", iteration=0, comm_begins=True)
     assert drain_outbox(box) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
     return a, box
 

@@ -6,7 +6,7 @@ import pytest
 from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
-from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from tests.unit.daemon.scheduler._world import FakeClock, FakePids
 
 
@@ -28,9 +28,9 @@ def make(clock, pids):
     def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5,
               evict_after: float = 5.0, lease: bool = False) -> Scheduler:
         inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
-        s = Scheduler(inv, policy, node="node-t", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                      liveness=LivenessSettings(heartbeat_timeout_s=timeout, evict_after_s=evict_after), clock=clock,
-                      pid_alive=pids, lease=lease)
+        settings = SchedulerSettings(policy=policy, node="node-t", heartbeat_interval_s=0.1, lease=lease, adapt=False,
+                                     liveness=LivenessSettings(heartbeat_timeout_s=timeout, evict_after_s=evict_after))
+        s = Scheduler(inv, settings, event_log=EventLog(clock=clock), clock=clock, pid_alive=pids)
         made.append(s)
         return s
 

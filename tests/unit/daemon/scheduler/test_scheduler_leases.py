@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from crossover.daemon.messages import GrantMsg, LeaseMsg, PolicyMsg
-from tests.unit.daemon.scheduler._world import drain_outbox, holders_over_time, join, leased
+from tests.unit.daemon.scheduler._world import drain_outbox, event, holders_over_time, join, leased
 
 # ---- leases --------------------------------------------------------------
 
@@ -12,15 +12,15 @@ from tests.unit.daemon.scheduler._world import drain_outbox, holders_over_time, 
 def test_a_lone_rank_is_leased_and_then_not_sent_grants(make):
     s = make(lease=True)
     a, box = join(s, rank=0)
-    s.event(a, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_request", iteration=0, seq=1)
     assert drain_outbox(box) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
-    s.event(a, "compute_done", iteration=0, comm_begins=True)
+    event(s, a, "compute_done", iteration=0, comm_begins=True)
     for i in (1, 2):
-        s.event(a, "compute_request", iteration=i, seq=i + 1, no_wait=True)
-        s.event(a, "compute_done", iteration=i, comm_begins=True)
+        event(s, a, "compute_request", iteration=i, seq=i + 1, no_wait=True)
+        event(s, a, "compute_done", iteration=i, comm_begins=True)
     assert drain_outbox(box) == []  # the rank did not wait, so nothing is sent
     # a request made before the rank read its lease is still answered: it is waiting for that grant
-    s.event(a, "compute_request", iteration=3, seq=4)
+    event(s, a, "compute_request", iteration=3, seq=4)
     assert drain_outbox(box) == [GrantMsg(4, 3, 0.0)]
     log = [e.name for e in s.events.events()]
     assert log.count("grant") == 4 and log.count("release") == 3 and log.count("lease") == 1
@@ -30,15 +30,15 @@ def test_no_lease_when_the_device_is_shared_or_leases_are_off(make):
     s = make(lease=True)
     a, box_a = join(s, rank=0, device=0)
     join(s, job="job-b", rank=0, device=0)
-    s.event(a, "compute_request", seq=1)
+    event(s, a, "compute_request", seq=1)
     assert drain_outbox(box_a) == [GrantMsg(1, 0, 0.0)]
     off = make(lease=False)
     b, box_b = join(off, job="solo", world=1, rank=0)
-    off.event(b, "compute_request", seq=1)
+    event(off, b, "compute_request", seq=1)
     assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
     old_client = make(lease=True)
     c, box_c = join(old_client, leases=False, job="solo", world=1, rank=0)
-    old_client.event(c, "compute_request", seq=1)
+    event(old_client, c, "compute_request", seq=1)
     assert drain_outbox(box_c) == [GrantMsg(1, 0, 0.0)]
 
 
@@ -46,8 +46,8 @@ def test_a_job_alone_on_its_device_leases_it_to_each_of_its_ranks(make):
     s = make(lease=True)
     a, box_a = join(s, rank=0, device=0)
     b, box_b = join(s, rank=1, device=0)
-    s.event(a, "compute_request", seq=1)
-    s.event(b, "compute_request", seq=1)
+    event(s, a, "compute_request", seq=1)
+    event(s, b, "compute_request", seq=1)
     assert drain_outbox(box_a) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
     assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0), LeaseMsg(True)]
     join(s, job="job-c", rank=0, device=0)  # another job arrives: both leases are taken back
@@ -57,7 +57,7 @@ def test_a_job_alone_on_its_device_leases_it_to_each_of_its_ranks(make):
 def test_passthrough_leases_nothing(make):
     s = make("passthrough", lease=True)
     a, box = join(s, rank=0)
-    s.event(a, "compute_request", seq=1)
+    event(s, a, "compute_request", seq=1)
     assert drain_outbox(box) == []
 
 
@@ -71,19 +71,19 @@ def test_a_newcomer_waits_for_the_holders_requests_in_flight(make):
     a, box_a = leased(s)
     b, box_b = join(s, job="new", world=1, rank=0, device=0)
     assert drain_outbox(box_a) == [LeaseMsg(False)]
-    s.event(b, "compute_request", iteration=0, seq=1)
+    event(s, b, "compute_request", iteration=0, seq=1)
     assert drain_outbox(box_b) == []  # held back although the daemon has not seen the holder compute
-    assert [r.ident.job_id for r in s.snapshot()[0][0].waiting] == ["new"]
-    s.event(a, "compute_request", iteration=1, seq=2, no_wait=True)  # before the holder saw the revoke
-    s.event(a, "lease_released")
+    assert [r.ident.job_id for r in s.steering.snapshot()[0][0].waiting] == ["new"]
+    event(s, a, "compute_request", iteration=1, seq=2, no_wait=True)  # before the holder saw the revoke
+    event(s, a, "lease_released")
     assert drain_outbox(box_b) == []  # queued behind the holder now
-    s.event(a, "compute_done", iteration=1, comm_begins=True)
+    event(s, a, "compute_done", iteration=1, comm_begins=True)
     assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
     assert holders_over_time(s) == 1
     # from now on the holder waits like everyone else
-    s.event(a, "compute_request", iteration=2, seq=3)
+    event(s, a, "compute_request", iteration=2, seq=3)
     assert drain_outbox(box_a) == []
-    s.event(b, "compute_done", iteration=0)
+    event(s, b, "compute_done", iteration=0)
     assert drain_outbox(box_a) == [GrantMsg(3, 2, 0.0)]
     events = [e.name for e in s.events.events()]
     assert events.count("lease_revoke") == 1 and events.count("lease_released") == 1
@@ -99,12 +99,12 @@ def test_a_holder_computing_at_the_hand_over_keeps_the_device_under_crossover(ma
     s = make(policy="crossover", lease=True)
     a, _ = leased(s)
     b, box_b = join(s, job="new", world=1, rank=0, device=0)
-    s.event(b, "compute_request", iteration=0, seq=1)
-    s.event(a, "compute_request", iteration=1, seq=2, no_wait=True)
-    s.event(a, "lease_released")
+    event(s, b, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_request", iteration=1, seq=2, no_wait=True)
+    event(s, a, "lease_released")
     assert drain_outbox(box_b) == []
-    assert [r.ident.job_id for r in s.snapshot()[0][0].holders] == ["old"]
-    s.event(a, "compute_done", iteration=1, comm_begins=True)
+    assert [r.ident.job_id for r in s.steering.snapshot()[0][0].holders] == ["old"]
+    event(s, a, "compute_done", iteration=1, comm_begins=True)
     assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
     assert holders_over_time(s) == 1
 
@@ -113,8 +113,8 @@ def test_the_newcomer_is_granted_at_the_release_when_the_holder_was_idle(make):
     s = make(lease=True)
     a, _ = leased(s)
     b, box_b = join(s, job="new", world=1, rank=0, device=0)
-    s.event(b, "compute_request", seq=7)
-    s.event(a, "lease_released")
+    event(s, b, "compute_request", seq=7)
+    event(s, a, "lease_released")
     assert drain_outbox(box_b) == [GrantMsg(7, 0, 0.0)]
 
 
@@ -123,12 +123,12 @@ def test_a_holder_that_leaves_or_goes_silent_ends_the_wait(make, clock, end):
     s = make(lease=True, timeout=0.5)
     a, _ = leased(s)
     b, box_b = join(s, job="new", world=1, rank=0, device=0)
-    s.event(b, "compute_request", seq=7)
+    event(s, b, "compute_request", seq=7)
     if end == "close":
         s.close(a, "test")
     else:
         clock.advance(0.3)
-        s.event(b, "heartbeat")
+        event(s, b, "heartbeat")
         clock.advance(0.3)
         s.reap()
     msgs = drain_outbox(box_b)
@@ -141,9 +141,9 @@ def test_a_held_back_request_can_be_withdrawn(make):
     s = make(lease=True)
     a, _ = leased(s)
     b, box_b = join(s, job="new", world=1, rank=0, device=0)
-    s.event(b, "compute_request", seq=7)
-    s.event(b, "compute_done")  # gave up waiting: no error, and no grant later
-    s.event(a, "lease_released")
+    event(s, b, "compute_request", seq=7)
+    event(s, b, "compute_done")  # gave up waiting: no error, and no grant later
+    event(s, a, "lease_released")
     assert drain_outbox(box_b) == []
     assert [e.name for e in s.events.events() if e.get("job") == "new"][-1] == "cancel"
 
@@ -154,8 +154,8 @@ def test_a_suspended_holder_loses_its_lease_and_may_regain_it_alone(make, clock)
     clock.advance(0.6)
     s.reap()
     assert drain_outbox(box) == [LeaseMsg(False)]
-    s.event(a, "lease_released")  # it woke up, read the revocation and answered: nothing to do
-    s.event(a, "compute_request", iteration=1, seq=2)
+    event(s, a, "lease_released")  # it woke up, read the revocation and answered: nothing to do
+    event(s, a, "compute_request", iteration=1, seq=2)
     assert drain_outbox(box) == [GrantMsg(2, 1, 0.0), LeaseMsg(True)]
 
 
@@ -163,11 +163,11 @@ def test_a_holder_that_never_answers_loses_the_device_after_the_heartbeat_timeou
     s = make(lease=True, timeout=0.5)
     a, _ = leased(s)
     b, box_b = join(s, job="new", world=1, rank=0, device=0)
-    s.event(b, "compute_request", seq=7)
+    event(s, b, "compute_request", seq=7)
     for _ in range(4):  # the holder keeps heartbeating but never sends LEASE_RELEASED
         clock.advance(0.15)
-        s.event(a, "heartbeat")
-        s.event(b, "heartbeat")
+        event(s, a, "heartbeat")
+        event(s, b, "heartbeat")
         s.reap()
     assert drain_outbox(box_b) == [GrantMsg(7, 0, pytest.approx(0.6))]
     assert "lease_expired" in [e.name for e in s.events.events()]
@@ -181,18 +181,18 @@ def test_a_switch_to_a_blocking_policy_waits_for_the_ranks_that_computed_without
     a, box_a = join(s, job="a", world=1, rank=0, device=0)
     b, box_b = join(s, job="b", world=1, rank=0, device=0)
     old, box_old = join(s, leases=False, job="old", world=1, rank=0, device=1)
-    s.set_policy("exclusive")
+    s.steering.set_policy("exclusive")
     for box in (box_a, box_b, box_old):
         assert drain_outbox(box) == [PolicyMsg("exclusive", True)]
-    s.event(b, "lease_released")  # b was idle
-    s.event(b, "compute_request", seq=1)
+    event(s, b, "lease_released")  # b was idle
+    event(s, b, "compute_request", seq=1)
     assert drain_outbox(box_b) == []  # a has not answered: it may be computing
-    s.event(a, "compute_request", seq=9, no_wait=True)  # it was: its held request comes first
-    s.event(a, "lease_released")
+    event(s, a, "compute_request", seq=9, no_wait=True)  # it was: its held request comes first
+    event(s, a, "lease_released")
     assert drain_outbox(box_b) == []  # behind a now
-    s.event(a, "compute_done")
+    event(s, a, "compute_done")
     assert drain_outbox(box_b) == [GrantMsg(1, 0, 0.0)]
-    s.event(old, "compute_request", seq=1)  # a client that knows no leases is not waited for
+    event(s, old, "compute_request", seq=1)  # a client that knows no leases is not waited for
     assert drain_outbox(box_old) == [GrantMsg(1, 0, 0.0)]
     assert holders_over_time(s) == 1
 
@@ -202,9 +202,9 @@ def test_drain_and_policy_switch_revoke_the_lease(make, how):
     s = make(lease=True)
     _, box = leased(s)
     if how == "drain":
-        s.drain(0, True)
+        s.steering.drain(0, True)
         assert drain_outbox(box) == [LeaseMsg(False)]
     else:
-        s.set_policy("crossover")
+        s.steering.set_policy("crossover")
         assert drain_outbox(box) == [LeaseMsg(False), PolicyMsg("crossover", True)]
     assert [e.fields["reason"] for e in s.events.events() if e.name == "lease_revoke"][0]

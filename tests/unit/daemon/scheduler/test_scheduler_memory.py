@@ -3,12 +3,12 @@ joins, class changes and leaves; a refusal at the cap is kept for `crossover job
 from __future__ import annotations
 
 from crossover.daemon.event_log import EventLog
-from crossover.daemon.events import RankEvent
+from crossover.daemon.events import EventKind, RankEvent
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import ShareMsg
 from crossover.daemon.policies.classes import Priority
 from crossover.daemon.policies.memory import MemoryRules
-from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from tests.unit.daemon.scheduler._world import drain_outbox, ident
 
 GiB = 1 << 30
@@ -16,8 +16,8 @@ GiB = 1 << 30
 
 def scheduler(clock, pids, total: int = 80 * GiB, reserve: tuple[str, ...] = ("high=50%",)) -> Scheduler:
     inv = Inventory([Device(0, "gpu", "H200", memory_total=total)])
-    return Scheduler(inv, "crossover", node="n", event_log=EventLog(clock=clock), clock=clock, pid_alive=pids,
-                     memory=MemoryRules.parse(reserve))
+    settings = SchedulerSettings(policy="crossover", node="n", memory=MemoryRules.parse(reserve), adapt=False)
+    return Scheduler(inv, settings, event_log=EventLog(clock=clock), clock=clock, pid_alive=pids)
 
 
 def join(s: Scheduler, job: str, rank: int = 0, asked: Priority | None = None):
@@ -39,20 +39,20 @@ def test_a_lower_job_is_capped_while_a_reserved_class_is_there(clock, pids):
     low, low_box = join(s, "batch", asked=Priority.LOW)
     assert last_cap(low_box) is None and caps_logged(s, "batch") == []  # alone: nothing changes
     prod, prod_box = join(s, "prod")
-    s.set_job_class("prod", Priority.HIGH)
+    s.ownership.set_job_class("prod", Priority.HIGH)
     assert last_cap(low_box) == 40 * GiB and last_cap(prod_box) is None
     share = [m for m in drain_outbox(low_box, shares=True) if isinstance(m, ShareMsg)]
     assert share == []  # told once per change, not again
     assert caps_logged(s, "batch") == [40 * GiB] and caps_logged(s, "prod") == []
     why = [e.get("why") for e in s.events.events() if e.name == "memory_cap"][0]
     assert why.startswith("40 GiB of 80 GiB, as high reserves 40 GiB")
-    per_dev, _ = s.snapshot()
+    per_dev, _ = s.steering.snapshot()
     capped = {r.ident.job_name: r.memory_cap for r in per_dev[0].others + per_dev[0].waiting + per_dev[0].holders}
     assert capped == {"batch": 40 * GiB, "prod": None}
 
-    s.set_job_class("prod", Priority.NORMAL)  # the operator lowers it mid-run: its reservation goes
+    s.ownership.set_job_class("prod", Priority.NORMAL)  # the operator lowers it mid-run: its reservation goes
     assert last_cap(low_box) is None and caps_logged(s, "batch") == [40 * GiB, None]
-    s.set_job_class("prod", Priority.HIGH)
+    s.ownership.set_job_class("prod", Priority.HIGH)
     assert last_cap(low_box) == 40 * GiB
     s.close(prod, "done")  # it leaves: its reservation is freed
     assert last_cap(low_box) is None and caps_logged(s, "batch") == [40 * GiB, None, 40 * GiB, None]
@@ -61,7 +61,7 @@ def test_a_lower_job_is_capped_while_a_reserved_class_is_there(clock, pids):
 def test_a_jobs_ranks_on_one_device_share_its_cap(clock, pids):
     s = scheduler(clock, pids, reserve=("high=60%",))
     join(s, "prod")
-    s.set_job_class("prod", Priority.HIGH)
+    s.ownership.set_job_class("prod", Priority.HIGH)
     _, box0 = join(s, "batch", rank=0, asked=Priority.LOW)
     _, box1 = join(s, "batch", rank=1, asked=Priority.LOW)
     job_cap = 80 * GiB - int(0.6 * 80 * GiB)
@@ -71,10 +71,10 @@ def test_a_jobs_ranks_on_one_device_share_its_cap(clock, pids):
 def test_a_refusal_at_the_cap_is_kept_for_the_jobs_listing_and_logged(clock, pids):
     s = scheduler(clock, pids)
     join(s, "prod")
-    s.set_job_class("prod", Priority.HIGH)
+    s.ownership.set_job_class("prod", Priority.HIGH)
     low, _ = join(s, "batch", asked=Priority.LOW)
-    s.apply(low, RankEvent.named("memory_cap_hit", iteration=3, memory_bytes=2 * GiB))
-    _, ranks = s.snapshot()
+    s.apply(low, RankEvent(EventKind.MEMORY_CAP_HIT, iteration=3, memory_bytes=2 * GiB))
+    _, ranks = s.steering.snapshot()
     note = {r.ident.job_name: r.memory_note for r in ranks}["batch"]
     assert note.startswith("out of its memory cap at iteration 3, asking for 2 GiB more: it may hold 40 GiB of 80")
     hit = [e for e in s.events.events() if e.name == "memory_cap_hit"]
@@ -84,9 +84,9 @@ def test_a_refusal_at_the_cap_is_kept_for_the_jobs_listing_and_logged(clock, pid
 def test_without_a_reservation_or_a_known_total_nobody_is_capped(clock, pids):
     for s in (scheduler(clock, pids, reserve=()), scheduler(clock, pids, total=0)):
         join(s, "prod")
-        s.set_job_class("prod", Priority.HIGH)
+        s.ownership.set_job_class("prod", Priority.HIGH)
         low, box = join(s, "batch", asked=Priority.LOW)
         assert last_cap(box) is None
-        s.apply(low, RankEvent.named("memory_cap_hit", iteration=1))  # the device itself was full: no cap to blame
+        s.apply(low, RankEvent(EventKind.MEMORY_CAP_HIT, iteration=1))  # the device itself was full: no cap to blame
         assert not [e for e in s.events.events() if e.name.startswith("memory_cap")]
         s.shutdown()

@@ -10,9 +10,9 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import AliveMsg, GrantMsg
-from crossover.daemon.scheduler import Scheduler
+from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from testbed.harness.oracles import compute_intervals, overlaps
-from tests.unit.daemon.scheduler._world import _KINDS, FakeClock, drain_outbox, ident, join
+from tests.unit.daemon.scheduler._world import _KINDS, FakeClock, drain_outbox, event, ident, join
 
 # ---- yields and overdue holders ----------------------------------------
 
@@ -21,20 +21,20 @@ def test_a_yield_frees_the_device_and_the_pieces_count_as_one_compute_phase(make
     s = make("exclusive")
     a, box_a = join(s, job="job-a", device=0)
     b, box_b = join(s, job="job-b", device=0)
-    s.event(a, "compute_request", iteration=3, seq=1)
+    event(s, a, "compute_request", iteration=3, seq=1)
     clock.advance(0.010)
-    s.event(a, "compute_done", iteration=3, duration_s=0.010, yields=True)  # a metric allreduce begins
-    s.event(b, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_done", iteration=3, duration_s=0.010, yields=True)  # a metric allreduce begins
+    event(s, b, "compute_request", iteration=0, seq=1)
     assert [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "the yielded device went to nobody"
-    s.event(a, "compute_request", iteration=3, seq=2)  # back from the collective: same iteration
-    s.event(b, "compute_done", iteration=0, duration_s=0.002, comm_begins=True)
+    event(s, a, "compute_request", iteration=3, seq=2)  # back from the collective: same iteration
+    event(s, b, "compute_done", iteration=0, duration_s=0.002, comm_begins=True)
     assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)] == [1, 2]
     clock.advance(0.030)
-    s.event(a, "compute_done", iteration=3, duration_s=0.030, comm_begins=True)
-    rank = next(r for r in s.snapshot()[1] if r.ident.job_id == "job-a")
+    event(s, a, "compute_done", iteration=3, duration_s=0.030, comm_begins=True)
+    rank = next(r for r in s.steering.snapshot()[1] if r.ident.job_id == "job-a")
     assert rank.iteration == 3
     assert rank.mean_compute_s == pytest.approx(0.040)  # both pieces, one phase
-    assert s._sessions[a].stats.compute_n == 1 and s._sessions[a].stats.compute_ema == pytest.approx(0.040)
+    assert s._state.sessions[a].stats.compute_n == 1 and s._state.sessions[a].stats.compute_ema == pytest.approx(0.040)
     yields = [e for e in s.events.events() if e.name == "release" and e.get("yields")]
     assert len(yields) == 1
 
@@ -45,11 +45,11 @@ def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_serv
     a, box_a = join(s, job="job-a", device=0)
     b, box_b = join(s, job="job-b", device=0)
     for it in range(3):  # a measured compute time of 50 ms
-        s.event(a, "compute_request", iteration=it, seq=it + 1)
+        event(s, a, "compute_request", iteration=it, seq=it + 1)
         clock.advance(0.05)
-        s.event(a, "compute_done", iteration=it, duration_s=0.05, comm_begins=True)
-    s.event(a, "compute_request", iteration=3, seq=4)  # then it blocks somewhere while holding
-    s.event(b, "compute_request", iteration=0, seq=1)
+        event(s, a, "compute_done", iteration=it, duration_s=0.05, comm_begins=True)
+    event(s, a, "compute_request", iteration=3, seq=4)  # then it blocks somewhere while holding
+    event(s, b, "compute_request", iteration=0, seq=1)
     clock.advance(0.9)
     s.reap()
     assert not [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "served before the floor"
@@ -57,12 +57,12 @@ def test_a_holder_far_past_its_compute_time_is_overdue_and_the_next_rank_is_serv
     s.reap()
     assert [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)], "the overdue holder kept the device"
     assert s.liveness.overdue_total == 1
-    per_dev, _ = s.snapshot()
+    per_dev, _ = s.steering.snapshot()
     assert [r.phase for r in per_dev[0].others] == [Phase.OVERDUE]
     assert [e.name for e in s.events.events()].count("overdue") == 1
-    s.event(a, "compute_done", iteration=3, duration_s=1.2, comm_begins=True)  # its late end is no error
-    s.event(b, "compute_done", iteration=0, duration_s=0.01, comm_begins=True)
-    s.event(a, "compute_request", iteration=4, seq=5)
+    event(s, a, "compute_done", iteration=3, duration_s=1.2, comm_begins=True)  # its late end is no error
+    event(s, b, "compute_done", iteration=0, duration_s=0.01, comm_begins=True)
+    event(s, a, "compute_request", iteration=4, seq=5)
     assert [m.seq for m in drain_outbox(box_a) if isinstance(m, GrantMsg)][-1] == 5
     assert overlaps(compute_intervals(s.events.snapshot())[0]) == []
 
@@ -74,8 +74,8 @@ def test_a_first_phase_gets_the_warmup_limit_not_the_floor(make, clock):
     s.liveness.overdue_after_s, s.liveness.overdue_warmup_s = 1.0, 5.0
     a, _ = join(s, job="job-a", device=0)
     b, box_b = join(s, job="job-b", device=0)
-    s.event(a, "compute_request", iteration=0, seq=1)
-    s.event(b, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_request", iteration=0, seq=1)
+    event(s, b, "compute_request", iteration=0, seq=1)
     clock.advance(4.0)
     s.reap()
     assert s.liveness.overdue_total == 0 and not [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
@@ -88,7 +88,7 @@ def test_a_long_holder_nobody_waits_for_is_left_alone(make, clock):
     s = make("exclusive", evict_after=100.0, timeout=100.0)
     s.liveness.overdue_after_s = 1.0
     a, _ = join(s, job="job-a", device=0)
-    s.event(a, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_request", iteration=0, seq=1)
     clock.advance(30.0)
     s.reap()
     assert s.liveness.overdue_total == 0
@@ -103,9 +103,9 @@ def test_whatever_ranks_send_a_blocking_policy_never_has_two_holders(policy, lea
     (`no_wait`) and holds no lease is queued like any other request, never made a second holder."""
     clock = FakeClock()
     inv = Inventory([Device(0, "cpu", "cpu0", (0,))])
-    s = Scheduler(inv, policy, node="n", event_log=EventLog(clock=clock), heartbeat_interval_s=0.1,
-                  liveness=LivenessSettings(heartbeat_timeout_s=5.0, evict_after_s=10.0), clock=clock,
-                  pid_alive=lambda pid: True, lease=lease)
+    settings = SchedulerSettings(policy=policy, node="n", heartbeat_interval_s=0.1, lease=lease, adapt=False,
+                                 liveness=LivenessSettings(heartbeat_timeout_s=5.0, evict_after_s=10.0))
+    s = Scheduler(inv, settings, event_log=EventLog(clock=clock), clock=clock, pid_alive=lambda pid: True)
     try:
         sids = [s.register(ident(job=f"j{i}", rank=0, world=1, device=0), accepts_leases=True).session_id
                 for i in range(3)]
@@ -115,17 +115,17 @@ def test_whatever_ranks_send_a_blocking_policy_never_has_two_holders(policy, lea
             clock.advance(0.01)
             try:
                 if kind == "compute_request_no_wait":
-                    s.event(sids[who], "compute_request", iteration=iteration, seq=iteration + 1, no_wait=True)
+                    event(s, sids[who], "compute_request", iteration=iteration, seq=iteration + 1, no_wait=True)
                 elif kind == "compute_done_requested":
-                    s.event(sids[who], "compute_done", iteration=iteration, seq=iteration + 1, requested=True,
+                    event(s, sids[who], "compute_done", iteration=iteration, seq=iteration + 1, requested=True,
                             duration_s=0.005, yields=yields)
                 elif kind == "compute_done":
-                    s.event(sids[who], "compute_done", iteration=iteration, yields=yields)
+                    event(s, sids[who], "compute_done", iteration=iteration, yields=yields)
                 else:
-                    s.event(sids[who], kind, iteration=iteration, seq=iteration + 1)
+                    event(s, sids[who], kind, iteration=iteration, seq=iteration + 1)
             except (FailedPrecondition, InvalidRequest):
                 pass
-            holders = s.snapshot()[0][0].holders
+            holders = s.steering.snapshot()[0][0].holders
             assert len(holders) <= 1, f"two holders after {kind} from session {who}: {holders}"
     finally:
         s.shutdown()
@@ -135,8 +135,8 @@ def test_every_heartbeat_is_answered_so_a_rank_can_tell_a_frozen_daemon(make):
     s = make()
     a, box = join(s)
     drain_outbox(box)
-    s.event(a, "heartbeat")
-    s.event(a, "heartbeat")
+    event(s, a, "heartbeat")
+    event(s, a, "heartbeat")
     answers = []
     while not box.empty():
         answers.append(box.get_nowait())
@@ -153,12 +153,12 @@ def test_a_holders_own_long_figure_does_not_lengthen_its_limit(make, clock):
     s.liveness.overdue_factor, s.liveness.overdue_after_s = 10.0, 1.0
     a, _ = join(s, job="hog", device=0)
     b, box_b = join(s, job="victim", device=0)
-    s.event(a, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_request", iteration=0, seq=1)
     clock.advance(0.01)
-    s.event(a, "compute_done", iteration=0, duration_s=86_400.0, comm_begins=True)
-    assert s._sessions[a].stats.compute_ema == pytest.approx(0.01)
-    s.event(a, "compute_request", iteration=1, seq=2)
-    s.event(b, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_done", iteration=0, duration_s=86_400.0, comm_begins=True)
+    assert s._state.sessions[a].stats.compute_ema == pytest.approx(0.01)
+    event(s, a, "compute_request", iteration=1, seq=2)
+    event(s, b, "compute_request", iteration=0, seq=1)
     clock.advance(1.1)
     s.reap()
     assert s.liveness.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
@@ -169,11 +169,11 @@ def test_no_holder_keeps_a_waited_for_device_past_max_hold(make, clock):
     s.liveness.overdue_factor, s.liveness.overdue_after_s, s.liveness.max_hold_s = 10.0, 1.0, 60.0
     a, _ = join(s, job="slow", device=0)
     b, box_b = join(s, job="victim", device=0)
-    s.event(a, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_request", iteration=0, seq=1)
     clock.advance(50.0)  # a genuinely long phase: its limit would be 500 s
-    s.event(a, "compute_done", iteration=0, duration_s=50.0, comm_begins=True)
-    s.event(a, "compute_request", iteration=1, seq=2)
-    s.event(b, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_done", iteration=0, duration_s=50.0, comm_begins=True)
+    event(s, a, "compute_request", iteration=1, seq=2)
+    event(s, b, "compute_request", iteration=0, seq=1)
     clock.advance(59.0)
     s.reap()
     assert s.liveness.overdue_total == 0
@@ -190,14 +190,14 @@ def test_a_backdated_request_cannot_jump_the_queue(make, clock):
     holder, _ = join(s, job="holder", device=0)
     honest, box_h = join(s, job="honest", device=0)
     cheat, box_c = join(s, job="cheat", device=0)
-    s.event(holder, "compute_request", iteration=0, seq=1)
-    s.event(cheat, "heartbeat")
+    event(s, holder, "compute_request", iteration=0, seq=1)
+    event(s, cheat, "heartbeat")
     clock.advance(1.0)
-    s.event(honest, "compute_request", iteration=0, seq=1)
+    event(s, honest, "compute_request", iteration=0, seq=1)
     clock.advance(0.5)
-    s.event(cheat, "compute_request", iteration=0, seq=1, ago_s=100.0)  # "asked long ago"
+    event(s, cheat, "compute_request", iteration=0, seq=1, ago_s=100.0)  # "asked long ago"
     requests = [e for e in s.events.events() if e.name == "request" and e.fields["job"] == "cheat"]
     assert requests[0].t == clock()  # a request that waits is dated when it arrived
-    s.event(holder, "compute_done", iteration=0, duration_s=0.1, comm_begins=True)
+    event(s, holder, "compute_done", iteration=0, duration_s=0.1, comm_begins=True)
     assert [m for m in drain_outbox(box_h) if isinstance(m, GrantMsg)]
     assert not [m for m in drain_outbox(box_c) if isinstance(m, GrantMsg)]

@@ -10,7 +10,7 @@ import pytest
 from crossover.daemon.api import AlreadyExists, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied
 from crossover.daemon.messages import GrantMsg, LeaseMsg, ShareMsg
 from crossover.daemon.policies.classes import Priority
-from tests.unit.daemon.scheduler._world import _PID, drain_outbox, ident, join
+from tests.unit.daemon.scheduler._world import _PID, drain_outbox, event, ident, join
 
 # ---- registration ------------------------------------------------------
 
@@ -34,11 +34,11 @@ def test_a_job_on_a_node_is_its_first_named_users_and_no_other_user_joins_it(mak
     a, _ = join(s, job="job-a", rank=0, device=0)
     s.bind_peer(a, 0, 1000)
     b = s.register(ident(job="job-a", rank=1, device=0), asked=Priority.LOW).session_id
-    assert s.job_class("job-a")[0].priority is Priority.NORMAL  # its ask waits for the kernel to name its user
+    assert s.ownership.job_class("job-a")[0].priority is Priority.NORMAL  # its ask waits: no user named yet
     with pytest.raises(PermissionDenied, match="run by uid 1000; a rank of uid 1001 cannot join it"):
         s.bind_peer(b, 0, 1001)
     s.close(b, "refused")
-    assert s.job_class("job-a")[0].priority is Priority.NORMAL
+    assert s.ownership.job_class("job-a")[0].priority is Priority.NORMAL
     c, _ = join(s, job="job-a", rank=1, device=0)
     s.bind_peer(c, 0, 1000)  # the job's own user
     d, _ = join(s, job="job-b", rank=0, device=0)
@@ -87,7 +87,7 @@ def test_register_rejects_invalid_identity(make, bad, words):
     with pytest.raises(InvalidRequest) as err:
         s.register(ident(**bad))
     assert words in str(err.value)
-    assert s.snapshot()[1] == []  # nothing half-registered
+    assert s.steering.snapshot()[1] == []  # nothing half-registered
 
 
 def test_double_registration_is_refused(make):
@@ -104,7 +104,7 @@ def test_unknown_session_is_not_found(make):
     with pytest.raises(NotFound, match="unknown session"):
         s.attach("nope")
     with pytest.raises(NotFound):
-        s.event("nope", "heartbeat")
+        event(s, "nope", "heartbeat")
     assert s.close("nope", "test") is False
 
 
@@ -121,7 +121,7 @@ def test_attach_twice_is_refused(make):
 def test_grant_goes_to_the_outbox_with_the_request_seq(make, clock):
     s = make()
     sid, box = join(s)
-    s.event(sid, "compute_request", iteration=4, seq=17)
+    event(s, sid, "compute_request", iteration=4, seq=17)
     (msg,) = drain_outbox(box)
     assert msg == GrantMsg(seq=17, iteration=4, waited_s=0.0)
 
@@ -130,11 +130,11 @@ def test_waiter_is_granted_on_release_with_waited_time(make, clock):
     s = make()
     a, box_a = join(s, rank=0)
     b, box_b = join(s, job="job-b", rank=1)
-    s.event(a, "compute_request", iteration=0, seq=1)
-    s.event(b, "compute_request", iteration=0, seq=5)
+    event(s, a, "compute_request", iteration=0, seq=1)
+    event(s, b, "compute_request", iteration=0, seq=5)
     assert drain_outbox(box_b) == []
     clock.advance(0.25)
-    s.event(a, "compute_done", iteration=0, duration_s=0.2)
+    event(s, a, "compute_done", iteration=0, duration_s=0.2)
     (msg,) = drain_outbox(box_b)
     assert msg.seq == 5 and msg.waited_s == pytest.approx(0.25)
     assert [m.seq for m in drain_outbox(box_a)] == [1]
@@ -151,12 +151,12 @@ def test_a_rank_never_hears_of_a_grant_or_lease_before_the_event_log_shows_it(ma
 
     a = s.register(ident(rank=0), accepts_leases=True).session_id
     s.attach(a, deliver)
-    s.event(a, "compute_request", iteration=0, seq=1)  # a lone rank: granted and leased
+    event(s, a, "compute_request", iteration=0, seq=1)  # a lone rank: granted and leased
     b = s.register(ident(job="job-b", rank=1), accepts_leases=True).session_id
     s.attach(b, deliver)
-    s.event(a, "compute_done", iteration=0, comm_begins=True)
-    s.event(a, "lease_released")
-    s.event(b, "compute_request", iteration=0, seq=1)
+    event(s, a, "compute_done", iteration=0, comm_begins=True)
+    event(s, a, "lease_released")
+    event(s, b, "compute_request", iteration=0, seq=1)
     assert seen == [("grant", 1), ("lease", 1), ("lease_revoke", 1), ("grant", 2)]
 
 
@@ -164,18 +164,18 @@ def test_compute_done_without_grant_is_refused(make):
     s = make()
     sid, _ = join(s)
     with pytest.raises(FailedPrecondition, match="holds no grant"):
-        s.event(sid, "compute_done", iteration=0)
+        event(s, sid, "compute_done", iteration=0)
 
 
 def test_second_request_while_waiting_is_refused(make):
     s = make()
     a, _ = join(s, rank=0)
     b, _ = join(s, rank=1)
-    s.event(a, "compute_request", seq=1)
-    s.event(b, "compute_request", seq=1)
+    event(s, a, "compute_request", seq=1)
+    event(s, b, "compute_request", seq=1)
     for sid in (a, b):
         with pytest.raises(FailedPrecondition, match="requested the device"):
-            s.event(sid, "compute_request", seq=2)
+            event(s, sid, "compute_request", seq=2)
 
 
 @pytest.mark.parametrize("duration", [-0.1, float("nan"), 1e9])
@@ -183,27 +183,25 @@ def test_implausible_duration_is_refused(make, duration):
     s = make()
     sid, _ = join(s)
     with pytest.raises(InvalidRequest, match="duration_s"):
-        s.event(sid, "comm_end", duration_s=duration)
+        event(s, sid, "comm_end", duration_s=duration)
 
 
-def test_negative_iteration_and_unknown_kind_are_refused(make):
+def test_a_negative_iteration_is_refused(make):
     s = make()
     sid, _ = join(s)
     with pytest.raises(InvalidRequest, match="iteration"):
-        s.event(sid, "compute_request", iteration=-7)
-    with pytest.raises(InvalidRequest, match="unknown event kind"):
-        s.event(sid, "dance")
+        event(s, sid, "compute_request", iteration=-7)
 
 
 def test_comm_begin_while_holding_releases_the_grant(make):
     s = make()
     a, _ = join(s, rank=0)
     b, box_b = join(s, rank=1)
-    s.event(a, "compute_request", seq=1)
-    s.event(b, "compute_request", seq=2)
-    s.event(a, "comm_begin", iteration=0)
+    event(s, a, "compute_request", seq=1)
+    event(s, b, "compute_request", seq=2)
+    event(s, a, "comm_begin", iteration=0)
     assert [m.seq for m in drain_outbox(box_b)] == [2]
-    s.event(a, "comm_end", iteration=0, duration_s=0.05)
+    event(s, a, "comm_end", iteration=0, duration_s=0.05)
 
 
 def test_compute_done_while_waiting_withdraws_the_request(make):
@@ -211,11 +209,11 @@ def test_compute_done_while_waiting_withdraws_the_request(make):
     a, _ = join(s, rank=0)
     b, box_b = join(s, job="job-b", rank=1)
     c, box_c = join(s, job="job-c", rank=0)
-    s.event(a, "compute_request", seq=1)
-    s.event(b, "compute_request", seq=1)
-    s.event(c, "compute_request", seq=1)
-    s.event(b, "compute_done")  # b gave up waiting (grant timeout) and computed unscheduled
-    s.event(a, "compute_done")
+    event(s, a, "compute_request", seq=1)
+    event(s, b, "compute_request", seq=1)
+    event(s, c, "compute_request", seq=1)
+    event(s, b, "compute_done")  # b gave up waiting (grant timeout) and computed unscheduled
+    event(s, a, "compute_done")
     assert drain_outbox(box_b) == []
     assert [m.seq for m in drain_outbox(box_c)] == [1]
 
@@ -242,7 +240,7 @@ def test_cpu_percent_is_measured_on_the_first_read(make):
     end = time.process_time() + 0.2
     while time.process_time() < end:  # the "rank" (this process) computes
         pass
-    _, ranks = s.snapshot()
+    _, ranks = s.steering.snapshot()
     me = next(r for r in ranks if r.ident.pid == os.getpid())
     assert me.cpu_percent > 10, me.cpu_percent
 
@@ -251,10 +249,10 @@ def test_a_rank_the_kernel_does_not_name_cannot_join_a_job_it_named(make):
     s = make("crossover")
     a, _ = join(s, job="job-a", rank=0, device=0)
     b, _ = join(s, job="job-a", rank=1, device=0)
-    s.refuse_unnamed(b)  # nobody named yet: a job whose ranks all came over gRPC
+    s.ownership.refuse_unnamed(b)  # nobody named yet: a job whose ranks all came over gRPC
     s.bind_peer(a, 0, 1000)
     with pytest.raises(PermissionDenied, match="run by uid 1000, which the session socket vouches for"):
-        s.refuse_unnamed(join(s, job="job-a", rank=2, world=4, device=0)[0])
-    s.refuse_unnamed(join(s, job="job-b", rank=0, device=0)[0])  # another job: no one's yet
+        s.ownership.refuse_unnamed(join(s, job="job-a", rank=2, world=4, device=0)[0])
+    s.ownership.refuse_unnamed(join(s, job="job-b", rank=0, device=0)[0])  # another job: no one's yet
     s.bind_peer(b, 0, 1000)
-    s.refuse_unnamed(b)  # named itself: not its business
+    s.ownership.refuse_unnamed(b)  # named itself: not its business
