@@ -1,8 +1,13 @@
-"""The daemon's Admin replies as records: each protobuf message → its record, enums as words, unset as None."""
+"""The daemon's Admin replies as records: each protobuf message → its record, enums as words, unset as None,
+and the JSON `crossover --json` builds from them."""
 from __future__ import annotations
 
+import dataclasses
+
+from crossover.client.cli.formatting import JSON_VERSION, to_json
 from crossover.client.replies import (
     DeviceAck,
+    DeviceState,
     EvictReply,
     JobList,
     JobState,
@@ -66,3 +71,23 @@ def test_every_other_reply_becomes_its_record():
     assert EvictReply.from_pb(pb.EvictReply(done=["a rank 0 on device 0: moved aside"])).done == (
         "a rank 0 on device 0: moved aside",)
 
+
+def test_the_json_is_the_records_fields_under_their_names_with_a_version():
+    """The keys scripts read, pinned: a proto field renamed must not change them (the record keeps its name)."""
+    data = to_json("queue", QueueState.from_pb(_queue()))
+    assert data["version"] == JSON_VERSION == 2 and data["kind"] == "queue"
+    assert set(data) == {"version", "kind", "node", "policy", "uptime_s", "devices", "overdue_total", "connections",
+                         "max_connections"}
+    gpu = data["devices"][0]
+    assert set(gpu) == {f.name for f in dataclasses.fields(DeviceState)} == {
+        "index", "kind", "name", "draining", "holders", "waiting", "others", "utilization", "memory_used_bytes",
+        "memory_total_bytes", "memory_free_bytes", "order", "refused_while_draining", "sharing", "sharing_reason",
+        "isolation"}
+    holder = gpu["holders"][0]
+    assert set(holder) == {
+        "job_id", "job_name", "rank", "local_rank", "pid", "phase", "iteration", "mean_compute_s", "mean_comm_s",
+        "wait_fraction", "cpu_percent", "rss_bytes", "gpu_memory_bytes", "since_s", "user", "priority", "weight",
+        "handover", "framework", "device", "memory_cap_bytes", "memory_note"}
+    assert (holder["phase"], holder["priority"], holder["cpu_percent"]) == ("compute", "high", None)
+    assert gpu["waiting"][0]["memory_cap_bytes"] is None and data["devices"][1]["isolation"] is None
+    assert gpu["isolation"]["lower_share"] == {"sweep": 0.15}
