@@ -2,7 +2,8 @@
 
 `AdminClient` speaks to one crossoverd (its Unix socket, or `host:port` over TCP with a token and
 TLS), sends the protocol version and, on a steering call, who asks; it goes to the daemon's admin
-socket by itself when it was given the rank-side one. A failed call raises one `AdminError`
+socket by itself when it was given the rank-side one. Each call answers with a typed record of
+`crossover.client.replies`, never the protobuf itself. A failed call raises one `AdminError`
 subclass that says, in one line, what is wrong and what to do: the gRPC status is translated here
 and nowhere else.
 """
@@ -13,10 +14,12 @@ import pwd
 import socket
 import stat
 from types import TracebackType
+from typing import cast
 
 import grpc
 
 from crossover.client.daemon_socket import channel_for, untrusted_socket
+from crossover.client.replies import DeviceAck, EvictReply, JobList, JobState, PolicyInfo, QueueState
 from crossover.errors import CrossoverError
 from crossover.protos import PROTOCOL_VERSION, STEERING_CALLS, USER_METADATA_KEY, admin_socket_path, switches
 from crossover.protos import crossover_v1_pb2 as pb
@@ -136,7 +139,7 @@ class AdminClient:
         if not socket and not address:
             raise ValueError("AdminClient needs a socket path or an address")
         # absolute: gRPC reads `unix://dir/x.sock` as a host `dir`, and a refusal names the path it means
-        self.socket = None if address else os.path.abspath(os.fspath(socket))  # type: ignore[arg-type]
+        self.socket = None if address or not socket else os.path.abspath(os.fspath(socket))
         self.target = address or f"unix://{self.socket}"
         self.token, self.tls_ca, self.timeout, self.command = token, tls_ca, timeout, command
         self._channel: grpc.Channel | None = None
@@ -154,7 +157,8 @@ class AdminClient:
             self._channel = None
 
     def call(self, method: str, request: object) -> object:
-        """One Admin call by its RPC name; `AdminError` when it fails."""
+        """One Admin call by its RPC name, answered with the daemon's protobuf reply; `AdminError` when it fails.
+        The methods below call it and give the reply as its record (`crossover.client.replies`)."""
         if method in STEERING_CALLS and self.socket is not None:
             self._use_admin_socket(method)
         if self._channel is None:
@@ -195,38 +199,44 @@ class AdminClient:
         self.close()
         self.target = f"unix://{path}"
 
-    def queue(self, device: int = -1) -> pb.QueueState:
+    def queue(self, device: int = -1) -> QueueState:
         """Every device's queue (or one device's)."""
-        return self.call("GetQueue", pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=device))  # type: ignore[return-value]
+        reply = self.call("GetQueue", pb.QueueRequest(protocol_version=PROTOCOL_VERSION, device=device))
+        return QueueState.from_pb(cast(pb.QueueState, reply))
 
-    def jobs(self) -> pb.JobList:
-        return self.call("ListJobs", pb.JobsRequest(protocol_version=PROTOCOL_VERSION))  # type: ignore[return-value]
+    def jobs(self) -> JobList:
+        """The jobs with ranks on this node."""
+        reply = self.call("ListJobs", pb.JobsRequest(protocol_version=PROTOCOL_VERSION))
+        return JobList.from_pb(cast(pb.JobList, reply))
 
-    def policy(self) -> pb.PolicyInfo:
-        return self.call("GetPolicy", pb.PolicyRequest(protocol_version=PROTOCOL_VERSION))  # type: ignore[return-value]
+    def policy(self) -> PolicyInfo:
+        reply = self.call("GetPolicy", pb.PolicyRequest(protocol_version=PROTOCOL_VERSION))
+        return PolicyInfo.from_pb(cast(pb.PolicyInfo, reply))
 
     def set_policy(self, name: str = "", *, adapt: bool | None = None, handover: bool | None = None,
-                   protect: float | None = None) -> pb.PolicyInfo:
+                   protect: float | None = None) -> PolicyInfo:
         """Switch the policy to `name` ("" keeps it), turn adapting or hand-over on or off, and set the isolation
         target `protect` (each None: as is)."""
         req = pb.PolicyRequest(protocol_version=PROTOCOL_VERSION, name=name, adapt=switches.to_wire(adapt),
                                handover=switches.to_wire(handover),
                                **({"protect": protect} if protect is not None else {}))
-        return self.call("SetPolicy", req)  # type: ignore[return-value]
+        return PolicyInfo.from_pb(cast(pb.PolicyInfo, self.call("SetPolicy", req)))
 
-    def drain(self, device: int) -> pb.DeviceAck:
-        return self.call("Drain", pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=device))  # type: ignore[return-value]
+    def drain(self, device: int) -> DeviceAck:
+        reply = self.call("Drain", pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=device))
+        return DeviceAck.from_pb(cast(pb.DeviceAck, reply))
 
-    def resume(self, device: int) -> pb.DeviceAck:
-        return self.call("Resume", pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=device))  # type: ignore[return-value]
+    def resume(self, device: int) -> DeviceAck:
+        reply = self.call("Resume", pb.DeviceRequest(protocol_version=PROTOCOL_VERSION, device=device))
+        return DeviceAck.from_pb(cast(pb.DeviceAck, reply))
 
-    def set_job_class(self, job: str, priority: str | None = None, weight: float | None = None) -> pb.JobState:
+    def set_job_class(self, job: str, priority: str | None = None, weight: float | None = None) -> JobState:
         """Set a job's priority class (`high`, `normal`, `low`; None keeps it) and weight (None keeps it)."""
         req = pb.JobClassRequest(protocol_version=PROTOCOL_VERSION, job=job, weight=weight or 0.0,
                                  **({"priority": to_wire(priority)} if priority else {}))
-        return self.call("SetJobClass", req)  # type: ignore[return-value]
+        return JobState.from_pb(cast(pb.JobState, self.call("SetJobClass", req)))
 
-    def evict(self, device: int | None = None, job: str = "") -> pb.EvictReply:
+    def evict(self, device: int | None = None, job: str = "") -> EvictReply:
         """Take a device back from its holder, and/or close every session of a job."""
         req = pb.EvictRequest(protocol_version=PROTOCOL_VERSION, device=-1 if device is None else device, job=job)
-        return self.call("Evict", req)  # type: ignore[return-value]
+        return EvictReply.from_pb(cast(pb.EvictReply, self.call("Evict", req)))

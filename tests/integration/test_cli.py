@@ -78,13 +78,27 @@ def test_queue_json_is_versioned_and_lists_devices(run):
     res = run("queue", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["version"] == 1 and data["kind"] == "queue"
+    assert data["version"] == 2 and data["kind"] == "queue"
     assert data["node"] == "node-cli" and data["policy"] == "exclusive"
     assert [d["index"] for d in data["devices"]] == [0, 1]
     assert {d["kind"] for d in data["devices"]} == {"cpu"}
-    for dev in data["devices"]:  # defaults are printed so keys are stable
+    for dev in data["devices"]:  # defaults are printed so keys are stable; an unset field is null
         assert dev["holders"] == [] and dev["waiting"] == [] and dev["draining"] is False
+        assert dev["isolation"] is None and dev["utilization"] is None  # no controller; a CPU's is not measured
     assert res.stderr == ""
+
+
+def test_queue_json_says_enums_as_the_words_users_type(run, session):
+    """A rank's class is `normal` (as `crossover priority` and CROSSOVER_PRIORITY say it), its phase `compute`
+    (as the table says it), and no cap is null: the JSON is the client's records, not the protobuf's spelling."""
+    assert session("wordjob").acquire(0) is True
+    res = run("queue", "--json")
+    assert res.exit_code == 0, res.output
+    rank = json.loads(res.stdout)["devices"][0]["holders"][0]
+    assert rank["job_name"] == "wordjob" and rank["priority"] == "normal" and rank["phase"] == "compute"
+    assert rank["handover"] == "cpu" and rank["memory_cap_bytes"] is None
+    jobs = json.loads(run("jobs", "--json").stdout)
+    assert jobs["version"] == 2 and [j["priority"] for j in jobs["jobs"]] == ["normal"]
 
 
 def test_queue_json_for_one_device(run):
@@ -122,7 +136,7 @@ def test_policy_show_and_switch(run, daemon):
     res = run("policy", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["version"] == 1 and data["name"] == "exclusive" and "passthrough" in data["available"]
+    assert data["version"] == 2 and data["name"] == "exclusive" and "passthrough" in data["available"]
 
     res = run("policy", "passthrough")
     assert res.exit_code == 0, res.output
@@ -155,7 +169,7 @@ def test_drain_unknown_device_is_refused(run):
 def test_drain_and_resume(run, daemon):
     res = run("drain", "0", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout) == {"version": 1, "kind": "drain", "device": 0, "draining": True}
+    assert json.loads(res.stdout) == {"version": 2, "kind": "drain", "device": 0, "draining": True}
     assert daemon.core.steering.is_draining(0)
     q = json.loads(run("queue", "--json").stdout)
     assert [d["draining"] for d in q["devices"]] == [True, False]
@@ -174,7 +188,7 @@ def test_drain_and_resume(run, daemon):
 
     res = run("resume", "0", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout) == {"version": 1, "kind": "resume", "device": 0, "draining": False}
+    assert json.loads(res.stdout) == {"version": 2, "kind": "resume", "device": 0, "draining": False}
     assert not daemon.core.steering.is_draining(0)
     assert "accepting ranks" in run("resume", "0").stdout
 
@@ -444,7 +458,8 @@ def test_priority_json_is_the_jobs_real_state_and_the_text_names_the_job_as_type
     data = json.loads(res.stdout)
     assert data["kind"] == "job_class" and data["job_id"] == "id-prio" and data["job_name"] == "prio"
     assert data["world_size"] == 1 and len(data["ranks"]) == 1 and data["weight"] == 2.0
-    assert data["priority"] == "PRIORITY_LOW" and data["class_set_by"] == "operator"
+    assert data["priority"] == "low" and data["class_set_by"] == "operator"
+    assert [(r["priority"], r["weight"]) for r in data["ranks"]] == [("low", 2.0)]
     res = run("share", "prio", "3")
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith("job prio ") and "low, weight 3" in res.stdout

@@ -50,7 +50,7 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and seen != {"alpha", "beta"} and all(j.proc.poll() is None for j in jobs):
         state = _queue(d.socket)
-        assert state["version"] == 1 and state["policy"] == "exclusive"
+        assert state["version"] == 2 and state["policy"] == "exclusive"
         assert all(len(dev["holders"]) <= 1 for dev in state["devices"])
         seen = _job_names(state)
         time.sleep(0.1)

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import click
 from rich.console import Console
@@ -22,12 +22,15 @@ from crossover.client.admin import (
     TokenRefused,
 )
 from crossover.client.cli import formatting
+from crossover.client.replies import Reply
 from crossover.protos import default_socket_path
 
 __all__ = ["MAX_DEVICE", "Daemon", "ExitCode", "Fail", "OneLineGroup", "console", "finite", "not_nan",
            "with_daemon_options"]
 
 MAX_DEVICE = 2**31 - 1  # the wire's int32
+
+R = TypeVar("R", bound=Reply)
 
 
 class ExitCode(enum.IntEnum):
@@ -133,12 +136,13 @@ class Daemon:
         except AdminError as exc:
             raise _failure(exc) from None
 
-    def emit(self, kind: str, message: Any, render: Callable[[dict[str, Any]], Any]) -> None:
-        data = formatting.to_json(kind, message)
+    def emit(self, kind: str, reply: R, render: Callable[[R], Any]) -> None:
+        """Print the daemon's `reply` (a `crossover.client.replies` record): as versioned JSON with --json, else
+        as `render` draws it."""
         if self.as_json:
-            click.echo(json.dumps(data, indent=2, sort_keys=True))
+            click.echo(json.dumps(formatting.to_json(kind, reply), indent=2, sort_keys=True))
         else:
-            console().print(render(data))
+            console().print(render(reply))
 
     @classmethod
     def from_options(cls, kw: dict[str, Any]) -> Daemon:

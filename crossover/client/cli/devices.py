@@ -15,7 +15,7 @@ def _device_command(name: str, call: Any, help: str) -> click.Command:  # noqa: 
     def command(device: int, **kw: Any) -> None:
         daemon = Daemon.from_options(kw)
         daemon.emit(name, daemon.ask(call, daemon.client, device),
-                    lambda d: f"device {d['device']} {'draining' if d['draining'] else 'accepting ranks'}")
+                    lambda ack: f"device {ack.device} {'draining' if ack.draining else 'accepting ranks'}")
 
     command.__name__ = name
     return click.command(name, help=help)(

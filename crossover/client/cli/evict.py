@@ -27,4 +27,4 @@ def evict(device: int | None, job: str, **kw: Any) -> None:
         raise click.UsageError("name a DEVICE or a --job to evict")
     daemon = Daemon.from_options(kw)
     daemon.emit("evict", daemon.ask(daemon.client.evict, device, job),
-                lambda d: "\n".join(d.get("done") or ["nothing to evict"]))
+                lambda reply: "\n".join(reply.done or ["nothing to evict"]))

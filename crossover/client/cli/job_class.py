@@ -7,17 +7,16 @@ import click
 
 from crossover.client.cli._common import Daemon, not_nan, with_daemon_options
 from crossover.client.cli.formatting import shown
-from crossover.protos.priority import NAMES, name_of
+from crossover.client.replies import JobState
+from crossover.protos.priority import NAMES
 
 __all__ = ["priority", "share"]
 
 
-def _said(job: str, d: dict[str, Any]) -> str:
+def _said(job: str, reply: JobState) -> str:
     """The reply as a line that names the job as the operator typed it (and its id, where that was its name)."""
-    name = name_of(str(d.get("priority", ""))) or "normal"
-    job_id = str(d.get("job_id", ""))
-    which = shown(job).plain + ("" if job == job_id else f" (id {job_id[:12]})")
-    return f"job {which}: {name}, weight {d.get('weight', 1.0):g} on this node"
+    which = shown(job).plain + ("" if job == reply.job_id else f" (id {reply.job_id[:12]})")
+    return f"job {which}: {reply.priority}, weight {reply.weight:g} on this node"
 
 
 @click.command()

@@ -38,7 +38,6 @@ def policy(name: str | None, adapt: bool | None, handover: bool | None, protect:
         reply = daemon.ask(daemon.client.set_policy, name or "", adapt=adapt, handover=handover, protect=protect)
     else:
         reply = daemon.ask(daemon.client.policy)
-    daemon.emit("policy", reply, lambda d: f"policy {d['name']}, adapt {'on' if d.get('adapt') else 'off'}, "
-                                           f"hand-over {'on' if d.get('handover') else 'off'}, "
-                                           f"protect {d.get('protect', 0.0):g} "
-                                           f"(available: {', '.join(d['available'])})")
+    daemon.emit("policy", reply, lambda p: f"policy {p.name}, adapt {'on' if p.adapt else 'off'}, "
+                                           f"hand-over {'on' if p.handover else 'off'}, protect {p.protect:g} "
+                                           f"(available: {', '.join(p.available)})")

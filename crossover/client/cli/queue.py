@@ -14,6 +14,7 @@ from rich.text import Text
 
 from crossover.client.cli import formatting
 from crossover.client.cli._common import MAX_DEVICE, Daemon, finite, with_daemon_options
+from crossover.client.replies import QueueState
 
 __all__ = ["queue"]
 
@@ -42,22 +43,22 @@ def queue(device: int, watch: bool, interval: float, wide: bool, **kw: Any) -> N
     """
     daemon = Daemon.from_options(kw)
 
-    def fetch() -> dict[str, Any]:
-        return formatting.to_json("queue", daemon.ask(daemon.client.queue, device))
+    def fetch() -> QueueState:
+        return daemon.ask(daemon.client.queue, device)
 
-    def render(d: dict[str, Any]) -> Group:
-        head = Text.assemble("node ", formatting.shown(d["node"]), f"  policy {d['policy']}  up {d['uptime_s']:.0f}s  "
-                             f"streams {d['connections']}/{d['max_connections']}")
+    def render(state: QueueState) -> Group:
+        head = Text.assemble("node ", formatting.shown(state.node), f"  policy {state.policy}  up {state.uptime_s:.0f}s"
+                             f"  streams {state.connections}/{state.max_connections}")
         width = None if wide or not sys.stdout.isatty() else shutil.get_terminal_size().columns
-        return Group(head, *formatting.queue_tables(d, width))
+        return Group(head, *formatting.queue_tables(state, width))
 
     if not watch:
-        daemon.emit("queue", daemon.ask(daemon.client.queue, device), render)
+        daemon.emit("queue", fetch(), render)
         return
     try:
         if daemon.as_json:
             while True:
-                click.echo(json.dumps(fetch(), sort_keys=True))
+                click.echo(json.dumps(formatting.to_json("queue", fetch()), sort_keys=True))
                 time.sleep(interval)
         if not sys.stdout.isatty():  # a pipe or a file: a frame drawn in place would only show at the end
             console = Console(width=140)

@@ -63,7 +63,7 @@ def test_stats_json_has_each_job_and_device(logs):
     res = _run("stats", *logs, "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["version"] == 1 and data["kind"] == "stats"
+    assert data["version"] == 2 and data["kind"] == "stats"
     assert data["window"] == {"since_s": 0.0, "until_s": 10.5, "log_s": 10.5}
     jobs = {j["job_name"]: j for j in data["jobs"]}
     alpha, beta = jobs["alpha"], jobs["beta"]
@@ -234,7 +234,7 @@ def test_timeline_json_says_what_was_drawn(logs, tmp_path):
     res = _run("timeline", *logs, "-o", str(out), "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["version"] == 1 and data["kind"] == "timeline" and data["path"] == str(out)
+    assert data["version"] == 2 and data["kind"] == "timeline" and data["path"] == str(out)
     assert data["window"]["until_s"] > data["window"]["since_s"] and data["devices"]
     assert out.read_bytes().startswith(PNG_MAGIC)
 

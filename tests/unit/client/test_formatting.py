@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from crossover.client.cli.formatting import jobs_table, queue_tables, shown
+from crossover.client.cli.formatting import jobs_table, queue_tables, shown, to_json
+from crossover.client.replies import JobList, QueueState
+from crossover.protos import crossover_v1_pb2 as pb
 
 HOSTILE = "[/bold]\x1b[2J\x1b]0;pwned\x07[link=http://x]y[/link]"
 
@@ -16,10 +18,11 @@ def _render(tables) -> str:
 
 
 def test_a_name_is_never_markup_nor_a_terminal_escape():
-    rank = {"job_name": HOSTILE, "rank": 0, "pid": 1, "phase": "COMPUTE"}
-    state = {"devices": [{"index": 0, "kind": "cpu", "name": "cpu0[red]", "holders": [rank], "order": [HOSTILE]}],
-             "jobs": [{"job_name": HOSTILE, "job_id": "id\x1b[31m", "world_size": 1, "ranks": [rank]}]}
-    out = _render([*queue_tables(state), jobs_table(state)])
+    rank = pb.RankState(job_name=HOSTILE, rank=0, pid=1, phase=pb.COMPUTE)
+    state = pb.QueueState(devices=[pb.DeviceState(index=0, kind="cpu", name="cpu0[red]", holders=[rank],
+                                                  order=[HOSTILE])])
+    jobs = pb.JobList(jobs=[pb.JobState(job_name=HOSTILE, job_id="id\x1b[31m", world_size=1, ranks=[rank])])
+    out = _render([*queue_tables(QueueState.from_pb(state)), jobs_table(JobList.from_pb(jobs))])
     assert "\x1b" not in out and "\x07" not in out
     assert out.count("[/bold]\\x1b[2J\\x1b]0;pwned\\x07[link=http://x]y[/link]") == 2
     assert "cpu0[red]" in out and "id\\x1b" in out
@@ -31,32 +34,27 @@ def test_a_long_name_is_cut():
 
 
 def test_json_keeps_numbers_numbers_and_unmeasured_figures_null():
-    from crossover.client.cli.formatting import to_json
-    from crossover.protos import crossover_v1_pb2 as pb
-
     state = pb.QueueState()
     dev = state.devices.add(index=0, kind="cpu", name="core 0", utilization=-1.0)
     dev.holders.add(job_name="a", rank=1, pid=42, iteration=283, rss_bytes=359_493_632, cpu_percent=-1.0)
-    out = to_json("queue", state)
+    record = QueueState.from_pb(state)
+    out = to_json("queue", record)
     d = out["devices"][0]
     r = d["holders"][0]
     assert r["iteration"] == 283 and r["rss_bytes"] == 359_493_632 and r["pid"] == 42
     assert d["utilization"] is None and r["cpu_percent"] is None
     assert "job_id" in r
-    assert queue_tables(out)  # the tables read the same dict
+    assert queue_tables(record)  # the tables read the same record
 
 
 def test_an_80_column_queue_drops_columns_by_priority_instead_of_cutting_values():
-    from crossover.client.cli.formatting import to_json
-    from crossover.protos import crossover_v1_pb2 as pb
-
     state = pb.QueueState()
     dev = state.devices.add(index=0, kind="gpu", name="NVIDIA H100 80GB HBM3", utilization=93.0)
     for k in range(3):
         dev.waiting.add(job_name=f"resnet50-imagenet-{k}", rank=12, pid=1234567, iteration=123456, phase=pb.WAITING,
                         mean_compute_s=0.1234, mean_comm_s=0.2345, wait_fraction=0.5, cpu_percent=99.0,
                         rss_bytes=3_600_000_000, gpu_memory_bytes=42_000_000_000)
-    data = to_json("queue", state)
+    data = QueueState.from_pb(state)
     console = Console(record=True, width=80, force_terminal=False)
     for t in queue_tables(data, 80):
         console.print(t)
@@ -74,9 +72,6 @@ def test_an_80_column_queue_drops_columns_by_priority_instead_of_cutting_values(
 
 def test_a_70_column_queue_of_short_names_drops_columns_instead_of_cutting_iter_and_wait():
     """Columns with a minimum width (the mark, job, phase) wider than their cells count at that width."""
-    from crossover.client.cli.formatting import to_json
-    from crossover.protos import crossover_v1_pb2 as pb
-
     state = pb.QueueState()
     dev = state.devices.add(index=0, kind="cpu", name="cpu0", utilization=-1.0)
     for k in range(2):
@@ -84,7 +79,37 @@ def test_a_70_column_queue_of_short_names_drops_columns_instead_of_cutting_iter_
                        mean_comm_s=0.2, wait_fraction=0.07, cpu_percent=5.0, rss_bytes=300_000_000, user="root")
     for width in (60, 70):
         console = Console(record=True, width=width, force_terminal=False)
-        for t in queue_tables(to_json("queue", state), width):
+        for t in queue_tables(QueueState.from_pb(state), width):
             console.print(t)
         lines = [line for line in console.export_text().splitlines() if line.strip()]
         assert "…" not in "".join(lines[1:]), "\n".join(lines)
+
+
+def test_the_tables_say_what_the_records_hold():
+    """A device's title (drain, memory, order, sharing, isolation), a rank's cap and a job's class, from records."""
+    state = pb.QueueState()
+    dev = state.devices.add(index=0, kind="gpu", name="H100", utilization=93.0, memory_total_bytes=80 << 30,
+                            memory_used_bytes=61 << 30, memory_free_bytes=19 << 30, draining=True,
+                            refused_while_draining=2, order=["prod", "sweep"], sharing="scheduled",
+                            sharing_reason="grants pay")
+    prod = dev.holders.add(job_id="id-prod", job_name="prod", rank=0, phase=pb.COMPUTE, priority=pb.PRIORITY_HIGH,
+                           handover="device", memory_cap_bytes=0, gpu_memory_bytes=50 << 30, framework="ddp")
+    sweep = dev.waiting.add(job_id="id-sweep", job_name="sweep", rank=1, phase=pb.WAITING, priority=pb.PRIORITY_LOW,
+                            gpu_memory_bytes=9 << 30)
+    dev.isolation.CopyFrom(pb.Isolation(window="shared", target=0.97, budget=0.2, reference_s=0.1, current_s=0.11,
+                                        kept=0.91, lower_share={"sweep": 0.15}))
+    queue = _render(queue_tables(QueueState.from_pb(state)))
+    title = " ".join(queue.split("┏")[0].split())  # the title, however rich wrapped it
+    assert title == ("device 0 (gpu H100) DRAINING (2 new ranks refused, unscheduled) util 93% mem 61GiB/80GiB "
+                     "(19GiB free; prod 50GiB, sweep 9GiB) order prod → sweep scheduled (grants pay) protect [shared] "
+                     "alone 100 ms, now 110 ms (0.91x, target 0.97); lower budget 0.20 s/s (held: sweep 0.15)"), title
+    holder, waiter = (line for line in queue.splitlines() if "prod (ddp)" in line or "│#1" in line)
+    assert "compute" in holder and "device" in holder and holder.rstrip("│ ").endswith("0B"), holder
+    assert "waiting" in waiter and " cpu " in waiter and waiter.rstrip("│ ").endswith("-"), waiter
+    jobs = pb.JobList(jobs=[pb.JobState(job_id="id-prod", job_name="prod", world_size=1, priority=pb.PRIORITY_HIGH,
+                                        weight=2.0, class_set_by="operator", ranks=[prod]),
+                            pb.JobState(job_id="id-sweep", job_name="sweep", world_size=1, priority=pb.PRIORITY_LOW,
+                                        ranks=[sweep])])
+    table = _render([jobs_table(JobList.from_pb(jobs))])
+    assert "high x2 (operator)" in table and "d0 50GiB (cap 0B)" in table and "0:compute" in table, table
+    assert " low " in table and "d0 9GiB " in table and "1:waiting" in table, table
