@@ -5,9 +5,7 @@ It hooks the script's framework when the script imports it: Horovod's
 (a `torchrun` job). Nothing else changes in the script, and nothing of a framework
 the script does not import is loaded. `crossover.auto.waiting()` is the one call a
 script may add: around a wait outside its framework (a file, a queue, a service),
-it frees the device for the wait's length. `crossover.auto.use_device(turns)`
-hands turns over on a device the plugin does not know itself (CUDA GPUs it
-does). Settings come from `CROSSOVER_*` variables (docs/settings.md); with
+it frees the device for the wait's length. Settings come from `CROSSOVER_*` variables (docs/settings.md); with
 `CROSSOVER_DISABLE=1` the import loads nothing more, and without a daemon it is a
 quiet no-op apart from one warning.
 """
@@ -21,9 +19,9 @@ from crossover.settings import SettingError as _SettingError
 from crossover.settings import script_name as _script_name
 
 if TYPE_CHECKING:
-    from crossover.plugins.hook.rank_session import use_device, waiting
+    from crossover.plugins.hook.rank_session import waiting
 
-__all__ = ["use_device", "waiting"]
+__all__ = ["waiting"]
 
 _logger = _logging.getLogger("crossover")
 if not _logger.handlers:
@@ -58,7 +56,7 @@ def _hook_front_ends(settings: _PluginSettings) -> None:
 
 
 def __getattr__(name: str) -> _Any:
-    """`waiting` and `use_device`, loaded on first use: a disabled import loads nothing."""
+    """`waiting`, loaded on first use: a disabled import loads nothing."""
     if name in __all__:
         from crossover.plugins.hook import rank_session
 

@@ -5,7 +5,7 @@ cuStreamWriteValue32 on host-mapped memory): a rank's device work waits on a
 peer's page word, and the device writes the rank's own page word when its work
 is done, so the next rank's work starts without a round trip through the host.
 `ModelTurns` is the emulated device's `crossover.client.rank.device_turns.DeviceTurns`,
-which a rank hands to the plugin (`crossover.auto.use_device`). It is the device's
+which a rank hands to the plugin (`crossover.plugins.hook.rank_session.use_device`). It is the device's
 `crossover.client.rank.device_memory.DeviceMemory` too: its allocator pool (`memory`)
 is what the daemon's memory caps apply to, and `need` is a workload's allocation.
 """

@@ -12,7 +12,7 @@ x batch of device work, then the real forward and backward on only
 `--real-batch` rows (so gradients, and the allreduce, stay real while compute
 costs little CPU). The rank tells the device when its allreduce is in flight.
 Under `import crossover.auto` the device is the plugin's
-(`crossover.auto.use_device`). With `--queue-device-work` the device work is
+(`crossover.plugins.hook.rank_session.use_device`). With `--queue-device-work` the device work is
 queued as a GPU's kernels are and the CPU goes on at once, so a rank can end
 its turn before its device has done it (docs/handover.md); its gradients'
 allreduce then overlaps that work from the start, which a GPU's overlaps only
@@ -191,7 +191,9 @@ def main():
     plugin = sys.modules.get("crossover.auto")
     turns = None if device is None else ModelTurns(device)
     if turns is not None and plugin is not None:
-        plugin.use_device(turns)
+        from crossover.plugins.hook.rank_session import use_device
+
+        use_device(turns)
 
     torch.set_num_threads(args.threads)
     while args.go_file and not os.path.exists(args.go_file):

@@ -71,7 +71,9 @@ def main() -> int:
     turns = None if emulated is None else ModelTurns(emulated)
     plugin = sys.modules.get("crossover.auto")
     if turns is not None and plugin is not None:
-        plugin.use_device(turns)
+        from crossover.plugins.hook.rank_session import use_device
+
+        use_device(turns)
     cuda = turns is None and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -3,8 +3,9 @@
 Horovod's (`horovod_torch`) and DDP's (`ddp_torch`) front ends differ in how they
 learn who the rank is and where its phases begin and end; from the identity on,
 a rank is a rank: one `Session` with the daemon, one `PhaseReporter`, in `RUNTIME`.
-`waiting` and `use_device` are what `crossover.auto` offers a script, whichever
-framework it uses.
+`waiting` is what `crossover.auto` offers a script, whichever framework it uses;
+`use_device` is how a device the plugin does not find itself joins (CUDA GPUs it finds):
+the test bed's emulated device is the one such device, so it is no script's API.
 """
 from __future__ import annotations
 
