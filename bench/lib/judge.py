@@ -6,15 +6,9 @@ from typing import Any
 
 from rich.table import Table
 
+from crossover.figures import percentile
+
 __all__ = ["mean", "percentile", "verdicts"]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """The ``q``-th percentile by nearest rank; NaN for no values."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 def mean(xs: list[float]) -> float:

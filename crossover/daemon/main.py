@@ -25,9 +25,10 @@ from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.metrics import DaemonMetrics, parse_address
 from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.policies.isolation import IsolationSettings
-from crossover.daemon.policies.memory import MemoryRules, parse_size
+from crossover.daemon.policies.memory import MemoryRules
 from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from crossover.daemon.server import Daemon, Endpoints
+from crossover.figures import parse_size
 from crossover.protos import STEERING_COMMANDS_TEXT, default_socket_path
 
 _log = logging.getLogger("crossover.daemon")

@@ -16,8 +16,9 @@ from crossover.daemon.events import Decision, EventKind, RankEvent
 from crossover.daemon.handover import Pages
 from crossover.daemon.leases import Leases
 from crossover.daemon.messages import AliveMsg, GrantMsg, PageMsg, ShareMsg
-from crossover.daemon.policies.memory import MemoryCap, format_bytes
+from crossover.daemon.policies.memory import MemoryCap
 from crossover.daemon.registry import Registry, Session
+from crossover.figures import format_bytes
 from crossover.protos.event_file import EventName
 
 __all__ = ["PhaseMachine"]

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from crossover.errors import CrossoverError
+from crossover.figures import percentile
 from crossover.protos.event_phases import (
     HOLDS,
     DeviceKey,
@@ -156,17 +157,6 @@ def covered_length(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _percentile(xs: Sequence[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default)."""
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -207,7 +197,7 @@ def compute_stats(log: PhaseLog, since: float, until: float, jobs: Iterable[str]
             iterations=max(Counter(iv.rank for iv in ivs if iv.phase == "compute" and iv.complete).values(),
                            default=0),
             compute_total_s=sum(comp), compute_mean_s=_mean(comp), comm_total_s=sum(comm), comm_mean_s=_mean(comm),
-            wait_total_s=sum(wait), wait_mean_s=_mean(wait), wait_p95_s=_percentile(wait, 95),
+            wait_total_s=sum(wait), wait_mean_s=_mean(wait), wait_p95_s=percentile(wait, 95) if wait else 0.0,
             wait_max_s=max(wait, default=0.0), compute_share=sum(comp) / active if active > 0 else 0.0,
             iteration_s=iteration, alone_s=alone, slowdown=iteration / alone if alone > 0 else 0.0))
 

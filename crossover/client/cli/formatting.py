@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from crossover.client.replies import DeviceState, Isolation, JobList, QueueState, RankState, Reply
+from crossover.figures import format_bytes
 
 __all__ = ["JSON_VERSION", "to_json", "queue_tables", "jobs_table"]
 
@@ -44,13 +45,8 @@ def _isolation(iso: Isolation) -> str:
 
 
 def _bytes(n: int) -> str:
-    if not n:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            return f"{n:.0f}{unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.0f}PiB"
+    """A size in a table: `-` for none."""
+    return format_bytes(n) if n else "-"
 
 
 def shown(value: Any, limit: int = 80) -> Text:
@@ -163,10 +159,10 @@ def _device_memory(dev: DeviceState) -> str:
 
 
 def _cap(cap: int | None) -> str:
-    """A memory cap: `-` for none, `0B` for a cap of nothing."""
+    """A memory cap: `-` for none, `0 B` for a cap of nothing."""
     if cap is None:
         return "-"
-    return _bytes(cap) if cap else "0B"
+    return format_bytes(cap)
 
 
 def _job_memory(ranks: Iterable[RankState]) -> str:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from crossover.figures import format_bytes
+
 __all__ = ["DeviceMemory", "Footprint", "MemoryCaps", "OverMemoryCap"]
 
 _log = logging.getLogger(__name__)
@@ -67,10 +69,6 @@ class DeviceMemory(Protocol):
     def refusal(self, line: str) -> OverMemoryCap:
         """The error to raise when the rank holds more than its cap: an `OverMemoryCap` that is also the
         allocator's own out-of-memory error, carrying `line`."""
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
 
 
 RECHECK_EVERY = 200
@@ -160,7 +158,7 @@ class MemoryCaps:
                 self.pool_limit = pool
                 _log.info("crossover: job %r may hold %s on device %d (%s outside its allocator, measured: the "
                           "allocator keeps below %s)", self._job, why.split(",")[0], self.device_index,
-                          _gib(held.outside), _gib(pool))
+                          format_bytes(held.outside), format_bytes(pool))
             after = device.footprint() or held
         except Exception:  # a device call failed: keep training, with the cap as it was
             self.pending = False
@@ -173,7 +171,7 @@ class MemoryCaps:
 
     def line(self, asked: int = 0) -> str:
         """The out-of-memory line: what the cap was, why, and which setting changes it."""
-        more = f" asking for {_gib(asked)} more" if asked else ""
+        more = f" asking for {format_bytes(asked)} more" if asked else ""
         return (f"crossover: job {self._job!r} ran out of its memory cap on device {self.device_index}{more}: "
                 f"it may hold {self.why}")
 

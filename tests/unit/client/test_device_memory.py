@@ -123,7 +123,7 @@ def test_a_rank_over_its_new_cap_gives_cached_memory_back_or_fails_at_once_with_
     with pytest.raises(OverMemoryCap) as err:
         m.at_phase_point()
     assert str(err.value).startswith("crossover: job 'batch' ran out of its memory cap on device 0 asking for "
-                                     "1.00 GiB more: it may hold 2.5 GiB of 10 GiB")
+                                     "1 GiB more: it may hold 2.5 GiB of 10 GiB")
     assert "crossoverd --reserve" in str(err.value) and reports == [GiB]
 
 
@@ -143,7 +143,7 @@ def test_a_refusal_is_told_once_per_allocation_and_only_under_a_cap() -> None:
     m, reports = told_on(device, 2 * GiB)
     m.at_phase_point()
     line = device.callback(GiB // 2)
-    assert line == m.line(GiB // 2) and "asking for 0.50 GiB more" in line and reports == [GiB // 2]
+    assert line == m.line(GiB // 2) and "asking for 512 MiB more" in line and reports == [GiB // 2]
     m.told(None, "", 0)
     assert device.callback(GiB) == "" and reports == [GiB // 2] and m.refusals == 1
 

@@ -154,7 +154,7 @@ def test_wait_statistics_and_ranks():
     assert job.wait_total_s == pytest.approx(1.6)
     assert job.wait_mean_s == pytest.approx(0.32)
     assert job.wait_max_s == pytest.approx(1.0)
-    assert job.wait_p95_s == pytest.approx(0.86)
+    assert job.wait_p95_s == pytest.approx(1.0)  # by nearest rank: one of the waits
     assert job.comm_mean_s == pytest.approx(1.0)
 
 

@@ -100,16 +100,17 @@ def test_the_tables_say_what_the_records_hold():
                                         kept=0.91, lower_share={"sweep": 0.15}))
     queue = _render(queue_tables(QueueState.from_pb(state)))
     title = " ".join(queue.split("┏")[0].split())  # the title, however rich wrapped it
-    assert title == ("device 0 (gpu H100) DRAINING (2 new ranks refused, unscheduled) util 93% mem 61GiB/80GiB "
-                     "(19GiB free; prod 50GiB, sweep 9GiB) order prod → sweep scheduled (grants pay) protect [shared] "
-                     "alone 100 ms, now 110 ms (0.91x, target 0.97); lower budget 0.20 s/s (held: sweep 0.15)"), title
+    assert title == ("device 0 (gpu H100) DRAINING (2 new ranks refused, unscheduled) util 93% mem 61 GiB/80 GiB "
+                     "(19 GiB free; prod 50 GiB, sweep 9 GiB) order prod → sweep scheduled (grants pay) "
+                     "protect [shared] alone 100 ms, now 110 ms (0.91x, target 0.97); lower budget 0.20 s/s "
+                     "(held: sweep 0.15)"), title
     holder, waiter = (line for line in queue.splitlines() if "prod (ddp)" in line or "│#1" in line)
-    assert "compute" in holder and "device" in holder and holder.rstrip("│ ").endswith("0B"), holder
+    assert "compute" in holder and "device" in holder and holder.rstrip("│ ").endswith("0 B"), holder
     assert "waiting" in waiter and " cpu " in waiter and waiter.rstrip("│ ").endswith("-"), waiter
     jobs = pb.JobList(jobs=[pb.JobState(job_id="id-prod", job_name="prod", world_size=1, priority=pb.PRIORITY_HIGH,
                                         weight=2.0, class_set_by="operator", ranks=[prod]),
                             pb.JobState(job_id="id-sweep", job_name="sweep", world_size=1, priority=pb.PRIORITY_LOW,
                                         ranks=[sweep])])
     table = _render([jobs_table(JobList.from_pb(jobs))])
-    assert "high x2 (operator)" in table and "d0 50GiB (cap 0B)" in table and "0:compute" in table, table
-    assert " low " in table and "d0 9GiB " in table and "1:waiting" in table, table
+    assert "high x2 (operator)" in table and "d0 50 GiB (cap 0 B)" in table and "0:compute" in table, table
+    assert " low " in table and "d0 9 GiB " in table and "1:waiting" in table, table

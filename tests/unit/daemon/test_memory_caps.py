@@ -9,10 +9,9 @@ from crossover.daemon.policies.memory import (
     MemoryRules,
     Reservation,
     caps,
-    format_bytes,
     parse_reservation,
-    parse_size,
 )
+from crossover.figures import format_bytes, parse_size
 
 GiB = 1 << 30
 HIGH, NORMAL, LOW = Priority.HIGH, Priority.NORMAL, Priority.LOW
