@@ -65,13 +65,24 @@ _TUNING = frozenset({
     "max_connections_per_user", "idle_timeout", "heartbeat_timeout", "evict_after", "overdue_factor",
     "overdue_after", "overdue_warmup", "max_hold", "lease", "adapt", "adapt_window", "guard_share", "protect",
     "session_socket", "handover", "cpu_device_memory"})
-"""The flags an operator tunes rather than sets: `--help` lists them last, under their own heading."""
+"""The flags an operator tunes rather than sets: `--help` names how many there are, `--help-all` lists them."""
+
+
+_HELP_ALL = "crossoverd.help_all"
+
+
+def _help_all(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """`--help-all`: the help with the tuning flags too."""
+    if value and not ctx.resilient_parsing:
+        ctx.meta[_HELP_ALL] = True
+        click.echo(ctx.get_help(), color=ctx.color)
+        ctx.exit()
 
 
 class _Command(click.Command):
     """crossoverd's command line, whose usage errors are one line on stderr instead of click's four, and
-    whose help lists what an operator sets (sockets, devices, policy, classes, admin, logs) before the
-    tuning (liveness, overdue, adapt, limits)."""
+    whose help lists what an operator sets (sockets, devices, policy, classes, admin, logs); the tuning
+    (liveness, overdue, adapt, limits) only with `--help-all`."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = {False: [], True: []}  # type: dict[bool, list[tuple[str, str]]]
@@ -81,8 +92,13 @@ class _Command(click.Command):
                 rows[param.name in _TUNING].append(record)
         with formatter.section("Options"):
             formatter.write_dl(rows[False])
-        with formatter.section("Tuning (defaults suit most nodes)"):
-            formatter.write_dl(rows[True])
+        if ctx.meta.get(_HELP_ALL):
+            with formatter.section("Tuning (defaults suit most nodes)"):
+                formatter.write_dl(rows[True])
+        else:
+            formatter.write_paragraph()
+            formatter.write_text(f"Tuning: {len(rows[True])} more flags (liveness, stalls, adapt, limits, the "
+                                 "event log's size) whose defaults suit most nodes: `crossoverd --help-all`.")
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
@@ -100,6 +116,8 @@ class _Command(click.Command):
 
 @click.command(cls=_Command, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "--version", prog_name="crossoverd", message="%(prog)s %(version)s")
+@click.option("--help-all", is_flag=True, is_eager=True, expose_value=False, callback=_help_all,
+              help="Show this help with the tuning flags too, and exit.")
 @click.option("--socket", "socket_path", default=default_socket_path,
               show_default="$CROSSOVER_SOCKET or a per-user path",
               help="Unix socket to serve on (created 0660, its folder 0750: the socket group may connect, "

@@ -410,16 +410,21 @@ def test_every_help_names_every_admin_command():
     assert all(f"`{cmd}" in codes for cmd in admin), codes
 
 
-def test_crossoverd_help_lists_what_an_operator_sets_before_the_tuning():
+def test_crossoverd_help_lists_what_an_operator_sets_and_help_all_the_tuning_too():
     from crossover.daemon.main import main as crossoverd
 
-    text = CliRunner(env={"COLUMNS": "200"}).invoke(crossoverd, ["--help"]).stdout
+    runner = CliRunner(env={"COLUMNS": "200"})
+    short = runner.invoke(crossoverd, ["--help"]).stdout
+    text = runner.invoke(crossoverd, ["--help-all"]).stdout
     options, tuning = text.split("Tuning (defaults suit most nodes):")
+    assert short.split("Tuning:")[0].strip() == options.strip()
     for flag in ("--socket", "--cpu-devices", "--policy", "--class-rule", "--admin-group", "--event-log "):
         assert flag in options, flag
-    for flag in ("--heartbeat-timeout", "--evict-after", "--overdue-factor", "--adapt-window", "--protect",
-                 "--max-connections"):
-        assert flag in tuning and flag not in options, flag
+    tuning_flags = ("--heartbeat-timeout", "--evict-after", "--overdue-factor", "--adapt-window", "--protect",
+                    "--max-connections")
+    for flag in tuning_flags:
+        assert flag in tuning and flag not in options and flag not in short, flag
+    assert "crossoverd --help-all" in short
 
 
 def test_evicting_a_job_that_is_not_here_is_refused_and_not_logged(run, daemon):
