@@ -11,7 +11,7 @@ difference, the same error feedback in the other direction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -31,6 +31,7 @@ class Codec:
     kind: str = "fp32"
     fraction: float = 0.01
     residual: Optional[torch.Tensor] = None
+    _half: Optional[torch.Tensor] = field(default=None, repr=False)  # fp16: the buffer each update is cast into
 
     def __post_init__(self) -> None:
         if self.kind not in CODECS:
@@ -38,16 +39,32 @@ class Codec:
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"top-k fraction must be in (0, 1], not {self.fraction}")
 
+    def sent(self, update: torch.Tensor, payload: bytes | memoryview) -> torch.Tensor:
+        """What the service adds for ``update`` once ``encode`` made ``payload`` of it: ``update`` itself for
+        ``fp32``, rounded in place to what travelled for ``fp16``, and the entries sent for ``topk``."""
+        import torch
+
+        if self.kind == "fp32":
+            return update
+        if self.kind == "fp16":
+            assert self._half is not None
+            return update.copy_(self._half)
+        return torch.from_numpy(decode(self.kind, payload, update.numel()))
+
     def encode(self, update: torch.Tensor) -> bytes | memoryview:
         """Bytes for ``update`` (flat float32); ``decode(kind, bytes, update.numel())`` reads them.
-        ``fp32`` returns a view of ``update``'s own memory: no copy, valid while ``update`` is unchanged."""
+        ``fp32`` returns a view of ``update``'s own memory (no copy, valid while ``update`` is unchanged),
+        ``fp16`` a view of the codec's half-precision buffer (valid until the next ``encode``)."""
         import torch
 
         flat = update.detach().to(torch.float32).reshape(-1)
         if self.kind == "fp32":
             return as_bytes(flat.cpu())
         if self.kind == "fp16":
-            return flat.cpu().to(torch.float16).numpy().tobytes()
+            if self._half is None or self._half.numel() != flat.numel():
+                self._half = torch.empty(flat.numel(), dtype=torch.float16)
+            self._half.copy_(flat)
+            return as_bytes(self._half)
         if self.residual is None or self.residual.numel() != flat.numel():
             self.residual = torch.zeros_like(flat)
         full = flat + self.residual
@@ -60,16 +77,17 @@ class Codec:
 
 
 def as_bytes(flat: torch.Tensor) -> memoryview:
-    """The bytes of a flat float32 CPU tensor, without copying them (valid while it is unchanged)."""
+    """The bytes of a flat CPU tensor, without copying them (valid while it is unchanged)."""
     return flat.contiguous().numpy().data.cast("B")
 
 
 def decode(kind: str, payload: bytes | bytearray | memoryview | np.ndarray, numel: int) -> np.ndarray:
-    """The flat float32 update ``payload`` holds (dense, length ``numel``)."""
+    """The flat update ``payload`` holds (dense, length ``numel``): float32, or for ``fp16`` a float16 view of
+    the payload, which numpy's arithmetic widens as it goes (no float32 copy of the model is made)."""
     if kind == "fp32":
         return np.frombuffer(payload, dtype=np.float32, count=numel)
     if kind == "fp16":
-        return np.frombuffer(payload, dtype=np.float16, count=numel).astype(np.float32)
+        return np.frombuffer(payload, dtype=np.float16, count=numel)
     if kind == "topk":
         k = len(payload) // 8
         index = np.frombuffer(payload, dtype=np.int32, count=k)
@@ -80,12 +98,17 @@ def decode(kind: str, payload: bytes | bytearray | memoryview | np.ndarray, nume
     raise ValueError(f"unknown exchange codec {kind!r}")
 
 
-def encode_answer(kind: str, delta: np.ndarray, fraction: float) -> bytes:
-    """The service's side of a codec (numpy alone): bytes for ``delta`` that :func:`decode` reads."""
+def encode_answer(kind: str, delta: np.ndarray, fraction: float,
+                  half: Optional[np.ndarray] = None) -> bytes | memoryview:
+    """The service's side of a codec (numpy alone): bytes for ``delta`` that :func:`decode` reads. For
+    ``fp16``, ``half`` (a float16 buffer of ``delta``'s size) is cast into and viewed, rather than fresh memory."""
     if kind == "fp32":
         return delta.astype(np.float32, copy=False).tobytes()
     if kind == "fp16":
-        return delta.astype(np.float16).tobytes()
+        if half is None or half.size != delta.size:
+            return delta.astype(np.float16).tobytes()
+        half[...] = delta
+        return half.data.cast("B")
     if kind == "topk":
         k = max(1, min(delta.size, int(fraction * delta.size)))
         index = _largest(np.abs(delta), k).astype(np.int32)

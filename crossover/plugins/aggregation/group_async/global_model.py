@@ -139,8 +139,8 @@ class GlobalModel:
             self.clock.activate(group)
             return {"version": self.version, "last_seq": self.last_seq.get(group, -1), "node": node_identity()}
 
-    def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray | np.ndarray, numel: int,
-                 wait: bool, epoch: int = -1, taken: int = 0, ticks: int = 1) -> dict[str, Any]:
+    def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray | memoryview | np.ndarray,
+                 numel: int, wait: bool, epoch: int = -1, taken: int = 0, ticks: int = 1) -> dict[str, Any]:
         """Apply a group's update (once per ``seq``), then wait until the group is within the bound.
         ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does; ``ticks``, the
         exchange periods the group worked since its last exchange (its clock advances by as many)."""
@@ -221,6 +221,12 @@ class GlobalModel:
             for g in leaders:
                 self.last_seen[g] = now
             self._cond.notify_all()
+
+    @property
+    def numel(self) -> int:
+        """The model's parameter count (0 before the first leader's hello)."""
+        with self._cond:
+            return 0 if self.model is None else int(self.model.size)
 
     def snapshot(self, into: Optional[np.ndarray] = None) -> bytes:
         """The global model's bytes; with ``into`` (a leader's shared buffer), copied there instead."""

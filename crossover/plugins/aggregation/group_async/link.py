@@ -31,7 +31,7 @@ import torch
 from crossover.errors import CrossoverError
 from crossover.plugins.aggregation.group_async.codec import Codec, as_bytes, decode
 from crossover.plugins.aggregation.group_async.flat_params import Model, flatten, parts
-from crossover.plugins.aggregation.group_async.wire import WireError, node_identity, recv_frame, send_frame
+from crossover.plugins.aggregation.group_async.wire import Payload, WireError, node_identity, recv_frame, send_frame
 
 __all__ = ["SHM_DIR", "ServiceError", "ServiceLink", "shared_memory_usable"]
 
@@ -120,10 +120,27 @@ class ServiceLink:
         self.answer_bytes: list[int] = []  # what each answer carried over TCP
         self._held: Optional[torch.Tensor] = None  # the model as this connection's answers built it
         self._sock: Optional[socket.socket] = None
+        # Over TCP, the buffers an update is written to and answers land in, kept from one exchange to the
+        # next (a model's worth of fresh memory costs more in page faults than the bytes it receives).
+        self._outbox: Optional[torch.Tensor] = None
+        self._inboxes: list[np.ndarray] = []
 
     # ---- connection ----------------------------------------------------
 
-    def _call(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> tuple[dict[str, Any], bytearray]:
+    def _receive_into(self, n: int) -> memoryview:
+        """A kept buffer for an answer of `n` bytes: one that neither the base nor the held model is a view
+        of, since an answer lands before either moves on."""
+        busy = {t.data_ptr() for t in (self.base, self._held) if t is not None}
+        for i, buf in enumerate(self._inboxes):
+            if buf.ctypes.data not in busy:
+                if buf.size < n:
+                    buf = self._inboxes[i] = np.empty(n, dtype=np.uint8)
+                return buf.data[:n]
+        buf = np.empty(n, dtype=np.uint8)
+        self._inboxes.append(buf)
+        return buf.data
+
+    def _call(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> tuple[dict[str, Any], Payload]:
         if self._sock is None:
             sock = socket.create_connection(self.address, timeout=5.0)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -135,7 +152,7 @@ class ServiceLink:
                 raise ServiceError(reply["error"])
             self._sock = sock
         send_frame(self._sock, header, payload)
-        reply, body = recv_frame(self._sock)
+        reply, body = recv_frame(self._sock, self._receive_into)
         if "error" in reply:
             raise ServiceError(reply["error"])
         return reply, body
@@ -275,11 +292,11 @@ class ServiceLink:
                 self.in_flight = (self.seq, None)
                 reply, body = self._call({**header, "codec": "fp32", "slot": update_slot, "answer": answer_slot})
             else:
-                update = self._update(model, scale)
+                if self._outbox is None or self._outbox.numel() != self.base.numel():
+                    self._outbox = torch.empty(self.base.numel(), dtype=torch.float32)
+                update = self._update(model, scale, out=self._outbox)
                 payload = self.codec.encode(update)
-                applied = update if self.codec.kind == "fp32" else \
-                    torch.from_numpy(decode(self.codec.kind, payload, update.numel()).copy())
-                self.in_flight = (self.seq, applied)
+                self.in_flight = (self.seq, self.codec.sent(update, payload))
                 reply, body = self._call({**header, "fraction": self.codec.fraction}, payload)
         except (OSError, WireError) as exc:
             self._drop(exc)
@@ -298,10 +315,10 @@ class ServiceLink:
             self._base_slot = answer_slot
             self.base = self._slots.tensors[answer_slot]
         elif reply.get("answer", "full") == "full":
-            self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))  # a fresh buffer: ours
-        else:  # how the global model differs from the model this group last received
+            self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))  # our inbox until an answer after it
+        else:  # how the global model differs from the model this group last received, added where it is held
             held = self._held if self._held is not None else self.base
-            self.base = held + torch.from_numpy(decode(str(reply["answer"]), body, held.numel()))
+            self.base = held.add_(torch.from_numpy(decode(str(reply["answer"]), body, held.numel())))
         self._held = self.base
         self.answer_bytes.append(len(body))
         self.exchange_s.append(time.perf_counter() - started)

@@ -45,7 +45,7 @@ import numpy as np
 
 from crossover.plugins.aggregation.group_async.codec import decode, encode_answer
 from crossover.plugins.aggregation.group_async.global_model import GlobalModel
-from crossover.plugins.aggregation.group_async.wire import WireError, recv_frame, send_frame
+from crossover.plugins.aggregation.group_async.wire import Payload, WireError, recv_frame, send_frame
 
 __all__ = ["GlobalModel", "ParameterService", "main"]
 
@@ -71,6 +71,31 @@ class _Handler(socketserver.BaseRequestHandler):
     slots: tuple[np.ndarray, ...] = ()  # this connection's leader's shared buffers, once it offered them
     # What this connection's leader holds of the global model, as far as the answers sent it (fp16, topk)
     held: Optional[np.ndarray] = None
+    # The buffers this connection's payloads land in and its answers leave from, kept from one exchange to
+    # the next: a model's worth of fresh memory per frame costs more in page faults than the copy into it.
+    inbox: Optional[np.ndarray] = None
+    outbox: Optional[np.ndarray] = None
+    half: Optional[np.ndarray] = None  # fp16 answers: the difference cast to half precision
+
+    def _receive_into(self, n: int) -> memoryview:
+        if self.inbox is None or self.inbox.size < n:
+            self.inbox = np.empty(n, dtype=np.uint8)
+        return self.inbox.data[:n]
+
+    def _answer(self, state: GlobalModel, into: Optional[np.ndarray]) -> bytes | memoryview:
+        """The global model: into the leader's shared buffer when it gave one (nothing then travels), else
+        copied into this connection's outbox and sent from there."""
+        if into is not None:
+            return state.snapshot(into=into)
+        return self._copy(state).data.cast("B")
+
+    def _copy(self, state: GlobalModel) -> np.ndarray:
+        """The global model, copied into this connection's outbox (kept from one answer to the next)."""
+        numel = state.numel
+        if self.outbox is None or self.outbox.size != numel:
+            self.outbox = np.empty(numel, dtype=np.float32)
+        state.snapshot(into=self.outbox)
+        return self.outbox
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -84,7 +109,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             send_frame(sock, {"ok": True})
             while True:
-                header, payload = recv_frame(sock)
+                header, payload = recv_frame(sock, self._receive_into)
                 try:
                     reply, body = self._one(state, header, payload)
                 except (ValueError, KeyError, TypeError, OSError) as exc:
@@ -101,18 +126,22 @@ class _Handler(socketserver.BaseRequestHandler):
         return self.slots[int(header[key])]
 
     def _difference(self, state: GlobalModel, reply: dict[str, Any], kind: str,
-                    fraction: float) -> tuple[dict[str, Any], bytes]:
+                    fraction: float) -> tuple[dict[str, Any], bytes | memoryview]:
         """The answer to a leader that pushes with a lossy codec: the whole model the first time on a
         connection, then only how the model differs from what the leader holds, in the same codec."""
-        model = np.frombuffer(state.snapshot(), dtype=np.float32)
+        model = self._copy(state)
         if self.held is None or self.held.size != model.size:
             self.held = model.copy()
-            return {**reply, "answer": "full"}, model.tobytes()
-        body = encode_answer(kind, model - self.held, fraction)
+            return {**reply, "answer": "full"}, model.data.cast("B")
+        np.subtract(model, self.held, out=model)  # the outbox now holds the difference
+        if kind == "fp16" and (self.half is None or self.half.size != model.size):
+            self.half = np.empty(model.size, dtype=np.float16)
+        body = encode_answer(kind, model, fraction, self.half)
         self.held += decode(kind, body, model.size)
         return {**reply, "answer": kind}, body
 
-    def _one(self, state: GlobalModel, header: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
+    def _one(self, state: GlobalModel, header: dict[str, Any],
+             payload: Payload) -> tuple[dict[str, Any], bytes | memoryview]:
         op = header["op"]
         if op == "hello":
             return state.hello(int(header["group"]), bytes(payload), int(header["numel"])), b""
@@ -129,7 +158,7 @@ class _Handler(socketserver.BaseRequestHandler):
             answer = self._slot(header, "answer")
             if answer is None and header["codec"] in ("fp16", "topk"):
                 return self._difference(state, reply, str(header["codec"]), float(header.get("fraction", 0.01)))
-            return reply, state.snapshot(into=answer)
+            return reply, self._answer(state, answer)
         if op == "progress":
             return state.progress(int(header["group"]), int(header["epoch"]), int(header["taken"])), b""
         if op == "park":
@@ -138,7 +167,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == "pull":
             if header.get("level"):
                 state.level()
-            return {"version": state.version}, state.snapshot(into=self._slot(header, "answer"))
+            return {"version": state.version}, self._answer(state, self._slot(header, "answer"))
         if op == "regroup":
             state.regroup([int(g) for g in header["leaders"]])
             return {"ok": True}, b""

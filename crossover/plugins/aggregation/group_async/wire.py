@@ -11,15 +11,19 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from crossover.errors import CrossoverError
 
-__all__ = ["MAX_HEADER", "WireError", "node_identity", "recv_frame", "send_frame"]
+__all__ = ["MAX_HEADER", "Payload", "WireError", "node_identity", "recv_frame", "send_frame"]
 
 MAX_HEADER = 1 << 20
 _LEN = struct.Struct(">I")
+
+Payload = Union[bytearray, memoryview]
+"""A frame's payload as received: fresh memory, or a view of a buffer the receiver keeps (`recv_frame`'s `into`)."""
 
 
 class WireError(CrossoverError, ConnectionError):
@@ -33,18 +37,26 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | mem
         sock.sendall(payload)
 
 
-def _exactly(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _fill(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
     while got < n:
         chunk = sock.recv_into(view[got:], n - got)
         if chunk == 0:
             raise WireError("the peer closed the connection")
         got += chunk
+
+
+def _exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    _fill(sock, memoryview(buf))
     return buf
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+def recv_frame(sock: socket.socket,
+               into: Callable[[int], memoryview] | None = None) -> tuple[dict[str, Any], Payload]:
+    """The next frame's header and payload. `into(n)`, when given, returns a writable view of `n` bytes the
+    payload lands in: a buffer the receiver keeps from frame to frame, because a model's payload in fresh
+    memory costs more in page faults than the copy into it (measured: 40 MB in 53 ms fresh, 35 ms reused)."""
     (length,) = _LEN.unpack(_exactly(sock, _LEN.size))
     if length > MAX_HEADER:
         raise WireError(f"a frame header of {length} bytes is not ours")
@@ -54,7 +66,14 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
         raise WireError(f"a frame header that is not JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("bytes"), int) or header["bytes"] < 0:
         raise WireError("a frame header without its payload length")
-    return header, _exactly(sock, header["bytes"]) if header["bytes"] else bytearray()
+    n = header["bytes"]
+    if not n:
+        return header, bytearray()
+    if into is None:
+        return header, _exactly(sock, n)
+    view = into(n)
+    _fill(sock, view)
+    return header, view
 
 
 def node_identity() -> dict[str, Any]:
