@@ -317,10 +317,10 @@ def batch_sampler(
         return GroupSampler(_group_runtime(hvd, chosen), dataset_length, global_batch, shuffle=shuffle,
                             seed=seed)
     caps: Optional[Sequence[int] | int] = max_batch
-    if caps is None and chosen.lbbsp_max_batch:
-        env_caps = chosen.lbbsp_max_batch
+    if caps is None and chosen.lbbsp.max_batch:
+        env_caps = chosen.lbbsp.max_batch
         caps = env_caps[0] if len(env_caps) == 1 else tuple(env_caps)
-    method_name = method or chosen.lbbsp_method
+    method_name = method or chosen.lbbsp.method
     if method_name not in LBBSP_METHODS:
         raise AggregationError(f"unknown LB-BSP method {method_name!r}; use one of {', '.join(LBBSP_METHODS)}")
     config = BatchSizeConfig(
@@ -328,18 +328,18 @@ def batch_sampler(
         world_size=int(pset.size()),
         min_batch=min_batch,
         max_batch=caps if caps is None or isinstance(caps, int) else tuple(caps),
-        period=period if period is not None else chosen.lbbsp_period,
-        hysteresis=hysteresis if hysteresis is not None else chosen.lbbsp_hysteresis,
-        ema_alpha=ema_alpha if ema_alpha is not None else chosen.lbbsp_ema_alpha,
+        period=period if period is not None else chosen.lbbsp.period,
+        hysteresis=hysteresis if hysteresis is not None else chosen.lbbsp.hysteresis,
+        ema_alpha=ema_alpha if ema_alpha is not None else chosen.lbbsp.ema_alpha,
         method=method_name,  # type: ignore[arg-type]
-        warmup=warmup if warmup is not None else chosen.lbbsp_warmup,
+        warmup=warmup if warmup is not None else chosen.lbbsp.warmup,
     )
     state = LBBSPState(
         controller=BatchSizeController(config, initial_sizes),
         rank=int(pset.rank()),
         world_size=int(pset.size()),
         dataset_length=dataset_length,
-        min_gain=min_gain if min_gain is not None else chosen.lbbsp_min_gain,
+        min_gain=min_gain if min_gain is not None else chosen.lbbsp.min_gain,
     )
     STATE.lbbsp.state = state
     return LBBSPSampler(state, shuffle=shuffle, seed=seed, drop_last=drop_last)

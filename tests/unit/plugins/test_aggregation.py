@@ -55,8 +55,8 @@ def test_settings_parse(monkeypatch):
     monkeypatch.setenv("CROSSOVER_LBBSP_MAX_BATCH", "64, 64,32")
     monkeypatch.setenv("CROSSOVER_LBBSP_PERIOD", "4")
     settings = AggregationSettings.from_env()
-    assert settings.lbbsp_max_batch == (64, 64, 32)
-    assert settings.lbbsp_period == 4
+    assert settings.lbbsp.max_batch == (64, 64, 32)
+    assert settings.lbbsp.period == 4
     assert settings.rule == ""
 
 
