@@ -1,9 +1,11 @@
 """The plugin's settings are declared once (crossover/settings.py): every `CROSSOVER_*` variable has one
-declaration, the records, their reading and docs/settings.md's table come from it, and a bad value is a
-`SettingError` that names the variable and the value."""
+declaration, the records, their reading and docs/settings.md's table come from it, nothing else in the product
+reads the variables, and a bad value is a `SettingError` that names the variable and the value."""
 from __future__ import annotations
 
+import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from crossover.settings import (
 )
 from scripts import gen_settings_table
 
+ROOT = Path(__file__).resolve().parents[2]
 FREE_TEXT = (settings.text, settings.trimmed, settings.upper_text)
 
 
@@ -30,6 +33,18 @@ def test_every_variable_is_declared_once_and_every_field_is_a_declaration():
             assert not undeclared or (record, f.name) == (PluginSettings, "target"), f"{record.__name__}.{f.name}"
             if "setting" in f.metadata:
                 assert f.default == f.metadata["setting"].default
+
+
+def test_the_product_names_no_variable_it_does_not_declare_and_reads_none_but_here():
+    readers = []
+    for path in sorted((ROOT / "crossover").rglob("*.py")):
+        text = path.read_text()
+        unknown = set(re.findall(r"\b(CROSSOVER_[A-Z0-9_]*[A-Z0-9])\b", text)) - set(PLUGIN_SETTINGS)
+        assert not unknown, f"{path.relative_to(ROOT)} names undeclared settings {sorted(unknown)}"
+        if path.name != "settings.py" and re.search(r"(environ|getenv)\b[^\n]*[\"']CROSSOVER_", text):
+            readers.append(str(path.relative_to(ROOT)))
+    # the one other reader: the daemon's and the CLI's default socket (a rank's is read by its settings)
+    assert readers == ["crossover/protos/__init__.py"], readers
 
 
 def test_the_docs_table_is_generated_from_the_declarations():

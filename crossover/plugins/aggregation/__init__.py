@@ -59,6 +59,7 @@ from crossover.plugins.aggregation.selection import (
     prepare_horovod,
     set_aggregation,
     settings,
+    use_settings,
 )
 from crossover.plugins.hook import optimizer_state
 from crossover.plugins.hook.composed_optimizer import ComposedOptimizer
@@ -86,6 +87,8 @@ __all__ = [
     "replay_decisions",
     "resolve_algorithm",
     "set_aggregation",
+    "settings",
+    "use_settings",
     "weight_scale",
 ]
 
