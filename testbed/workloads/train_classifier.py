@@ -32,6 +32,7 @@ that waits in the allreduce hands its core to the others, so wall-clock
 speeds measured on an oversubscribed machine reflect scheduling, not work.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -159,10 +160,10 @@ def training(spec: dict, data: tuple, args: argparse.Namespace):  # noqa: ANN201
     aggregation.set_aggregation(spec["rule"], adasum_impl=spec["adasum_impl"])
     run_env = {**os.environ, **{key: str(value) for key, value in spec["env"].items()}}  # CROSSOVER_* for this run
     aggregation.use_settings(AggregationSettings.from_env(run_env))
+    knobs = {key: spec[key] for key in ("period", "hysteresis", "method", "ema_alpha") if spec[key] is not None}
     try:
         sampler = aggregation.batch_sampler(len(x), spec["global_batch"], seed=spec["seed"], drop_last=True,
-                                            period=spec["period"], hysteresis=spec["hysteresis"],
-                                            method=spec["method"], ema_alpha=spec["ema_alpha"])
+                                            lbbsp=dataclasses.replace(aggregation.settings().lbbsp, **knobs))
         opt = aggregation.DistributedOptimizer(base, named_parameters=model.named_parameters())
     finally:
         aggregation.set_aggregation(None)
