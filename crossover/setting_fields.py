@@ -41,6 +41,7 @@ class Setting:
     shown: Optional[str] = None
 
     def is_set(self, environ: Optional[Mapping[str, str]] = None) -> bool:
+        """Whether the variable has a value (a blank one is none)."""
         return bool((os.environ if environ is None else environ).get(self.env, "").strip())
 
     def read(self, environ: Optional[Mapping[str, str]] = None) -> Any:
