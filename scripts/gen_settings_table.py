@@ -1,4 +1,4 @@
-"""Rewrite docs/settings.md's table from crossover.settings.PLUGIN_SETTINGS.
+"""Rewrite docs/settings.md's table from the settings' declarations (crossover.settings.PLUGIN_SETTINGS).
 
 Usage: python -m scripts.gen_settings_table   (tests/unit/test_readme.py fails while they differ)
 """
@@ -14,7 +14,7 @@ _END = "<!-- /settings-table -->"
 
 
 def table() -> str:
-    rows = [f"| `{name}` | {default} | {meaning} |" for name, (default, meaning) in PLUGIN_SETTINGS.items()]
+    rows = [f"| `{name}` | {s.default_text()} | {s.meaning} |" for name, s in PLUGIN_SETTINGS.items()]
     return "\n".join(["| variable | default | meaning |", "| --- | --- | --- |", *rows])
 
 

@@ -25,6 +25,7 @@ from crossover.protos import PROTOCOL_VERSION, STEERING_CALLS, USER_METADATA_KEY
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.priority import to_wire
+from crossover.settings import PLUGIN_SETTINGS
 
 __all__ = ["AdminClient", "AdminError", "BadSetting", "DaemonUnreachable", "NotAllowed", "RequestRefused",
            "TokenRefused"]
@@ -162,7 +163,7 @@ class AdminClient:
         if method in STEERING_CALLS and self.socket is not None:
             self._use_admin_socket(method)
         if self._channel is None:
-            untrusted = untrusted_socket(self.target)
+            untrusted = untrusted_socket(self.target, PLUGIN_SETTINGS["CROSSOVER_DAEMON_USER"].read())
             if untrusted:
                 raise NotAllowed(untrusted)
             try:

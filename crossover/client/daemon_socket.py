@@ -44,15 +44,14 @@ def missing_socket(target: str) -> str:
     return "" if not path or os.path.exists(path) else path
 
 
-def untrusted_socket(target: str) -> str:
+def untrusted_socket(target: str, daemon_user: str) -> str:
     """Why a Unix-socket target cannot be the node's daemon ("" when it can, or when it is no socket path).
 
-    A daemon's socket belongs to root, to this user (a daemon of one's own), to
-    `CROSSOVER_DAEMON_USER`, or to the owner of its folder where only root could
-    have made that folder theirs (its parent is root's and no one else may write
-    there, as with /run/crossover). Anything else is another user's socket in the
-    daemon's place: talking to it would hand them this rank's phases or this
-    operator's commands.
+    A daemon's socket belongs to root, to this user (a daemon of one's own), to `daemon_user`
+    (`CROSSOVER_DAEMON_USER`, read by the caller's settings), or to the owner of its folder where only root
+    could have made that folder theirs (its parent is root's and no one else may write there, as with
+    /run/crossover). Anything else is another user's socket in the daemon's place: talking to it would hand
+    them this rank's phases or this operator's commands.
     """
     path = _unix_path(target)
     if not path:
@@ -64,7 +63,6 @@ def untrusted_socket(target: str) -> str:
     except OSError:
         return ""
     trusted = {0, os.geteuid()}
-    daemon_user = os.environ.get("CROSSOVER_DAEMON_USER", "")
     if daemon_user:
         try:
             trusted.add(pwd.getpwnam(daemon_user).pw_uid)

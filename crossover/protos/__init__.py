@@ -39,9 +39,12 @@ def default_socket_path(client: bool = False) -> str:
     system daemon (deploy/systemd) at /run/crossover/crossoverd.sock; a daemon never
     takes that path unless it runs as root or is told to.
     """
-    env = os.environ.get("CROSSOVER_SOCKET")
-    if env:
-        return env
+    return os.environ.get("CROSSOVER_SOCKET") or node_socket_path(client)
+
+
+def node_socket_path(client: bool = False) -> str:
+    """Where the node's daemon listens when `CROSSOVER_SOCKET` does not say: `default_socket_path` without the
+    variable, for a rank whose settings (`crossover.settings`) have read it already."""
     if os.geteuid() == 0:
         return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/crossover-{os.getuid()}"

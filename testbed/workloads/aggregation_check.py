@@ -19,6 +19,7 @@ Modes (each rank writes `rank{r}.json` to --out):
   whole global batch.
 """
 import argparse
+import dataclasses
 import time
 
 import horovod.torch as hvd
@@ -149,7 +150,8 @@ def train_weighted(rule: str, sizes: list[int], steps: int, lr: float, period: i
     model = weighted_model()
     aggregation.set_aggregation(rule)
     try:
-        sampler = aggregation.batch_sampler(len(x), sum(sizes), seed=5, initial_sizes=sizes, period=period)
+        sampler = aggregation.batch_sampler(len(x), sum(sizes), seed=5, initial_sizes=sizes,
+                                            lbbsp=dataclasses.replace(aggregation.settings().lbbsp, period=period))
         sgd = late_sgd(steps, late) if late > 0 else torch.optim.SGD
         opt = aggregation.DistributedOptimizer(sgd(model.parameters(), lr=lr, momentum=0.9),
                                                named_parameters=model.named_parameters())

@@ -32,6 +32,7 @@ that waits in the allreduce hands its core to the others, so wall-clock
 speeds measured on an oversubscribed machine reflect scheduling, not work.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +47,7 @@ import torch.nn as nn
 
 from crossover.plugins import aggregation
 from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
+from crossover.settings import AggregationSettings
 from testbed.faults import Stall, Straggler
 from testbed.workloads.quick_exit import skip_final_collections
 from testbed.workloads.summary import write_rank_summary
@@ -156,20 +158,16 @@ def training(spec: dict, data: tuple, args: argparse.Namespace):  # noqa: ANN201
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     base = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
     aggregation.set_aggregation(spec["rule"], adasum_impl=spec["adasum_impl"])
-    saved = {key: os.environ.get(key) for key in spec["env"]}
-    os.environ.update({key: str(value) for key, value in spec["env"].items()})  # CROSSOVER_* for this run
+    run_env = {**os.environ, **{key: str(value) for key, value in spec["env"].items()}}  # CROSSOVER_* for this run
+    aggregation.use_settings(AggregationSettings.from_env(run_env))
+    knobs = {key: spec[key] for key in ("period", "hysteresis", "method", "ema_alpha") if spec[key] is not None}
     try:
         sampler = aggregation.batch_sampler(len(x), spec["global_batch"], seed=spec["seed"], drop_last=True,
-                                            period=spec["period"], hysteresis=spec["hysteresis"],
-                                            method=spec["method"], ema_alpha=spec["ema_alpha"])
+                                            lbbsp=dataclasses.replace(aggregation.settings().lbbsp, **knobs))
         opt = aggregation.DistributedOptimizer(base, named_parameters=model.named_parameters())
     finally:
         aggregation.set_aggregation(None)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        aggregation.use_settings(None)
     saved_at = Path(args.checkpoint) / f"{spec['name']}.pt" if args.checkpoint else None
     resumed = _resume(saved_at, model, opt)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)

@@ -20,7 +20,8 @@ def _table() -> dict[str, str]:
 def test_every_setting_is_in_the_settings_table_with_its_default():
     table = _table()
     assert set(table) == set(PLUGIN_SETTINGS), "docs/settings.md's table and PLUGIN_SETTINGS differ"
-    for name, (default, _help) in PLUGIN_SETTINGS.items():
+    for name, setting in PLUGIN_SETTINGS.items():
+        default = setting.default_text()
         assert table[name] == default, f"{name}: docs/settings.md says {table[name]!r}, code says {default!r}"
 
 

@@ -50,7 +50,7 @@ def connect(settings: PluginSettings, identity: pb.RankIdentity, channel: grpc.C
     missing = missing_socket(s.target)
     if missing:
         raise Unreachable(f"no daemon socket at {missing}")
-    untrusted = untrusted_socket(s.target)
+    untrusted = untrusted_socket(s.target, s.daemon_user)
     if untrusted:
         raise Unreachable(untrusted, f"checks the socket again every {s.reconnect_interval_s:g} s")
     stub = pb_grpc.SchedulerStub(channel)
@@ -66,7 +66,7 @@ def connect(settings: PluginSettings, identity: pb.RankIdentity, channel: grpc.C
         raise Unreachable(f"daemon at {s.target} refused this rank: {exc.code().name}: {exc.details()}",
                           f"asks again every {s.reconnect_interval_s:g} s") from None
     first = pb.RankEvent(kind=pb.OPEN, session_id=reg.session_id)
-    untrusted = untrusted_socket(f"unix://{reg.session_socket}") if reg.session_socket else ""
+    untrusted = untrusted_socket(f"unix://{reg.session_socket}", s.daemon_user) if reg.session_socket else ""
     if untrusted:
         _log.warning("%s; using the gRPC stream", untrusted)
     elif reg.session_socket and s.transport == "auto":

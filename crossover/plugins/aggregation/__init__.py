@@ -59,10 +59,11 @@ from crossover.plugins.aggregation.selection import (
     prepare_horovod,
     set_aggregation,
     settings,
+    use_settings,
 )
 from crossover.plugins.hook import optimizer_state
 from crossover.plugins.hook.composed_optimizer import ComposedOptimizer
-from crossover.settings import LBBSP_METHODS, AggregationSettings
+from crossover.settings import LBBSP_METHODS, AggregationSettings, LBBSPSettings
 
 __all__ = [
     "AdasumDecision",
@@ -72,6 +73,7 @@ __all__ = [
     "DistributedOptimizer",
     "HorovodCollectives",
     "LBBSPSampler",
+    "LBBSPSettings",
     "Rule",
     "adasum_path",
     "aggregation_of",
@@ -86,6 +88,8 @@ __all__ = [
     "replay_decisions",
     "resolve_algorithm",
     "set_aggregation",
+    "settings",
+    "use_settings",
     "weight_scale",
 ]
 
@@ -292,13 +296,7 @@ def batch_sampler(
     drop_last: bool = True,
     initial_sizes: Optional[Sequence[int]] = None,
     min_batch: int = 1,
-    max_batch: Optional[Sequence[int] | int] = None,
-    period: Optional[int] = None,
-    method: Optional[str] = None,
-    hysteresis: Optional[float] = None,
-    ema_alpha: Optional[float] = None,
-    min_gain: Optional[float] = None,
-    warmup: Optional[int] = None,
+    lbbsp: Optional[LBBSPSettings] = None,
     process_set: Any = None,
 ) -> LBBSPSampler | GroupSampler:
     """The one change an LB-BSP script makes: ``DataLoader(ds, batch_sampler=batch_sampler(len(ds), B))``.
@@ -306,8 +304,10 @@ def batch_sampler(
     Call it after ``hvd.init()`` on every rank of the optimizer's process set,
     with the same arguments. ``global_batch`` is ``B``; sizes start even (or
     at ``initial_sizes``) and, under the ``weighted`` rule, follow the
-    controller. Unset controller settings come from the ``CROSSOVER_LBBSP_*``
-    variables. The newest sampler is the one the weighted optimizer follows.
+    controller. ``lbbsp`` tunes the controller (period, method, hysteresis, EMA weight, minimum gain,
+    warm-up, per-rank caps); without it, the ``CROSSOVER_LBBSP_*`` variables do. To change a few:
+    ``dataclasses.replace(aggregation.settings().lbbsp, period=4)``. The newest sampler is the one the
+    weighted optimizer follows.
     """
     import horovod.torch as hvd
 
@@ -316,30 +316,27 @@ def batch_sampler(
     if chosen.rule == "group_async":
         return GroupSampler(_group_runtime(hvd, chosen), dataset_length, global_batch, shuffle=shuffle,
                             seed=seed)
-    caps: Optional[Sequence[int] | int] = max_batch
-    if caps is None and chosen.lbbsp_max_batch:
-        env_caps = chosen.lbbsp_max_batch
-        caps = env_caps[0] if len(env_caps) == 1 else tuple(env_caps)
-    method_name = method or chosen.lbbsp_method
-    if method_name not in LBBSP_METHODS:
-        raise AggregationError(f"unknown LB-BSP method {method_name!r}; use one of {', '.join(LBBSP_METHODS)}")
+    tuning = lbbsp if lbbsp is not None else chosen.lbbsp
+    if tuning.method not in LBBSP_METHODS:
+        raise AggregationError(f"unknown LB-BSP method {tuning.method!r}; use one of {', '.join(LBBSP_METHODS)}")
+    caps = tuning.max_batch
     config = BatchSizeConfig(
         global_batch=global_batch,
         world_size=int(pset.size()),
         min_batch=min_batch,
-        max_batch=caps if caps is None or isinstance(caps, int) else tuple(caps),
-        period=period if period is not None else chosen.lbbsp_period,
-        hysteresis=hysteresis if hysteresis is not None else chosen.lbbsp_hysteresis,
-        ema_alpha=ema_alpha if ema_alpha is not None else chosen.lbbsp_ema_alpha,
-        method=method_name,  # type: ignore[arg-type]
-        warmup=warmup if warmup is not None else chosen.lbbsp_warmup,
+        max_batch=(caps[0] if len(caps) == 1 else caps) if caps else None,
+        period=tuning.period,
+        hysteresis=tuning.hysteresis,
+        ema_alpha=tuning.ema_alpha,
+        method=tuning.method,  # type: ignore[arg-type]
+        warmup=tuning.warmup,
     )
     state = LBBSPState(
         controller=BatchSizeController(config, initial_sizes),
         rank=int(pset.rank()),
         world_size=int(pset.size()),
         dataset_length=dataset_length,
-        min_gain=min_gain if min_gain is not None else chosen.lbbsp_min_gain,
+        min_gain=tuning.min_gain,
     )
     STATE.lbbsp.state = state
     return LBBSPSampler(state, shuffle=shuffle, seed=seed, drop_last=drop_last)

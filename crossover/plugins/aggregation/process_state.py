@@ -1,6 +1,7 @@
 """The aggregation rules' one state for the life of a training process (`STATE`).
 
-What a script chose in code (`set_aggregation`), the newest LB-BSP sampler's state that every weighted
+What a script chose in code (`set_aggregation`, `use_settings`), this package's own read of the environment
+where the Horovod hook did not read it (`selection`), the newest LB-BSP sampler's state that every weighted
 optimizer reads, the process's group_async runtime, and what must be drained before Horovod shuts
 down. One process trains one rank, so there is one; the Horovod hook keeps its own
 (`crossover.plugins.hook.runtime`).
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from crossover.plugins.aggregation.lbbsp.state import SamplerLink
+from crossover.settings import AggregationSettings
 
 if TYPE_CHECKING:
     from crossover.plugins.aggregation.group_async.runtime import GroupRuntime
@@ -27,6 +29,8 @@ class AggregationState:
 
     selected: dict[str, Optional[str]] = field(  # set_aggregation's choice, over the environment's
         default_factory=lambda: {"rule": None, "adasum_impl": None, "adasum_algorithm": None})
+    given: Optional[AggregationSettings] = None  # use_settings's, in place of the environment's
+    read: Optional[AggregationSettings] = None  # the environment's, read here once where no hook read it
     lbbsp: SamplerLink = field(default_factory=SamplerLink)  # the newest sampler's state, for every hook
     group: Optional[GroupRuntime] = None  # shared by the group_async sampler and optimizer
     building: threading.local = field(default_factory=threading.local)  # `.active`: inside distributed_optimizer

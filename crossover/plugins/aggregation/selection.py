@@ -1,6 +1,9 @@
 """Which aggregation rule new optimizers get: ``CROSSOVER_AGGREGATION`` or :func:`set_aggregation` (which wins).
 
-Without either, nothing changes: Horovod does what the script asked for.
+Without either, nothing changes: Horovod does what the script asked for. The environment is read once
+per process: the rules follow the plugin's read (``PluginSettings.aggregation``, which the Horovod hook
+keeps) or, in a script that builds its optimizers without the hook, this module's own, made at first
+use. :func:`use_settings` puts other settings in their place.
 """
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ from typing import Any, Literal, Optional
 
 from crossover.errors import CrossoverError
 from crossover.plugins.aggregation.process_state import STATE
-from crossover.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings
+from crossover.plugins.hook.runtime import RUNTIME
+from crossover.settings import ADASUM_ALGORITHMS, ADASUM_IMPLS, AGGREGATION_RULES, AggregationSettings, SettingError
 
-__all__ = ["AggregationError", "Rule", "current_rule", "prepare_horovod", "set_aggregation", "settings"]
+__all__ = ["AggregationError", "Rule", "current_rule", "prepare_horovod", "set_aggregation", "settings",
+           "use_settings"]
 
 Rule = Literal["average", "sum", "adasum", "weighted", "group_async"]
 
@@ -42,9 +47,27 @@ def set_aggregation(
     STATE.selected.update(rule=rule, adasum_impl=adasum_impl, adasum_algorithm=adasum_algorithm)
 
 
+def use_settings(chosen: Optional[AggregationSettings]) -> None:
+    """Follow `chosen` in place of the environment's settings (a workload that trains several configurations
+    in one process); ``None`` goes back to the environment, read afresh at the next use."""
+    STATE.given = chosen
+    STATE.read = None
+
+
+def _environment() -> AggregationSettings:
+    """:func:`use_settings`'s, else the Horovod hook's read, else this module's own (made once)."""
+    if STATE.given is not None:
+        return STATE.given
+    if RUNTIME.settings is not None:
+        return RUNTIME.settings.aggregation
+    if STATE.read is None:
+        STATE.read = AggregationSettings.from_env()
+    return STATE.read
+
+
 def settings() -> AggregationSettings:
-    """Environment settings with the in-code selection applied on top."""
-    env = AggregationSettings.from_env()
+    """The environment's settings with the in-code selection applied on top."""
+    env = _environment()
     changes: dict[str, Any] = {key: value for key, value in STATE.selected.items() if value is not None}
     return dataclasses.replace(env, **changes) if changes else env
 
@@ -58,6 +81,10 @@ def current_rule() -> Optional[str]:
 def prepare_horovod() -> None:
     """Before ``hvd.init()``: ``group_async`` re-forms Horovod process sets at epoch boundaries, which
     Horovod allows only with dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``); set it unless
-    the environment says otherwise."""
-    if os.environ.get("CROSSOVER_AGGREGATION", "").strip().lower() == "group_async":
+    the environment says otherwise. A bad setting is left for the rules to report where they are used."""
+    try:
+        rule = settings().rule
+    except SettingError:
+        return
+    if rule == "group_async":
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")

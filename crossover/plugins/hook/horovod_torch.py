@@ -46,14 +46,14 @@ def install(settings: PluginSettings | None = None) -> bool:
     except ImportError as exc:
         _log.warning("horovod.torch is not importable (%s); crossover does nothing", exc)
         return False
+    if RUNTIME.original_optimizer is not None:
+        return True
+    RUNTIME.settings = settings  # first: the aggregation rules follow this read of the environment
     from crossover.plugins.aggregation.selection import prepare_horovod
 
     prepare_horovod()
-    if RUNTIME.original_optimizer is not None:
-        return True
     original = hvd.DistributedOptimizer
     RUNTIME.original_optimizer = original
-    RUNTIME.settings = settings
 
     @functools.wraps(original)
     def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from crossover.plugins.aggregation import set_aggregation
+from crossover.plugins.aggregation import set_aggregation, use_settings
 from crossover.plugins.aggregation.process_state import STATE
 
 
@@ -17,9 +17,11 @@ def _clean(monkeypatch):
                  "CROSSOVER_LBBSP_PERIOD", "CROSSOVER_LBBSP_MAX_BATCH", "CROSSOVER_LBBSP_METHOD"):
         monkeypatch.delenv(name, raising=False)
     set_aggregation(None)
+    use_settings(None)
     STATE.lbbsp.state = None
     yield
     set_aggregation(None)
+    use_settings(None)
     STATE.lbbsp.state = None
 
 

@@ -1,6 +1,8 @@
 """Aggregation selection and the optimizer builder, in process with a fake Horovod."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -16,7 +18,8 @@ from crossover.plugins.aggregation import (
     set_aggregation,
     weight_scale,
 )
-from crossover.settings import AggregationSettings, SettingError
+from crossover.plugins.aggregation.process_state import STATE
+from crossover.settings import AggregationSettings, LBBSPSettings, SettingError
 from tests.unit.plugins._aggregation_fixtures import FakeHvd, FakeProcessSet, _clean, fake_factory, sgd  # noqa: F401
 
 # --- selection and settings ---------------------------------------------------
@@ -55,9 +58,25 @@ def test_settings_parse(monkeypatch):
     monkeypatch.setenv("CROSSOVER_LBBSP_MAX_BATCH", "64, 64,32")
     monkeypatch.setenv("CROSSOVER_LBBSP_PERIOD", "4")
     settings = AggregationSettings.from_env()
-    assert settings.lbbsp_max_batch == (64, 64, 32)
-    assert settings.lbbsp_period == 4
+    assert settings.lbbsp.max_batch == (64, 64, 32)
+    assert settings.lbbsp.period == 4
     assert settings.rule == ""
+
+
+def test_the_sampler_is_tuned_by_the_environment_unless_given_its_own_lbbsp_settings(monkeypatch):
+    monkeypatch.setenv("CROSSOVER_LBBSP_PERIOD", "7")
+    monkeypatch.setenv("CROSSOVER_LBBSP_MAX_BATCH", "40")
+    monkeypatch.setenv("CROSSOVER_LBBSP_MIN_GAIN", "0.25")
+    set_aggregation("weighted")
+    aggregation.batch_sampler(100, 64, process_set=FakeProcessSet(0, 2))
+    state = STATE.lbbsp.state
+    assert (state.controller.config.period, state.controller.config.max_batch, state.min_gain) == (7, 40, 0.25)
+    own = dataclasses.replace(aggregation.settings().lbbsp, period=3, max_batch=(40, 30), method="numerical")
+    aggregation.batch_sampler(100, 64, lbbsp=own, process_set=FakeProcessSet(1, 2))
+    config = STATE.lbbsp.state.controller.config
+    assert (config.period, config.max_batch, config.method) == (3, (40, 30), "numerical")
+    with pytest.raises(AggregationError, match="unknown LB-BSP method 'narx'"):
+        aggregation.batch_sampler(100, 64, lbbsp=LBBSPSettings(method="narx"), process_set=FakeProcessSet(0, 2))
 
 
 def test_set_aggregation_rejects_unknown_names():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
-from crossover.plugins.aggregation.group_async.decisions import plan_steps
+from crossover.plugins.aggregation.group_async.decisions import Boundary, Standing, decide, plan_steps
 from crossover.plugins.aggregation.group_async.epoch_account import EpochAccount
 from crossover.plugins.aggregation.group_async.member_shares import MemberShares
+from crossover.plugins.aggregation.group_async.schedule import Schedule
 
 
 class _Clock:
@@ -74,3 +75,18 @@ def test_steps_per_group_follow_measured_paces_else_split_evenly():
     assert fast_first[0] > fast_first[1]
     assert plan_steps(groups, [0.001, 0.001, 0.004, 0.004], 1280, 32, True, 4, True) == [10, 10]
     assert plan_steps(groups, [0.1] * 4, 0, 32, False, 4, True) == [0, 0]
+
+
+def test_a_boundary_decides_groups_stage_and_steps_from_what_the_ranks_bring():
+    staged = Schedule("staged", 0.5, 4)
+    configured = ((0, 1), (2, 3))
+    everyone = ((0, 1, 2, 3),)
+    job = Standing(staged, staged.stage, "speed", True, configured, everyone, boundaries=0, world=4)
+    first = decide(Boundary("start", [math.nan] * 4, None, 1280, 32), job)
+    assert first["groups"] == [[0, 1, 2, 3]] and first["stage"]["name"] == "profile" and first["steps"] == [10]
+    paces = [0.001, 0.004, 0.001, 0.004]
+    after = decide(Boundary("profile", paces, 0.0, 1280, 32),
+                   Standing(staged, staged.stage, "speed", True, configured, everyone, boundaries=1, world=4))
+    assert after["stage"]["name"] == "coarse" and staged.stage.name == "coarse"
+    assert after["groups"] == [[0, 2], [1, 3]], "ranks of a pace together"
+    assert after["steps"][0] > after["steps"][1]

@@ -26,7 +26,7 @@ import torch
 
 from crossover.plugins.aggregation.group_async.checkpoint import read_record
 from crossover.plugins.aggregation.group_async.codec import Codec
-from crossover.plugins.aggregation.group_async.decisions import decide, plan_steps
+from crossover.plugins.aggregation.group_async.decisions import Boundary, Standing, decide, plan_steps
 from crossover.plugins.aggregation.group_async.epoch_account import EpochAccount
 from crossover.plugins.aggregation.group_async.flat_params import flatten, load_flat
 from crossover.plugins.aggregation.group_async.grouping import Groups, parse_groups
@@ -299,10 +299,9 @@ class GroupRuntime:
             paces = list(self._paces)  # nothing measured yet: a resumed run plans from the paces it saved
         decision = None
         if self.rank == 0:
-            decision = decide(kind, paces, change, samples, batch, schedule=self.schedule,
-                              grouping=self.config.grouping, balanced=self.config.group_balance,
-                              configured=self.configured, groups=self.groups, stage=self.stage,
-                              boundaries=self.boundaries, world=self.world)
+            decision = decide(Boundary(kind, paces, change, samples, batch),
+                              Standing(self.schedule, self.stage, self.config.grouping, self.config.group_balance,
+                                       self.configured, self.groups, self.boundaries, self.world))
             if self.link is not None:  # before anyone leaves the boundary: only these groups' clocks count
                 self.link.regroup([g[0] for g in decision["groups"]])
         decision = hvd.broadcast_object(decision, root_rank=0, name="crossover.group_async.decision")
