@@ -22,13 +22,10 @@ run's final accuracy less 0.5 points), each over the no-straggler sync run's
 time, beside the capacity bound (``world / sum(speed)``, see `bounds`); the
 final accuracy (for group_async, of the one model the groups mix into at the
 end) against sync's; and the staleness histogram the parameter service
-measured (never above the bound). ``--exchange-cost`` times one exchange with
-a real service process over loopback TCP with each codec and through shared
-memory, against model size.
+measured (never above the bound). What one exchange costs is `bench.exchange_cost`.
 
     python -m bench.group_async [--quick] [--datasets digits,mnist1d] [--out results/group_async]
     python -m bench.group_async --datasets mnist1d-5m --ranks 8 --repeats 2 --methods ga-static,async
-    python -m bench.group_async --exchange-cost
 
 Writes `<out>.json` (after every job), `<out>_<workload>.png` (the first repeat's curves and staleness
 histograms) and prints a table per workload: medians over repeats with their range.
@@ -294,56 +291,6 @@ def plot(dataset: str, data: dict[str, Any], stem: Path) -> str:
     return str(path)
 
 
-EXCHANGE_SIZES = (1_000_000, 10_000_000, 25_000_000)
-# (label, codec, shared memory): TCP with each codec, and a leader on the service's node
-EXCHANGE_PATHS = (("tcp fp32", "fp32", False), ("tcp fp16", "fp16", False), ("tcp topk 1%", "topk", False),
-                  ("shared memory", "fp32", True))
-
-
-def exchange_cost(console: Console, sizes: tuple[int, ...] = EXCHANGE_SIZES) -> list[dict[str, Any]]:
-    """One leader's exchange with the service process rank 0 would start (its default state directory),
-    over loopback TCP with each codec and through shared memory, by model size. A leader pushes a model
-    that moved since its last answer and waits for the new one: the figure is the whole call."""
-    import torch
-
-    from crossover.plugins.aggregation.group_async.codec import Codec
-    from crossover.plugins.aggregation.group_async.link import ServiceLink
-    from crossover.plugins.aggregation.group_async.service_process import ServiceProcess
-
-    rows = []
-    for numel in sizes:
-        for group, (label, kind, shared) in enumerate(EXCHANGE_PATHS):
-            service = ServiceProcess("127.0.0.1", 4)
-            try:
-                _, port = service.start()
-                link = ServiceLink(("127.0.0.1", port), service.token, group=group, codec=Codec(kind, 0.01),
-                                   **({"shared_memory": True} if shared else {}))
-                model = torch.zeros(numel)
-                link.start(model)
-                if shared and not getattr(link, "local", False):
-                    console.print(f"  {label}: not available here; skipped")
-                    link.close()
-                    continue
-                times = []
-                for _ in range(3 + (4 if numel >= 10_000_000 else 12)):
-                    model.add_(0.001)
-                    started = time.perf_counter()
-                    link.exchange(model, wait=True)
-                    times.append(time.perf_counter() - started)
-                link.close()
-            finally:
-                service.stop()
-            times = sorted(times[3:])  # the first three map fresh pages
-            p50 = times[len(times) // 2]
-            rows.append({"params": numel, "mb_fp32": numel * 4 / 1e6, "path": label, "codec": kind,
-                         "shared_memory": shared, "exchange_ms_p50": 1e3 * p50,
-                         "exchange_ms_min": 1e3 * times[0], "exchange_ms_max": 1e3 * times[-1],
-                         "model_gb_per_s": numel * 4 / p50 / 1e9, "repeats": len(times)})
-            console.print(f"  {numel:>11,} params {label:>14}: {1e3 * p50:8.2f} ms "
-                          f"({numel * 4 / p50 / 1e9:.2f} GB/s of model)")
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="half the epochs (about 10 minutes per dataset)")
@@ -355,16 +302,10 @@ def main() -> None:
                    f"default all: {', '.join(methods(4))}")
     p.add_argument("--pace", default="auto", help="device emulation factor, or auto (from the load average)")
     p.add_argument("--out", default="", help="output stem (default results/group_async[_quick])")
-    p.add_argument("--exchange-cost", action="store_true", help="only time exchanges against model size")
     args = p.parse_args()
     console = Console()
     out = Path(args.out or ("results/group_async" + ("_quick" if args.quick else "")))
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.exchange_cost:
-        rows = exchange_cost(console)
-        Path(f"{out}_exchange_cost.json").write_text(json.dumps(rows, indent=1))
-        console.print(f"wrote {out}_exchange_cost.json")
-        return
     unknown = [d for d in args.datasets.split(",") if d not in PAIRS]
     if unknown or args.ranks < 2 or args.repeats < 1:
         p.error(f"workloads must be among {', '.join(PAIRS)}; --ranks >= 2; --repeats >= 1")

@@ -102,7 +102,7 @@ def test_a_service_resumes_from_the_one_file_an_older_service_kept(tmp_path: Pat
                                                       "clocks": {"0": 7}}))
     state = GlobalModel(bound=4, state_dir=tmp_path)
     assert state.version == 7 and np.allclose(state.model, [1.0, 2.0])
-    state.exchange(0, 7, "fp32", np.ones(2, dtype=np.float32).tobytes(), 2, wait=False)
+    state.exchange(0, 7, np.ones(2, dtype=np.float32), wait=False)
     assert np.allclose(GlobalModel(bound=4, state_dir=tmp_path).model, [2.0, 3.0])
 
 
@@ -176,7 +176,7 @@ def test_an_update_whose_answer_was_lost_is_counted_once(tmp_path: Path):
         link = _link(address, 0, torch.zeros(2))
         # The service applies exchange 0 (+1), then the answer is lost: the leader still holds it in flight.
         link.in_flight = (link.seq, torch.ones(2))
-        state.exchange(0, link.seq, "fp32", np.ones(2, dtype=np.float32).tobytes(), 2, wait=False)
+        state.exchange(0, link.seq, np.ones(2, dtype=np.float32), wait=False)
         link._drop(ConnectionResetError("answer lost"))
         model = link.exchange(torch.full((2,), 3.0))  # the group has learned 3 in all since its base of 0
         assert model is not None and np.allclose(model.numpy(), 3.0), model

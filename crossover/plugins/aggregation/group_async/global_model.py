@@ -23,7 +23,6 @@ from typing import Any, Optional
 import numpy as np
 
 from crossover.plugins.aggregation.group_async.clock import SSPClock
-from crossover.plugins.aggregation.group_async.codec import decode
 from crossover.plugins.aggregation.group_async.wire import node_identity
 
 __all__ = ["GlobalModel"]
@@ -139,18 +138,21 @@ class GlobalModel:
             self.clock.activate(group)
             return {"version": self.version, "last_seq": self.last_seq.get(group, -1), "node": node_identity()}
 
-    def exchange(self, group: int, seq: int, kind: str, payload: bytes | bytearray | memoryview | np.ndarray,
-                 numel: int, wait: bool, epoch: int = -1, taken: int = 0, ticks: int = 1) -> dict[str, Any]:
-        """Apply a group's update (once per ``seq``), then wait until the group is within the bound.
+    def exchange(self, group: int, seq: int, update: np.ndarray, wait: bool, epoch: int = -1, taken: int = 0,
+                 ticks: int = 1) -> dict[str, Any]:
+        """Apply a group's update (flat float32, decoded: `codec.decode`) once per ``seq``, then wait until the
+        group is within the bound.
         ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does; ``ticks``, the
         exchange periods the group worked since its last exchange (its clock advances by as many)."""
         with self._cond:
             if self.model is None:
                 raise ValueError("exchange before hello")
+            if update.size != self.model.size:
+                raise ValueError(f"an update of {update.size} values for a model of {self.model.size}")
             consumed = self._count(group, epoch, taken)
             duplicate = seq <= self.last_seq.get(group, -1)
             if not duplicate:
-                self._add(decode(kind, payload, numel))
+                self._add(update)
                 self.version += 1
                 self.last_seq[group] = seq
                 self.clock.tick(group, ticks)

@@ -123,6 +123,7 @@ class ServiceLink:
         # Over TCP, the buffers an update is written to and answers land in, kept from one exchange to the
         # next (a model's worth of fresh memory costs more in page faults than the bytes it receives).
         self._outbox: Optional[torch.Tensor] = None
+        self._wide: Optional[torch.Tensor] = None  # an fp16 answer, widened before it is added
         self._inboxes: list[np.ndarray] = []
 
     # ---- connection ----------------------------------------------------
@@ -318,7 +319,10 @@ class ServiceLink:
             self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))  # our inbox until an answer after it
         else:  # how the global model differs from the model this group last received, added where it is held
             held = self._held if self._held is not None else self.base
-            self.base = held.add_(torch.from_numpy(decode(str(reply["answer"]), body, held.numel())))
+            if self._wide is None or self._wide.numel() != held.numel():
+                self._wide = torch.empty(held.numel(), dtype=torch.float32)
+            difference = decode(str(reply["answer"]), body, held.numel(), out=self._wide.numpy())
+            self.base = held.add_(torch.from_numpy(difference))
         self._held = self.base
         self.answer_bytes.append(len(body))
         self.exchange_s.append(time.perf_counter() - started)

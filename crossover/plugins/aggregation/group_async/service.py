@@ -76,6 +76,12 @@ class _Handler(socketserver.BaseRequestHandler):
     inbox: Optional[np.ndarray] = None
     outbox: Optional[np.ndarray] = None
     half: Optional[np.ndarray] = None  # fp16 answers: the difference cast to half precision
+    wide: Optional[np.ndarray] = None  # fp16 updates: widened to float32 before they are added
+
+    def _wide(self, numel: int) -> np.ndarray:
+        if self.wide is None or self.wide.size != numel:
+            self.wide = np.empty(numel, dtype=np.float32)
+        return self.wide
 
     def _receive_into(self, n: int) -> memoryview:
         if self.inbox is None or self.inbox.size < n:
@@ -137,7 +143,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if kind == "fp16" and (self.half is None or self.half.size != model.size):
             self.half = np.empty(model.size, dtype=np.float16)
         body = encode_answer(kind, model, fraction, self.half)
-        self.held += decode(kind, body, model.size)
+        self.held += decode(kind, body, model.size, out=self._wide(model.size))
         return {**reply, "answer": kind}, body
 
     def _one(self, state: GlobalModel, header: dict[str, Any],
@@ -149,10 +155,11 @@ class _Handler(socketserver.BaseRequestHandler):
             self.slots = tuple(_map_slots(list(header["slots"]), int(header["numel"])))
             return {"ok": True}, b""
         if op == "exchange":
+            numel = int(header["numel"])
             update = self._slot(header, "slot")
-            reply = state.exchange(int(header["group"]), int(header["seq"]), str(header["codec"]),
-                                   payload if update is None else update,
-                                   int(header["numel"]), bool(header.get("wait", True)),
+            if update is None:
+                update = decode(str(header["codec"]), payload, numel, out=self._wide(numel))
+            reply = state.exchange(int(header["group"]), int(header["seq"]), update, bool(header.get("wait", True)),
                                    int(header.get("epoch", -1)), int(header.get("taken", 0)),
                                    int(header.get("ticks", 1)))
             answer = self._slot(header, "answer")
