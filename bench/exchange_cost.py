@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.lib.results import write_json
+from crossover.figures import percentile
 
 SIZES_M = (1, 10, 25)
 # (label, codec, shared memory): TCP with each codec, and a leader on the service's node
@@ -64,7 +65,7 @@ def time_exchanges(address: tuple[str, int], token: str, group: int, kind: str, 
 
 def _row(numel: int, label: str, kind: str, shared: bool, times: list[float], where: str) -> dict[str, Any]:
     times = sorted(times)
-    p50 = times[len(times) // 2]
+    p50 = percentile(times, 50)
     return {"params": numel, "mb_fp32": numel * 4 / 1e6, "path": label, "codec": kind, "shared_memory": shared,
             "where": where, "exchange_ms_p50": 1e3 * p50, "exchange_ms_min": 1e3 * times[0],
             "exchange_ms_max": 1e3 * times[-1], "model_gb_per_s": numel * 4 / p50 / 1e9, "repeats": len(times)}
@@ -104,6 +105,7 @@ def over_link(console: Console, rate_mbit: float, sizes: tuple[int, ...]) -> lis
     rows = []
     where = f"link {rate_mbit:g} Mbit/s"
     with tempfile.TemporaryDirectory(prefix="crossover-exchange-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="crossover-exchange-", dir=_state_root()) as state, \
             Cluster(ClusterSpec(nodes=2, link=Link(rate_mbit=rate_mbit)), workdir=Path(tmp) / "cluster") as cluster:
         token_file, port_file = Path(tmp) / "token", Path(tmp) / "port"
         token_file.write_text("exchange-cost")
@@ -116,7 +118,8 @@ def over_link(console: Console, rate_mbit: float, sizes: tuple[int, ...]) -> lis
                 service = subprocess.Popen(
                     ["ip", "netns", "exec", cluster.nodes[0].netns, sys.executable, "-m",
                      "crossover.plugins.aggregation.group_async.service", "--host", "0.0.0.0", "--bound", "4",
-                     "--token-file", str(token_file), "--port-file", str(port_file), "--log-level", "WARNING"])
+                     "--token-file", str(token_file), "--port-file", str(port_file), "--log-level", "WARNING",
+                     "--state-dir", str(Path(state) / f"{numel}-{kind}")])
                 try:
                     port = _wait_port(port_file, service)
                     done = cluster.exec(1, [sys.executable, "-m", "bench.exchange_cost", "--leader",
@@ -132,6 +135,13 @@ def over_link(console: Console, rate_mbit: float, sizes: tuple[int, ...]) -> lis
                 console.print(f"  {numel:>11,} params {label:>14} over {where}: "
                               f"{rows[-1]['exchange_ms_p50']:8.1f} ms")
     return rows
+
+
+def _state_root() -> str | None:
+    """Where the service keeps its model, as rank 0's would (`service_process`): /dev/shm where there is one."""
+    from crossover.plugins.aggregation.group_async.link import SHM_DIR, shared_memory_usable
+
+    return str(SHM_DIR) if shared_memory_usable() else None
 
 
 def _wait_port(port_file: Path, service: subprocess.Popen, timeout_s: float = 60.0) -> int:

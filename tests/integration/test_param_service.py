@@ -224,3 +224,31 @@ def test_a_remote_leader_with_a_lossy_codec_is_answered_with_differences_that_lo
             errors.append(float((model - truth).abs().max()))
         assert max(reader.answer_bytes[1:]) == (2000 if kind == "fp16" else 800)  # fp16, or 10 % as index+value
         assert errors[-1] <= 1e-6 < errors[0], errors  # what one answer left out, a later one carried
+
+
+@pytest.mark.parametrize("kind", ["fp16", "topk"])
+def test_a_lossy_exchange_whose_answer_was_lost_is_counted_once(kind: str, tmp_path: Path):
+    """The service applies an fp16 or top-k update whose answer the leader never sees; the leader re-attaches
+    and exchanges again. What the service holds plus what top-k has not sent yet is what the leader learned:
+    nothing twice (top-k's residual must not also carry what the retry's update carries again), since the
+    group goes on from the model that exchange returns."""
+    state = GlobalModel(bound=4, state_dir=tmp_path)
+    with serving(state) as address:
+        link = ServiceLink(address, TOKEN, 0, Codec(kind, fraction=0.5), timeout_s=20.0)
+        link.start(torch.zeros(4))
+        model = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        real_call = link._call
+
+        def lose_the_answer(header, payload=b""):
+            reply = real_call(header, payload)  # the service applied it
+            if header["op"] == "exchange":
+                raise ConnectionResetError("answer lost")
+            return reply
+
+        link._call = lose_the_answer  # type: ignore[method-assign]
+        assert link.exchange(model) is None and link.outages == 1
+        link._call = real_call  # type: ignore[method-assign]
+        assert link.exchange(model) is not None  # the group then trains on what this returns: no second chance
+        unsent = link.codec.residual if kind == "topk" else torch.zeros(4)
+        assert state.model is not None and unsent is not None
+        assert np.allclose(state.model + unsent.numpy(), model.numpy(), atol=1e-3), (state.model, unsent)

@@ -26,12 +26,17 @@ CODECS = ("fp32", "fp16", "topk")
 
 @dataclass
 class Codec:
-    """Encoder of one group leader's updates (``topk`` keeps its residual here)."""
+    """Encoder of one group leader's updates (``topk`` keeps its residual here).
+
+    An exchange the service may not have answered ends in :meth:`undo`: the leader's next update counts
+    from its old base again, so it carries what this one left out, and the residual must not carry it too."""
 
     kind: str = "fp32"
     fraction: float = 0.01
     residual: Optional[torch.Tensor] = None
-    _half: Optional[torch.Tensor] = field(default=None, repr=False)  # fp16: the buffer each update is cast into
+    # fp16: the buffer each update is cast into; topk: the residual before the last encode, until it is settled
+    _half: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
+    _before: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in CODECS:
@@ -51,6 +56,13 @@ class Codec:
             return update.copy_(self._half)
         return torch.from_numpy(decode(self.kind, payload, update.numel()))
 
+    def settle(self, answered: bool) -> None:
+        """The last encoded update was answered (keep the residual it left), or may never have been applied
+        (go back to the residual before it)."""
+        if not answered and self._before is not None:
+            self.residual = self._before
+        self._before = None
+
     def encode(self, update: torch.Tensor) -> bytes | memoryview:
         """Bytes for ``update`` (flat float32); ``decode(kind, bytes, update.numel())`` reads them.
         ``fp32`` returns a view of ``update``'s own memory (no copy, valid while ``update`` is unchanged),
@@ -67,6 +79,7 @@ class Codec:
             return as_bytes(self._half)
         if self.residual is None or self.residual.numel() != flat.numel():
             self.residual = torch.zeros_like(flat)
+        self._before = self.residual
         full = flat + self.residual
         k = max(1, int(self.fraction * full.numel()))
         index = torch.topk(full.abs(), k, sorted=False).indices
@@ -113,10 +126,8 @@ def cast(src: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def encode_answer(kind: str, delta: np.ndarray, fraction: float,
                   half: Optional[np.ndarray] = None) -> bytes | memoryview:
-    """The service's side of a codec: bytes for ``delta`` that :func:`decode` reads. For ``fp16``, ``half``
+    """The service's side of a lossy codec: bytes for ``delta`` that :func:`decode` reads. For ``fp16``, ``half``
     (a float16 buffer of ``delta``'s size) is cast into and viewed, rather than fresh memory."""
-    if kind == "fp32":
-        return delta.astype(np.float32, copy=False).tobytes()
     if kind == "fp16":
         if half is None or half.size != delta.size:
             half = np.empty(delta.size, dtype=np.float16)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from crossover.figures import percentile
 from crossover.plugins.aggregation.group_async.clock import SSPClock
 from crossover.plugins.aggregation.group_async.wire import node_identity
 
@@ -231,7 +232,8 @@ class GlobalModel:
             return 0 if self.model is None else int(self.model.size)
 
     def snapshot(self, into: Optional[np.ndarray] = None) -> bytes:
-        """The global model's bytes; with ``into`` (a leader's shared buffer), copied there instead."""
+        """The global model's bytes; with ``into`` (a leader's shared buffer, or the buffer a connection sends
+        its answers from), copied there instead."""
         with self._cond:
             if self.model is None:
                 raise ValueError("the service holds no model yet")
@@ -247,7 +249,7 @@ class GlobalModel:
             waits = sorted(self.waits_s)
             return {"version": self.version, "bound": self.clock.bound, "clocks": dict(self.clock.clocks),
                     "gaps": {str(k): v for k, v in sorted(self.gaps.items())}, "exchanges": sum(self.gaps.values()),
-                    "wait_p50_s": waits[len(waits) // 2] if waits else 0.0, "wait_max_s": waits[-1] if waits else 0.0,
+                    "wait_p50_s": percentile(waits, 50) if waits else 0.0, "wait_max_s": waits[-1] if waits else 0.0,
                     "resumed_from": self.resumed_from, "start_version": self.start_version,
                     "samples": {str(e): {str(g): n for g, n in sorted(by.items())}
                                 for e, by in sorted(self.taken.items())}}

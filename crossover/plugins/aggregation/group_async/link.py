@@ -300,8 +300,10 @@ class ServiceLink:
                 self.in_flight = (self.seq, self.codec.sent(update, payload))
                 reply, body = self._call({**header, "fraction": self.codec.fraction}, payload)
         except (OSError, WireError) as exc:
+            self.codec.settle(answered=False)
             self._drop(exc)
             return None
+        self.codec.settle(answered=True)
         self.in_flight = None
         if reply.get("duplicate"):  # hello() settles a lost answer, so this is a bug, not an outage
             _log.error("group %d: the service had already applied exchange %d; skipping it", self.group, self.seq)
@@ -319,9 +321,11 @@ class ServiceLink:
             self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))  # our inbox until an answer after it
         else:  # how the global model differs from the model this group last received, added where it is held
             held = self._held if self._held is not None else self.base
-            if self._wide is None or self._wide.numel() != held.numel():
+            kind = str(reply["answer"])
+            if kind == "fp16" and (self._wide is None or self._wide.numel() != held.numel()):
                 self._wide = torch.empty(held.numel(), dtype=torch.float32)
-            difference = decode(str(reply["answer"]), body, held.numel(), out=self._wide.numpy())
+            wide = self._wide.numpy() if kind == "fp16" and self._wide is not None else None
+            difference = decode(kind, body, held.numel(), out=wide)
             self.base = held.add_(torch.from_numpy(difference))
         self._held = self.base
         self.answer_bytes.append(len(body))

@@ -143,7 +143,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if kind == "fp16" and (self.half is None or self.half.size != model.size):
             self.half = np.empty(model.size, dtype=np.float16)
         body = encode_answer(kind, model, fraction, self.half)
-        self.held += decode(kind, body, model.size, out=self._wide(model.size))
+        self.held += decode(kind, body, model.size, out=self._wide(model.size) if kind == "fp16" else None)
         return {**reply, "answer": kind}, body
 
     def _one(self, state: GlobalModel, header: dict[str, Any],
@@ -158,11 +158,14 @@ class _Handler(socketserver.BaseRequestHandler):
             numel = int(header["numel"])
             update = self._slot(header, "slot")
             if update is None:
-                update = decode(str(header["codec"]), payload, numel, out=self._wide(numel))
+                kind = str(header["codec"])
+                update = decode(kind, payload, numel, out=self._wide(numel) if kind == "fp16" else None)
             reply = state.exchange(int(header["group"]), int(header["seq"]), update, bool(header.get("wait", True)),
                                    int(header.get("epoch", -1)), int(header.get("taken", 0)),
                                    int(header.get("ticks", 1)))
             answer = self._slot(header, "answer")
+            if reply["duplicate"]:  # the leader discards it: its held model must not move either
+                return reply, b""
             if answer is None and header["codec"] in ("fp16", "topk"):
                 return self._difference(state, reply, str(header["codec"]), float(header.get("fraction", 0.01)))
             return reply, self._answer(state, answer)
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the first model's version when --state-dir holds none (a run resumed from a checkpoint)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    # fp16's casts load torch here (`codec.cast`): one thread, beside the job's ranks on this node's cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s param-service %(levelname)s %(message)s")
     token = Path(args.token_file).read_text().strip()
     state = GlobalModel(args.bound, Path(args.state_dir) if args.state_dir else None,
