@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from crossover.protos import node_socket_path
+from crossover.protos.priority import NAMES
 from crossover.setting_fields import (
     Setting,
     SettingError,
@@ -65,7 +66,6 @@ ADASUM_IMPLS = ("auto", "native", "plugin")
 ADASUM_ALGORITHMS = ("auto", "allgather", "recursive_doubling")
 LBBSP_METHODS = ("ema", "numerical")
 TRANSPORTS = ("auto", "grpc")
-PRIORITIES = ("low", "normal", "high")
 _MANY = 1_000_000
 
 
@@ -205,7 +205,7 @@ class PluginSettings:
     lease: bool = setting("CROSSOVER_LEASE", True, boolean,
                           "Accept a lease when this rank's job is alone on its device: it then computes without a "
                           "grant round trip per iteration until another job's rank joins; 0: always wait for grants.")
-    priority: str = setting("CROSSOVER_PRIORITY", "", choice(PRIORITIES),
+    priority: str = setting("CROSSOVER_PRIORITY", "", choice(NAMES),
                             "This job's class on a shared device: low (it fills the gaps of the jobs that matter and "
                             "yields when they ask), normal, or high. A rank may lower the class its node gives its "
                             "user, never raise it: above that is the operator's (crossoverd --class-rule, crossover "

@@ -303,7 +303,8 @@ def _scheduler_settings(flags: dict[str, Any]) -> SchedulerSettings:
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--reserve") from None
     return SchedulerSettings(
-        policy=flags["policy"], node=flags["node_name"], heartbeat_interval_s=min(0.2, heartbeat_timeout / 4),
+        policy=flags["policy"], node=flags["node_name"],
+        heartbeat_interval_s=min(SchedulerSettings.heartbeat_interval_s, heartbeat_timeout / 4),
         liveness=LivenessSettings(heartbeat_timeout_s=heartbeat_timeout, evict_after_s=evict_after,
                                   overdue_factor=flags["overdue_factor"], overdue_after_s=flags["overdue_after"],
                                   overdue_warmup_s=flags["overdue_warmup"], max_hold_s=flags["max_hold"]),

@@ -25,7 +25,7 @@ _log = logging.getLogger("crossover.daemon.scheduler")
 class JobOwnership:
     """Jobs' owners and classes over the scheduler's state. The scheduler calls `check_owner`, `give_class`,
     `reclassify` and the readers with the lock held; the calls from outside (`refuse_unnamed`,
-    `set_job_class`, `job_class`) take it themselves."""
+    `set_job_class`) take it themselves."""
 
     def __init__(self, state: SchedulerState, rules: ClassRules) -> None:
         self._state = state
@@ -140,12 +140,7 @@ class JobOwnership:
             d = Decision()
             self.reclassify(job_id, now, d)
             self._state.commit(d, now)
-        self._state.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority), weight=cls.weight,
-                           caller=caller)
+        self._state.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority),
+                                  weight=cls.weight, caller=caller)
         _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
         return job_id, cls
-
-    def job_class(self, job_id: str) -> tuple[JobClass, str]:
-        """The job's class on this node and what set it (\"operator\", a rule, \"rank\" or \"\")."""
-        with self._state.lock:
-            return self.class_and_setter(job_id)

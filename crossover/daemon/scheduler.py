@@ -29,6 +29,7 @@ from crossover.daemon.grant_payoff import PayoffSettings
 from crossover.daemon.handover import Pages, PagesUnavailable
 from crossover.daemon.inventory import Inventory
 from crossover.daemon.leases import Leases
+from crossover.daemon.limits import StreamLimits
 from crossover.daemon.liveness import Liveness, LivenessSettings
 from crossover.daemon.messages import CloseMsg, GrantMsg, Message, PageMsg
 from crossover.daemon.ownership import JobOwnership
@@ -64,23 +65,24 @@ def _process(pid: int) -> psutil.Process | None:
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """How a node schedules, written once: `crossoverd`'s flags build one (their defaults are these), and the
-    tests and test beds build their own.
+    """How a node schedules, written once: `crossoverd`'s flags build one (their defaults are these: the
+    crossover policy, adapt, leases and the hand-over on), and the tests and test beds build their own.
 
     `policy`: the policy's name (`policies.available()`); `node`: the name this node reports (empty: the
     host's); `heartbeat_interval_s`: how often ranks send a heartbeat; `lease`: lease a device to the ranks
-    of a job alone on it; `max_sessions`: registered ranks at once (each registration costs every session on
-    its device a share update, so a flood of them is bounded); `adapt`: measure per device whether grants
-    pay (`payoff` says how); `class_rules`: the class a rank of each user or group gets; `classes`: the
-    class rules' settings (guard share, isolation target); `handover`: ranks that can end their turns on
-    their device do; `memory`: the memory reservations by class (`crossoverd --reserve`)."""
+    of a job alone on it; `max_sessions`: registered ranks at once (each registration costs every session
+    on its device a share update, so a flood of them is bounded: twice the streams a daemon serves);
+    `adapt`: measure per device whether grants pay (`payoff` says how); `class_rules`: the class a rank of
+    each user or group gets; `classes`: the class rules' settings (guard share, isolation target);
+    `handover`: ranks that can end their turns on their device do; `memory`: the memory reservations by
+    class (`crossoverd --reserve`)."""
 
     policy: str = "crossover"
     node: str = ""
     heartbeat_interval_s: float = 0.2
     liveness: LivenessSettings = LivenessSettings()
     lease: bool = True
-    max_sessions: int = 2048
+    max_sessions: int = 2 * StreamLimits.max_connections
     adapt: bool = True
     payoff: PayoffSettings = PayoffSettings()
     class_rules: ClassRules = ClassRules()

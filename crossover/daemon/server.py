@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -136,10 +136,10 @@ class Endpoints:
 
     socket_path: str | None = None
     listen: str | None = None
-    token: str | None = None
-    tls: tuple[bytes, bytes] | None = None
+    token: str | None = field(default=None, repr=False)
+    tls: tuple[bytes, bytes] | None = field(default=None, repr=False)
     session_socket: bool = True
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
     socket_group: int | None = None
     admin_group: int | None = None
     health_address: str | None = None

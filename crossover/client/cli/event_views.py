@@ -20,7 +20,8 @@ __all__ = ["draw_timeline", "stats_json", "stats_tables"]
 
 
 def stats_json(stats: Stats, log: PhaseLog) -> dict[str, Any]:
-    """`{"version": 1, "kind": "stats", ...}`: the window in seconds since the first event, then every row."""
+    """`{"version": JSON_VERSION, "kind": "stats", ...}`: the window in seconds since the first event, then every
+    row."""
     return {"version": JSON_VERSION, "kind": "stats",
             "window": {"since_s": stats.since - log.first, "until_s": stats.until - log.first,
                        "log_s": log.last - log.first},

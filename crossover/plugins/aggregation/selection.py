@@ -49,7 +49,8 @@ def set_aggregation(
 
 def use_settings(chosen: Optional[AggregationSettings]) -> None:
     """Follow `chosen` in place of the environment's settings (a workload that trains several configurations
-    in one process); ``None`` goes back to the environment, read afresh at the next use."""
+    in one process); ``None`` goes back to the environment's: the Horovod hook's read where it is installed,
+    else read afresh at the next use."""
     STATE.given = chosen
     STATE.read = None
 

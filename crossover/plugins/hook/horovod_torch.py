@@ -98,6 +98,7 @@ def uninstall() -> None:
         RUNTIME.stager.close()
     RUNTIME.stager = None
     RUNTIME.original_optimizer = RUNTIME.session = RUNTIME.phases = RUNTIME.device = None
+    RUNTIME.settings = None
 
 
 def _ensure_phases(hvd: Any, process_set: Any) -> PhaseReporter:

@@ -34,11 +34,11 @@ def test_a_job_on_a_node_is_its_first_named_users_and_no_other_user_joins_it(mak
     a, _ = join(s, job="job-a", rank=0, device=0)
     s.bind_peer(a, 0, 1000)
     b = s.register(ident(job="job-a", rank=1, device=0), asked=Priority.LOW).session_id
-    assert s.ownership.job_class("job-a")[0].priority is Priority.NORMAL  # its ask waits: no user named yet
+    assert s.ownership.class_and_setter("job-a")[0].priority is Priority.NORMAL  # its ask waits: no user named yet
     with pytest.raises(PermissionDenied, match="run by uid 1000; a rank of uid 1001 cannot join it"):
         s.bind_peer(b, 0, 1001)
     s.close(b, "refused")
-    assert s.ownership.job_class("job-a")[0].priority is Priority.NORMAL
+    assert s.ownership.class_and_setter("job-a")[0].priority is Priority.NORMAL
     c, _ = join(s, job="job-a", rank=1, device=0)
     s.bind_peer(c, 0, 1000)  # the job's own user
     d, _ = join(s, job="job-b", rank=0, device=0)
