@@ -3,7 +3,7 @@
 One `horovodrun --gloo` job per workload and repeat (4 ranks, or --ranks)
 trains every run in sequence (testbed/workloads/train_classifier.py, paced like
 bench/convergence/ so each rank behaves like its own device). The fault is
-always on the last rank. Scenarios:
+on the last rank, or the last few. Scenarios:
 
 * ``no_straggler``: sync, the reference time to target.
 * ``straggler``: the last rank delayed by 300 % (4x its compute time, a
@@ -14,6 +14,12 @@ always on the last rank. Scenarios:
   CROSSOVER_GROUP_SCHEDULE=staged) and ``async`` (G = ranks: every rank its
   own group).
 * ``stall``: the last rank stalls 2 s after a step with probability 5 %.
+* ``drift``: paces that change, as on a shared node whose other jobs come and go: the third rank from the
+  end is 3x slower from 20 s to 60 s of training, then itself again, and the last rank 3x slower from
+  70 s to 120 s (``DRIFT``). Its bound is the average one: the sync run's speeds over the whole run.
+* ``mixed``: the last three ranks at 1.5x, 2x and 4x, the others at 1x (``MIXED``).
+
+``drift`` and ``mixed`` run ``sync``, ``lbbsp``, ``ga-static``, ``ga-speed``, ``staged`` and ``async``.
 
 Workloads: ``digits`` (a small CNN), ``mnist1d`` (a 1-D CNN) and ``mnist1d-5m``
 (a 5.04 M-parameter MLP on MNIST-1D, generated offline). Reported per run:
@@ -53,6 +59,10 @@ from testbed.harness.jobs import WORKLOADS, rank_summaries
 WORKLOAD = WORKLOADS / "train_classifier.py"
 SLOWDOWN = 4.0  # the straggler: delayed by 300 %
 STALL = (2.0, 0.05)  # the stalling rank: 2 s after a step, with probability 5 %
+# Paces that change, as on a shared node whose other jobs come and go (seconds of each run's training):
+# one rank slows 3x for a while and recovers, another slows later.
+DRIFT = ((3.0, 20.0, 60.0), (3.0, 70.0, 120.0))
+MIXED = (1.5, 2.0, 4.0)  # the last ranks' slowdowns in the mixed scenario; the others run at 1x
 BOUND = 4
 # A workload: its data, model and training; "target"/"quick_target" are fixed accuracies, reported beside the
 # target the issue sets (the no-straggler sync run's final accuracy less RELATIVE_PP points).
@@ -85,14 +95,20 @@ def methods(world: int) -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def scenarios(world: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
-    """Each scenario's fault (on the last rank) and the methods it runs."""
+    """Each scenario's fault (on the last rank; drift and mixed: on the last few) and the methods it runs."""
     last = world - 1
+    every = ["sync", "lbbsp", "ga-static", "ga-speed", "staged", "async"]
+    (f1, a1, b1), (f2, a2, b2) = DRIFT
+    drift = f"{max(0, world - 3)}:{f1:g}@{a1:g}-{b1:g},{last}:{f2:g}@{a2:g}-{b2:g}"
+    mixed = ",".join(f"{world - len(MIXED) + i}:{f:g}" for i, f in enumerate(MIXED))
     return {
         "no_straggler": ({}, ["sync"]),
         "straggler": ({"straggler": f"{last}:{SLOWDOWN}", "straggler_work": "sleep"},
                       ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "staged", "async"]),
         "stall": ({"stall": f"{last}:{STALL[0]}:{STALL[1]}"}, ["sync", "ga-static", "ga-equal", "ga-speed", "lbbsp",
                                                               "async"]),
+        "drift": ({"drift": drift, "straggler_work": "sleep"}, every),
+        "mixed": ({"straggler": mixed, "straggler_work": "sleep"}, every),
     }
 
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Callable, Optional, Union
 
 __all__ = [
+    "Drift",
     "Stall",
     "Straggler",
     "StragglerSpecError",
@@ -222,3 +223,58 @@ class Stall:
             self.stalled_s += self.seconds
             return self.seconds
         return 0.0
+
+
+class Drift:
+    """A rank whose pace changes during the run, as a shared node's does when other jobs come and go:
+    ``"5:3@20-60,6:2@50-110"`` (``rank:factor@from-to``, seconds of the run's own training time) makes rank 5
+    three times slower from 20 s to 60 s, then itself again, and rank 6 twice as slow from 50 s to 110 s. A rank
+    may be listed again for another window; windows of one rank must not overlap. The slowing is a
+    :class:`Straggler`'s, with the same unit of work."""
+
+    def __init__(self, windows: list[tuple[float, float, float]], *, clock: Clock = time.perf_counter,
+                 work: Optional[Work] = None) -> None:
+        ordered = sorted(windows, key=lambda w: w[1])
+        for (_, _, end), (_, start, _) in zip(ordered, ordered[1:]):
+            if start < end:
+                raise StragglerSpecError(f"drift windows {ordered} overlap")
+        self.windows = ordered
+        self._stragglers = [Straggler(factor, clock=clock, work=work) for factor, _, _ in ordered]
+
+    @classmethod
+    def for_rank(cls, spec: str, rank: int, *, clock: Clock = time.perf_counter,
+                 work: Optional[Work] = None) -> Drift:
+        """The drift a spec gives ``rank`` (none when the spec does not name it)."""
+        windows = [w for r, w in parse_drift_spec(spec) if r == rank]
+        if windows:
+            logger.info("rank %d drifts: %s", rank, ", ".join(f"{f:g}x {a:g}-{b:g} s" for f, a, b in windows))
+        return cls(windows, clock=clock, work=work)
+
+    def factor_at(self, at_s: float) -> float:
+        """The slowdown at ``at_s`` seconds of training (1: the rank's own pace)."""
+        return next((factor for factor, start, end in self.windows if start <= at_s < end), 1.0)
+
+    def slow_down(self, real_compute_seconds: float, at_s: float) -> float:
+        """Stretch a compute phase that ended at ``at_s`` seconds of training by its window's factor."""
+        for straggler, (_, start, end) in zip(self._stragglers, self.windows):
+            if start <= at_s < end:
+                return straggler.slow_down(real_compute_seconds)
+        return 0.0
+
+
+def parse_drift_spec(spec: str) -> list[tuple[int, tuple[float, float, float]]]:
+    """``"rank:factor@from-to,..."`` into ``[(rank, (factor, from_s, to_s)), ...]``; blank: no drift."""
+    out: list[tuple[int, tuple[float, float, float]]] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        try:
+            head, window = item.split("@")
+            who, factor_text = head.split(":")
+            start_text, end_text = window.split("-")
+            rank, factor, start, end = int(who), float(factor_text), float(start_text), float(end_text)
+        except ValueError:
+            raise StragglerSpecError(f"drift item {item!r} in {spec!r} is not 'rank:factor@from-to'") from None
+        if rank < 0 or not math.isfinite(factor) or factor < 1.0 or not 0 <= start < end:
+            raise StragglerSpecError(f"drift item {item!r}: a rank >= 0, a factor >= 1 and 0 <= from < to")
+        out.append((rank, (factor, start, end)))
+    return out
+

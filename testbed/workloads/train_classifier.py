@@ -11,7 +11,8 @@ the start-up cost of a 4-rank job is paid once. Per run: model and width
 (default: --model, --width), aggregation rule
 (`rule`: average, sum, adasum, weighted, or null for plain Horovod), global
 batch, learning rate, epochs, an optional straggler (`"3:3.0"`, see
-`testbed.faults`; `straggler_work` `busy` or `sleep`), LB-BSP
+`testbed.faults`; `straggler_work` `busy` or `sleep`), paces that change
+during the run (`drift`: `"5:3@20-60"`, seconds of the run's training), LB-BSP
 settings. Test accuracy is measured on every rank several times per epoch on
 a clock that excludes evaluation. Each rank writes `rank{r}.json` to --out.
 Consecutive runs with the same `interleave` key train together, a few steps
@@ -48,7 +49,7 @@ import torch.nn as nn
 from crossover.plugins import aggregation
 from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
 from crossover.settings import AggregationSettings
-from testbed.faults import Stall, Straggler
+from testbed.faults import Drift, Stall, Straggler
 from testbed.workloads.quick_exit import skip_final_collections
 from testbed.workloads.summary import write_rank_summary
 
@@ -56,7 +57,7 @@ DEFAULT_RUN: dict = {
     "name": "run", "rule": None, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "epochs": 5, "seed": 0,
     "straggler": "", "straggler_work": "busy", "period": None, "hysteresis": None, "method": None,
     "evals_per_epoch": 4, "adasum_impl": None, "target": None, "stop_at_target": False, "max_train_s": None,
-    "pace": None, "model": None, "width": None, "ema_alpha": None, "stall": "", "env": {},
+    "pace": None, "model": None, "width": None, "ema_alpha": None, "stall": "", "drift": "", "env": {},
     "interleave": None, "interleave_order": None,
 }
 
@@ -118,12 +119,17 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
     return acc, loss
 
 
+def _sleep_work() -> None:  # a slower device that does not compete for this machine's cores
+    time.sleep(0.0005)
+
+
 def straggler_for(spec: dict) -> Straggler:
-    work = None
-    if spec["straggler_work"] == "sleep":
-        def work() -> None:  # a slower device that does not compete for this machine's cores
-            time.sleep(0.0005)
-    return Straggler.for_rank(spec["straggler"], hvd.rank(), work=work)
+    return Straggler.for_rank(spec["straggler"], hvd.rank(),
+                              work=_sleep_work if spec["straggler_work"] == "sleep" else None)
+
+
+def drift_for(spec: dict) -> Drift:
+    return Drift.for_rank(spec["drift"], hvd.rank(), work=_sleep_work if spec["straggler_work"] == "sleep" else None)
 
 
 def interleaved(specs: list[dict], data: tuple, args: argparse.Namespace) -> list[dict]:
@@ -171,7 +177,7 @@ def training(spec: dict, data: tuple, args: argparse.Namespace):  # noqa: ANN201
     saved_at = Path(args.checkpoint) / f"{spec['name']}.pt" if args.checkpoint else None
     resumed = _resume(saved_at, model, opt)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
-    straggler = straggler_for(spec)
+    straggler, drift = straggler_for(spec), drift_for(spec)
     stall = Stall.for_rank(spec["stall"], hvd.rank(), seed=spec["seed"])
     steps_per_epoch = len(sampler)
     eval_every = max(1, steps_per_epoch // spec["evals_per_epoch"])
@@ -210,7 +216,8 @@ def training(spec: dict, data: tuple, args: argparse.Namespace):  # noqa: ANN201
                     time.sleep(paced - real)
                 real = max(real, paced)
             compute_s += real
-            extra_s += straggler.slow_down(real) + stall.after_step()
+            at_s = train_s + time.perf_counter() - started  # this run's own training clock
+            extra_s += straggler.slow_down(real) + drift.slow_down(real, at_s) + stall.after_step()
             opt.step()
             step += 1
             if step % eval_every == 0:

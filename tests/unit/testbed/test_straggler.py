@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from testbed.faults import (
+    Drift,
     Straggler,
     StragglerSpecError,
     make_matmul_work,
@@ -103,3 +104,19 @@ def test_default_work_is_a_real_matmul() -> None:
     work()
     straggler = Straggler(2.0)  # real clock, real matmuls; a lower bound holds by construction
     assert straggler.slow_down(0.002) >= 0.002
+
+
+def test_a_drift_slows_a_rank_only_inside_its_windows():
+    clock = FakeClock(0.001)
+    drift = Drift.for_rank("5:3@20-60,6:2@0-10,5:1.5@80-90", 5, clock=clock, work=clock.work)
+    assert [drift.factor_at(t) for t in (0, 19.9, 20, 59.9, 60, 85, 95)] == [1, 1, 3, 3, 1, 1.5, 1]
+    assert drift.slow_down(0.1, at_s=10.0) == 0.0 and clock.units == 0  # before its window: its own pace
+    assert drift.slow_down(0.1, at_s=30.0) == pytest.approx(0.2)  # 3x: two more of every second it computed
+    assert drift.slow_down(0.1, at_s=85.0) == pytest.approx(0.05)
+    assert Drift.for_rank("5:3@20-60", 4).factor_at(30) == 1.0  # a rank the spec does not name
+
+
+@pytest.mark.parametrize("spec", ["5:3", "5:3@60-20", "5:0.5@0-10", "x:3@0-10", "5:3@0-10,5:2@5-20"])
+def test_a_bad_drift_spec_says_so(spec: str):
+    with pytest.raises(StragglerSpecError):
+        Drift.for_rank(spec, 5)
