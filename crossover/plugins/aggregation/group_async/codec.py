@@ -46,14 +46,15 @@ class Codec:
 
     def sent(self, update: torch.Tensor, payload: bytes | memoryview) -> torch.Tensor:
         """What the service adds for ``update`` once ``encode`` made ``payload`` of it: ``update`` itself for
-        ``fp32``, rounded in place to what travelled for ``fp16``, and the entries sent for ``topk``."""
+        ``fp32``, the half-precision values that travelled for ``fp16`` (the codec's buffer: valid until the
+        next ``encode``), and the entries sent for ``topk``."""
         import torch
 
         if self.kind == "fp32":
             return update
         if self.kind == "fp16":
             assert self._half is not None
-            return update.copy_(self._half)
+            return self._half
         return torch.from_numpy(decode(self.kind, payload, update.numel()))
 
     def settle(self, answered: bool) -> None:
