@@ -30,7 +30,7 @@ __all__ = ["RANK_KEYS", "RECORDS", "RankTag", "Record", "payload",
 RANK_KEYS = ("job", "job_name", "rank", "device", "node")
 """The keys of a rank event's tag, in their order on its line: never part of its payload."""
 
-R = TypeVar("R", bound="Record")
+_R = TypeVar("_R", bound="Record")
 
 RECORDS: dict[EventName, type[Record]] = {}
 """Each event's record, by its name."""
@@ -81,11 +81,11 @@ class Record:
         return out
 
     @classmethod
-    def of(cls: type[R], event: Event) -> R:
+    def of(cls: type[_R], event: Event) -> _R:
         """The record of `event`, which must be of this record's name (`ValueError` otherwise, or for a line
         that lacks a required field or holds a value of another type); unknown keys are ignored, a missing
         optional one takes its default. An event about a rank keeps its tag out of the payload."""
-        if event.name is not cls.name:
+        if event.name != cls.name:
             raise ValueError(f"a {event.name} event is not a {cls.name} event")
         given = event.fields
         tagged = event.about_rank
@@ -103,6 +103,7 @@ _SPECS: dict[type[Record], tuple[_Field, ...]] = {}
 
 
 def _spec(cls: type[Record]) -> tuple[_Field, ...]:
+    """The record's fields in their order, each with the types a line's value may have and its default."""
     spec = _SPECS.get(cls)
     if spec is None:
         hints = typing.get_type_hints(cls)
@@ -119,7 +120,7 @@ def _checked(name: EventName, f: _Field, value: Any) -> Any:
     if isinstance(value, bool):
         ok = bool in f.types
     elif isinstance(value, int) and float in f.types and int not in f.types:
-        return float(value)  # JSON writes 2.0 as 2 only when a writer gave an int: the same number
+        return float(value)  # a writer's int in a float field (a weight of 2): the same number
     else:
         ok = isinstance(value, f.types)
     if not ok:
