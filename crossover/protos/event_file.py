@@ -114,9 +114,6 @@ class Event:
     def about_rank(self) -> bool:
         return "rank" in self.fields and "job" in self.fields
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
-
     def to_json(self) -> dict[str, Any]:
         """The line's object: `t`, `wall`, `event`, then the fields in their order."""
         return {"t": self.t, "wall": self.wall, "event": str(self.name), **self.fields}
