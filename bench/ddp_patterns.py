@@ -27,6 +27,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from bench.lib.results import machine, write_json
+from crossover.protos.event_records import Grant, Register
 from testbed.harness.daemon import DaemonProc
 from testbed.harness.jobs import Job, exit_outcome, torchrun, with_import
 from testbed.harness.oracles import compute_intervals, overlaps
@@ -51,8 +52,8 @@ def run_pair(pattern: str, policy: str, devices: int, workdir: Path, args: argpa
                 for side in ("left", "right")]
         outcomes = {job.name: _job_outcome(job, args.timeout) for job in jobs}
         events = d.events()
-    grants = collections.Counter(e.fields["job_name"] for e in events if e.name == "grant")
-    frameworks = {e.fields["job_name"]: e.get("framework") for e in events if e.name == "register"}
+    grants = collections.Counter(e.job_name for e in events if e.name is Grant.name)
+    frameworks = {e.job_name: Register.of(e).framework for e in events if e.name is Register.name}
     per_dev = compute_intervals(events)
     served = len(per_dev) == devices and all(len({iv[2] for iv in ivs}) == 2 for ivs in per_dev.values())
     overlapping = sum(len(overlaps(ivs)) for ivs in per_dev.values())

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from bench.lib.results import machine, write_json
 from crossover.protos.event_file import Event, EventName
+from crossover.protos.event_records import Isolation, Release
 from testbed.harness.daemon import DaemonProc
 from testbed.harness.jobs import Job, horovodrun, with_import
 
@@ -44,14 +45,14 @@ _FLAGS = {"alone": ("--policy", "crossover"), "unscheduled": ("--policy", "passt
 
 def _speed(events: list[Event], job: str, t0: float, t1: float) -> float:
     """Rank 0's allreduces of `job` ended per second within [t0, t1]."""
-    ends = [e.t for e in events if e.name is EventName.COMM_END and e.get("job_name") == job and e.rank == 0
+    ends = [e.t for e in events if e.name is EventName.COMM_END and e.job_name == job and e.rank == 0
             and t0 <= e.t <= t1]
     return len(ends) / (t1 - t0)
 
 
 def _compute_share(events: list[Event], job: str, t0: float, t1: float) -> float:
     """The share of wall time `job`'s rank 0 held the device within [t0, t1]."""
-    held = sum(e.get("held_s", 0.0) for e in events if e.name is EventName.RELEASE and e.get("job_name") == job
+    held = sum(Release.of(e).held_s or 0.0 for e in events if e.name is EventName.RELEASE and e.job_name == job
                and e.rank == 0 and t0 <= e.t <= t1)
     return held / (t1 - t0)
 
@@ -82,9 +83,9 @@ def _segment(tmp: Path, mode: str, jobs: tuple[str, ...], args: argparse.Namespa
             out: dict[str, Any] = {job: _speed(events, f"{job}-{tag}", t0, t1) for job in jobs}
             if mode == "alone" and "prod" in jobs:
                 out["prod_compute_share"] = _compute_share(events, f"prod-{tag}", t0, t1)
-            budgets = [e for e in events if e.name is EventName.ISOLATION]
+            budgets = [Isolation.of(e) for e in events if e.name is EventName.ISOLATION]
             if budgets:
-                out["budget"] = budgets[-1].get("budget")
+                out["budget"] = budgets[-1].budget
                 out["isolation_events"] = len(budgets)
             for j in started:
                 j.stop()

@@ -68,6 +68,7 @@ from bench.load_analysis import Key, grant_records, leak_suspected, lost_request
 from crossover.client.admin import AdminClient
 from crossover.client.rank.session import Session
 from crossover.protos.event_file import EventName, read_events
+from crossover.protos.event_records import Leave
 from crossover.protos.identity import RankIdentity
 from crossover.settings import PluginSettings
 from testbed.harness.daemon import DaemonProc
@@ -295,7 +296,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     log_lines = daemon.log.read_text(errors="replace").splitlines() if daemon.log.exists() else []
     levels = Counter(w for line in log_lines for w in line.split()[:4] if w in ("WARNING", "ERROR", "CRITICAL"))
     kinds = Counter(str(e.name) for e in events)
-    kinds.update(f"leave ({e.get('reason')})" for e in events if e.name is EventName.LEAVE)
+    kinds.update(f"leave ({Leave.of(e).reason})" for e in events if e.name is EventName.LEAVE)
     return {
         "sessions": args.sessions, "seconds": round(wall, 2), "procs": len(split(args.sessions, args.procs)),
         "devices": args.devices,

@@ -2,7 +2,8 @@
 its figures come out of what the sessions saw and what the daemon's event log recorded."""
 from __future__ import annotations
 
-from crossover.protos.event_file import Event, EventName
+from crossover.protos.event_file import Event
+from crossover.protos.event_records import Grant, Request
 
 __all__ = ["Key", "grant_records", "leak_suspected", "lost_requests", "net_of_queueing", "split"]
 
@@ -34,7 +35,7 @@ def leak_suspected(threads_after_close: list[int], sessions: int) -> bool:
 
 def grant_records(events: list[Event]) -> tuple[set[Key], dict[Key, float]]:
     """From an event log: the requests (job, iteration) and each grant's daemon-side queue time."""
-    requested = {(str(e.job), int(e.fields["iteration"])) for e in events if e.name is EventName.REQUEST}
-    granted = {(str(e.job), int(e.fields["iteration"])): float(e.fields["waited_s"])
-               for e in events if e.name is EventName.GRANT}
+    requested = {(str(e.job), Request.of(e).iteration) for e in events if e.name is Request.name}
+    grants = [(str(e.job), Grant.of(e)) for e in events if e.name is Grant.name]
+    granted = {(job, g.iteration): g.waited_s for job, g in grants}
     return requested, granted

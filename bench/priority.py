@@ -59,6 +59,7 @@ from bench.lib.results import machine, write_json
 from crossover.daemon.policies import CrossoverPolicy
 from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.policies.isolation import IsolationSettings
+from crossover.protos.event_records import Isolation
 from testbed.simulator import JobSpec, SimConfig, simulate
 
 MODES = ("unscheduled", "equal", "classes-open", "classes")
@@ -230,6 +231,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
     from bench.emulated.scenarios import ADAPTS, CLASSES, DSCP, OPEN_LOOP, settle_s
     from crossover.protos.event_file import EventName, read_events
+    from crossover.protos.event_records import Sharing
     from testbed.cluster import Cluster, ClusterSpec, Link
     from testbed.device_model import DeviceParams
     from testbed.harness.jobs import rank_summaries
@@ -295,9 +297,11 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if j.wait(300) != 0:
                 raise RuntimeError(f"{j.name} failed:\n{j.output()[-3000:]}")
         logs = {node.name: read_events(node.event_log) for node in cluster.nodes}
-        sharing = sorted(((e.t, name, e.get("mode"), e.get("reason")) for name, events in logs.items()
-                          for e in events if e.name is EventName.SHARING), key=lambda x: x[0])
-        isolation = [(e.t, name, e) for name, events in logs.items() for e in events if e.name is EventName.ISOLATION]
+        verdicts = [(e.t, name, Sharing.of(e)) for name, events in logs.items() for e in events
+                    if e.name is EventName.SHARING]
+        sharing = sorted(((t, name, v.mode, v.reason) for t, name, v in verdicts), key=lambda x: x[0])
+        isolation = [(e.t, name, Isolation.of(e)) for name, events in logs.items() for e in events
+                     if e.name is EventName.ISOLATION]
     for seg in segments:
         if seg["mode"] in ADAPTS:  # each node's verdict in force while the segment was measured
             seg["sharing"] = {node: [mode, reason] for t, node, mode, reason in sharing if t <= seg["a"]}
@@ -323,7 +327,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                      for m, by_job in med.items()}}
 
 
-def _controller_view(isolation: list[tuple[float, str, Any]], a: float, b: float) -> dict[str, Any]:
+def _controller_view(isolation: list[tuple[float, str, Isolation]], a: float, b: float) -> dict[str, Any]:
     """What each node's isolation controller saw in [a, b]: the production job's speed in its shared windows
     against its reference (its solo windows, with the low jobs present but not computing), the median over
     the windows whose judgement changed the budget (only those write an `isolation` event, so a budget held
@@ -333,9 +337,8 @@ def _controller_view(isolation: list[tuple[float, str, Any]], a: float, b: float
     out: dict[str, Any] = {}
     for node in sorted({n for _, n, _ in isolation}):
         seen = [e for t, n, e in isolation if n == node and a <= t <= b]
-        kept = [e.get("reference_s") / e.get("current_s") for e in seen
-                if e.get("window") == "shared" and e.get("reference_s") and e.get("current_s")]
-        budgets = [e.get("budget") for e in seen if e.get("window") == "shared"]
+        kept = [e.reference_s / e.current_s for e in seen if e.window == "shared" and e.reference_s and e.current_s]
+        budgets = [e.budget for e in seen if e.window == "shared"]
         out[node] = {"kept_vs_solo_windows": statistics.median(kept) if kept else None,
                      "budget": statistics.median(budgets) if budgets else None, "windows": len(kept)}
     return out

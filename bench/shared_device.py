@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.results import git_commit, machine, write_json
-from crossover.protos.event_file import EventName, typed
+from crossover.protos.event_file import typed
+from crossover.protos.event_records import Sharing
 from testbed.harness.daemon import DaemonProc
 from testbed.harness.jobs import horovodrun, with_import
 
@@ -56,7 +57,8 @@ def run_once(mode: str, jobs: int, iters: int, window_s: float, workdir: Path) -
             if job.wait(900) != 0:
                 raise RuntimeError(f"{job.name} failed under {mode}: {job.output()[-2000:]}")
         rates = [middle_rate(job.summaries()[0]["iter_times"]) for job in started]
-        sharing = [(e.get("mode"), e.get("reason")) for e in typed(daemon.events()) if e.name is EventName.SHARING]
+        verdicts = [Sharing.of(e) for e in typed(daemon.events()) if e.name is Sharing.name]
+        sharing = [(v.mode, v.reason) for v in verdicts]
         return {"rates": rates, "sum": sum(rates), "sharing": sharing}
     finally:
         daemon.stop()

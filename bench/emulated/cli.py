@@ -359,7 +359,7 @@ def job_ids(cluster: Cluster, timeout: float = 30.0) -> dict[str, str]:
     """Job name -> job id, from node 0's event log (the jobs have registered)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ids = {e.get("job_name"): e.job for e in typed(cluster.events(0)) if e.name is EventName.REGISTER and e.job}
+        ids = {str(e.job_name): e.job for e in typed(cluster.events(0)) if e.name is EventName.REGISTER and e.job}
         if ids:
             return ids
         time.sleep(0.2)
@@ -377,7 +377,7 @@ def wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, 
         for j in jobs:
             if j.poll() is not None:
                 raise RuntimeError(f"{j.name} exited before the measurement:\n{j.output()[-3000:]}")
-        ends = [[e.get("job_name") for e in typed(cluster.events(i)) if e.name is EventName.COMM_END]
+        ends = [[e.job_name for e in typed(cluster.events(i)) if e.name is EventName.COMM_END]
                 for i in range(len(cluster.nodes))]
         if all(max(node.count(n) for node in ends) >= warmup for n in names):
             return

@@ -12,12 +12,13 @@ from bench.lib.judge import percentile
 from crossover.client.cli.event_intervals import covered_length
 from crossover.protos.event_file import Event, EventName, typed
 from crossover.protos.event_phases import HOLDS, read_phases
+from crossover.protos.event_records import CommEnd, Grant, Release
 
 
 def phase_medians(events: list[Event], skip: int) -> tuple[float, float]:
     """Medians of the compute (grant to release) and comm phases in `events`, after the first `skip` of each."""
-    c = [e.fields["held_s"] for e in events if e.name is EventName.RELEASE and "held_s" in e.fields][skip:]
-    m = [e.fields["duration_s"] for e in events if e.name is EventName.COMM_END][skip:]
+    c = [h for e in events if e.name is EventName.RELEASE and (h := Release.of(e).held_s) is not None][skip:]
+    m = [CommEnd.of(e).duration_s for e in events if e.name is EventName.COMM_END][skip:]
     return statistics.median(c), statistics.median(m)
 
 
@@ -40,8 +41,9 @@ def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) ->
 def turn_agreement(ev0: list[Event], ev1: list[Event], lo: float, hi: float) -> float | None:
     """How often two nodes granted in the same order: over consecutive grants (job, iteration) of different
     jobs on node 0 within [lo, hi], the fraction that node 1 granted in the same relative order."""
-    seq0 = [(e.job, e.get("iteration")) for e in typed(ev0) if e.name is EventName.GRANT and lo <= e.t <= hi]
-    pos1 = {(e.job, e.get("iteration")): i for i, e in enumerate(x for x in typed(ev1) if x.name is EventName.GRANT)}
+    seq0 = [(e.job, Grant.of(e).iteration) for e in typed(ev0) if e.name is EventName.GRANT and lo <= e.t <= hi]
+    pos1 = {(e.job, Grant.of(e).iteration): i
+            for i, e in enumerate(x for x in typed(ev1) if x.name is EventName.GRANT)}
     seq0 = [k for k in seq0 if k in pos1]
     pairs = [(a, b) for a, b in zip(seq0, seq0[1:]) if a[0] != b[0]]
     if not pairs:
@@ -79,24 +81,23 @@ def analyse_segment(raw: dict[str, Any], seg: dict[str, Any]) -> dict[str, Any]:
         for e in typed(events):
             if not lo <= e.t <= hi:
                 continue
-            if e.name is EventName.RELEASE and "held_s" in e.fields:
+            if e.name is EventName.RELEASE and (held_s := Release.of(e).held_s) is not None:
                 last_release = e.t
-                c_held.append(e.fields["held_s"])
-                c_by_node.setdefault(node, []).append(e.fields["held_s"])
+                c_held.append(held_s)
+                c_by_node.setdefault(node, []).append(held_s)
             elif e.name is EventName.GRANT:
-                waits.append(e.get("waited_s", 0.0))
+                waits.append(Grant.of(e).waited_s)
                 if last_release is not None:
                     gaps.append(e.t - last_release)
                     last_release = None
             elif e.name is EventName.COMM_END:
-                m_comm.append(e.fields["duration_s"])
+                m_comm.append(CommEnd.of(e).duration_s)
     # Each job's own phases on the first node (a GPU run's GPU node): where a job's slowdown comes from.
     first: list[Event] = next(iter(raw["events"].values()), [])
     for name, j in per_job.items():
-        held = [e.fields["held_s"] for e in typed(first) if lo <= e.t <= hi and e.get("job_name") == name
-                and e.name is EventName.RELEASE and "held_s" in e.fields]
-        comm = [e.fields["duration_s"] for e in typed(first) if lo <= e.t <= hi and e.get("job_name") == name
-                and e.name is EventName.COMM_END]
+        mine = [e for e in typed(first) if lo <= e.t <= hi and e.job_name == name]
+        held = [h for e in mine if e.name is EventName.RELEASE and (h := Release.of(e).held_s) is not None]
+        comm = [CommEnd.of(e).duration_s for e in mine if e.name is EventName.COMM_END]
         j["C_ms"] = 1000 * statistics.median(held) if held else None
         j["M_ms"] = 1000 * statistics.median(comm) if comm else None
     # Turn agreement compares two nodes that every running job is on: the scenarios with two nodes.

@@ -209,7 +209,7 @@ def check_release(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         time.sleep(0.5)
         events = read_events(d.events)
     probe = rank_summaries(out)[0]
-    releases = [e.t for e in events if e.name is EventName.RELEASE and e.get("job_name") == "release-probe"]
+    releases = [e.t for e in events if e.name is EventName.RELEASE and e.job_name == "release-probe"]
     return judge_release(probe["launched"], releases, probe["sleep_s"])
 
 

@@ -13,7 +13,8 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from crossover.protos.event_file import Event, EventName, encode, header, rotated_paths, typed
+from crossover.protos.event_file import Event, encode, header, rotated_paths, typed
+from crossover.protos.event_records import RANK_KEYS, RankTag, Record
 
 __all__ = ["BACKUPS", "EventLog", "MAXLEN", "MAX_BYTES"]
 
@@ -93,13 +94,18 @@ class EventLog:
             self._size = f.tell()
         return f
 
-    def record(self, event: EventName, t: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Append one event; `t` dates it earlier than now (a rank reported it late)."""
+    def record(self, record: Record, t: float | None = None, about: RankTag | None = None) -> dict[str, Any]:
+        """Append one event, its name and payload from `record`; `about`: the rank it is about (none: the node's
+        or a device's event); `t` dates it earlier than now (a rank reported it late). Returns the line's object:
+        `t`, `wall`, `event`, the rank's tag, the payload."""
         now, wall = self._clock(), self._wall()
         if t is not None:
             wall -= now - t
             now = t
-        entry = {"t": now, "wall": wall, "event": str(event), **fields}
+        tag, fields = about.fields() if about is not None else {}, record.fields()
+        entry = {"t": now, "wall": wall, "event": str(record.name), **tag, **fields}
+        if len(entry) != 3 + len(tag) + len(fields):  # a payload key is one of the tag's, which it would hide
+            raise ValueError(f"a {record.name} event about a rank takes its {', '.join(RANK_KEYS)} from its tag")
         with self._lock:
             self._events.append(entry)
             self.recorded += 1
@@ -112,7 +118,7 @@ class EventLog:
             try:
                 listener(entry)
             except Exception:  # a listener (metrics) must never stop scheduling
-                _log.exception("event log listener failed on %s", event)
+                _log.exception("event log listener failed on %s", record.name)
         return entry
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from crossover.daemon.api import InvalidRequest
 from crossover.daemon.messages import Message
 from crossover.protos import crossover_v1_pb2 as pb
-from crossover.protos.event_file import EventName
+from crossover.protos.event_records import RankTag, Record
 
 if TYPE_CHECKING:
     from crossover.daemon.event_log import EventLog
@@ -92,20 +92,18 @@ class RankEvent:
                    handover_ticket=ev.handover_ticket, memory_bytes=ev.memory_bytes)
 
 
-def record_rank(log: EventLog, event: EventName, sess: Session, node: str, t: float | None,
-                fields: dict[str, Any]) -> None:
+def record_rank(log: EventLog, record: Record, sess: Session, node: str, t: float | None) -> None:
     """Append one event-log line about a rank, dated `t` (None: when written):
-    `{"t", "wall", "event", "job", "job_name", "rank", "device", "node", **fields}`, in that order."""
+    `{"t", "wall", "event", "job", "job_name", "rank", "device", "node", <record's fields>}`, in that order."""
     ident = sess.ident
-    log.record(event, t=t, job=ident.job_id, job_name=ident.job_name, rank=ident.rank, device=sess.ref.device,
-               node=node, **fields)
+    log.record(record, t=t, about=RankTag(job=ident.job_id, job_name=ident.job_name, rank=ident.rank,
+                                          device=sess.ref.device, node=node))
 
 
 @dataclass
 class _Pending:
-    event: EventName
+    record: Record
     session: Session
-    fields: dict[str, Any]
     t: float | None = None
 
 
@@ -118,8 +116,9 @@ class Decision:
         self._entries: list[_Pending] = []
         self._messages: list[tuple[Session, Message]] = []
 
-    def log(self, event: EventName, sess: Session, **fields: Any) -> None:
-        self._entries.append(_Pending(event, sess, fields))
+    def log(self, sess: Session, record: Record) -> None:
+        """Log `record` about the session's rank, when the decision is committed."""
+        self._entries.append(_Pending(record, sess))
 
     def post(self, sess: Session, msg: Message) -> None:
         self._messages.append((sess, msg))
@@ -144,7 +143,7 @@ class Decision:
         for e in entries:
             sess = e.session
             sess.last_t = t = max(now if e.t is None else e.t, sess.last_t)
-            record_rank(log, e.event, sess, node, t, e.fields)
+            record_rank(log, e.record, sess, node, t)
         messages, self._messages = self._messages, []
         for sess, msg in messages:
             sess.send(msg)

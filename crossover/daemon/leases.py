@@ -25,7 +25,7 @@ from crossover.daemon.api import RankKey
 from crossover.daemon.events import Decision
 from crossover.daemon.messages import LeaseMsg
 from crossover.daemon.registry import Registry, Session
-from crossover.protos.event_file import EventName
+from crossover.protos.event_records import Lease, LeaseRevoke
 
 __all__ = ["Leases"]
 
@@ -70,10 +70,10 @@ class Leases:
             if sess.accepts_leases and sess.id not in self._held.get(device, {}):
                 self._give(sess, d, opened=True)
 
-    def _give(self, sess: Session, d: Decision, **fields: object) -> None:
+    def _give(self, sess: Session, d: Decision, opened: bool = False) -> None:
         self._held.setdefault(sess.ref.device, {})[sess.id] = None
         d.post(sess, LeaseMsg(True))
-        d.log(EventName.LEASE, sess, **fields)
+        d.log(sess, Lease(opened=opened))
 
     def revoke(self, device: int, reason: str, d: Decision) -> None:
         """Take the device's lease back, if it has one, and await each holder's release; an open
@@ -89,7 +89,7 @@ class Leases:
     def await_release(self, sess: Session, reason: str, d: Decision) -> None:
         """Hold back others' requests on the session's device until it says what it is doing."""
         self._revoking.setdefault(sess.ref.device, {})[sess.id] = self._clock()
-        d.log(EventName.LEASE_REVOKE, sess, reason=reason)
+        d.log(sess, LeaseRevoke(reason=reason))
 
     def awaits_release(self, sess: Session) -> bool:
         return sess.id in self._revoking.get(sess.ref.device, {})

@@ -21,7 +21,7 @@ from crossover.daemon.events import Decision
 from crossover.daemon.leases import Leases
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.registry import Registry, Session
-from crossover.protos.event_file import EventName
+from crossover.protos.event_records import LeaseExpired, Overdue, Release, Resume, Suspend
 
 __all__ = ["Liveness", "LivenessSettings"]
 
@@ -88,7 +88,7 @@ class Liveness:
             _log.warning("%s rank %d did not give up computing without grants on device %d within "
                          "%.2fs; serving the device's other ranks anyway", holder.ident.job_name,
                          holder.ident.rank, device, self.heartbeat_timeout_s)
-            d.log(EventName.LEASE_EXPIRED, holder)
+            d.log(holder, LeaseExpired())
             self._phases.end_revoke(device, sid, now, d)
         return doomed
 
@@ -116,21 +116,22 @@ class Liveness:
                      "serving the next rank", sess.ident.job_name, sess.ident.rank, sess.ref.device, held, limit)
         self.move_aside(sess, now, d, limit_s=limit)
 
-    def move_aside(self, sess: Session, now: float, d: Decision, **fields: object) -> None:
-        """Take the device from a holder (overdue, or the operator's `evict`): it is treated as
-        stalled (`OVERDUE`) until it reports its phase done, and the next rank is served."""
+    def move_aside(self, sess: Session, now: float, d: Decision, limit_s: float | None = None,
+                   reason: str | None = None) -> None:
+        """Take the device from a holder (overdue past `limit_s`, or the operator's `evict`, for `reason`): it is
+        treated as stalled (`OVERDUE`) until it reports its phase done, and the next rank is served."""
         held = now - sess.phase_since
         self.overdue_total += 1
-        d.log(EventName.OVERDUE, sess, held_s=held, iteration=sess.iteration, **fields)
+        d.log(sess, Overdue(held_s=held, iteration=sess.iteration, limit_s=limit_s, reason=reason))
         sess.stats.compute_total += held
         sess.set_phase(Phase.OVERDUE, now)
         self._phases.deliver(self._phases.policy.release(sess.ref.key, now), now, d)
 
     def _suspend(self, sess: Session, silent: float, now: float, d: Decision) -> None:
         was = sess.phase
-        d.log(EventName.SUSPEND, sess, reason=f"no heartbeat for {silent:.2f}s", phase=was.value)
+        d.log(sess, Suspend(reason=f"no heartbeat for {silent:.2f}s", phase=was.value))
         if was is Phase.COMPUTE:
-            d.log(EventName.RELEASE, sess, reason="suspended")
+            d.log(sess, Release(reason="suspended"))
             sess.forgive_done = True
         sess.set_phase(Phase.SUSPENDED, now)
         sess.suspended_from = was
@@ -143,7 +144,7 @@ class Liveness:
         """A suspended rank spoke again: back in the rotation, its awaited grant requested again."""
         was, sess.suspended_from = sess.suspended_from, None
         sess.set_phase(Phase.OTHER, now)
-        d.log(EventName.RESUME, sess, silent_s=silent)
+        d.log(sess, Resume(silent_s=silent))
         self._phases.deliver(self._phases.policy.join(sess.ref, now), now, d)
         if was is Phase.WAITING:  # it still waits for that grant: queue the request again, same turn
             self._phases.queue_request(sess, sess.iteration, now, d)

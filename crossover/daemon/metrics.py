@@ -28,6 +28,7 @@ from crossover.daemon import rpc_errors
 from crossover.daemon.limits import Connections
 from crossover.daemon.scheduler import Scheduler
 from crossover.protos.event_file import Event, EventName
+from crossover.protos.event_records import CommEnd, Grant, JobClass, Leave, Release
 
 __all__ = ["DaemonMetrics", "parse_address"]
 
@@ -110,26 +111,28 @@ class DaemonMetrics:
         ev = Event.from_json(entry)
         if ev is None:
             return
-        name, device = ev.name, str(ev.get("device", ""))
+        name, device = ev.name, "" if ev.device is None else str(ev.device)
         if name is EventName.POLICY:
             self.policy_switches.inc()
         elif isinstance(name, EventName) and name in _PER_DEVICE:
             getattr(self, _PER_DEVICE[name]).labels(device).inc()
         elif ev.job is not None:
-            self._observe_job(ev, (str(ev.get("job_name", "")), str(ev.job)), device)
+            self._observe_job(ev, (ev.job_name or "", str(ev.job)), device)
 
     def _observe_job(self, ev: Event, job: tuple[str, str], device: str) -> None:
         name = ev.name
         if name is EventName.GRANT:
             self._job(self.grants, job, device).inc()
-            self._job(self.grant_wait, job, device).observe(ev.get("waited_s", 0.0))
-        elif name is EventName.RELEASE and "held_s" in ev.fields:
-            self._job(self.compute, job).observe(ev.fields["held_s"])
-            self.class_compute.labels(self._class_of.get(job[1], "normal")).inc(ev.fields["held_s"])
+            self._job(self.grant_wait, job, device).observe(Grant.of(ev).waited_s)
+        elif name is EventName.RELEASE:
+            held = Release.of(ev).held_s
+            if held is not None:  # a release without a figure (suspended, gone) is no compute phase
+                self._job(self.compute, job).observe(held)
+                self.class_compute.labels(self._class_of.get(job[1], "normal")).inc(held)
         elif name is EventName.JOB_CLASS:
-            self._class_of[job[1]] = str(ev.get("priority", "normal"))
+            self._class_of[job[1]] = JobClass.of(ev).priority
         elif name is EventName.COMM_END:
-            self._job(self.comm, job).observe(ev.get("duration_s", 0.0))
+            self._job(self.comm, job).observe(CommEnd.of(ev).duration_s)
         elif name is EventName.CANCEL:
             self._job(self.fail_opens, job).inc()
         elif name is EventName.MEMORY_CAP_HIT:
@@ -138,7 +141,7 @@ class DaemonMetrics:
             with self._lock:
                 self._ranks[job[1]] += 1
         elif name is EventName.LEAVE:
-            if ev.get("evicted"):
+            if Leave.of(ev).evicted:
                 self.evictions.labels(device).inc()
             self._left(job[1])
 

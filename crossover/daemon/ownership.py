@@ -15,7 +15,8 @@ from crossover.daemon.messages import ClassMsg
 from crossover.daemon.policies.classes import JobClass, Priority
 from crossover.daemon.registry import Session
 from crossover.daemon.scheduler_state import SchedulerState
-from crossover.protos.event_file import EventName
+from crossover.protos import event_records
+from crossover.protos.event_records import JobClassSet
 
 __all__ = ["JobOwnership"]
 
@@ -112,7 +113,7 @@ class JobOwnership:
         # A job of the default class that always was needs no word: nothing is logged or sent for it.
         changed = before != (cls, by) and (cls != JobClass() or (before is not None and before[0] != JobClass()))
         if changed:
-            d.log(EventName.JOB_CLASS, ranks[0], priority=str(cls.priority), weight=cls.weight, by=by)
+            d.log(ranks[0], event_records.JobClass(priority=str(cls.priority), weight=cls.weight, by=by))
             self._state.phases.deliver(self._state.phases.policy.classify(job_id, cls, now), now, d)
             for device in {s.ref.device for s in ranks}:  # whether its ranks hand over there may change
                 self._state.phases.tell_share(device, d)
@@ -140,7 +141,7 @@ class JobOwnership:
             d = Decision()
             self.reclassify(job_id, now, d)
             self._state.commit(d, now)
-        self._state.events.record(EventName.JOB_CLASS_SET, job=job_id, priority=str(cls.priority),
-                                  weight=cls.weight, caller=caller)
+        self._state.events.record(JobClassSet(job=job_id, priority=str(cls.priority), weight=cls.weight,
+                                              caller=caller))
         _log.warning("operator set job %s to %s (%s)", job_id, cls, caller or "?")
         return job_id, cls

@@ -19,7 +19,19 @@ from crossover.daemon.messages import AliveMsg, GrantMsg, PageMsg, ShareMsg
 from crossover.daemon.policies.memory import MemoryCap
 from crossover.daemon.registry import Registry, Session
 from crossover.figures import format_bytes
-from crossover.protos.event_file import EventName
+from crossover.protos import event_records
+from crossover.protos.event_records import (
+    Cancel,
+    CommBegin,
+    CommEnd,
+    Grant,
+    Handover,
+    LeaseReleased,
+    MemoryCapHit,
+    OverdueDone,
+    Release,
+    Request,
+)
 
 __all__ = ["PhaseMachine"]
 
@@ -75,7 +87,7 @@ class PhaseMachine:
         elif kind is EventKind.COMM_END:
             self._end_comm(sess, ev.iteration, ev.duration_s, now, d)
         elif kind is EventKind.LEASE_RELEASED and self._leases.awaits_release(sess):
-            d.log(EventName.LEASE_RELEASED, sess)
+            d.log(sess, LeaseReleased())
             self.end_revoke(sess.ref.device, sess.id, now, d)
         elif kind is EventKind.HANDOVER_READY:
             self._handover_ready(sess, d)
@@ -90,14 +102,14 @@ class PhaseMachine:
             return  # a cap lifted since: the rank ran out of the device itself, not of a cap
         more = f", asking for {format_bytes(asked)} more" if asked else ""
         sess.memory_note = f"out of its memory cap at iteration {iteration}{more}: it may hold {cap.why}"
-        d.log(EventName.MEMORY_CAP_HIT, sess, iteration=iteration, asked_bytes=asked, cap_bytes=cap.limit)
+        d.log(sess, MemoryCapHit(iteration=iteration, asked_bytes=asked, cap_bytes=cap.limit))
 
     def _handover_ready(self, sess: Session, d: Decision) -> None:
         """The rank's device waits on pages and stores tickets: it may end its turns there."""
         if self.pages is None or sess.handover or not self.pages.seal(sess.id):
             return
         sess.handover = "device"
-        d.log(EventName.HANDOVER, sess, path=sess.handover)
+        d.log(sess, Handover(path=sess.handover))
         self.tell_share(sess.ref.device, d)
 
     def _request(self, sess: Session, iteration: int, seq: int, comm_s: float, no_wait: bool,
@@ -116,7 +128,7 @@ class PhaseMachine:
 
     def queue_request(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
         sess.set_phase(Phase.WAITING, now)
-        d.log(EventName.REQUEST, sess, iteration=iteration, seq=sess.pending_seq)
+        d.log(sess, Request(iteration=iteration, seq=sess.pending_seq))
         if not self._leases.defer(sess):
             self._hand_to_policy(sess, now, d)
 
@@ -135,7 +147,7 @@ class PhaseMachine:
 
     def _begin_comm(self, sess: Session, iteration: int, now: float, d: Decision) -> None:
         sess.set_phase(Phase.COMM, now)
-        d.log(EventName.COMM_BEGIN, sess, iteration=iteration)
+        d.log(sess, CommBegin(iteration=iteration))
 
     def _end_comm(self, sess: Session, iteration: int, duration_s: float, now: float, d: Decision) -> None:
         # As for compute: the rank's figure within what the daemon saw (no allreduce began before the
@@ -147,7 +159,7 @@ class PhaseMachine:
         if self._fits_estimates(sess):
             self.policy.observe(sess.ref.key, "comm", measured, now)
         sess.set_phase(Phase.OTHER, now)
-        d.log(EventName.COMM_END, sess, iteration=iteration, duration_s=measured)
+        d.log(sess, CommEnd(iteration=iteration, duration_s=measured))
 
     def _fits_estimates(self, sess: Session) -> bool:
         """Whether the rank's ending phase tells the policy what its phases take under grants: not if it
@@ -171,7 +183,7 @@ class PhaseMachine:
             measured = min(duration_s, held) if duration_s > 0 else held
             if yields:
                 sess.yielded_s += measured
-                d.log(EventName.RELEASE, sess, held_s=held, yields=True)
+                d.log(sess, Release(held_s=held, yields=True))
             else:
                 sess.stats.compute_n += 1
                 phase_s = sess.yielded_s + measured
@@ -180,7 +192,7 @@ class PhaseMachine:
                 if self._fits_estimates(sess):
                     self.policy.observe(key, "compute", phase_s, now)
                 sess.yielded_s = 0.0
-                d.log(EventName.RELEASE, sess, held_s=held)
+                d.log(sess, Release(held_s=held))
             sess.set_phase(Phase.OTHER, now)
             # Only a sealed page's ticket is owed (see `_handover_ready`): no other rank gets an unsealed one.
             if ticket and sess.handover == "device" and self.pages is not None \
@@ -193,7 +205,7 @@ class PhaseMachine:
             # non-blocking policy it still believed in): withdraw the request,
             # from the policy or from the requests held back for a lease.
             sess.set_phase(Phase.OTHER, now)
-            d.log(EventName.CANCEL, sess)
+            d.log(sess, Cancel())
             if held_back:
                 self._leases.withdraw(sess)
             else:
@@ -202,13 +214,13 @@ class PhaseMachine:
             # Its device went to the next waiter while it overran (see `Liveness`): it is done now.
             sess.set_phase(Phase.OTHER, now)
             sess.yielded_s = 0.0
-            d.log(EventName.OVERDUE_DONE, sess, late_s=now - sess.phase_since)
+            d.log(sess, OverdueDone(late_s=now - sess.phase_since))
         elif sess.phase is Phase.COMPUTE:
             # Computing since before a policy switch that held it back (a lease was
             # being revoked), so the new policy never had it: nothing to release there.
             held = now - sess.phase_since
             sess.set_phase(Phase.OTHER, now)
-            d.log(EventName.RELEASE, sess, held_s=held)
+            d.log(sess, Release(held_s=held))
         elif strict:
             raise FailedPrecondition(f"rank {key} reported compute done but holds no grant (phase {sess.phase.value})")
 
@@ -226,8 +238,7 @@ class PhaseMachine:
             # Nobody waits for the message under a policy that never blocks, or with a lease.
             told = self.policy.blocks and not sess.no_wait
             page, ticket = self._after(sess, d) if told else (0, 0)
-            after = {"after": ticket} if ticket else {}
-            d.log(EventName.GRANT, sess, iteration=sess.iteration, waited_s=waited, **after)
+            d.log(sess, Grant(iteration=sess.iteration, waited_s=waited, after=ticket))
             if told:
                 d.post(sess, GrantMsg(sess.pending_seq, sess.iteration, waited, page, ticket))
                 self._leases.offer(sess, d)
@@ -280,5 +291,5 @@ class PhaseMachine:
                 cap = MemoryCap(each, f"{cap.why}; its {ranks[job]} ranks here share that, {format_bytes(each)} each")
             if cap != sess.memory_cap:
                 sess.memory_cap = cap
-                d.log(EventName.MEMORY_CAP, sess, cap_bytes=cap.limit, why=cap.why)
+                d.log(sess, event_records.MemoryCap(cap_bytes=cap.limit, why=cap.why))
             d.post(sess, ShareMsg(len(on_device) - 1, handover, self.priority_of(job) < top, cap))

@@ -39,7 +39,7 @@ from crossover.daemon.policies.memory import MemoryRules, caps
 from crossover.daemon.registry import Registration, Registry, Session, printable_identity, validate_identity
 from crossover.daemon.scheduler_state import SchedulerState
 from crossover.daemon.steering import Steering
-from crossover.protos.event_file import EventName
+from crossover.protos.event_records import HandoverRescue, Leave, Register, Release
 from crossover.protos.identity import RankIdentity
 
 __all__ = ["Scheduler", "SchedulerSettings"]
@@ -181,7 +181,7 @@ class Scheduler:
             note = self.ownership.give_class(sess, None, None)
             self._state.sessions.add(sess)
             d = Decision()
-            d.log(EventName.REGISTER, sess, pid=ident.pid, world_size=ident.world_size, framework=ident.framework)
+            d.log(sess, Register(pid=ident.pid, world_size=ident.world_size, framework=ident.framework))
             self._state.leases.revoke(device.index, "another rank joined the device", d)
             self._state.phases.deliver(self._state.phases.policy.join(ref, now), now, d)
             self.ownership.reclassify(key.job_id, now, d, tell=(sess, note))
@@ -304,9 +304,9 @@ class Scheduler:
             if sess is None:
                 return False
             d = Decision()
-            d.log(EventName.LEAVE, sess, reason=reason, evicted=evicted)
+            d.log(sess, Leave(reason=reason, evicted=evicted))
             if sess.phase is Phase.COMPUTE:
-                d.log(EventName.RELEASE, sess, reason=reason)
+                d.log(sess, Release(reason=reason))
             self._rescue(sess, reason, d, close=True)
             if sess.phase is not Phase.SUSPENDED:  # a suspended rank already left the policy
                 self._state.phases.deliver(self._state.phases.policy.leave(sess.ref.key, now), now, d)
@@ -347,7 +347,7 @@ class Scheduler:
             return
         ticket = pages.close(sess.id) if close else pages.rescue(sess.id)
         if ticket:
-            d.log(EventName.HANDOVER_RESCUE, sess, ticket=ticket, reason=reason)
+            d.log(sess, HandoverRescue(ticket=ticket, reason=reason))
 
     def tick(self) -> None:
         """Let the policy act on deadlines that have passed (bounded waits)."""
@@ -375,6 +375,6 @@ class Scheduler:
             if self._state.phases.pages is not None:  # no rank's device waits on a page of a rank gone with the daemon
                 self._state.phases.pages.close_all()
         for sess in sessions:
-            record_rank(self.events, EventName.LEAVE, sess, self._state.node, None, {"reason": "daemon shutdown"})
+            record_rank(self.events, Leave(reason="daemon shutdown"), sess, self._state.node, None)
         self.events.close()
 

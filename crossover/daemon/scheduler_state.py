@@ -18,7 +18,7 @@ from crossover.daemon.leases import Leases
 from crossover.daemon.messages import PreemptMsg
 from crossover.daemon.phases import PhaseMachine
 from crossover.daemon.registry import Registry
-from crossover.protos.event_file import EventName
+from crossover.protos.event_records import Isolation, Preempt
 
 __all__ = ["SchedulerState"]
 
@@ -47,10 +47,10 @@ class SchedulerState:
         for key in self.phases.policy.take_preemptions():
             sess = self.sessions.by_key(key)
             if sess is not None and sess.accepts_preempt:
-                d.log(EventName.PREEMPT, sess)
+                d.log(sess, Preempt())
                 d.post(sess, PreemptMsg())
         d.commit(self.events, self.node, now)
         for device, change in self.phases.policy.take_isolation_changes():  # dated the decision's instant
-            self.events.record(EventName.ISOLATION, t=now, device=device, window=change.window.value,
-                               budget=change.budget, reference_s=change.reference_s, current_s=change.current_s,
-                               reason=change.reason)
+            self.events.record(Isolation(device=device, window=change.window.value, budget=change.budget,
+                                         reference_s=change.reference_s, current_s=change.current_s,
+                                         reason=change.reason), t=now)

@@ -19,7 +19,7 @@ from crossover.daemon.policies.classes import ClassSettings
 from crossover.daemon.policies.isolation import IsolationView
 from crossover.daemon.scheduler_state import SchedulerState
 from crossover.daemon.snapshots import DeviceSnapshot, RankSnapshot, rank_snapshot, with_process_usage
-from crossover.protos.event_file import EventName
+from crossover.protos.event_records import Adapt, Drain, DrainRefused, Evict, HandoverSwitch, Policy, Resume, Sharing
 from crossover.protos.identity import RankIdentity
 
 __all__ = ["Steering"]
@@ -94,8 +94,8 @@ class Steering:
                     changes.append((i, verdict))
             self._state.commit(d, now)
         for i, verdict in changes:
-            self._state.events.record(EventName.SHARING, device=i, mode=verdict.mode.value, reason=verdict.reason,
-                               score=verdict.score)
+            self._state.events.record(Sharing(device=i, mode=verdict.mode.value, reason=verdict.reason,
+                                              score=verdict.score))
             if not verdict.probing:
                 _log.info("device %d runs %s: %s", i, verdict.mode.value, verdict.reason)
 
@@ -137,11 +137,13 @@ class Steering:
             for device in sorted(self._state.leases.opened) if not on else ():
                 self._state.leases.revoke(device, "the operator switched adapt off", d)
 
-        return self._switch("adapt", EventName.ADAPT, on, lambda: self._adapting, apply, caller)
+        return self._switch("adapt", Adapt(on=on, caller=caller), lambda: self._adapting, apply)
 
-    def _switch(self, what: str, event: EventName, on: bool, current: Callable[[], bool],
-                apply: Callable[[Decision], None], caller: str) -> bool:
-        """An operator's on/off switch: `apply` it under the lock unless it is `current` already, then log it."""
+    def _switch(self, what: str, switch: Adapt | HandoverSwitch, current: Callable[[], bool],
+                apply: Callable[[Decision], None]) -> bool:
+        """An operator's on/off switch (`switch.on`, asked by `switch.caller`): `apply` it under the lock unless it
+        is `current` already, then log `switch`."""
+        on, caller = switch.on, switch.caller
         with self._state.lock:
             now = self._state.clock()
             if on == current():
@@ -149,7 +151,7 @@ class Steering:
             d = Decision()
             apply(d)
             self._state.commit(d, now)
-        self._state.events.record(event, on=on, caller=caller)
+        self._state.events.record(switch)
         _log.warning("operator switched %s %s (%s)", what, "on" if on else "off", caller or "?")
         return on
 
@@ -167,8 +169,8 @@ class Steering:
             for device in self._state.inventory.devices:
                 self._state.phases.tell_share(device.index, d)
 
-        return self._switch("the hand-over on the device", EventName.HANDOVER_SWITCH, on,
-                            lambda: self._state.phases.handover_on, apply, caller)
+        return self._switch("the hand-over on the device", HandoverSwitch(on=on, caller=caller),
+                            lambda: self._state.phases.handover_on, apply)
 
     @property
     def policy_name(self) -> str:
@@ -227,7 +229,7 @@ class Steering:
                 d.post(sess, PolicyMsg(new.name, new.blocks))
             self._state.commit(d, now)
         target = settings.isolation.target
-        self._state.events.record(EventName.POLICY, old=old.name, new=name, protect=target, caller=caller)
+        self._state.events.record(Policy(old=old.name, new=name, protect=target, caller=caller))
         _log.warning("operator switched policy %s -> %s, protect %g (%s)", old.name, name, target, caller or "?")
         return name
 
@@ -248,8 +250,8 @@ class Steering:
                           device.index, other.index)
                 return other
         self._drain_refused[device.index] = self._drain_refused.get(device.index, 0) + 1
-        self._state.events.record(EventName.DRAIN_REFUSED, device=device.index, job=ident.job_id,
-                                  job_name=ident.job_name, rank_refused=ident.rank)
+        self._state.events.record(DrainRefused(device=device.index, job=ident.job_id, job_name=ident.job_name,
+                                               rank_refused=ident.rank))
         _log.warning("%s rank %d refused: device %d is drained; it trains unscheduled there", ident.job_name,
                      ident.rank, device.index)
         raise FailedPrecondition(
@@ -268,7 +270,8 @@ class Steering:
                 self._state.leases.revoke(device, "device draining", d)
             self._drain_refused.pop(device, None)
             self._state.commit(d, now)
-        self._state.events.record(EventName.DRAIN if draining else EventName.RESUME, device=device, caller=caller)
+        self._state.events.record(Drain(device=device, caller=caller) if draining
+                                  else Resume(device=device, caller=caller))
         _log.warning("operator %s device %d (%s)", "drained" if draining else "resumed", device, caller or "?")
         return draining
 
@@ -303,7 +306,7 @@ class Steering:
             self._state.commit(d, now)
         for sid in doomed:
             self._close(sid, "evicted by the operator", evicted=True)
-        self._state.events.record(EventName.EVICT, device=device, job=job, touched=len(done), caller=caller)
+        self._state.events.record(Evict(device=device, job=job, touched=len(done), caller=caller))
         _log.warning("operator evict (device %s, job %r; %s): %s", device if device >= 0 else "-", job,
                      caller or "?", "; ".join(done) or "nothing matched")
         return done

@@ -1,15 +1,16 @@
-"""The event log's contract: every event's name, its record, and its file (one JSON object per line).
+"""The event log's contract: every event's name, its entry, and its file (one JSON object per line).
 
 The daemon writes it (`crossover.daemon.event_log`, with `crossoverd --event-log`); the CLI
 (`crossover stats`, `timeline`), the metrics, the test beds and the benchmarks read it, through this
-module and `crossover.protos.event_phases`. A line is a flat object, readable with `jq`:
+module, `crossover.protos.event_records` (each event's payload as a typed record) and
+`crossover.protos.event_phases`. A line is a flat object, readable with `jq`:
 
-    {"t": <monotonic s>, "wall": <unix s>, "event": <EventName>, [job, job_name, rank, device, node,] ...}
+    {"t": <monotonic s>, "wall": <unix s>, "event": <EventName>, [job, job_name, rank, device, node,] <payload>}
 
 Each file starts with a header line, `{"event": "log_format", "format": FORMAT, ...}`; a file without
 one is of format 1 (logs before the header). A file of a newer format fails to load with one line
 (`UnsupportedLog`). The daemon rotates the file (`path` → `path.1` → … `path.N`); `read_events` reads
-the rotated files too, oldest first. docs/operating.md lists each event's fields.
+the rotated files too, oldest first. docs/operating.md lists each event's fields, as its record declares them.
 """
 from __future__ import annotations
 
@@ -79,7 +80,9 @@ class Event:
     """One event-log entry: its name, when (`t`, the daemon's monotonic clock; `wall`), and its fields.
 
     `name` is an `EventName`, or the plain text of a name this code does not know (a newer daemon's);
-    `fields` holds everything else on the line, `job`, `rank` and the rest, as written.
+    `fields` holds everything else on the line, as written: the properties below read the rank an event is
+    about (or the device, the job an event about the node names), and its record reads the payload
+    (`crossover.protos.event_records`: `Grant.of(event)`).
     """
 
     name: EventName | str
@@ -92,6 +95,10 @@ class Event:
         return self.fields.get("job")
 
     @property
+    def job_name(self) -> str | None:
+        return self.fields.get("job_name")
+
+    @property
     def rank(self) -> int | None:
         return self.fields.get("rank")
 
@@ -100,11 +107,12 @@ class Event:
         return self.fields.get("device")
 
     @property
+    def node(self) -> str | None:
+        return self.fields.get("node")
+
+    @property
     def about_rank(self) -> bool:
         return "rank" in self.fields and "job" in self.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
 
     def to_json(self) -> dict[str, Any]:
         """The line's object: `t`, `wall`, `event`, then the fields in their order."""

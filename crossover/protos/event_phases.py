@@ -12,9 +12,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 from crossover.protos.event_file import Event, EventName, typed
+from crossover.protos.event_records import CommEnd, Drain, Evict, Grant, Policy, Record, Release, Resume
 
 __all__ = ["HOLDS", "DeviceKey", "Interval", "PhaseKind", "PhaseLog", "merge_logs", "operator_marks", "policy_changes",
            "read_phases"]
@@ -24,7 +25,8 @@ _log = logging.getLogger(__name__)
 PhaseKind = Literal["compute", "comm", "wait", "overdue", "suspended"]
 DeviceKey = tuple[str, int]  # (node, device index)
 
-_OPERATOR_MARKS = (EventName.DRAIN, EventName.RESUME, EventName.EVICT)  # without a rank: about a device
+_OPERATOR_MARKS: dict[EventName | str, type[Drain | Resume | Evict]] = {
+    EventName.DRAIN: Drain, EventName.RESUME: Resume, EventName.EVICT: Evict}  # without a rank: about a device
 
 Events = Iterable[Union[Event, Mapping[str, Any]]]
 """What the readers here take: `Event`s, or the objects of a log's lines (an in-memory log's entries)."""
@@ -136,12 +138,12 @@ def read_phases(events: Events) -> PhaseLog:
     per_rank: dict[tuple[str, str, int], list[Event]] = defaultdict(list)
     node_last: dict[str, float] = {}
     for e in evs:
-        node = str(e.get("node", ""))
+        node = "" if e.node is None else str(e.node)
         node_last[node] = max(node_last.get(node, e.t), e.t)
         if not e.about_rank:
             continue  # policy, drain, resume of a device: not about a rank
         job = str(e.job)
-        jobs.setdefault(job, str(e.get("job_name") or job))
+        jobs.setdefault(job, str(e.job_name or job))
         per_rank[(node, job, _int(e.rank))].append(e)
     out: list[Interval] = []
     for (node, job, rank), rank_events in per_rank.items():
@@ -156,14 +158,17 @@ def read_phases(events: Events) -> PhaseLog:
 
 
 def _replay(r: _Rank, e: Event) -> None:
-    ev, t, device = e.name, e.t, _int(e.get("device", -1))
+    ev, t, device = e.name, e.t, _int(e.device)
     if ev == EventName.REQUEST:
         r.begin("wait", t, device)
     elif ev == EventName.GRANT:
-        r.end_measured("wait", t, device, _float(e.get("waited_s")))
+        grant = _read(e, Grant)
+        r.end_measured("wait", t, device, _seconds(grant.waited_s if grant is not None else None))
         r.begin("compute", t, device)
     elif ev == EventName.RELEASE:
-        if not r.end("compute", t, complete="held_s" in e.fields and not e.get("yields")):
+        release = _read(e, Release)
+        if not r.end("compute", t, complete=release is not None and release.held_s is not None
+                     and not release.yields):
             _log.debug("release without a grant ignored: %s", e)
     elif ev == EventName.OVERDUE:
         r.end("compute", t, complete=False)
@@ -181,7 +186,8 @@ def _replay(r: _Rank, e: Event) -> None:
     elif ev == EventName.COMM_BEGIN:
         r.begin("comm", t, device)
     elif ev == EventName.COMM_END:
-        r.end_measured("comm", t, device, _float(e.get("duration_s")))
+        comm = _read(e, CommEnd)
+        r.end_measured("comm", t, device, _seconds(comm.duration_s if comm is not None else None))
     elif ev == EventName.LEAVE:
         r.end_all(t)
 
@@ -193,12 +199,23 @@ def _int(value: Any) -> int:
         return -1
 
 
-def _float(value: Any) -> float:
+_R = TypeVar("_R", bound=Record)
+
+
+def _read(e: Event, kind: type[_R]) -> _R | None:
+    """The event's record; None for a line that lacks a field or holds a value of another type (a damaged or
+    hand-made log): the phase boundary it marks still counts, its figures do not."""
     try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return x if x == x else 0.0
+        record = kind.of(e)
+    except ValueError as exc:
+        _log.debug("%s", exc)
+        return None
+    return record
+
+
+def _seconds(value: float | None) -> float:
+    """A phase's length as the log gives it; 0 (none given) for a missing or NaN one."""
+    return value if value is not None and value == value else 0.0
 
 
 
@@ -208,11 +225,12 @@ def operator_marks(events: Events) -> list[tuple[float, str]]:
     the caller the event names, where it names them."""
     out = []
     for e in typed(events):
-        if "rank" in e.fields or e.name not in _OPERATOR_MARKS:
+        kind = _OPERATOR_MARKS.get(e.name)
+        mark = _read(e, kind) if kind is not None and e.rank is None else None
+        if mark is None:
             continue
-        evicted = e.name == EventName.EVICT and e.job
-        what = f"job {e.job}"[:20] if evicted else f"dev{_int(e.get('device'))}"
-        node, caller = e.get("node"), e.get("caller")
+        what = f"job {mark.job}"[:20] if isinstance(mark, Evict) and mark.job else f"dev{_int(mark.device)}"
+        node, caller = e.node, mark.caller
         out.append((e.t, f"{e.name} {what}" + (f" @{node}" if node else "") + (f" by {caller}" if caller else "")))
     return sorted(out)
 
@@ -222,7 +240,8 @@ def policy_changes(events: Events, within_s: float = 1.0) -> list[tuple[float, s
     within `within_s` of each other is one."""
     out: list[tuple[float, str]] = []
     for e in sorted((e for e in typed(events) if e.name == EventName.POLICY), key=lambda e: e.t):
-        new = str(e.get("new", "?"))
+        policy = _read(e, Policy)
+        new = policy.new if policy is not None else "?"
         if not any(name == new and e.t - t <= within_s for t, name in out[-8:]):
             out.append((e.t, new))
     return out

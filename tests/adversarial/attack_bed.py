@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from crossover.protos.event_records import Grant
 from testbed.harness.daemon import DaemonProc, queue_state
 from testbed.harness.jobs import Job, horovodrun, with_import
 
@@ -64,7 +65,7 @@ def answers_within(d: DaemonProc, seconds: float) -> float:
 
 def grant_waits(d: DaemonProc, job_name: str) -> list[float]:
     """Every grant wait the daemon logged for a job, in seconds."""
-    return [e.get("waited_s", 0.0) for e in d.events() if e.name == "grant" and e.get("job_name") == job_name]
+    return [Grant.of(e).waited_s for e in d.events() if e.name is Grant.name and e.job_name == job_name]
 
 
 def stops_on_sigterm(d: DaemonProc, grace_s: float = 5.0) -> float:

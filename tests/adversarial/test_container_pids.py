@@ -18,6 +18,7 @@ import time
 import pytest
 from attack_bed import grant_waits, start_victim, stop_after_grants
 
+from crossover.protos.event_records import Leave
 from testbed.harness.daemon import BIN, DaemonProc, queue_state
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.adversarial, pytest.mark.timeout(180)]
@@ -54,7 +55,7 @@ def test_ranks_the_daemon_cannot_see_are_served_not_evicted(namespaced_daemon, j
         time.sleep(0.1)
     stop_after_grants(d, victim, 120)
     assert victim.wait(120) == 0, victim.output()[-3000:]
-    leaves = [e for e in d.events() if e.name == "leave" and e.get("job_name") == "victim"]
-    assert leaves and not any("gone" in e.get("reason", "") for e in leaves), leaves
+    leaves = [e for e in d.events() if e.name == "leave" and e.job_name == "victim"]
+    assert leaves and not any("gone" in Leave.of(e).reason for e in leaves), leaves
     assert len(grant_waits(d, "victim")) > 100  # scheduled throughout
     assert pids and set(pids) == {0}, pids  # unknown: not the rank's claim, which means nothing here

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from attack_bed import answers_within, grant_waits, start_victim, stops_on_sigterm
 
+from crossover.protos.event_records import Overdue
 from testbed import checkout_on_path
 from testbed.harness.daemon import cli, queue_state
 
@@ -60,8 +61,8 @@ def test_a_heartbeating_holder_is_moved_aside_within_the_floor(daemon_factory, j
     waits = grant_waits(d, "victim")
     # The first grant waits out the hog's hold (floor 3 s, reaped every 0.1 s); then the two jobs alternate.
     assert waits and max(waits) < 4.5, sorted(waits)[-3:]
-    overdue = [e for e in d.events() if e.name == "overdue" and e.get("job_name") == "hog"]
-    assert len(overdue) == 1 and overdue[0].get("limit_s") == pytest.approx(3.0)
+    overdue = [e for e in d.events() if e.name == "overdue" and e.job_name == "hog"]
+    assert len(overdue) == 1 and Overdue.of(overdue[0]).limit_s == pytest.approx(3.0)
     assert answers_within(d, 1.0) < 1.0
     held.kill()
     assert stops_on_sigterm(d) < 5.0

@@ -196,6 +196,6 @@ def test_a_rank_of_another_user_cannot_join_a_job_and_lower_its_class(daemon_fac
         jobs = pb_grpc.AdminStub(ch).ListJobs(pb.JobsRequest(protocol_version=PROTOCOL_VERSION), timeout=5).jobs
         prod = [j for j in jobs if j.job_name == "prod"]
         assert prod and prod[0].priority == pb.PRIORITY_NORMAL  # not lowered, not even for a moment
-    kinds = [e.name for e in d.events() if e.get("job") == "prod-id"]
+    kinds = [e.name for e in d.events() if e.job == "prod-id"]
     assert "job_class" not in kinds, kinds
     assert stops_on_sigterm(d) < 5.0

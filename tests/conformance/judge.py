@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from crossover.protos.event_file import Event
+from crossover.protos.event_records import Policy, Release
 from testbed.harness.daemon import DaemonProc, cli, set_policy
 from testbed.harness.jobs import CHECKOUT, Job
 from testbed.harness.oracles import compute_intervals, overlaps
@@ -139,8 +140,8 @@ def events_by_policy(events: list[Event], first: str = POLICY_ROUNDS[0]) -> dict
     out: dict[str, list[Event]] = {name: [] for name in POLICY_ROUNDS}
     current = first
     for e in events:
-        if e.name == "policy":
-            current = e.fields["new"]
+        if e.name is Policy.name:
+            current = Policy.of(e).new
         else:
             out.setdefault(current, []).append(e)
     return out
@@ -151,8 +152,8 @@ def _under(events: list[Event], policies: tuple[str, ...],
     """The events logged while the daemon ran one of `policies`, in their order."""
     out, current = [], first
     for e in events:
-        if e.name == "policy":
-            current = e.fields["new"]
+        if e.name is Policy.name:
+            current = Policy.of(e).new
         elif current in policies:
             out.append(e)
     return out
@@ -187,7 +188,7 @@ def judge_rounds(label: str, placement: str, walls: dict[str, float], events: li
         assert any(e.name == "grant" for e in mine), f"{what}: the daemon granted nothing"
         overdue = [e for e in mine if e.name == "overdue"]
         assert overdue == [], f"{what}: a holder stalled while holding its device: {overdue[:3]}"
-        row[f"{policy}_yields"] = sum(1 for e in mine if e.name == "release" and e.get("yields"))
+        row[f"{policy}_yields"] = sum(1 for e in mine if e.name is Release.name and Release.of(e).yields)
         if policy in walls:
             wall_s = walls[policy]
             ratio, limit = wall_s / base_s, RATIO_LIMIT[placement]

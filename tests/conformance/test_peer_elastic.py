@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from crossover.protos.event_records import Register
 from testbed.harness.daemon import kill_group
 from testbed.harness.oracles import compute_intervals, overlaps
 from testbed.harness.polling import wait_until
@@ -107,7 +108,8 @@ def test_elastic_job_grows_and_shrinks_and_the_daemon_follows(daemon_factory, tm
     assert "Total img/sec on 2 CPU(s)" in text, f"the job did not end with two workers:\n{text[-2000:]}"
     d.stop()
     events = d.events()
-    worlds = {r: [e.fields["world_size"] for e in events if e.name == "register" and e.rank == r] for r in (0, 1)}
+    worlds = {r: [Register.of(e).world_size for e in events if e.name is Register.name and e.rank == r]
+              for r in (0, 1)}
     assert worlds == {0: [2, 3, 2], 1: [2, 3, 2]}, f"the daemon saw these worlds per rank: {worlds}"
     assert ("leave", 2) in _registered(d), "the removed rank never left the daemon"
     for dev, intervals in compute_intervals(events).items():

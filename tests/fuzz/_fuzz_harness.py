@@ -256,7 +256,7 @@ class Fuzzd:
                 session.release(i, 0.001, comm_begins=True)
         finally:
             session.close()
-        grants = [e for e in self.daemon.core.events.events() if e.name == "grant" and e.get("job_name") == job]
+        grants = [e for e in self.daemon.core.events.events() if e.name == "grant" and e.job_name == job]
         assert len(grants) == 3, grants
 
 

@@ -21,6 +21,7 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.scheduler import Scheduler, SchedulerSettings
 from crossover.daemon.server import Daemon, Endpoints
+from crossover.protos.event_records import Drain
 from crossover.protos.identity import RankIdentity
 from crossover.settings import PluginSettings
 
@@ -176,9 +177,9 @@ def test_drain_and_resume(run, daemon):
     assert "DRAINING" in run("queue").stdout
 
     me = pwd.getpwuid(os.getuid()).pw_name
-    drains = [e for e in daemon.core.events.events() if e.name == "drain"]
-    assert drains and f"user {me} (as the client says)" in drains[-1].get("caller")
-    assert drains[-1].get("caller").startswith("admin socket")
+    drains = [Drain.of(e) for e in daemon.core.events.events() if e.name is Drain.name]
+    assert drains and f"user {me} (as the client says)" in drains[-1].caller
+    assert drains[-1].caller.startswith("admin socket")
     # a GPU-less test daemon: a CPU rank that lets the daemon choose goes around the drained device,
     # one that insists on it is refused, counted and shown
     with pytest.raises(FailedPrecondition, match="drained by this node's operator"):

@@ -43,10 +43,10 @@ def test_passthrough_is_bit_identical(variant, daemon_factory, jobs, tmp_path):
     a, b = plain.summaries(), patched.summaries()
     assert len(a) == len(b) == spec["np"]
     assert {s["rank"]: s["digest"] for s in a} == {s["rank"]: s["digest"] for s in b}
-    grants = [e for e in d.events() if e.name == "grant" and e.fields["job_name"] == "patched"]
+    grants = [e for e in d.events() if e.name == "grant" and e.job_name == "patched"]
     scheduled_ranks = 2 if "--process-set" in spec["args"] else spec["np"]  # rank 2 is outside the set
-    per_rank = {r: sum(e.fields["rank"] == r for e in grants) for r in range(scheduled_ranks)}
+    per_rank = {r: sum(e.rank == r for e in grants) for r in range(scheduled_ranks)}
     assert all(n >= 20 for n in per_rank.values()), (
         f"the patched job was not observed by the daemon on every rank: grants per rank {per_rank}; "
         f"log: {patched.output()[-1500:]}")
-    assert {e.fields["rank"] for e in grants} == set(range(scheduled_ranks))
+    assert {e.rank for e in grants} == set(range(scheduled_ranks))

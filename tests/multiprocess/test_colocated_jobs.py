@@ -10,6 +10,7 @@ import time
 import pytest
 
 from crossover.protos.event_phases import Interval, read_phases
+from crossover.protos.event_records import Leave
 from testbed.harness.daemon import cli, queue_state
 from testbed.harness.jobs import horovodrun, with_import
 from testbed.harness.oracles import compute_intervals, overlaps
@@ -63,7 +64,7 @@ def test_exclusive_never_overlaps_and_queue_shows_both_jobs(daemon_factory, jobs
     while names != {"alpha", "beta"} and looks < 5 and all(j.proc.poll() is None for j in jobs):
         names = _job_names(json.loads(cli("queue", "--json", socket=d.socket).stdout))
         looks += 1
-    leaves = [(e.fields["job_name"], e.get("reason")) for e in d.events() if e.name == "leave"]
+    leaves = [(e.job_name, Leave.of(e).reason) for e in d.events() if e.name is Leave.name]
     assert names == {"alpha", "beta"}, (f"`crossover queue --json` showed {names} in {looks} looks; "
                                         f"exit codes {[j.proc.poll() for j in jobs]}; ranks that left: {leaves}")
 
@@ -112,14 +113,14 @@ def test_killed_grant_holder_frees_device_within_one_second(daemon_factory, jobs
     granted_at = None
     while time.monotonic() < deadline and granted_at is None:
         for e in d.events():
-            if e.name == "grant" and e.fields["job_name"] == "fast" and e.t > killed_at:
+            if e.name == "grant" and e.job_name == "fast" and e.t > killed_at:
                 granted_at = e.t
                 break
         time.sleep(0.05)
     assert granted_at is not None, "the waiting job was never granted after the holder died"
     assert granted_at - killed_at <= 1.0, f"device freed {granted_at - killed_at:.3f}s after the kill"
-    leave = [e for e in d.events() if e.name == "leave" and e.fields["job_name"] == "slow"]
-    assert leave and ("gone" in leave[0].get("reason") or "stream" in leave[0].get("reason"))
+    leave = [Leave.of(e) for e in d.events() if e.name is Leave.name and e.job_name == "slow"]
+    assert leave and ("gone" in leave[0].reason or "stream" in leave[0].reason)
     assert fast.wait(120) == 0, fast.output()[-3000:]
 
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from crossover.protos.event_records import Register, Release
 from testbed.harness.daemon import queue_state
 from testbed.harness.jobs import WORKLOADS, Job, exit_outcome, horovodrun, torchrun, with_import
 from testbed.harness.oracles import compute_intervals, overlaps
@@ -49,9 +50,9 @@ def test_co_located_ddp_patterns_are_scheduled_and_finish(daemon_factory, jobs, 
         finished(job)
 
     events = d.events()
-    registered = {(e.fields["job_name"], e.get("framework")) for e in events if e.name == "register"}
+    registered = {(e.job_name, Register.of(e).framework) for e in events if e.name is Register.name}
     assert registered == {(left, "ddp"), (right, "ddp")}
-    grants = collections.Counter(e.fields["job_name"] for e in events if e.name == "grant")
+    grants = collections.Counter(e.job_name for e in events if e.name == "grant")
     assert grants[left] >= ITERS and grants[right] >= ITERS, f"too few grants: {dict(grants)}"
     per_dev = compute_intervals(events)
     assert len(per_dev) == devices and all(len({iv[2] for iv in ivs}) == 2 for ivs in per_dev.values()), \
@@ -60,7 +61,7 @@ def test_co_located_ddp_patterns_are_scheduled_and_finish(daemon_factory, jobs, 
         for dev, intervals in per_dev.items():
             assert overlaps(intervals) == [], f"compute phases of the two jobs overlap on device {dev}"
     for pattern in {left, right} & {"metric", "checkpoint"}:  # their collectives hand the device back
-        yields = [e for e in events if e.name == "release" and e.fields["job_name"] == pattern and e.get("yields")]
+        yields = [e for e in events if e.name is Release.name and e.job_name == pattern and Release.of(e).yields]
         assert yields, f"{pattern}: no release for a collective's wait in the log"
 
 
@@ -73,7 +74,7 @@ def test_passthrough_is_bit_identical_to_plain_ddp(daemon_factory, jobs, tmp_pat
     for job in jobs:
         finished(job)
     assert jobs[0].summaries()[0]["digest"] == jobs[1].summaries()[0]["digest"]
-    assert any(e.name == "register" and e.get("framework") == "ddp" for e in d.events())
+    assert any(e.name is Register.name and Register.of(e).framework == "ddp" for e in d.events())
 
 
 def test_a_horovod_job_and_a_ddp_job_share_one_device(daemon_factory, jobs, tmp_path):
@@ -92,9 +93,9 @@ def test_a_horovod_job_and_a_ddp_job_share_one_device(daemon_factory, jobs, tmp_
     assert jobs[0].wait(200) == 0, jobs[0].output()[-3000:]
     finished(jobs[1])
     events = d.events()
-    assert {(e.fields["job_name"], e.get("framework")) for e in events if e.name == "register"} == {
+    assert {(e.job_name, Register.of(e).framework) for e in events if e.name is Register.name} == {
         ("hvd", "horovod"), ("ddp", "ddp")}
-    grants = collections.Counter(e.fields["job_name"] for e in events if e.name == "grant")
+    grants = collections.Counter(e.job_name for e in events if e.name == "grant")
     assert grants["hvd"] > 0 and grants["ddp"] > 0, dict(grants)
     per_dev = compute_intervals(events)
     assert len({iv[2] for iv in per_dev[0]}) == 2

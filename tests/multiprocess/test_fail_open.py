@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from crossover.protos.event_records import Leave
 from testbed.harness.daemon import DaemonProc
 from testbed.harness.jobs import horovodrun, with_import
 from testbed.harness.polling import wait_until
@@ -42,7 +43,7 @@ def test_daemon_killed_mid_run_then_restarted_job_reattaches(daemon_factory, job
     d2 = DaemonProc(socket=d.socket, event_log=tmp_path / "d2.events.jsonl", log=tmp_path / "d2.log",
                     args=["--cpu-devices", "2", "--policy", "exclusive"]).start()
     try:
-        wait_until(lambda: sum(e.name == "grant" and e.fields["job_name"] == "phoenix" for e in d2.events()) >= 4,
+        wait_until(lambda: sum(e.name == "grant" and e.job_name == "phoenix" for e in d2.events()) >= 4,
                    60, "grants from the restarted daemon")
         assert job.wait(120) == 0, job.output()[-3000:]
     finally:
@@ -60,7 +61,7 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
     for name in ("one", "two"):  # long enough that neither finishes before the other starts (start-up spread)
         jobs.append(horovodrun(name, script, tmp_path, np=1, args=("--iters", "4000", "--stop-file", str(stop)),
                                env=env))
-    wait_until(lambda: {e.fields["job_name"] for e in d.events() if e.name == "grant"} == {"one", "two"}, 60,
+    wait_until(lambda: {e.job_name for e in d.events() if e.name == "grant"} == {"one", "two"}, 60,
                "both jobs scheduled")
     t0 = time.monotonic()  # CLOCK_MONOTONIC, the event log's clock
     assert d.stop(signal.SIGTERM, timeout=10) == 0
@@ -71,7 +72,7 @@ def test_sigterm_releases_waiting_ranks_and_exits_cleanly(daemon_factory, jobs, 
         assert j.wait(120) == 0, j.output()[-3000:]
     events = d.events()
     assert not [e for e in events if e.name == "leave" and e.t < t0], "a job left before the SIGTERM"
-    assert sorted((e.fields["job_name"], e.fields["reason"]) for e in events if e.name == "leave") == [
+    assert sorted((e.job_name, Leave.of(e).reason) for e in events if e.name is Leave.name) == [
         ("one", "daemon shutdown"), ("two", "daemon shutdown")]
 
 
@@ -106,7 +107,7 @@ def test_frozen_daemon_is_noticed_within_a_second_and_schedules_again_after(daem
         holder.release(0)
         assert waiter.acquire(2) is True, "after the daemon answers again the rank is scheduled again"
         waiter.release(2)
-        wait_until(lambda: any(e.name == "grant" and e.fields["job_name"] == "waiter" for e in d.events()), 5,
+        wait_until(lambda: any(e.name == "grant" and e.job_name == "waiter" for e in d.events()), 5,
                    "the thawed daemon's grant to the waiter in its event log")
     finally:
         d.proc.send_signal(signal.SIGCONT)

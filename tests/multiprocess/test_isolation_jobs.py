@@ -11,6 +11,7 @@ import json
 import pytest
 
 from crossover.protos.event_file import EventName
+from crossover.protos.event_records import Isolation
 from testbed.harness.daemon import cli
 from testbed.harness.jobs import horovodrun, with_import
 from testbed.harness.polling import wait_until
@@ -31,8 +32,8 @@ def test_the_low_job_waits_out_the_solo_windows_and_trains_within_its_budget(dae
 
     def shared_and_low_trained() -> bool:
         evs = d.events()
-        shared = [e for e in evs if e.name is EventName.ISOLATION and e.get("window") == "shared"]
-        return bool(shared) and sum(e.name is EventName.GRANT and e.get("job_name") == "sweep"
+        shared = [e for e in evs if e.name is EventName.ISOLATION and Isolation.of(e).window == "shared"]
+        return bool(shared) and sum(e.name is EventName.GRANT and e.job_name == "sweep"
                                     and e.t > shared[0].t for e in evs) >= 3
 
     wait_until(shared_and_low_trained, 90, "a shared window in which the low job trained")
@@ -43,13 +44,13 @@ def test_the_low_job_waits_out_the_solo_windows_and_trains_within_its_budget(dae
         job.stop()
 
     evs = d.events()
-    marks = [e for e in evs if e.name is EventName.ISOLATION]
-    assert marks[0].get("window") == "solo" and marks[0].get("reason"), marks[0]
-    first_shared = next(e for e in marks if e.get("window") == "shared")
-    assert first_shared.get("reference_s") and first_shared.get("reference_s") > 0
+    marks = [(e.t, Isolation.of(e)) for e in evs if e.name is EventName.ISOLATION]
+    assert marks[0][1].window == "solo" and marks[0][1].reason, marks[0]
+    first_shared = next(m for _t, m in marks if m.window == "shared")
+    assert first_shared.reference_s and first_shared.reference_s > 0
     # No low grant inside a solo window: from each solo mark to the mark that ends it.
-    for begin, end in zip(marks, marks[1:]):
-        if begin.get("window") == "solo":
-            inside = [e for e in evs if e.name is EventName.GRANT and e.get("job_name") == "sweep"
-                      and begin.t < e.t < end.t]
-            assert not inside, f"the low job was granted in a solo window ({begin.t:.2f}-{end.t:.2f}): {inside[:3]}"
+    for (begin_t, begin), (end_t, _end) in zip(marks, marks[1:]):
+        if begin.window == "solo":
+            inside = [e for e in evs if e.name is EventName.GRANT and e.job_name == "sweep"
+                      and begin_t < e.t < end_t]
+            assert not inside, f"the low job was granted in a solo window ({begin_t:.2f}-{end_t:.2f}): {inside[:3]}"

@@ -2,6 +2,7 @@
 and the emulated device's memory (`testbed.device_model`), whose allocator the plugin caps as it caps torch's."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from crossover.protos.event_records import MemoryCap
 from testbed.harness.daemon import cli, kill_group
 from testbed.harness.jobs import Job, exit_outcome, torchrun, with_import
 from testbed.harness.polling import wait_until
@@ -52,7 +54,7 @@ def test_a_low_job_that_grows_is_stopped_at_its_cap_and_the_production_job_never
                        "--reserve", "high=75%", "--class-rule", f"uid:{os.getuid()}=high")
     prod = start("prod", tmp_path, d.socket, device, 100_000, PROD)
     jobs.append(prod)
-    wait_until(lambda: any(e.name == "register" and e.fields["job_name"] == "prod" for e in d.events()), 60,
+    wait_until(lambda: any(e.name == "register" and e.job_name == "prod" for e in d.events()), 60,
                "prod to register")
     low = start("batch", tmp_path, d.socket, device, 40, LOW, priority="low")
     jobs.append(low)
@@ -66,12 +68,12 @@ def test_a_low_job_that_grows_is_stopped_at_its_cap_and_the_production_job_never
     assert len(prod.summaries()) == 2
 
     events = d.events()
-    told = {(e.rank, e.get("cap_bytes")) for e in events if e.name == "memory_cap" and e.fields["job_name"] == "batch"}
+    told = {(e.rank, MemoryCap.of(e).cap_bytes) for e in events if e.name is MemoryCap.name and e.job_name == "batch"}
     share = (DEVICE_MB * MiB - int(0.75 * DEVICE_MB * MiB)) // 2  # its two ranks share what high leaves
     assert {(0, share), (1, share)} <= told, told
-    assert not [e for e in events if e.name == "memory_cap" and e.fields["job_name"] == "prod"]
+    assert not [e for e in events if e.name == "memory_cap" and e.job_name == "prod"]
     hits = [e for e in events if e.name == "memory_cap_hit"]
-    assert hits and {e.fields["job_name"] for e in hits} == {"batch"}
+    assert hits and {e.job_name for e in hits} == {"batch"}
 
 
 def test_caps_follow_a_class_change_and_a_job_leaving(daemon_factory, device, jobs, tmp_path):
@@ -81,27 +83,28 @@ def test_caps_follow_a_class_change_and_a_job_leaving(daemon_factory, device, jo
     a = start("alpha", tmp_path, d.socket, device, 100_000, small)
     b = start("beta", tmp_path, d.socket, device, 100_000, small)
     jobs.extend([a, b])
-    wait_until(lambda: len({e.fields["job_name"] for e in d.events() if e.name == "register"}) == 2, 90,
+    wait_until(lambda: len({e.job_name for e in d.events() if e.name == "register"}) == 2, 90,
                "both jobs to register")
     assert not [e for e in d.events() if e.name == "memory_cap"], "a cap without an active reservation"
 
     cli("priority", "alpha", "high", socket=d.socket)
     half = (DEVICE_MB * MiB - DEVICE_MB * MiB // 2) // 2
-    wait_until(lambda: {e.get("cap_bytes") for e in d.events() if e.name == "memory_cap"
-                        and e.fields["job_name"] == "beta"} == {half}, 30, "beta to be capped")
-    shown = cli("jobs", socket=d.socket).stdout
-    assert "d0 - (cap 5GiB)" in shown, shown  # beta's two ranks, 2.5 GiB each; memory is NVML's, none here
+    wait_until(lambda: {MemoryCap.of(e).cap_bytes for e in d.events() if e.name is MemoryCap.name
+                        and e.job_name == "beta"} == {half}, 30, "beta to be capped")
+    jobs = json.loads(cli("jobs", "--json", socket=d.socket).stdout)["jobs"]
+    beta = next(j for j in jobs if j["job_name"] == "beta")
+    assert [r["memory_cap_bytes"] for r in beta["ranks"]] == [half, half], beta  # 2.5 GiB each, 5 GiB the job
 
     cli("priority", "alpha", "normal", socket=d.socket)
     cli("priority", "beta", "high", socket=d.socket)
-    wait_until(lambda: any(e.name == "memory_cap" and e.fields["job_name"] == "alpha" and e.get("cap_bytes") == half
+    wait_until(lambda: any(e.name is MemoryCap.name and e.job_name == "alpha" and MemoryCap.of(e).cap_bytes == half
                            for e in d.events()), 30, "alpha to be capped once beta is high")
-    lifted = [e for e in d.events() if e.name == "memory_cap" and e.fields["job_name"] == "beta"][-1]
-    assert lifted.get("cap_bytes") is None
+    lifted = [e for e in d.events() if e.name == "memory_cap" and e.job_name == "beta"][-1]
+    assert MemoryCap.of(lifted).cap_bytes is None
 
     b.stop(ahead=5)
     assert exit_outcome(b, 120) != "failed", b.output()[-3000:]
-    wait_until(lambda: [e for e in d.events() if e.name == "memory_cap" and e.fields["job_name"] == "alpha"][-1]
-               .get("cap_bytes") is None, 30, "beta's leaving to free its reservation")
+    wait_until(lambda: [MemoryCap.of(e) for e in d.events() if e.name is MemoryCap.name and e.job_name == "alpha"][-1]
+               .cap_bytes is None, 30, "beta's leaving to free its reservation")
     a.stop(ahead=5)
     assert exit_outcome(a, 120) != "failed", a.output()[-3000:]

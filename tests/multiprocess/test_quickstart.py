@@ -38,5 +38,5 @@ def test_two_example_jobs_take_turns_and_finish(daemon_factory, tmp_path):
     for job in ("a", "b"):
         out = (tmp_path / f"{job}.log").read_text()
         assert "150 steps in" in out and "unscheduled" not in out, out[-2000:]
-    grants = collections.Counter(e.fields["job_name"] for e in d.events() if e.name == "grant")
+    grants = collections.Counter(e.job_name for e in d.events() if e.name == "grant")
     assert grants["a"] >= 150 and grants["b"] >= 150, dict(grants)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from crossover.protos.event_records import Grant
 from testbed.cluster import (
     LOWER_EFFORT_DSCP,
     Cluster,
@@ -81,8 +82,8 @@ def cluster_factory(tmp_path):
 def _turn_agreement(ev0: list[dict], ev1: list[dict], lo: float, hi: float) -> tuple[float, int]:
     """Of consecutive grants to different jobs on node 0 (as (job, iteration)), the share node 1 made in the same
     order; and how many such pairs there were."""
-    seq0 = [(e.fields["job"], e.fields["iteration"]) for e in ev0 if e.name == "grant" and lo <= e.t <= hi]
-    pos1 = {(e.fields["job"], e.fields["iteration"]): i for i, e in enumerate(x for x in ev1 if x.name == "grant")}
+    seq0 = [(e.job, Grant.of(e).iteration) for e in ev0 if e.name is Grant.name and lo <= e.t <= hi]
+    pos1 = {(e.job, Grant.of(e).iteration): i for i, e in enumerate(x for x in ev1 if x.name is Grant.name)}
     seq0 = [k for k in seq0 if k in pos1]
     pairs = [(a, b) for a, b in zip(seq0, seq0[1:]) if a[0] != b[0]]
     return (sum(pos1[a] < pos1[b] for a, b in pairs) / len(pairs) if pairs else 0.0), len(pairs)
@@ -164,7 +165,7 @@ def test_one_job_spans_both_nodes(cluster_factory, tmp_path):
         events = c.events(i)
         regs = [e for e in events if e.name == "register"]
         # rank i lives in node i's namespace and was scheduled by node i's daemon
-        assert [(e.fields["rank"], e.fields["node"]) for e in regs] == [(i, node.name)]
+        assert [(e.rank, e.node) for e in regs] == [(i, node.name)]
         assert sum(e.name == "grant" for e in events) >= 20
 
 
@@ -184,10 +185,10 @@ def test_colocated_jobs_never_overlap_and_take_turns_in_the_same_order(cluster_f
         assert {job for _, _, job, _ in per_dev[0]}.__len__() == 2, f"node{i} did not serve both jobs"
         assert overlaps(per_dev[0]) == [], f"compute phases overlap on node{i}"
     # Turn order while both jobs run: the two daemons grant the same jobs in the same order.
-    firsts = [min(e.t for ev in events for e in ev if e.name == "grant" and e.fields["job"] == j)
-              for j in {e.fields["job"] for e in events[0] if e.name == "grant"}]
-    lasts = [max(e.t for ev in events for e in ev if e.name == "grant" and e.fields["job"] == j)
-             for j in {e.fields["job"] for e in events[0] if e.name == "grant"}]
+    firsts = [min(e.t for ev in events for e in ev if e.name == "grant" and e.job == j)
+              for j in {e.job for e in events[0] if e.name == "grant"}]
+    lasts = [max(e.t for ev in events for e in ev if e.name == "grant" and e.job == j)
+             for j in {e.job for e in events[0] if e.name == "grant"}]
     lo, hi = max(firsts), min(lasts)
     agree, n = _turn_agreement(events[0], events[1], lo, hi)
     assert n >= 30, f"too few alternations while both jobs ran ({n})"

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from crossover.protos.event_records import Grant, HandoverRescue, Register
 from testbed.cluster import Link
 from testbed.device_model import DeviceParams
 from testbed.harness.jobs import WORKLOADS, with_import
@@ -38,20 +39,20 @@ def test_jobs_hand_over_on_the_device_and_a_killed_holder_strands_nobody(cluster
     try:
         # Both jobs' ranks end their turns on the device, and grants name the ticket to wait for.
         wait_for(lambda: sum(e.name == "handover" for e in c.events(0)) >= 2, 90, 0.2)
-        wait_for(lambda: any(e.name == "grant" and e.get("after") for e in c.events(0)), 30, 0.2)
-        pid = next(e.get("pid") for e in c.events(0) if e.name == "register" and e.get("job_name") == "doomed")
+        wait_for(lambda: any(e.name is Grant.name and Grant.of(e).after for e in c.events(0)), 30, 0.2)
+        pid = next(Register.of(e).pid for e in c.events(0) if e.name is Register.name and e.job_name == "doomed")
 
         def owing() -> bool:  # doomed's rank on node 0 released a turn whose work its device is still doing
-            mine = [e for e in c.events(0) if e.get("job_name") == "doomed" and e.name in ("grant", "release")]
+            mine = [e for e in c.events(0) if e.job_name == "doomed" and e.name in ("grant", "release")]
             return bool(mine) and mine[-1].name == "release"
 
         wait_for(owing, 30)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         rescue = wait_for(lambda: [e for e in c.events(0) if e.name == "handover_rescue"], 10)
-        assert rescue[0].get("job_name") == "doomed" and rescue[0].get("ticket") >= 1
+        assert rescue[0].job_name == "doomed" and HandoverRescue.of(rescue[0]).ticket >= 1
         def steady_grants() -> int:
-            return sum(e.name == "grant" and e.get("job_name") == "steady" for e in c.events(0))
+            return sum(e.name == "grant" and e.job_name == "steady" for e in c.events(0))
 
         before = steady_grants()
         wait_for(lambda: steady_grants() >= before + 5, 20, 0.2)

@@ -1,7 +1,9 @@
 """docs/operating.md and docs/metrics.md against the code: every flag and column they name exists,
-and every metric the daemon exports is documented (as the README's settings table is generated)."""
+every metric the daemon exports is documented (as the README's settings table is generated), and the
+event log's tables list each event's fields as its record declares them."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.main import main as crossoverd
 from crossover.daemon.metrics import DaemonMetrics
 from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.protos.event_records import RECORDS
 from crossover.protos.identity import RankIdentity
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -49,3 +52,13 @@ def test_every_exported_metric_is_documented() -> None:
                 name.endswith("_created") and "*_created" in documented) or (
                 name.startswith("process_") and "process_*" in documented)
             assert ok, f"{name} is exported but docs/metrics.md does not list it"
+
+
+def test_operating_md_lists_each_events_fields_as_its_record_declares_them() -> None:
+    section = (DOCS / "operating.md").read_text().split("### The file", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \|[^|\n]*\|([^|\n]*)\|$", section, re.M)
+    documented = {name: re.findall(r"`([a-z_]+)`(\??)", fields) for name, fields in rows}
+    declared = {str(name): [(f.name, "" if f.default is dataclasses.MISSING else "?")
+                            for f in dataclasses.fields(record)] for name, record in RECORDS.items()}
+    assert len(rows) == len(documented), "an event has two rows"
+    assert documented == declared

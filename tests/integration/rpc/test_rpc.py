@@ -75,8 +75,8 @@ def test_bad_requests_get_clear_statuses_and_the_daemon_keeps_serving(serve, cha
     assert good.attached and good.registration.policy == "exclusive"
     assert good.acquire(0) is True
     good.release(0, duration_s=0.01)
-    wait_for(lambda: any(e.name == "release" and e.fields["job_name"] == "good-job" for e in d.core.events.events()))
-    assert [e.name for e in d.core.events.events() if e.get("job_name") == "good-job"][:5] == [
+    wait_for(lambda: any(e.name == "release" and e.job_name == "good-job" for e in d.core.events.events()))
+    assert [e.name for e in d.core.events.events() if e.job_name == "good-job"][:5] == [
         "register", "request", "grant", "lease", "release"]  # alone on its device: leased
 
 

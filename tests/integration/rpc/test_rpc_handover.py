@@ -15,6 +15,7 @@ from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
 from crossover.protos.event_file import Event, EventName
+from crossover.protos.event_records import Grant, HandoverRescue
 from testbed.device_model.turns import ModelTurns
 from tests.integration.rpc._world import wait_for
 from tests.unit.testbed.test_device_model_streams import Bed, bed  # noqa: F401 (the fixture)
@@ -61,7 +62,7 @@ def _turn_owed(rank: Session, device: ModelTurns, work_s: float) -> None:
 
 def test_the_next_ranks_work_starts_on_the_device_as_the_holders_ends(serve, ranks):
     d, ((a, dev_a), (b, dev_b)) = _ready_pair(serve, ranks, "first", "second")
-    assert {e.get("job_name") for e in _events(d, EventName.HANDOVER)} == {"first", "second"}
+    assert {e.job_name for e in _events(d, EventName.HANDOVER)} == {"first", "second"}
     start = time.monotonic()
     _turn_owed(a, dev_a, 0.3)  # ended at once: the device has 0.3 s of A's work left
     assert b.acquire(0)
@@ -71,8 +72,8 @@ def test_the_next_ranks_work_starts_on_the_device_as_the_holders_ends(serve, ran
     done = time.monotonic() - start
     assert granted < 0.2, f"B's grant waited for A's device ({granted:.3f} s)"
     assert done >= 0.34, f"B's work ran beside A's instead of after it ({done:.3f} s)"
-    grant = [e for e in _events(d, EventName.GRANT) if e.get("job_name") == "second"][-1]
-    assert grant.get("after") == 1  # the event log says whose ticket B's device waited for
+    grant = [e for e in _events(d, EventName.GRANT) if e.job_name == "second"][-1]
+    assert Grant.of(grant).after == 1  # the event log says whose ticket B's device waited for
     dev_a.drain()
 
 
@@ -87,7 +88,7 @@ def test_a_holder_that_is_gone_cannot_strand_the_rank_after_it(serve, ranks):
     dev_b.drain()
     assert time.monotonic() - start < 2.0
     rescue = _events(d, EventName.HANDOVER_RESCUE)
-    assert len(rescue) == 1 and rescue[0].get("job_name") == "doomed" and rescue[0].get("ticket") == 1
+    assert len(rescue) == 1 and rescue[0].job_name == "doomed" and HandoverRescue.of(rescue[0]).ticket == 1
 
 
 def test_a_rank_cannot_write_the_page_it_waits_on_or_resize_its_own(serve, ranks):
@@ -140,7 +141,7 @@ def test_a_ticket_from_a_rank_whose_page_is_not_sealed_is_not_owed_and_its_page_
     assert sly.acquire(0)
     sly.release(0, ticket=7)  # claims its device owes a ticket
     assert honest.acquire(0)
-    assert honest.turns._peers == {} and [e for e in _events(d, EventName.GRANT) if e.get("after")] == []
+    assert honest.turns._peers == {} and [e for e in _events(d, EventName.GRANT) if Grant.of(e).after] == []
     dev.drain()
 
 

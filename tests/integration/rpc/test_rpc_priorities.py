@@ -89,7 +89,7 @@ def test_the_operator_sets_a_class_and_a_low_holder_yields_to_a_high_request(ser
     events = [e.name for e in d.core.events.events() if e.name in ("preempt", "job_class")]
     assert "preempt" in events and "job_class" in events
     set_by = [e for e in d.core.events.events() if e.name == "job_class_set"]
-    assert {e.fields["job"] for e in set_by} == {"id-prod", "id-sweep"}
+    assert {e.job for e in set_by} == {"id-prod", "id-sweep"}
 
 
 def test_the_operator_call_refuses_what_it_cannot_do(serve, channels, ranks):

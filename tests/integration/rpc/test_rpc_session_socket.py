@@ -21,6 +21,7 @@ from crossover.protos import PROTOCOL_VERSION as VERSION
 from crossover.protos import TOKEN_METADATA_KEY, framing
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.event_records import Request
 from tests.integration.rpc._world import holding_stream, identity, make_core, register, rpc_error, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,7 +89,7 @@ def test_sessions_use_the_session_socket_and_contend_exactly_as_over_grpc(serve,
     t.join(5)
     assert got == [True]
     grants = [e for e in d.core.events.events() if e.name == "grant"]
-    assert [e.fields["job_name"] for e in grants] == ["frames", "grpc-stream", "frames"]
+    assert [e.job_name for e in grants] == ["frames", "grpc-stream", "frames"]
     d.stop(grace=0.5)
     assert not os.path.exists(d.session_socket) and not os.path.exists(d.socket_path)
 
@@ -180,8 +181,8 @@ def test_after_a_grant_timeout_a_rank_trains_unscheduled_for_the_cool_off_instea
     for it in range(1, 6):  # during the cool-off every iteration goes on at once, asking for nothing
         assert waiter.acquire(it, comm_s=0.001) is False
         waiter.release(it, 0.001, comm_begins=True)
-    asked = [e.get("iteration") for e in d.core.events.events()
-             if e.name == "request" and e.fields["job_name"] == "patient"]
+    asked = [Request.of(e).iteration for e in d.core.events.events()
+             if e.name is Request.name and e.job_name == "patient"]
     assert asked == [0], f"a rank in its cool-off asked for the device again: {asked}"
     time.sleep(1.0)
     q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0, comm_begins=True))  # the hog lets go

@@ -13,6 +13,7 @@ from crossover.client.rank.session import Session
 from crossover.protos import PROTOCOL_VERSION
 from crossover.protos import crossover_v1_pb2 as pb
 from crossover.protos import crossover_v1_pb2_grpc as pb_grpc
+from crossover.protos.event_records import CommBegin, CommEnd, Leave, Request, Suspend
 from tests.integration.rpc._world import _END, first_directive, holding_stream, identity, register, rpc_error, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,16 +38,16 @@ def test_silent_rank_is_suspended_its_grant_goes_to_the_waiter_and_it_is_evicted
     assert waited < 1.0, f"grant took {waited:.2f}s to move to the waiting rank"
     # the daemon logs after it sends: the grant may arrive before the log has the suspension
     suspend = wait_for(lambda: [e for e in d.core.events.events()
-                                if e.name == "suspend" and e.get("job_name") == "silent"])
-    assert "heartbeat" in suspend[0].fields["reason"] and suspend[0].fields["phase"] == "compute"
+                                if e.name == "suspend" and e.job_name == "silent"])
+    assert "heartbeat" in Suspend.of(suspend[0]).reason and Suspend.of(suspend[0]).phase == "compute"
     silent_rank = [r for r in d.core.steering.snapshot()[1] if r.ident.job_name == "silent"]
     assert [r.phase.value for r in silent_rank] == ["suspended"]
     waiter.release(0)
 
     first_directive(call, timeout=5.0)  # the stream ends once the silence passes --evict-after
     leave = wait_for(lambda: [e for e in d.core.events.events()
-                              if e.name == "leave" and e.get("job_name") == "silent"])
-    assert "heartbeat" in leave[0].fields["reason"]
+                              if e.name == "leave" and e.job_name == "silent"])
+    assert "heartbeat" in Leave.of(leave[0]).reason
     assert time.monotonic() - t0 >= 2.0
     assert not any(r.ident.job_name == "silent" for r in d.core.steering.snapshot()[1])
     # the waiter kept heartbeating through it all and is still registered
@@ -65,14 +66,14 @@ def test_a_starved_rank_that_speaks_again_carries_on_in_its_session(serve, chann
     wait_for(lambda: [e for e in d.core.events.events() if e.name == "suspend"], timeout=3.0)
     holder.release(0)
     time.sleep(0.2)
-    assert [e for e in d.core.events.events() if e.name == "grant" and e.fields["job_name"] == "starved"] == []
+    assert [e for e in d.core.events.events() if e.name == "grant" and e.job_name == "starved"] == []
     q.put(pb.RankEvent(kind=pb.HEARTBEAT))  # back: its old request is queued again and granted
     grant = first_directive(call)
     assert grant.WhichOneof("kind") == "grant" and grant.grant.seq == 5
     q.put(pb.RankEvent(kind=pb.COMPUTE_DONE, iteration=0))
     q.put(pb.RankEvent(kind=pb.COMPUTE_REQUEST, iteration=1, seq=6))
     assert first_directive(call).grant.seq == 6
-    assert [e.name for e in d.core.events.events() if e.get("job_name") == "starved"][:5] == [
+    assert [e.name for e in d.core.events.events() if e.job_name == "starved"][:5] == [
         "register", "request", "suspend", "resume", "request"]
 
 
@@ -136,7 +137,7 @@ def test_close_delivers_every_event_still_queued(serve, sessions, tmp_path):
     s.close()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        releases = [e for e in d.core.events.events() if e.name == "release" and e.fields["job_name"] == "burst"]
+        releases = [e for e in d.core.events.events() if e.name == "release" and e.job_name == "burst"]
         if len(releases) == 300:
             break
         time.sleep(0.05)
@@ -153,13 +154,15 @@ def test_a_request_sent_during_comm_carries_the_end_of_the_allreduce(serve, sess
     s.release(1, 0.01)                        # rides on this COMPUTE_DONE: one message for both)
     kinds = ("comm_begin", "comm_end", "request")
     def folded() -> list[dict] | None:  # iteration 1 may arrive up to CROSSOVER_REPORT_INTERVAL late
-        events = [e for e in d.core.events.events() if e.name in kinds and e.get("job_name") == "folded"]
-        return events[-3:] if events and events[-1].fields["iteration"] == 1 else None
+        events = [e for e in d.core.events.events() if e.name in kinds and e.job_name == "folded"]
+        last = events[-1] if events else None
+        return events[-3:] if last is not None and last.name is Request.name and Request.of(last).iteration == 1 \
+            else None
 
     comm_begin, comm_end, request = wait_for(folded)
-    assert comm_begin.name == "comm_begin" and comm_begin.fields["iteration"] == 0
-    assert comm_end.name == "comm_end" and comm_end.fields["iteration"] == 0 and comm_end.fields["duration_s"] == 0.25
-    assert request.name == "request" and request.fields["iteration"] == 1
+    assert comm_begin.name is CommBegin.name and CommBegin.of(comm_begin).iteration == 0
+    assert comm_end.name is CommEnd.name and CommEnd.of(comm_end) == CommEnd(iteration=0, duration_s=0.25)
+    assert request.name is Request.name and Request.of(request).iteration == 1
     rank = next(r for r in d.core.steering.snapshot()[1] if r.ident.job_name == "folded")
     assert rank.mean_comm_s == pytest.approx(0.25)
 
@@ -227,7 +230,7 @@ def test_a_lease_is_revoked_when_a_second_rank_arrives_and_compute_never_overlap
     ta.join(timeout=30)
     assert all(counts[f"visitor{n}"] == 5 for n in range(visitors))
     assert most[0] == 1
-    kinds = [e.name for e in d.core.events.events() if e.get("job_name") == "alpha"]
+    kinds = [e.name for e in d.core.events.events() if e.job_name == "alpha"]
     assert kinds.count("lease") == visitors + 1
     assert kinds.count("lease_revoke") == kinds.count("lease_released") == visitors
     assert "lease_expired" not in kinds
@@ -290,8 +293,8 @@ def test_a_rank_that_does_not_wait_reports_in_dated_batches(serve, sessions):
         s.release(i, 0.02, comm_begins=True)
         time.sleep(0.004)
     grants = wait_for(lambda: [e for e in d.core.events.events() if e.name == "grant"
-                               and e.get("job_name") == "batched"][11:] and
-                      [e for e in d.core.events.events() if e.name == "grant" and e.get("job_name") == "batched"])
+                               and e.job_name == "batched"][11:] and
+                      [e for e in d.core.events.events() if e.name == "grant" and e.job_name == "batched"])
     assert sent.count(pb.BATCH) <= 6 and pb.COMPUTE_REQUEST not in sent  # 12 iterations, a few messages
     # Dated when they happened, not when their batch arrived (which would put a batch's grants within
     # a millisecond of each other): each grant sits where the rank's own clock put it, measured here so

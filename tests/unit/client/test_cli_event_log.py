@@ -12,6 +12,19 @@ from click.testing import CliRunner
 
 from crossover.client.cli import main
 from crossover.daemon.event_log import EventLog
+from crossover.protos.event_records import (
+    CommBegin,
+    CommEnd,
+    Drain,
+    Grant,
+    Leave,
+    Policy,
+    RankTag,
+    Record,
+    Register,
+    Release,
+    Request,
+)
 
 ALPHA = "a1a1a1a1a1a1a1a1"
 BETA = "b2b2b2b2b2b2b2b2"
@@ -24,27 +37,27 @@ def _write_node(path: Path, node: str, rank: int, clock_base: float, beta_name: 
     log = EventLog(path=path, clock=lambda: clock_base + 100.0, wall_clock=lambda: 1_700_000_100.0,
                    flush_interval_s=60)
 
-    def rec(t: float, event: str, job: str, **fields: object) -> None:
-        log.record(event, t=clock_base + t, job=job, job_name="alpha" if job == ALPHA else beta_name, rank=rank,
-                   device=0, node=node, **fields)
+    def rec(t: float, job: str, record: Record) -> None:
+        log.record(record, t=clock_base + t, about=RankTag(job=job, job_name="alpha" if job == ALPHA else beta_name,
+                                                           rank=rank, device=0, node=node))
 
-    rec(0.0, "register", ALPHA, pid=1, world_size=2)
-    rec(0.0, "register", BETA, pid=2, world_size=2)
+    rec(0.0, ALPHA, Register(pid=1, world_size=2))
+    rec(0.0, BETA, Register(pid=2, world_size=2))
     for i in range(10):
         # alpha: no wait, compute 0.5 s, allreduce 0.5 s; beta: waits 0.25 s for alpha, compute 0.5, allreduce 0.25
-        rec(i, "request", ALPHA, iteration=i, seq=i + 1, turn=i)
-        rec(i, "grant", ALPHA, iteration=i, waited_s=0.0)
-        rec(i + 0.25, "request", BETA, iteration=i, seq=i + 1, turn=i)
-        rec(i + 0.5, "release", ALPHA, held_s=0.5)
-        rec(i + 0.5, "comm_begin", ALPHA, iteration=i)
-        rec(i + 0.5, "grant", BETA, iteration=i, waited_s=0.25)
-        rec(i + 1.0, "comm_end", ALPHA, iteration=i, duration_s=0.5)
-        rec(i + 1.0, "release", BETA, held_s=0.5)
-        rec(i + 1.0, "comm_begin", BETA, iteration=i)
-        rec(i + 1.25, "comm_end", BETA, iteration=i, duration_s=0.25)
-    rec(10.5, "leave", ALPHA, reason="stream ended")
-    rec(10.5, "leave", BETA, reason="stream ended")
-    log.record("policy", t=clock_base + 10.5, old="crossover", new="exclusive")
+        rec(i, ALPHA, Request(iteration=i, seq=i + 1))
+        rec(i, ALPHA, Grant(iteration=i, waited_s=0.0))
+        rec(i + 0.25, BETA, Request(iteration=i, seq=i + 1))
+        rec(i + 0.5, ALPHA, Release(held_s=0.5))
+        rec(i + 0.5, ALPHA, CommBegin(iteration=i))
+        rec(i + 0.5, BETA, Grant(iteration=i, waited_s=0.25))
+        rec(i + 1.0, ALPHA, CommEnd(iteration=i, duration_s=0.5))
+        rec(i + 1.0, BETA, Release(held_s=0.5))
+        rec(i + 1.0, BETA, CommBegin(iteration=i))
+        rec(i + 1.25, BETA, CommEnd(iteration=i, duration_s=0.25))
+    rec(10.5, ALPHA, Leave(reason="stream ended"))
+    rec(10.5, BETA, Leave(reason="stream ended"))
+    log.record(Policy(old="crossover", new="exclusive", caller=""), t=clock_base + 10.5)
     log.close()
     return path
 
@@ -246,15 +259,18 @@ def test_timeline_to_a_name_without_an_extension_prints_the_file_it_wrote(logs, 
     assert (tmp_path / "pic.png").read_bytes().startswith(PNG_MAGIC)
 
 
+_ALPHA_0 = RankTag(job=ALPHA, job_name="alpha", rank=0, device=0, node="n0")
+
+
 def _with_drains(tmp_path: Path, drains: int) -> str:
     log = EventLog(path=tmp_path / "d.jsonl", clock=lambda: 1100.0, wall_clock=lambda: 1_700_000_100.0,
                    flush_interval_s=60)
     for i in range(10):
-        log.record("request", t=1000.0 + i, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, seq=i + 1)
-        log.record("grant", t=1000.0 + i, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, waited_s=0.0)
-        log.record("release", t=1000.5 + i, job=ALPHA, job_name="alpha", rank=0, device=0, held_s=0.5)
+        log.record(Request(iteration=i, seq=i + 1), t=1000.0 + i, about=_ALPHA_0)
+        log.record(Grant(iteration=i, waited_s=0.0), t=1000.0 + i, about=_ALPHA_0)
+        log.record(Release(held_s=0.5), t=1000.5 + i, about=_ALPHA_0)
     for k in range(drains):
-        log.record("drain", t=1000.2 + 9.0 * k / max(drains, 1), device=1, caller="uid 0 (root)")
+        log.record(Drain(device=1, caller="uid 0 (root)"), t=1000.2 + 9.0 * k / max(drains, 1))
     log.close()
     return str(tmp_path / "d.jsonl")
 
@@ -279,11 +295,12 @@ def test_stats_counts_jobs_worth_only_for_the_time_each_job_was_there(tmp_path):
     for job, name, start in ((ALPHA, "alpha", 0.0), (BETA, "beta", 10.0)):  # one after the other, alone
         for i in range(10):
             t = 1000.0 + start + i
-            log.record("request", t=t, job=job, job_name=name, rank=0, device=0, iteration=i, seq=i + 1)
-            log.record("grant", t=t, job=job, job_name=name, rank=0, device=0, iteration=i, waited_s=0.0)
-            log.record("release", t=t + 0.5, job=job, job_name=name, rank=0, device=0, held_s=0.5)
-            log.record("comm_begin", t=t + 0.5, job=job, job_name=name, rank=0, device=0, iteration=i)
-            log.record("comm_end", t=t + 1.0, job=job, job_name=name, rank=0, device=0, iteration=i, duration_s=0.5)
+            tag = RankTag(job=job, job_name=name, rank=0, device=0, node="n0")
+            log.record(Request(iteration=i, seq=i + 1), t=t, about=tag)
+            log.record(Grant(iteration=i, waited_s=0.0), t=t, about=tag)
+            log.record(Release(held_s=0.5), t=t + 0.5, about=tag)
+            log.record(CommBegin(iteration=i), t=t + 0.5, about=tag)
+            log.record(CommEnd(iteration=i, duration_s=0.5), t=t + 1.0, about=tag)
     log.close()
     res = _run("stats", str(tmp_path / "seq.jsonl"))
     assert res.exit_code == 0, res.output
@@ -294,12 +311,12 @@ def test_stats_counts_jobs_worth_only_for_the_time_each_job_was_there(tmp_path):
 def test_stats_reads_the_rotated_files_too(tmp_path):
     path = tmp_path / "rot.jsonl"
     log = EventLog(path=path, clock=lambda: 1100.0, wall_clock=lambda: 1_700_000_100.0, flush_interval_s=60,
-                   max_bytes=3000, backups=5)
+                   max_bytes=3000, backups=8)
     for i in range(40):
         t = 1000.0 + i
-        log.record("request", t=t, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, seq=i + 1)
-        log.record("grant", t=t, job=ALPHA, job_name="alpha", rank=0, device=0, iteration=i, waited_s=0.0)
-        log.record("release", t=t + 0.5, job=ALPHA, job_name="alpha", rank=0, device=0, held_s=0.5)
+        log.record(Request(iteration=i, seq=i + 1), t=t, about=_ALPHA_0)
+        log.record(Grant(iteration=i, waited_s=0.0), t=t, about=_ALPHA_0)
+        log.record(Release(held_s=0.5), t=t + 0.5, about=_ALPHA_0)
         log.flush()
     log.close()
     assert (tmp_path / "rot.jsonl.1").exists()

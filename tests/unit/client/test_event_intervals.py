@@ -19,23 +19,56 @@ from crossover.client.cli.event_intervals import (
     union_length,
     window,
 )
+from crossover.protos.event_records import (
+    CommBegin,
+    CommEnd,
+    Drain,
+    Evict,
+    Grant,
+    Leave,
+    Overdue,
+    OverdueDone,
+    Policy,
+    RankTag,
+    Record,
+    Register,
+    Release,
+    Request,
+    Resume,
+    Suspend,
+)
 
 JOB_A = "aaaaaaaa11112222"
 JOB_B = "bbbbbbbb33334444"
 
 
-def ev(t: float, event: str, job: str = JOB_A, rank: int = 0, device: int = 0, node: str = "n0",
-       **fields: Any) -> dict[str, Any]:
-    name = {JOB_A: "alpha", JOB_B: "beta"}.get(job, job)
-    return {"t": t, "wall": 1000.0 + t, "event": event, "job": job, "job_name": name, "rank": rank,
-            "device": device, "node": node, **fields}
+def ev(t: float, record: Record, job: str = JOB_A, rank: int = 0, device: int = 0, node: str = "n0") -> dict[str, Any]:
+    """The line of `record` about a rank, as the daemon writes it."""
+    tag = RankTag(job=job, job_name={JOB_A: "alpha", JOB_B: "beta"}.get(job, job), rank=rank, device=device, node=node)
+    return {"t": t, "wall": 1000.0 + t, "event": str(record.name), **tag.fields(), **record.fields()}
+
+
+def about_node(t: float, record: Record, **extra: Any) -> dict[str, Any]:
+    """The line of `record` about the node or a device, with `extra` keys."""
+    return {"t": t, "event": str(record.name), **record.fields(), **extra}
+
+
+REQUEST, BEGIN = Request(iteration=0, seq=1), CommBegin(iteration=0)
+
+
+def grant(waited_s: float) -> Grant:
+    return Grant(iteration=0, waited_s=waited_s)
+
+
+def comm_end(duration_s: float) -> CommEnd:
+    return CommEnd(iteration=0, duration_s=duration_s)
 
 
 def step(t0: float, wait: float, compute: float, comm: float, **who: Any) -> list[dict[str, Any]]:
     """One iteration as the daemon logs it: request, grant, release, comm_begin, comm_end."""
     g, r = t0 + wait, t0 + wait + compute
-    return [ev(t0, "request", **who), ev(g, "grant", waited_s=wait, **who), ev(r, "release", held_s=compute, **who),
-            ev(r, "comm_begin", **who), ev(r + comm, "comm_end", duration_s=comm, **who)]
+    return [ev(t0, REQUEST, **who), ev(g, grant(wait), **who), ev(r, Release(held_s=compute), **who),
+            ev(r, BEGIN, **who), ev(r + comm, comm_end(comm), **who)]
 
 
 def spans(intervals: list[Interval], phase: str, **match: Any) -> list[tuple[float, float]]:
@@ -55,15 +88,15 @@ def test_grants_and_releases_pair_per_rank_even_when_interleaved():
 
 
 def test_a_comm_end_without_its_beginning_is_dated_by_its_duration():
-    events = [ev(5.0, "comm_end", duration_s=0.75), ev(6.0, "comm_end", duration_s=0.0), ev(6.5, "comm_begin"),
-              ev(7.0, "comm_end", duration_s=0.2)]
+    events = [ev(5.0, comm_end(0.75)), ev(6.0, comm_end(0.0)), ev(6.5, BEGIN),
+              ev(7.0, comm_end(0.2))]
     assert spans(list(read_phases(events).intervals), "comm") == [(4.25, 5.0), (6.5, 7.0)]
 
 
 def test_a_release_without_a_grant_is_ignored():
-    events = [ev(1.0, "release", held_s=0.5), *step(2.0, 0.0, 1.0, 0.1),
-              ev(4.0, "request"), ev(4.0, "grant", waited_s=0.0), ev(4.5, "leave", reason="stream ended"),
-              ev(4.5, "release", reason="stream ended")]
+    events = [ev(1.0, Release(held_s=0.5)), *step(2.0, 0.0, 1.0, 0.1),
+              ev(4.0, REQUEST), ev(4.0, grant(0.0)), ev(4.5, Leave(reason="stream ended")),
+              ev(4.5, Release(reason="stream ended"))]
     ivs = list(read_phases(events).intervals)
     assert spans(ivs, "compute") == [(2.0, 3.0), (4.0, 4.5)]
     assert [iv.complete for iv in ivs if iv.phase == "compute"] == [True, False], "a leave cuts the phase"
@@ -71,9 +104,9 @@ def test_a_release_without_a_grant_is_ignored():
 
 def test_events_dated_back_are_paired_in_time_order_not_line_order():
     # The request of iteration 1 rode along with its compute_done, so it is written after the grant it preceded.
-    events = [ev(0.0, "request"), ev(0.0, "grant", waited_s=0.0), ev(1.0, "release", held_s=1.0),
-              ev(1.0, "comm_begin"), ev(2.5, "grant", waited_s=0.5), ev(2.0, "comm_end", duration_s=1.0),
-              ev(2.0, "request"), ev(3.0, "release", held_s=0.5)]
+    events = [ev(0.0, REQUEST), ev(0.0, grant(0.0)), ev(1.0, Release(held_s=1.0)),
+              ev(1.0, BEGIN), ev(2.5, grant(0.5)), ev(2.0, comm_end(1.0)),
+              ev(2.0, REQUEST), ev(3.0, Release(held_s=0.5))]
     ivs = list(read_phases(events).intervals)
     assert spans(ivs, "compute") == [(0.0, 1.0), (2.5, 3.0)]
     assert spans(ivs, "wait") == [(0.0, 0.0), (2.0, 2.5)]
@@ -81,8 +114,8 @@ def test_events_dated_back_are_paired_in_time_order_not_line_order():
 
 
 def test_a_yield_is_compute_but_not_an_iteration():
-    events = [ev(0.0, "request"), ev(0.0, "grant", waited_s=0.0), ev(0.4, "release", held_s=0.4, yields=True),
-              ev(0.4, "request"), ev(0.6, "grant", waited_s=0.2), ev(1.0, "release", held_s=0.4)]
+    events = [ev(0.0, REQUEST), ev(0.0, grant(0.0)), ev(0.4, Release(held_s=0.4, yields=True)),
+              ev(0.4, REQUEST), ev(0.6, grant(0.2)), ev(1.0, Release(held_s=0.4))]
     log = read_phases(events)
     s = compute_stats(log, 0.0, 1.0)
     assert s.jobs[0].iterations == 1
@@ -91,10 +124,10 @@ def test_a_yield_is_compute_but_not_an_iteration():
 
 
 def test_an_overdue_holder_stops_holding_but_still_keeps_the_device_busy():
-    events = [ev(0.0, "request"), ev(0.0, "grant", waited_s=0.0), ev(3.0, "overdue", held_s=3.0, limit_s=3.0),
-              ev(5.0, "overdue_done", late_s=2.0),
-              ev(1.0, "request", job=JOB_B), ev(3.0, "grant", job=JOB_B, waited_s=2.0),
-              ev(4.0, "release", job=JOB_B, held_s=1.0)]
+    events = [ev(0.0, REQUEST), ev(0.0, grant(0.0)), ev(3.0, Overdue(held_s=3.0, iteration=0, limit_s=3.0)),
+              ev(5.0, OverdueDone(late_s=2.0)),
+              ev(1.0, REQUEST, job=JOB_B), ev(3.0, grant(2.0), job=JOB_B),
+              ev(4.0, Release(held_s=1.0), job=JOB_B)]
     log = read_phases(events)
     assert spans(list(log.intervals), "compute", job=JOB_A) == [(0.0, 3.0)]
     assert spans(list(log.intervals), "overdue") == [(3.0, 5.0)]
@@ -104,8 +137,8 @@ def test_an_overdue_holder_stops_holding_but_still_keeps_the_device_busy():
 
 
 def test_a_phase_open_at_the_end_of_the_log_ends_with_its_nodes_log():
-    events = [ev(0.0, "request"), ev(0.0, "grant", waited_s=0.0), ev(2.0, "comm_begin", job=JOB_B),
-              ev(9.0, "register", node="n1", rank=1)]
+    events = [ev(0.0, REQUEST), ev(0.0, grant(0.0)), ev(2.0, BEGIN, job=JOB_B),
+              ev(9.0, Register(pid=1, world_size=1), node="n1", rank=1)]
     ivs = list(read_phases(events).intervals)
     assert spans(ivs, "compute") == [(0.0, 2.0)], "n0's log ends at 2.0, not at n1's last event"
     assert spans(ivs, "comm") == [(2.0, 2.0)]
@@ -132,9 +165,9 @@ def test_a_window_cuts_phases_at_its_edges():
 
 def test_busy_is_the_union_of_holders_not_their_sum():
     # Under passthrough two ranks may compute on one device at once.
-    events = [ev(0.0, "grant", waited_s=0.0), ev(2.0, "release", held_s=2.0),
-              ev(1.0, "grant", job=JOB_B, waited_s=0.0), ev(3.0, "release", job=JOB_B, held_s=2.0),
-              ev(0.5, "grant", node="n1", waited_s=0.0), ev(1.5, "release", node="n1", held_s=1.0)]
+    events = [ev(0.0, grant(0.0)), ev(2.0, Release(held_s=2.0)),
+              ev(1.0, grant(0.0), job=JOB_B), ev(3.0, Release(held_s=2.0), job=JOB_B),
+              ev(0.5, grant(0.0), node="n1"), ev(1.5, Release(held_s=1.0), node="n1")]
     s = compute_stats(read_phases(events), 0.0, 4.0)
     assert [(d.node, d.busy_fraction) for d in s.devices] == [("n0", 0.75), ("n1", 0.25)]
     assert s.devices[0].holders == ("alpha/0", "beta/0")
@@ -159,7 +192,7 @@ def test_wait_statistics_and_ranks():
 
 
 def test_a_grant_without_its_request_takes_the_wait_it_reports():
-    ivs = list(read_phases([ev(3.0, "grant", waited_s=0.5), ev(4.0, "release", held_s=1.0)]).intervals)
+    ivs = list(read_phases([ev(3.0, grant(0.5)), ev(4.0, Release(held_s=1.0))]).intervals)
     assert spans(ivs, "wait") == [(2.5, 3.0)]
 
 
@@ -183,7 +216,7 @@ def test_two_jobs_with_one_name_are_told_apart():
 
 
 def test_window_counts_from_the_first_event_or_back_from_the_last():
-    log = read_phases([ev(10.0, "register"), ev(40.0, "leave")])
+    log = read_phases([ev(10.0, Register(pid=1, world_size=1)), ev(40.0, Leave(reason="stream ended"))])
     assert window(log) == (10.0, 40.0)
     assert window(log, 5, 20) == (15.0, 30.0)
     assert window(log, -10) == (30.0, 40.0)
@@ -201,28 +234,28 @@ def test_logs_of_two_nodes_are_put_on_one_clock_by_their_wall_time():
 
 
 def test_a_policy_switch_logged_by_every_node_is_one_change():
-    events = [{"t": 5.0, "event": "policy", "old": "crossover", "new": "exclusive"},
-              {"t": 5.01, "event": "policy", "old": "crossover", "new": "exclusive"},
-              ev(6.0, "grant", waited_s=0.0),
-              {"t": 9.0, "event": "policy", "old": "exclusive", "new": "turns"},
-              {"t": 20.0, "event": "policy", "old": "turns", "new": "exclusive"}]
+    events = [about_node(5.0, Policy(old="crossover", new="exclusive", caller="")),
+              about_node(5.01, Policy(old="crossover", new="exclusive", caller="")),
+              ev(6.0, grant(0.0)),
+              about_node(9.0, Policy(old="exclusive", new="turns", caller="")),
+              about_node(20.0, Policy(old="turns", new="exclusive", caller=""))]
     assert policy_changes(events) == [(5.0, "exclusive"), (9.0, "turns"), (20.0, "exclusive")]
 
 
 def test_a_suspended_rank_is_silent_not_in_an_allreduce_until_it_speaks():
-    events = [ev(0.0, "request"), ev(0.0, "grant", waited_s=0.0), ev(0.1, "release", held_s=0.1),
-              ev(0.1, "comm_begin"), ev(0.5, "suspend", phase="comm"), ev(6.5, "resume", silent_s=6.2),
-              ev(6.6, "comm_end", duration_s=0.05)]
+    events = [ev(0.0, REQUEST), ev(0.0, grant(0.0)), ev(0.1, Release(held_s=0.1)),
+              ev(0.1, BEGIN), ev(0.5, Suspend(reason="no heartbeat for 6.00s", phase="comm")),
+              ev(6.5, Resume(silent_s=6.2)), ev(6.6, comm_end(0.05))]
     log = read_phases(events)
     assert spans(list(log.intervals), "suspended") == [(0.5, 6.5)]
     assert all(b <= 0.5 or a >= 6.5 for a, b in spans(list(log.intervals), "comm"))
 
 
 def test_drains_resumes_and_evictions_are_marks_with_their_node():
-    events = [{"t": 1.0, "event": "drain", "device": 0, "node": "n0"},
-              {"t": 2.0, "event": "evict", "device": -1, "job": "resnet", "node": "n1"},
-              {"t": 3.0, "event": "resume", "device": 0, "node": "n0"},
-              ev(4.0, "resume", silent_s=1.0)]  # a rank that speaks again is no operator's mark
+    events = [about_node(1.0, Drain(device=0, caller=""), node="n0"),
+              about_node(2.0, Evict(device=-1, job="resnet", touched=1, caller=""), node="n1"),
+              about_node(3.0, Resume(device=0, caller=""), node="n0"),
+              ev(4.0, Resume(silent_s=1.0))]  # a rank that speaks again is no operator's mark
     assert operator_marks(events) == [(1.0, "drain dev0 @n0"), (2.0, "evict job resnet @n1"),
                                       (3.0, "resume dev0 @n0")]
 

@@ -6,7 +6,12 @@ import logging
 import shutil
 
 from crossover.daemon.event_log import EventLog
-from crossover.protos.event_file import read_jsonl
+from crossover.protos.event_file import read_jsonl, typed
+from crossover.protos.event_records import CommBegin
+
+
+def _iterations(path) -> list[int]:
+    return [CommBegin.of(e).iteration for e in typed(read_jsonl(path))]
 
 
 class _FullDisk:
@@ -28,19 +33,19 @@ def test_a_failed_write_is_retried_and_the_log_goes_on(tmp_path, caplog):
     log = EventLog(path=path, flush_interval_s=3600, retry_s=0.0)
     try:
         for i in range(3):
-            log.record("grant", n=i)
+            log.record(CommBegin(iteration=i))
         log.flush()
         log._file = _FullDisk()  # type: ignore[assignment]  # noqa: SLF001 - the disk fills up
-        log.record("grant", n=3)
-        log.record("grant", n=4)
+        log.record(CommBegin(iteration=3))
+        log.record(CommBegin(iteration=4))
         with caplog.at_level(logging.WARNING, logger="crossover.daemon.event_log"):
             log.flush()
-            assert [e["n"] for e in read_jsonl(path)] == [0, 1, 2]
+            assert _iterations(path) == [0, 1, 2]
             assert "write failed" in caplog.text and log.dropped == 0
-            log.record("grant", n=5)
+            log.record(CommBegin(iteration=5))
             log.flush()  # the disk has room again: the file is reopened and nothing was lost
             assert "work again" in caplog.text
-        assert [e["n"] for e in read_jsonl(path)] == [0, 1, 2, 3, 4, 5]
+        assert _iterations(path) == [0, 1, 2, 3, 4, 5]
     finally:
         log.close()
 
@@ -54,12 +59,12 @@ def test_while_writes_fail_the_queue_keeps_the_newest_entries_and_counts_the_res
         log._file = _FullDisk()  # type: ignore[assignment]  # noqa: SLF001
         shutil.rmtree(folder)  # and reopening fails too, until the folder is back
         for i in range(10):
-            log.record("grant", n=i)
+            log.record(CommBegin(iteration=i))
             log.flush()
         assert log.dropped == 6
         folder.mkdir()
         log.flush()
-        assert [e["n"] for e in read_jsonl(path)] == [6, 7, 8, 9]
+        assert _iterations(path) == [6, 7, 8, 9]
     finally:
         log.close()
 
@@ -68,9 +73,9 @@ def test_a_failed_write_waits_for_the_retry_interval(tmp_path):
     log = EventLog(path=tmp_path / "e.jsonl", flush_interval_s=3600, retry_s=60.0)
     try:
         log._file = _FullDisk()  # type: ignore[assignment]  # noqa: SLF001
-        log.record("grant")
+        log.record(CommBegin(iteration=0))
         log.flush()
-        log.record("grant")
+        log.record(CommBegin(iteration=1))
         log.flush()  # within the retry interval: nothing tried
         assert read_jsonl(tmp_path / "e.jsonl") == [] and len(log._unwritten) == 2  # noqa: SLF001
     finally:

@@ -4,15 +4,20 @@ from __future__ import annotations
 import pytest
 
 from bench.emulated.judge import analyse_segment
+from crossover.protos.event_records import CommEnd, Grant, RankTag, Record, Release
+
+
+def _line(t: float, tag: RankTag, record: Record) -> dict:
+    return {"event": str(record.name), "t": t, **tag.fields(), **record.fields()}
 
 
 def _phases(node_held_s: float, t0: float) -> list[dict]:
+    tag = RankTag(job="a", job_name="a", rank=0, device=0, node="n")
     events = []
     for i in range(3):
         t = t0 + 0.2 * i
-        events.append({"event": "grant", "t": t, "job": "a", "job_name": "a", "rank": 0, "iteration": i})
-        events.append({"event": "release", "t": t + node_held_s, "job": "a", "job_name": "a", "rank": 0,
-                       "iteration": i, "held_s": node_held_s})
+        events.append(_line(t, tag, Grant(iteration=i, waited_s=0.0)))
+        events.append(_line(t + node_held_s, tag, Release(held_s=node_held_s)))
     return events
 
 
@@ -32,10 +37,10 @@ def test_each_job_gets_its_own_phases_on_the_first_node() -> None:
         out = []
         for i in range(3):
             t = 1.0 + 0.3 * i
-            ident = {"job": f"id-{name}", "job_name": name, "rank": 0, "iteration": i}
-            out += [{"event": "grant", "t": t, **ident},
-                    {"event": "release", "t": t + held_s, "held_s": held_s, **ident},
-                    {"event": "comm_end", "t": t + held_s + comm_s, "duration_s": comm_s, **ident}]
+            tag = RankTag(job=f"id-{name}", job_name=name, rank=0, device=0, node="n")
+            out += [_line(t, tag, Grant(iteration=i, waited_s=0.0)),
+                    _line(t + held_s, tag, Release(held_s=held_s)),
+                    _line(t + held_s + comm_s, tag, CommEnd(iteration=i, duration_s=comm_s))]
         return out
     ranks = [{"rank": 0, "iter_end": [1.3, 1.6, 1.9], "batch": 8}]
     raw = {"jobs": {"hi": ranks, "lo": ranks}, "visitors": {},

@@ -80,7 +80,7 @@ def _phase(s: Scheduler, sid: str) -> Phase:
 
 
 def _events_of(s: Scheduler, rank: int, job: str = "job-a") -> list[str]:
-    return [e.name for e in s.events.events() if e.get("job") == job and e.get("rank") == rank]
+    return [e.name for e in s.events.events() if e.job == job and e.rank == rank]
 
 
 def holders_over_time(s: Scheduler, device: int = 0) -> int:
@@ -88,12 +88,12 @@ def holders_over_time(s: Scheduler, device: int = 0) -> int:
     held: set = set()
     most = 0
     for e in s.events.events():
-        if e.get("device") != device:
+        if e.device != device:
             continue
         if e.name == "grant":
-            held.add((e.fields["job"], e.fields["rank"]))
+            held.add((e.job, e.rank))
         elif e.name in ("release", "leave"):
-            held.discard((e.fields["job"], e.fields["rank"]))
+            held.discard((e.job, e.rank))
         most = max(most, len(held))
     return most
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from crossover.daemon.messages import GrantMsg, LeaseMsg, PolicyMsg
+from crossover.protos.event_records import LeaseRevoke
 from tests.unit.daemon.scheduler._world import drain_outbox, event, holders_over_time, join, leased
 
 # ---- leases --------------------------------------------------------------
@@ -145,7 +146,7 @@ def test_a_held_back_request_can_be_withdrawn(make):
     event(s, b, "compute_done")  # gave up waiting: no error, and no grant later
     event(s, a, "lease_released")
     assert drain_outbox(box_b) == []
-    assert [e.name for e in s.events.events() if e.get("job") == "new"][-1] == "cancel"
+    assert [e.name for e in s.events.events() if e.job == "new"][-1] == "cancel"
 
 
 def test_a_suspended_holder_loses_its_lease_and_may_regain_it_alone(make, clock):
@@ -207,4 +208,4 @@ def test_drain_and_policy_switch_revoke_the_lease(make, how):
     else:
         s.steering.set_policy("crossover")
         assert drain_outbox(box) == [LeaseMsg(False), PolicyMsg("crossover", True)]
-    assert [e.fields["reason"] for e in s.events.events() if e.name == "lease_revoke"][0]
+    assert [LeaseRevoke.of(e).reason for e in s.events.events() if e.name is LeaseRevoke.name][0]

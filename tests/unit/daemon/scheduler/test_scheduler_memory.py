@@ -9,6 +9,7 @@ from crossover.daemon.messages import ShareMsg
 from crossover.daemon.policies.classes import Priority
 from crossover.daemon.policies.memory import MemoryRules
 from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.protos.event_records import MemoryCap, MemoryCapHit
 from tests.unit.daemon.scheduler._world import drain_outbox, ident
 
 GiB = 1 << 30
@@ -30,8 +31,8 @@ def last_cap(box) -> int | None:
     return shares[-1].memory_cap.limit
 
 
-def caps_logged(s: Scheduler, job: str) -> list[int]:
-    return [e.get("cap_bytes") for e in s.events.events() if e.name == "memory_cap" and e.fields["job_name"] == job]
+def caps_logged(s: Scheduler, job: str) -> list[int | None]:
+    return [MemoryCap.of(e).cap_bytes for e in s.events.events() if e.name is MemoryCap.name and e.job_name == job]
 
 
 def test_a_lower_job_is_capped_while_a_reserved_class_is_there(clock, pids):
@@ -44,7 +45,7 @@ def test_a_lower_job_is_capped_while_a_reserved_class_is_there(clock, pids):
     share = [m for m in drain_outbox(low_box, shares=True) if isinstance(m, ShareMsg)]
     assert share == []  # told once per change, not again
     assert caps_logged(s, "batch") == [40 * GiB] and caps_logged(s, "prod") == []
-    why = [e.get("why") for e in s.events.events() if e.name == "memory_cap"][0]
+    why = [MemoryCap.of(e).why for e in s.events.events() if e.name is MemoryCap.name][0]
     assert why.startswith("40 GiB of 80 GiB, as high reserves 40 GiB")
     per_dev, _ = s.steering.snapshot()
     capped = {r.ident.job_name: r.memory_cap for r in per_dev[0].others + per_dev[0].waiting + per_dev[0].holders}
@@ -77,8 +78,8 @@ def test_a_refusal_at_the_cap_is_kept_for_the_jobs_listing_and_logged(clock, pid
     _, ranks = s.steering.snapshot()
     note = {r.ident.job_name: r.memory_note for r in ranks}["batch"]
     assert note.startswith("out of its memory cap at iteration 3, asking for 2 GiB more: it may hold 40 GiB of 80")
-    hit = [e for e in s.events.events() if e.name == "memory_cap_hit"]
-    assert [(e.get("iteration"), e.get("asked_bytes"), e.get("cap_bytes")) for e in hit] == [(3, 2 * GiB, 40 * GiB)]
+    hit = [MemoryCapHit.of(e) for e in s.events.events() if e.name is MemoryCapHit.name]
+    assert hit == [MemoryCapHit(iteration=3, asked_bytes=2 * GiB, cap_bytes=40 * GiB)]
 
 
 def test_without_a_reservation_or_a_known_total_nobody_is_capped(clock, pids):

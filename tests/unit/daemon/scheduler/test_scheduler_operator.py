@@ -12,6 +12,7 @@ from crossover.daemon.event_log import EventLog
 from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.messages import GrantMsg, PolicyMsg
 from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.protos.event_records import CommEnd, Drain, DrainRefused, Grant, Policy, Release
 from testbed.harness.oracles import compute_intervals, overlaps
 from tests.unit.daemon.scheduler._world import _phase, drain_outbox, event, holders_over_time, ident, join
 
@@ -37,7 +38,7 @@ def test_set_policy_requeues_and_announces(make):
     # both finish normally under the new policy
     event(s, a, "compute_done")
     event(s, b, "compute_done")
-    assert [e.fields["new"] for e in s.events.events() if e.name == "policy"] == ["passthrough"]
+    assert [Policy.of(e).new for e in s.events.events() if e.name is Policy.name] == ["passthrough"]
 
 
 def test_passthrough_records_grants_but_sends_none(make):
@@ -47,7 +48,7 @@ def test_passthrough_records_grants_but_sends_none(make):
         event(s, a, "compute_request", iteration=i, seq=i + 1)
         event(s, a, "compute_done", iteration=i, comm_begins=True)
     assert drain_outbox(box_a) == []
-    assert [e.name for e in s.events.events() if e.get("rank") == 0].count("grant") == 3
+    assert [e.name for e in s.events.events() if e.rank == 0].count("grant") == 3
 
 
 def test_a_compute_done_can_stand_for_its_request_too_and_is_dated_back(make, clock):
@@ -60,10 +61,10 @@ def test_a_compute_done_can_stand_for_its_request_too_and_is_dated_back(make, cl
     t0 = clock.t
     clock.advance(0.5)
     event(s, a, "compute_done", iteration=1, seq=2, duration_s=0.1, requested=True, comm_s=0.4, comm_begins=True)
-    log = [e for e in s.events.events() if e.get("job") == "job-a"][-5:]
+    log = [e for e in s.events.events() if e.job == "job-a"][-5:]
     assert [e.name for e in log] == ["comm_end", "request", "grant", "release", "comm_begin"]
     assert [e.t - t0 for e in log] == pytest.approx([0.4, 0.4, 0.4, 0.5, 0.5])
-    assert log[0].fields["duration_s"] == 0.4 and log[3].fields["held_s"] == pytest.approx(0.1)
+    assert CommEnd.of(log[0]).duration_s == 0.4 and Release.of(log[3]).held_s == pytest.approx(0.1)
     rank = s.steering.snapshot()[1][0]
     assert (rank.iteration, rank.phase, rank.mean_comm_s) == (1, Phase.COMM, pytest.approx(0.4))
     assert rank.mean_compute_s == pytest.approx((0.03 + 0.1) / 2)
@@ -83,7 +84,7 @@ def test_a_rank_s_dated_events_never_fall_before_its_previous_one(make, clock):
     clock.advance(0.0044 - 0.0008 + 0.0001)  # iteration 1 ran 0.4 ms after it for 4 ms, then a faster batch
     event(s, a, "compute_done", iteration=1, seq=2, duration_s=0.004, requested=True, comm_s=0.0003,
             comm_begins=True, ago_s=0.0001)
-    log = [e for e in s.events.events() if e.get("job") == "job-a"]
+    log = [e for e in s.events.events() if e.job == "job-a"]
     grants = [e.t for e in log if e.name == "grant"]
     releases = [e.t for e in log if e.name == "release"]
     assert releases[0] == pytest.approx(end0)
@@ -104,7 +105,7 @@ def test_one_decision_is_logged_at_one_instant_so_a_rank_s_phases_never_overlap(
         clock.advance(0.0044)  # the next phase began 5 us after that one ended
         event(s, a, "compute_done", iteration=1, seq=2, duration_s=0.0044 - 5e-6, requested=True,
                 comm_s=0.0003, comm_begins=True)
-        log = [e for e in s.events.events() if e.get("job") == "job-a"]
+        log = [e for e in s.events.events() if e.job == "job-a"]
         assert overlaps([iv for ivs in compute_intervals(log).values() for iv in ivs]) == []
         assert all(b.t >= a_.t for a_, b in zip(log, log[1:]))
     finally:
@@ -166,7 +167,7 @@ def test_compute_done_can_begin_the_allreduce_in_the_same_message(make, clock):
     event(s, a, "compute_request", iteration=1, seq=2)  # ends the comm the done began
     rank = s.steering.snapshot()[1][0]
     assert rank.mean_compute_s == pytest.approx(0.1) and rank.mean_comm_s == pytest.approx(0.3)
-    assert [e.name for e in s.events.events() if e.get("rank") == 0][-5:] == [
+    assert [e.name for e in s.events.events() if e.rank == 0][-5:] == [
         "release", "comm_begin", "comm_end", "request", "grant"]
 
 
@@ -288,14 +289,14 @@ def test_event_log_records_grants_and_releases_with_device(make, clock):
     event(s, a, "compute_request", iteration=2, seq=1)
     clock.advance(0.05)
     event(s, a, "compute_done", iteration=2)
-    log = [e for e in s.events.events() if e.get("job") == "job-a"]
+    log = [e for e in s.events.events() if e.job == "job-a"]
     assert [e.name for e in log] == ["register", "request", "grant", "release"]
     grant, release = log[2], log[3]
-    assert grant.fields["device"] == 1 and release.fields["device"] == 1
-    assert grant.fields["node"] == "node-t" and grant.fields["rank"] == 0 and grant.fields["job_name"] == "name-job-a"
-    assert grant.fields["iteration"] == 2
+    assert grant.device == 1 and release.device == 1
+    assert grant.node == "node-t" and grant.rank == 0 and grant.job_name == "name-job-a"
+    assert Grant.of(grant) == Grant(iteration=2, waited_s=0.0)
     assert release.t - grant.t == pytest.approx(0.05)
-    assert release.fields["held_s"] == pytest.approx(0.05)
+    assert Release.of(release).held_s == pytest.approx(0.05)
 
 
 def test_uptime_follows_the_clock(make, clock):
@@ -313,10 +314,10 @@ def test_a_new_cpu_rank_goes_around_a_drained_device_and_a_gpu_rank_is_refused_p
     with pytest.raises(FailedPrecondition, match="drained by this node's operator.*trains on it unscheduled"):
         s.register(ident(job="b", rank=0, world=1, local_rank=0, device=-1))
     assert s.steering.drain_refusals(0) == 1 and s.steering.drain_refusals(1) == 0
-    refused = [e for e in s.events.events() if e.name == "drain_refused"]
-    assert [(e.fields["device"], e.fields["job_name"]) for e in refused] == [(0, "name-b")]
-    drains = [e for e in s.events.events() if e.name == "drain"]
-    assert drains[0].fields["caller"] == "admin socket, user ops (as the client says)"
+    refused = [DrainRefused.of(e) for e in s.events.events() if e.name is DrainRefused.name]
+    assert refused == [DrainRefused(device=0, job="b", job_name="name-b", rank_refused=0)]
+    drains = [Drain.of(e) for e in s.events.events() if e.name is Drain.name]
+    assert drains[0].caller == "admin socket, user ops (as the client says)"
     s.steering.drain(0, False)
     assert s.steering.drain_refusals(0) == 0  # a resume starts the count again
 
@@ -343,5 +344,5 @@ def test_set_policy_with_protect_restarts_the_policy_under_the_new_target(make):
     assert s.steering.protect == 0.0 and s.steering.isolation(0) is None  # off: the open-loop class rules alone
     s.steering.set_policy("passthrough")
     assert s.steering.protect == 0.0  # a later switch keeps the operator's target
-    assert [(e.fields["new"], e.fields["protect"]) for e in s.events.events() if e.name == "policy"] == [
-        ("crossover", 0.0), ("passthrough", 0.0)]
+    policies = [Policy.of(e) for e in s.events.events() if e.name is Policy.name]
+    assert [(p.new, p.protect) for p in policies] == [("crossover", 0.0), ("passthrough", 0.0)]

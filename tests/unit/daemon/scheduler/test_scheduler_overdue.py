@@ -11,6 +11,7 @@ from crossover.daemon.inventory import Device, Inventory
 from crossover.daemon.liveness import LivenessSettings
 from crossover.daemon.messages import AliveMsg, GrantMsg
 from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.protos.event_records import Overdue, Release
 from testbed.harness.oracles import compute_intervals, overlaps
 from tests.unit.daemon.scheduler._world import _KINDS, FakeClock, drain_outbox, event, ident, join
 
@@ -35,7 +36,7 @@ def test_a_yield_frees_the_device_and_the_pieces_count_as_one_compute_phase(make
     assert rank.iteration == 3
     assert rank.mean_compute_s == pytest.approx(0.040)  # both pieces, one phase
     assert s._state.sessions[a].stats.compute_n == 1 and s._state.sessions[a].stats.compute_ema == pytest.approx(0.040)
-    yields = [e for e in s.events.events() if e.name == "release" and e.get("yields")]
+    yields = [e for e in s.events.events() if e.name is Release.name and Release.of(e).yields]
     assert len(yields) == 1
 
 
@@ -180,8 +181,8 @@ def test_no_holder_keeps_a_waited_for_device_past_max_hold(make, clock):
     clock.advance(2.0)
     s.reap()
     assert s.liveness.overdue_total == 1 and [m for m in drain_outbox(box_b) if isinstance(m, GrantMsg)]
-    overdue = [e for e in s.events.events() if e.name == "overdue"]
-    assert overdue[0].fields["limit_s"] == pytest.approx(60.0)
+    overdue = [Overdue.of(e) for e in s.events.events() if e.name is Overdue.name]
+    assert overdue[0].limit_s == pytest.approx(60.0)
 
 
 def test_a_backdated_request_cannot_jump_the_queue(make, clock):
@@ -196,7 +197,7 @@ def test_a_backdated_request_cannot_jump_the_queue(make, clock):
     event(s, honest, "compute_request", iteration=0, seq=1)
     clock.advance(0.5)
     event(s, cheat, "compute_request", iteration=0, seq=1, ago_s=100.0)  # "asked long ago"
-    requests = [e for e in s.events.events() if e.name == "request" and e.fields["job"] == "cheat"]
+    requests = [e for e in s.events.events() if e.name == "request" and e.job == "cheat"]
     assert requests[0].t == clock()  # a request that waits is dated when it arrived
     event(s, holder, "compute_done", iteration=0, duration_s=0.1, comm_begins=True)
     assert [m for m in drain_outbox(box_h) if isinstance(m, GrantMsg)]

@@ -12,6 +12,7 @@ from crossover.daemon.messages import GrantMsg, LeaseMsg
 from crossover.daemon.policies.classes import ClassSettings, Priority
 from crossover.daemon.policies.isolation import IsolationSettings
 from crossover.daemon.scheduler import Scheduler, SchedulerSettings
+from crossover.protos.event_records import Adapt, Sharing
 from tests.unit.daemon.scheduler._world import _phase, drain_outbox, event, join
 
 
@@ -56,8 +57,8 @@ def test_an_open_device_leases_every_rank_and_grants_its_waiters_then_closes(clo
     event(s, a, "comm_end", duration_s=0.01)
     event(s, a, "compute_request", iteration=1, seq=2, no_wait=True)
     assert _phase(s, a) is Phase.COMPUTE and drain_outbox(box_a) == []
-    sharing = [e for e in s.events.events() if e.name == "sharing"]
-    assert [(e.fields["device"], e.fields["mode"]) for e in sharing] == [(0, "unscheduled")]
+    sharing = [Sharing.of(e) for e in s.events.events() if e.name is Sharing.name]
+    assert [(v.device, v.mode) for v in sharing] == [(0, "unscheduled")]
     assert s.steering.sharing(0).mode is Mode.UNSCHEDULED
 
     judge.told = Verdict(Mode.SCHEDULED, "grants pay: 1.10x the progress unscheduled", 1.1)
@@ -123,7 +124,7 @@ def test_the_operator_switches_adapt_off_and_every_open_device_closes(clock, pid
     assert drain_outbox(box_a) == [LeaseMsg(False)] and drain_outbox(box_b) == [LeaseMsg(False)]
     s.steering.adapt()  # off: no judge samples, nothing opens again
     assert drain_outbox(box_a) == [] and s.steering.sharing(0) is None
-    assert [e.fields["on"] for e in s.events.events() if e.name == "adapt"] == [False]
+    assert [Adapt.of(e) for e in s.events.events() if e.name is Adapt.name] == [Adapt(on=False, caller="test")]
     assert s.steering.set_adapt(True) is True and s.steering.adapting and 0 not in s.steering._judges  # noqa: SLF001 (measured afresh)
 
 
