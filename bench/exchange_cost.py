@@ -100,12 +100,13 @@ def loopback(console: Console, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
 def over_link(console: Console, rate_mbit: float, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     """Each TCP codec and size with the service on node 0 and the leader on node 1 of a two-node emulated
     cluster whose links are shaped to `rate_mbit`."""
+    from crossover.plugins.aggregation.group_async.service_process import state_root
     from testbed.cluster import Cluster, ClusterSpec, Link
 
     rows = []
     where = f"link {rate_mbit:g} Mbit/s"
     with tempfile.TemporaryDirectory(prefix="crossover-exchange-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="crossover-exchange-", dir=_state_root()) as state, \
+            tempfile.TemporaryDirectory(prefix="crossover-exchange-", dir=state_root()) as state, \
             Cluster(ClusterSpec(nodes=2, link=Link(rate_mbit=rate_mbit)), workdir=Path(tmp) / "cluster") as cluster:
         token_file, port_file = Path(tmp) / "token", Path(tmp) / "port"
         token_file.write_text("exchange-cost")
@@ -135,13 +136,6 @@ def over_link(console: Console, rate_mbit: float, sizes: tuple[int, ...]) -> lis
                 console.print(f"  {numel:>11,} params {label:>14} over {where}: "
                               f"{rows[-1]['exchange_ms_p50']:8.1f} ms")
     return rows
-
-
-def _state_root() -> str | None:
-    """Where the service keeps its model, as rank 0's would (`service_process`): /dev/shm where there is one."""
-    from crossover.plugins.aggregation.group_async.link import SHM_DIR, shared_memory_usable
-
-    return str(SHM_DIR) if shared_memory_usable() else None
 
 
 def _wait_port(port_file: Path, service: subprocess.Popen, timeout_s: float = 60.0) -> int:

@@ -16,9 +16,15 @@ from typing import Any, Optional
 
 from crossover.plugins.aggregation.group_async.link import SHM_DIR, ServiceError, shared_memory_usable
 
-__all__ = ["ServiceProcess", "start_for_job"]
+__all__ = ["ServiceProcess", "start_for_job", "state_root"]
 
 _log = logging.getLogger(__name__)
+
+
+def state_root() -> str | None:
+    """Where a job's service keeps its model when the user names no folder: /dev/shm where there is one (the
+    model is rewritten every exchange), else the system's temporary folder (None)."""
+    return str(SHM_DIR) if shared_memory_usable() else None
 
 
 class ServiceProcess:
@@ -31,8 +37,7 @@ class ServiceProcess:
         self.start_version = start_version  # a resumed run's version (what its state directory holds wins)
         # Without a directory of the user's, the job's own in memory (the model is rewritten every exchange).
         self.owns_state = not state_dir
-        self.state_dir = state_dir or tempfile.mkdtemp(prefix="crossover-params-",
-                                                       dir=SHM_DIR if shared_memory_usable() else None)
+        self.state_dir = state_dir or tempfile.mkdtemp(prefix="crossover-params-", dir=state_root())
         Path(self.state_dir).mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)
         self._dir = Path(tempfile.mkdtemp(prefix="crossover-service-"))
