@@ -156,18 +156,13 @@ class Daemon:
         if not socket_path and not listen:
             raise InvalidRequest("nothing to listen on: give a socket path or --listen")
         self.core = core
+        self.endpoints = endpoints
         self.socket_path = socket_path
         # Beside the gRPC socket, a socket for Session streams as frames (see session_socket).
         self.session_socket = f"{socket_path}.session" if socket_path and endpoints.session_socket else None
         self.admin_socket = admin_socket_path(socket_path) if socket_path else None
-        self._admin_token = endpoints.admin_token
-        self._socket_group = endpoints.socket_group
-        self._admin_group = endpoints.admin_group
         self._session_server: SessionSocketServer | None = None
-        self.listen = listen
         self.port: int | None = None
-        self._token = endpoints.token
-        self._tls = endpoints.tls
         self._max_workers = max_workers
         self.limits = limits
         self.connections = Connections(self.limits.max_connections, self.limits.max_connections_per_uid)
@@ -178,7 +173,6 @@ class Daemon:
         self._servers: list[grpc.aio.Server] = []
         self.health = _HealthService()
         self._probe_health = _ProbeHealthService()
-        self.health_address = endpoints.health_address
         self.health_port: int | None = None
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
 
@@ -188,8 +182,8 @@ class Daemon:
     def start(self) -> Daemon:
         for sock in self._sockets():
             _clear_socket_path(Path(sock))
-        if self.socket_path and self._socket_group is not None:
-            os.chown(Path(self.socket_path).parent, -1, self._socket_group)
+        if self.socket_path and self.endpoints.socket_group is not None:
+            os.chown(Path(self.socket_path).parent, -1, self.endpoints.socket_group)
         self._loop_thread.start()
         old = os.umask(0o177)  # every socket is 0600 from the moment it exists, opened up below
         try:
@@ -199,13 +193,14 @@ class Daemon:
             raise
         finally:
             os.umask(old)
-        for path, group in ((self.socket_path, self._socket_group), (self.session_socket, self._socket_group),
-                            (self.admin_socket, self._admin_group)):
+        ends = self.endpoints
+        for path, group in ((self.socket_path, ends.socket_group), (self.session_socket, ends.socket_group),
+                            (self.admin_socket, ends.admin_group)):
             if path:
                 _open_up(path, group, 0o600 if path == self.admin_socket and group is None else 0o660)
         self._reaper.start()
         _log.info("crossoverd serving on %s%s%s (policy %s, %d device(s))",
-                  " and ".join(where for where in (self.socket_path, self.listen) if where),
+                  " and ".join(where for where in (self.socket_path, self.endpoints.listen) if where),
                   f"; session streams also on {self.session_socket}" if self.session_socket else "",
                   f"; admin calls on {self.admin_socket}" if self.admin_socket else "",
                   self.core.steering.policy_name, len(self.core.inventory.devices))
@@ -233,23 +228,24 @@ class Daemon:
             server.add_insecure_port(f"unix://{self.admin_socket}")
             await server.start()
             self._servers.append(server)
-        if self.listen:
-            assert self._token  # __init__ refuses --listen without one
-            server = self._grpc_server(pool, interceptors=(Gate(tcp_rule(self._token, self._admin_token)),))
-            if self._tls:
-                creds = grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])
-                self.port = server.add_secure_port(self.listen, creds)
+        ends = self.endpoints
+        if ends.listen:
+            assert ends.token  # __init__ refuses --listen without one
+            server = self._grpc_server(pool, interceptors=(Gate(tcp_rule(ends.token, ends.admin_token)),))
+            if ends.tls:
+                creds = grpc.ssl_server_credentials([(ends.tls[1], ends.tls[0])])
+                self.port = server.add_secure_port(ends.listen, creds)
             else:
-                self.port = server.add_insecure_port(self.listen)
+                self.port = server.add_insecure_port(ends.listen)
             await server.start()
             self._servers.append(server)
-        if self.health_address:
+        if ends.health_address:
             # Probes carry no token: this server has the health service and nothing else.
             server = grpc.aio.server(maximum_concurrent_rpcs=_PROBE_CALLS, options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self._probe_health, server)
-            self.health_port = server.add_insecure_port(self.health_address)
+            self.health_port = server.add_insecure_port(ends.health_address)
             if not self.health_port:
-                raise OSError(f"cannot listen on {self.health_address} for health checks")
+                raise OSError(f"cannot listen on {ends.health_address} for health checks")
             await server.start()
             self._servers.append(server)
         for service in _HEALTH_SERVICES:
