@@ -118,7 +118,6 @@ class Scheduler:
             inventory.by_index(device).memory_total,
             {s.ref.key.job_id: self.ownership.class_of(s.ref.key.job_id).priority for s in on}, settings.memory)
         self._pid_alive = pid_alive
-        self.max_sessions = settings.max_sessions
         # Its settings (`overdue_factor`, `overdue_after_s`, `overdue_warmup_s`, `max_hold_s`) may be changed
         # in place; `overdue_total` counts the holders it treated as stalled.
         self.liveness = Liveness(sessions, leases, phases, pid_alive, settings.liveness)
@@ -161,8 +160,9 @@ class Scheduler:
             now = self._state.clock()
             if self._state.closed:
                 raise FailedPrecondition("the daemon is shutting down")
-            if len(self._state.sessions) >= self.max_sessions:
-                raise ResourceExhausted(f"this daemon holds {self.max_sessions} registered ranks, the most it takes "
+            most = self.settings.max_sessions
+            if len(self._state.sessions) >= most:
+                raise ResourceExhausted(f"this daemon holds {most} registered ranks, the most it takes "
                                         "(crossoverd --max-connections); try again once some have left")
             known = self._state.sessions.by_key(key)
             if known is not None:

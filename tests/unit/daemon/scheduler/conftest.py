@@ -26,9 +26,11 @@ def make(clock, pids):
     made: list[Scheduler] = []
 
     def build(policy: str = "exclusive", n_devices: int = 2, timeout: float = 0.5,
-              evict_after: float = 5.0, lease: bool = False) -> Scheduler:
+              evict_after: float = 5.0, lease: bool = False,
+              max_sessions: int = SchedulerSettings.max_sessions) -> Scheduler:
         inv = Inventory([Device(i, "cpu", f"cpu{i}", (i,)) for i in range(n_devices)])
         settings = SchedulerSettings(policy=policy, node="node-t", heartbeat_interval_s=0.1, lease=lease, adapt=False,
+                                     max_sessions=max_sessions,
                                      liveness=LivenessSettings(heartbeat_timeout_s=timeout, evict_after_s=evict_after))
         s = Scheduler(inv, settings, event_log=EventLog(clock=clock), clock=clock, pid_alive=pids)
         made.append(s)

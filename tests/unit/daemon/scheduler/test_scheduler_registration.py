@@ -221,8 +221,7 @@ def test_compute_done_while_waiting_withdraws_the_request(make):
 def test_registrations_past_the_cap_are_refused(make):
     from crossover.daemon.api import ResourceExhausted
 
-    s = make("exclusive")
-    s.max_sessions = 3
+    s = make("exclusive", max_sessions=3)
     for i in range(3):
         join(s, job=f"j{i}", device=0)
     with pytest.raises(ResourceExhausted, match="3 registered ranks"):
