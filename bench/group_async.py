@@ -11,15 +11,17 @@ on the last rank, or the last few. Scenarios:
   (G = 2 consecutive halves, each group's batch cut by its members' paces),
   ``ga-equal`` (the same with equal shares: CROSSOVER_GROUP_BALANCE=0),
   ``ga-speed`` (G = 2 from measured paces), ``staged`` (static G = 2,
-  CROSSOVER_GROUP_SCHEDULE=staged) and ``async`` (G = ranks: every rank its
-  own group).
+  CROSSOVER_GROUP_SCHEDULE=staged), ``async`` (G = ranks: every rank its
+  own group) and ``staged-async`` (the staged schedule on one group per rank).
 * ``stall``: the last rank stalls 2 s after a step with probability 5 %.
 * ``drift``: paces that change, as on a shared node whose other jobs come and go: the third rank from the
   end is 3x slower from 20 s to 60 s of training, then itself again, and the last rank 3x slower from
   70 s to 120 s (``DRIFT``). Its bound is the average one: the sync run's speeds over the whole run.
 * ``mixed``: the last three ranks at 1.5x, 2x and 4x, the others at 1x (``MIXED``).
 
-``drift`` and ``mixed`` run ``sync``, ``lbbsp``, ``ga-static``, ``ga-speed``, ``staged`` and ``async``.
+``drift`` and ``mixed`` run every method. Beside the table per run, a table of the issue's targets per
+scenario (`targets`): speed groups against static ones, the staged schedule against the best fixed
+setting (G = 2 and G = ranks alike), and what each global boundary of speed grouping cost.
 
 Workloads: ``digits`` (a small CNN), ``mnist1d`` (a 1-D CNN) and ``mnist1d-5m``
 (a 5.04 M-parameter MLP on MNIST-1D, generated offline). Reported per run:
@@ -32,6 +34,7 @@ measured (never above the bound). What one exchange costs is `bench.exchange_cos
 
     python -m bench.group_async [--quick] [--datasets digits,mnist1d] [--out results/group_async]
     python -m bench.group_async --datasets mnist1d-5m --ranks 8 --repeats 2 --methods ga-static,async
+    python -m bench.group_async --datasets mnist1d --ranks 8 --scenarios drift,mixed --pace 16
 
 Writes `<out>.json` (after every job), `<out>_<workload>.png` (the first repeat's curves and staleness
 histograms) and prints a table per workload: medians over repeats with their range.
@@ -91,20 +94,25 @@ def methods(world: int) -> dict[str, tuple[str, dict[str, str]]]:
         "ga-speed": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUPING": "speed"}),
         "staged": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUP_SCHEDULE": "staged"}),
         "async": ("group_async", {**GA, "CROSSOVER_GROUPS": str(world)}),
+        "staged-async": ("group_async", {**GA, "CROSSOVER_GROUPS": str(world), "CROSSOVER_GROUP_SCHEDULE": "staged"}),
     }
+
+
+FIXED = ("ga-static", "ga-equal", "ga-speed", "async")  # the fixed settings a staged schedule must beat
+STAGED = ("staged", "staged-async")
 
 
 def scenarios(world: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """Each scenario's fault (on the last rank; drift and mixed: on the last few) and the methods it runs."""
     last = world - 1
-    every = ["sync", "lbbsp", "ga-static", "ga-speed", "staged", "async"]
+    every = ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "staged", "async", "staged-async"]
     (f1, a1, b1), (f2, a2, b2) = DRIFT
     drift = f"{max(0, world - 3)}:{f1:g}@{a1:g}-{b1:g},{last}:{f2:g}@{a2:g}-{b2:g}"
     mixed = ",".join(f"{world - len(MIXED) + i}:{f:g}" for i, f in enumerate(MIXED))
     return {
         "no_straggler": ({}, ["sync"]),
         "straggler": ({"straggler": f"{last}:{SLOWDOWN}", "straggler_work": "sleep"},
-                      ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "staged", "async"]),
+                      ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "staged", "async", "staged-async"]),
         "stall": ({"stall": f"{last}:{STALL[0]}:{STALL[1]}"}, ["sync", "ga-static", "ga-equal", "ga-speed", "lbbsp",
                                                               "async"]),
         "drift": ({"drift": drift, "straggler_work": "sleep"}, every),
@@ -112,15 +120,19 @@ def scenarios(world: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
     }
 
 
-def plan(dataset: str, quick: bool, world: int = 4, only: Optional[set[str]] = None) -> list[dict[str, Any]]:
-    """The runs of one job: a warm-up, then every scenario's methods (``only``: these methods)."""
+def plan(dataset: str, quick: bool, world: int = 4, only: Optional[set[str]] = None,
+         where: Optional[set[str]] = None, epochs: int = 0) -> list[dict[str, Any]]:
+    """The runs of one job: a warm-up, then every scenario's methods (``only``: these methods; ``where``: these
+    scenarios; the no-straggler sync run, every ratio's reference, always runs)."""
     pair = PAIRS[dataset]
-    epochs = max(2, pair["epochs"] // 2) if quick else pair["epochs"]
+    epochs = epochs or (max(2, pair["epochs"] // 2) if quick else pair["epochs"])
     common = {"model": pair["model"], "width": pair["width"], "global_batch": pair["global_batch"], "lr": pair["lr"],
               "epochs": epochs, "evals_per_epoch": 4, "period": 5}
     runs = [{**common, "name": "warmup", "rule": "average", "epochs": 1}]
     table = methods(world)
     for scenario, (faults, names) in scenarios(world).items():
+        if where is not None and scenario not in where and scenario != "no_straggler":
+            continue
         for method in names:
             if (only is not None and method not in only and f"{scenario}/{method}" not in only
                     and scenario != "no_straggler"):
@@ -144,6 +156,8 @@ def summarise(run: dict[str, Any], target: float, relative: Optional[float]) -> 
         "staleness": {int(k): v for k, v in (service.get("gaps") or {}).items()},
         "exchanges": service.get("exchanges"), "bound": BOUND if stats else None,
         "exchange_s_p50": stats.get("exchange_s_p50"), "groups": stats.get("history"),
+        "boundaries": [h["cost"] for h in stats.get("history") or [] if "cost" in h and h["epoch"] > 0],
+        "switches": service.get("switches"),
     }
 
 
@@ -152,7 +166,8 @@ def run_dataset(dataset: str, args: argparse.Namespace, console: Console, workdi
     """One job: every run of the plan in sequence, on ``args.ranks`` ranks."""
     world = args.ranks
     only = set(args.methods.split(",")) if args.methods else None
-    runs = plan(dataset, args.quick, world, only)
+    where = set(args.scenarios.split(",")) if args.scenarios else None
+    runs = plan(dataset, args.quick, world, only, where, args.epochs)
     specs = workdir / f"{dataset}.{repeat}.runs.json"
     specs.write_text(json.dumps(runs))
     pace = choose_pace(argparse.Namespace(pace=args.pace, np=world))
@@ -235,6 +250,53 @@ def judged(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def targets(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per scenario, issue 57's ratios of times to the relative target: speed groups over static ones (<= 0.9
+    where paces change, <= 1.05 with a fixed straggler), and the best staged run over the best fixed setting
+    (<= 0.85, never above 1.05); and what speed grouping's later global boundaries cost, each (median)."""
+    out: dict[str, dict[str, Any]] = {}
+    runs = data["runs"]
+    for scenario in {name.split("/")[0] for name in runs} - {"no_straggler"}:
+        def t(method: str, scenario: str = scenario) -> Optional[float]:
+            return runs.get(f"{scenario}/{method}", {}).get("time_to_relative_s")
+
+        fixed = {m: t(m) for m in FIXED if t(m) is not None}
+        staged = {m: t(m) for m in STAGED if t(m) is not None}
+        best_fixed = min(fixed, key=fixed.__getitem__) if fixed else None
+        best_staged = min(staged, key=staged.__getitem__) if staged else None
+        costs = runs.get(f"{scenario}/ga-speed", {}).get("boundaries") or []
+        out[scenario] = {
+            "speed_over_static": _ratio(t("ga-speed"), t("ga-static")),
+            "best_fixed": best_fixed, "best_staged": best_staged,
+            "staged_over_best_fixed": _ratio(staged.get(best_staged or ""), fixed.get(best_fixed or "")),
+            "staged_over_static": _ratio(t("staged"), t("ga-static")),
+            "staged_async_over_async": _ratio(t("staged-async"), t("async")),
+            "speed_boundaries": len(costs),
+            "boundary_s_p50": statistics.median(sum(c.values()) for c in costs) if costs else None,
+            "boundary_wait_s_p50": statistics.median(c["wait_s"] for c in costs) if costs else None,
+        }
+    return out
+
+
+def targets_table(dataset: str, repeats: list[dict[str, Any]]) -> Table:
+    t = Table(title=f"{dataset}: issue 57's targets (medians over repeats; time to the relative target)")
+    for col in ("scenario", "speed / static", "best staged / best fixed", "staged / ga-static",
+                "staged-async / async", "speed's boundaries", "each (s)", "of which waiting (s)"):
+        t.add_column(col)
+    scenarios_seen = sorted({s for d in repeats for s in d.get("targets", {})})
+    for scenario in scenarios_seen:
+        rows = [d["targets"][scenario] for d in repeats if scenario in d.get("targets", {})]
+        best = f"{rows[0]['best_staged']} / {rows[0]['best_fixed']}: " if rows[0]["best_fixed"] else ""
+        t.add_row(scenario, _spread([r["speed_over_static"] for r in rows]),
+                  best + _spread([r["staged_over_best_fixed"] for r in rows]),
+                  _spread([r["staged_over_static"] for r in rows]),
+                  _spread([r["staged_async_over_async"] for r in rows]),
+                  _spread([float(r["speed_boundaries"]) for r in rows], 0, ""),
+                  _spread([r["boundary_s_p50"] for r in rows], 3, ""),
+                  _spread([r["boundary_wait_s_p50"] for r in rows], 3, ""))
+    return t
+
+
 def _spread(values: list[Optional[float]], digits: int = 2, suffix: str = "x") -> str:
     got = sorted(v for v in values if v is not None)
     if not got:
@@ -277,7 +339,8 @@ def plot(dataset: str, data: dict[str, Any], stem: Path) -> str:
     runs = data["runs"]
     grouped = [(n, r) for n, r in runs.items() if r["staleness"]]
     fig, axes = plt.subplots(1, 2 + (1 if grouped else 0), figsize=(16 if grouped else 11, 4))
-    for axis, scenario in zip(axes, ("straggler", "stall")):
+    shown = [s for s in ("straggler", "stall", "drift", "mixed") if any(n.startswith(s + "/") for n in runs)][:2]
+    for axis, scenario in zip(axes, shown or ["straggler", "stall"]):
         for name, r in runs.items():
             if name.startswith(scenario + "/") or name == "no_straggler/sync":
                 axis.plot([p[2] for p in r["curve"]], [p[3] for p in r["curve"]], marker=".",
@@ -316,6 +379,11 @@ def main() -> None:
     p.add_argument("--methods", default="", help="comma-separated methods (ga-static) or scenario/method "
                    "pairs (stall/sync) to run; the no-straggler sync run always runs; "
                    f"default all: {', '.join(methods(4))}")
+    p.add_argument("--scenarios", default="", help="comma-separated scenarios to run (default all: "
+                   f"{', '.join(scenarios(4))}); the no-straggler sync run always runs")
+    p.add_argument("--epochs", type=int, default=0, help="epochs per run (default the workload's; halved by "
+                   "--quick): long enough that the drift scenario's slow spells end and a staged schedule finishes "
+                   "its stages")
     p.add_argument("--pace", default="auto", help="device emulation factor, or auto (from the load average)")
     p.add_argument("--out", default="", help="output stem (default results/group_async[_quick])")
     args = p.parse_args()
@@ -332,10 +400,12 @@ def main() -> None:
             for repeat in range(args.repeats):
                 repeats.append(run_dataset(dataset, args, console, Path(tmp), repeat))
                 repeats[-1]["judged"] = judged(repeats[-1])
+                repeats[-1]["targets"] = targets(repeats[-1])
                 results["datasets"][dataset] = {"repeats": repeats}
                 Path(f"{out}.json").write_text(json.dumps(results, indent=1))  # after every job
             results["datasets"][dataset]["plot"] = plot(dataset, repeats[0], out)
             console.print(table(dataset, repeats))
+            console.print(targets_table(dataset, repeats))
             console.print(f"plot: {results['datasets'][dataset]['plot']}")
     Path(f"{out}.json").write_text(json.dumps(results, indent=1))
     console.print(f"wrote {out}.json")

@@ -129,9 +129,9 @@ class AggregationSettings:
                             "group_async: static (as CROSSOVER_GROUPS says) or speed (ranks of similar measured pace "
                             "together, revised at epoch boundaries with hysteresis).")
     group_schedule: str = setting("CROSSOVER_GROUP_SCHEDULE", "fixed", choice(GROUP_SCHEDULES),
-                                  "group_async: fixed, or staged (synchronous profiling steps, a coarse stage with 4x "
-                                  "the period and 2x the bound, then the configured ones once the global model's "
-                                  "change per epoch halves).")
+                                  "group_async: fixed, or staged (a coarse stage with 4x the period and 2x the bound, "
+                                  "then the configured ones once the parameter service sees the global model's rate "
+                                  "of change halve).")
     exchange_codec: str = setting("CROSSOVER_EXCHANGE_CODEC", "fp32", choice(EXCHANGE_CODECS),
                                   "group_async: how updates travel to the service: fp32, fp16 or topk (largest "
                                   "entries only, the rest kept for later: error feedback).")
@@ -148,10 +148,6 @@ class AggregationSettings:
                                   "to its pace; 0: equal shares.")
     topk_fraction: float = setting("CROSSOVER_TOPK_FRACTION", 0.01, number(1e-6, 1.0),
                                    "group_async with topk: the fraction of entries sent per exchange.")
-    profile_steps: int = setting("CROSSOVER_PROFILE_STEPS", 5, integer(0, _MANY),
-                                 "group_async with the staged schedule: the synchronous profiling steps every rank "
-                                 "takes at the start of epoch 0, after which paces are measured and the asynchronous "
-                                 "stages begin.")
     param_state: str = setting("CROSSOVER_PARAM_STATE", "", text,
                                "group_async: directory where the parameter service keeps the global model (resumed "
                                "from when it restarts); empty: a temporary one.")

@@ -16,6 +16,7 @@ import torch
 from crossover.plugins.aggregation.group_async.codec import Codec
 from crossover.plugins.aggregation.group_async.global_model import GlobalModel
 from crossover.plugins.aggregation.group_async.link import ServiceError, ServiceLink
+from crossover.plugins.aggregation.group_async.schedule import Schedule
 from crossover.plugins.aggregation.group_async.service import ParameterService
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,6 +82,27 @@ def test_many_groups_at_random_paces_never_see_a_gap_above_the_bound():
         gaps = [g for link in links for g in link.gaps]
         assert len(gaps) == 36 and max(gaps) <= 2, gaps
         assert np.allclose(state.model, 36.0)
+
+
+def test_a_staged_service_switches_to_the_fine_stage_once_the_model_slows_and_a_restart_keeps_it(tmp_path: Path):
+    def staged() -> GlobalModel:
+        return GlobalModel(bound=2, state_dir=tmp_path, schedule=Schedule("staged", 0.05, 2, window_s=0.2))
+
+    state = staged()
+    assert state.clock.bound == 4, "the coarse stage's bound is twice the configured one"
+    with serving(state) as address:
+        link = _link(address, 0, torch.zeros(4))
+        link.exchange(link.base + 1)  # the first window starts here
+        assert link.stage == "coarse"
+        time.sleep(0.25)
+        link.exchange(link.base + 50)  # a norm of 100 in a quarter second: the peak
+        assert link.stage == "coarse" and state.clock.bound == 4
+        time.sleep(0.25)
+        link.exchange(link.base + 0.5)  # a hundredth of that: progress has flattened
+        assert link.stage == "fine" and state.clock.bound == 2
+        assert [s["to"] for s in state.stats()["switches"]] == ["fine"]
+    again = staged()
+    assert again.schedule.stage.name == "fine" and again.clock.bound == 2, "a restart does not go back to coarse"
 
 
 def test_a_restarted_service_resumes_from_the_newest_model(tmp_path: Path):

@@ -153,3 +153,31 @@ def test_a_job_killed_mid_epoch_resumes_from_its_checkpoint_where_group_training
     assert run["group_async"]["history"][0]["groups"] == [[0], [1]]
     assert run["final_acc"] >= 0.85, run["curve"]
     assert len({s["runs"][0]["final_acc"] for s in summaries}) == 1  # one final model on every rank
+
+
+def test_speed_groups_meet_only_when_the_last_decision_says_and_the_service_ends_the_coarse_stage(jobs, tmp_path):
+    # Rank 3 stalls now and then: shares cut by pace cannot balance that, so speed grouping sets it apart. The
+    # staged schedule starts coarse without profiling and the service switches it to fine; neither needs an
+    # epoch start of its own where every rank meets.
+    epochs = 8
+    runs = [{**COMMON, "name": "ga", "rule": "group_async", "epochs": epochs, "straggler": "",
+             "stall": "3:0.3:0.3"}]
+    (job,) = _run(jobs, tmp_path, "speed", runs, {"CROSSOVER_GROUPING": "speed", "CROSSOVER_GROUP_SCHEDULE": "staged",
+                                                   "CROSSOVER_EXCHANGE_PERIOD": "0.05"})
+    summaries = _summaries(job)
+    run = summaries[0]["runs"][0]
+    assert run["aggregation"] == "group_async:speed/staged"
+    stats = run["group_async"]
+    met = [h for h in stats["history"] if h["at"] == "start"]
+    assert met[0]["epoch"] == 0 and met[0]["stage"]["name"] == "coarse", met[0]
+    for before, after in zip(met, met[1:]):  # every rank met exactly where the decision before said
+        assert after["epoch"] == before["next_boundary"], [(h["epoch"], h["next_boundary"]) for h in met]
+    assert len(met) < epochs, "ranks met at every epoch start"
+    assert [h["epoch"] for h in met] == [h["epoch"] for h in summaries[3]["runs"][0]["group_async"]["history"]
+                                         if h["at"] == "start"]
+    assert all(set(h["cost"]) == {"wait_s", "mix_s", "decide_s", "sets_s"} for h in met[1:]), met
+    assert [3] in stats["groups"], stats["groups"]
+    service = stats["service"]
+    assert [s["to"] for s in service["switches"]] == ["fine"] and service["stage"] == "fine", service
+    assert stats["stage"] == "fine"
+    assert run["final_acc"] >= 0.85, run["curve"]

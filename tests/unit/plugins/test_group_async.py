@@ -198,36 +198,38 @@ def test_a_split_that_does_not_describe_the_group_is_refused():
 # ---- schedule --------------------------------------------------------------
 
 
-def test_staged_profiles_synchronously_then_goes_coarse_then_fine_once_progress_halves():
+def test_staged_starts_coarse_without_profiling_and_goes_fine_once_the_rate_of_change_halves():
     schedule = Schedule("staged", period_s=0.5, bound=2)
-    assert schedule.stage.synchronous
-    coarse = schedule.after_profile()
+    coarse = schedule.stage
     assert (coarse.name, coarse.period_s, coarse.bound) == ("coarse", 2.0, 4)
-    assert schedule.at_epoch(10.0).name == "coarse"
-    assert schedule.at_epoch(6.0).name == "coarse"
-    assert schedule.at_epoch(None).name == "coarse"  # unknown (service away): no switch
-    fine = schedule.at_epoch(4.9)
+    assert schedule.window_s == 8.0  # four coarse periods
+    assert schedule.observe(80.0, 8.0).name == "coarse"  # 10 per second: the peak so far
+    assert schedule.observe(12.0, 2.0).name == "coarse"  # 6 per second: above half the peak
+    assert schedule.observe(1.0, 0.0).name == "coarse"  # no time passed: nothing to judge
+    fine = schedule.observe(39.0, 8.0)  # 4.9 per second
     assert (fine.name, fine.period_s, fine.bound) == ("fine", 0.5, 2)
-    assert schedule.at_epoch(100.0).name == "fine"  # never back
+    assert schedule.observe(800.0, 8.0).name == "fine"  # never back
 
 
 def test_fixed_keeps_its_period_and_bound():
     schedule = Schedule("fixed", period_s=1.0, bound=3)
-    assert not schedule.stage.synchronous
-    assert schedule.after_profile() == schedule.at_epoch(0.1) == schedule.stage
+    assert schedule.observe(10.0, 1.0) == schedule.observe(0.1, 1.0) == schedule.stage == schedule.named("fixed")
+    with pytest.raises(ValueError):
+        schedule.named("coarse")
     with pytest.raises(ValueError):
         Schedule("sometimes", 1.0, 1)
 
 
 def test_a_restored_schedule_keeps_its_stage_and_the_plateau_it_measured_against():
     schedule = Schedule("staged", period_s=0.5, bound=2)
-    schedule.after_profile()
-    schedule.at_epoch(10.0)
+    schedule.observe(10.0, 1.0)
     saved = schedule.state()
     resumed = Schedule("staged", period_s=0.5, bound=2)
-    assert resumed.restore(saved).name == "coarse"  # no second profiling
-    assert resumed.at_epoch(6.0).name == "coarse"  # still against the 10.0 seen before the restart
-    assert resumed.at_epoch(4.9).name == "fine"
+    assert resumed.restore(saved).name == "coarse"
+    assert resumed.observe(6.0, 1.0).name == "coarse"  # still against the 10 per second seen before the restart
+    assert resumed.observe(4.9, 1.0).name == "fine"
+    older = {"kind": "staged", "stage": "profile", "largest_change": 0.0}  # a checkpoint from before
+    assert Schedule("staged", 0.5, 2).restore(older).name == "coarse"
     with pytest.raises(ValueError):
         Schedule("fixed", 0.5, 2).restore(saved)  # another kind's stages mean something else
     with pytest.raises(ValueError):

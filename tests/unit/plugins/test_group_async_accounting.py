@@ -70,23 +70,53 @@ def test_members_re_split_by_pace_only_with_every_pace_heard_and_balance_on():
 
 def test_steps_per_group_follow_measured_paces_else_split_evenly():
     groups = ((0, 1), (2, 3))
-    assert plan_steps(groups, [], 1280, 32, False, 4, True) == [10, 10]
-    fast_first = plan_steps(groups, [0.001, 0.001, 0.004, 0.004], 1280, 32, False, 4, True)
+    assert plan_steps(groups, [], 1280, 32, 4, True) == [10, 10]
+    fast_first = plan_steps(groups, [0.001, 0.001, 0.004, 0.004], 1280, 32, 4, True)
     assert fast_first[0] > fast_first[1]
-    assert plan_steps(groups, [0.001, 0.001, 0.004, 0.004], 1280, 32, True, 4, True) == [10, 10]
-    assert plan_steps(groups, [0.1] * 4, 0, 32, False, 4, True) == [0, 0]
+    assert plan_steps(groups, [0.1] * 4, 0, 32, 4, True) == [0, 0]
 
 
-def test_a_boundary_decides_groups_stage_and_steps_from_what_the_ranks_bring():
-    staged = Schedule("staged", 0.5, 4)
+def _standing(grouping: str, balanced: bool, groups: tuple[tuple[int, ...], ...], boundaries: int,
+              interval: int = 1) -> Standing:
+    return Standing(Schedule("fixed", 0.5, 4).stage, grouping, balanced, ((0, 1), (2, 3)), groups, boundaries,
+                    world=4, interval=interval)
+
+
+def test_a_boundary_decides_groups_and_steps_from_what_the_ranks_bring():
     configured = ((0, 1), (2, 3))
-    everyone = ((0, 1, 2, 3),)
-    job = Standing(staged, staged.stage, "speed", True, configured, everyone, boundaries=0, world=4)
-    first = decide(Boundary("start", [math.nan] * 4, None, 1280, 32), job)
-    assert first["groups"] == [[0, 1, 2, 3]] and first["stage"]["name"] == "profile" and first["steps"] == [10]
+    first = decide(Boundary(0, [math.nan] * 4, [0.0] * 4, None, 1280, 32), _standing("speed", False, configured, 0))
+    assert first["groups"] == [[0, 1], [2, 3]] and first["steps"] == [10, 10]  # nothing measured yet
+    assert (first["interval"], first["next_boundary"]) == (1, 1)
     paces = [0.001, 0.004, 0.001, 0.004]
-    after = decide(Boundary("profile", paces, 0.0, 1280, 32),
-                   Standing(staged, staged.stage, "speed", True, configured, everyone, boundaries=1, world=4))
-    assert after["stage"]["name"] == "coarse" and staged.stage.name == "coarse"
-    assert after["groups"] == [[0, 2], [1, 3]], "ranks of a pace together"
+    after = decide(Boundary(1, paces, [0.0] * 4, 0.5, 1280, 32), _standing("speed", False, configured, 1))
+    assert after["groups"] == [[0, 2], [1, 3]], "equal shares: ranks of a pace together"
     assert after["steps"][0] > after["steps"][1]
+    assert (after["interval"], after["next_boundary"]) == (1, 2), "groups changed: look again next epoch"
+
+
+def test_balanced_groups_regroup_only_for_stalls_and_meet_ever_less_often_while_nothing_changes():
+    configured = ((0, 1), (2, 3))
+    steady = [0.001, 0.004, 0.001, 0.004]  # different paces, no stalls: the shares balance them away
+    intervals = []
+    for boundary in range(1, 6):
+        interval = intervals[-1] if intervals else 1
+        kept = decide(Boundary(boundary, steady, [0.0] * 4, 0.5, 1280, 32),
+                      _standing("speed", True, configured, boundary, interval))
+        assert kept["groups"] == [[0, 1], [2, 3]]
+        intervals.append(kept["interval"])
+    assert intervals == [2, 4, 8, 8, 8]
+    stalling = [0.001, 0.001, 0.001, 0.003]  # rank 3 loses 2 ms per sample to stalls its shares cannot balance
+    apart = decide(Boundary(9, stalling, [0.0, 0.0, 0.0, 0.002], 0.5, 1280, 32),
+                   _standing("speed", True, configured, 6, 8))
+    assert apart["groups"] == [[0, 1, 2], [3]], "the stalling rank holds nobody up"
+    assert (apart["interval"], apart["next_boundary"]) == (1, 10)
+
+
+def test_static_groups_have_no_later_boundary_and_nothing_regroups_without_a_mix():
+    configured = ((0, 1), (2, 3))
+    static = decide(Boundary(0, [0.001, 0.004, 0.001, 0.004], [0.0] * 4, None, 1280, 32),
+                    _standing("static", True, configured, 0))
+    assert static["groups"] == [[0, 1], [2, 3]] and static["next_boundary"] is None
+    unmixed = decide(Boundary(3, [0.001, 0.004, 0.001, 0.004], [0.0] * 4, None, 1280, 32),
+                     _standing("speed", False, configured, 2))
+    assert unmixed["groups"] == [[0, 1], [2, 3]], "the service was away: the groups hold different models"

@@ -91,6 +91,8 @@ class _SlowLink:
     """An exchange the SSP bound holds for a while before it answers."""
 
     consumed = None
+    stage: Optional[str] = None  # the stage the service's answer names
+    version = 0
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
@@ -136,6 +138,29 @@ def test_a_group_whose_step_outlasts_the_period_ticks_once_per_period_worked_not
     assert ticks == [2, 3, 1, 1]
 
 
+def test_a_leader_takes_the_stage_the_services_answer_names_and_ignores_one_its_schedule_lacks():
+    import torch
+
+    rt = GroupRuntime(_Hvd(0, size=1), AggregationSettings(rule="group_async", groups="1", group_schedule="staged",
+                                                           exchange_period_s=0.5))
+    rt.params = [torch.zeros(3)]
+    rt._address = None
+    rt._enter_epoch(0, 0)
+    link = _SlowLink(hold_s=0.0)
+    rt.link = link  # type: ignore[assignment]
+    assert (rt.stage.name, rt.stage.period_s, rt.stage.bound) == ("coarse", 2.0, 8)
+    link.stage = "coarse"
+    rt.exchange()
+    assert rt.stage.name == "coarse" and not [h for h in rt.history if h["at"] == "stage"]
+    link.stage = "fine"
+    rt.exchange()
+    assert (rt.stage.name, rt.stage.period_s, rt.stage.bound) == ("fine", 0.5, 4)
+    assert [h["stage"]["name"] for h in rt.history if h["at"] == "stage"] == ["fine"]
+    link.stage = "warp"
+    rt.exchange()
+    assert rt.stage.name == "fine"
+
+
 class _Versioned:
     version = 37
 
@@ -143,14 +168,12 @@ class _Versioned:
 def test_a_checkpointed_state_resumes_the_version_stage_groups_and_paces():
     settings = AggregationSettings(rule="group_async", groups="2", group_schedule="staged", exchange_period_s=1.0)
     rt = GroupRuntime(_Hvd(0), settings)
-    rt.schedule.after_profile()
     rt.stage, rt.groups, rt._paces = rt.schedule.stage, ((0, 3), (1, 2)), [0.1, 0.2, 0.2, 0.1]
     rt.link = _Versioned()  # type: ignore[assignment]
     saved = rt.state_dict()
     assert saved["version"] == 37 and saved["schedule"]["stage"] == "coarse"
 
     resumed = GroupRuntime(_Hvd(0), settings)
-    assert resumed.stage.synchronous  # a fresh staged run would profile first
     resumed.load_state_dict(saved)
     assert (resumed.stage.name, resumed.groups, resumed._paces) == ("coarse", ((0, 3), (1, 2)), [0.1, 0.2, 0.2, 0.1])
     assert resumed._start_version == 37

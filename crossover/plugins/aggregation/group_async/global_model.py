@@ -1,4 +1,5 @@
-"""The parameter service's state: the global model, its version, the groups' SSP clocks and epoch counts.
+"""The parameter service's state: the global model, its version, the groups' SSP clocks and epoch counts,
+and the stage of a staged schedule, which it switches from the progress it sees (`schedule`).
 
 Every exchange adds the group's update to the global model, ticks the group's SSP clock (`clock`), and
 answers once the group is within the staleness bound of the slowest active group. With a state
@@ -24,6 +25,7 @@ import numpy as np
 
 from crossover.figures import percentile
 from crossover.plugins.aggregation.group_async.clock import SSPClock
+from crossover.plugins.aggregation.group_async.schedule import Schedule
 from crossover.plugins.aggregation.group_async.wire import node_identity
 
 __all__ = ["GlobalModel"]
@@ -35,8 +37,12 @@ class GlobalModel:
     """The global model, its version, the SSP clocks and what the service has measured; thread-safe."""
 
     def __init__(self, bound: int, state_dir: Path | None = None, silent_after_s: float = 30.0,
-                 wait_limit_s: float = 120.0, start_version: int = 0) -> None:
-        self.clock = SSPClock(bound)
+                 wait_limit_s: float = 120.0, start_version: int = 0, schedule: Optional[Schedule] = None) -> None:
+        self.schedule = schedule if schedule is not None else Schedule("fixed", 0.5, bound)
+        self.clock = SSPClock(self.schedule.stage.bound)
+        self._mark: np.ndarray | None = None  # the global model at the start of the schedule's current window
+        self._mark_t = 0.0
+        self.switches: list[dict[str, Any]] = []  # the staged schedule's switches: when, and at what rate
         self.state_dir = state_dir
         self.silent_after_s = silent_after_s
         self.wait_limit_s = wait_limit_s
@@ -95,6 +101,8 @@ class GlobalModel:
         self.clock.clocks = {int(g): int(c) for g, c in meta["clocks"].items()}
         self.clock.parked = set(self.clock.clocks)  # nobody is waited for until it speaks again
         self.taken = {int(e): {int(g): int(n) for g, n in by.items()} for e, by in meta.get("taken", {}).items()}
+        if meta.get("schedule", {}).get("kind") == self.schedule.kind:
+            self.clock.bound = self.schedule.restore(meta["schedule"]).bound
         self.resumed_from = self.version
         _log.warning("parameter service resumed from version %d (%d parameters) in %s", self.version,
                      self.model.size, self.state_dir)
@@ -104,7 +112,8 @@ class GlobalModel:
         if self.state_dir is None or self.model is None:
             return
         meta = {"model": self._current, "numel": int(self.model.size), "version": self.version,
-                "last_seq": self.last_seq, "clocks": self.clock.clocks, "taken": self.taken}
+                "last_seq": self.last_seq, "clocks": self.clock.clocks, "taken": self.taken,
+                "schedule": self.schedule.state()}
         tmp = self.state_dir / "global.json.tmp"
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, self.state_dir / "global.json")
@@ -157,6 +166,7 @@ class GlobalModel:
                 self.version += 1
                 self.last_seq[group] = seq
                 self.clock.tick(group, ticks)
+                self._observe()
                 self._save()
             self.last_seen[group] = time.monotonic()
             self._cond.notify_all()
@@ -177,7 +187,35 @@ class GlobalModel:
             if wait:  # the staleness of a model a group trains on; a pushing group that does not wait discards it
                 self.gaps[gap] += 1
             return {"version": self.version, "gap": gap, "duplicate": duplicate, "waited_s": waited,
-                    "consumed": consumed}
+                    "consumed": consumed, "stage": self.schedule.stage.name}
+
+    def _observe(self) -> None:
+        """A staged schedule's coarse stage: once a window has passed, feed the schedule the global model's
+        change over it; on a switch, hold every group to the new bound (the leaders learn the period from
+        the answers, which name the stage)."""
+        schedule = self.schedule
+        if schedule.kind != "staged" or schedule.stage is not schedule.coarse or self.model is None:
+            return
+        now = time.monotonic()
+        if self._mark is None or self._mark.size != self.model.size:
+            self._mark, self._mark_t = self.model.copy(), now
+            return
+        elapsed = now - self._mark_t
+        if elapsed < schedule.window_s:
+            return
+        np.subtract(self.model, self._mark, out=self._mark)
+        change = float(np.linalg.norm(self._mark))
+        np.copyto(self._mark, self.model)
+        self._mark_t = now
+        before = schedule.stage
+        stage = schedule.observe(change, elapsed)
+        if stage is not before:
+            self.clock.bound = stage.bound
+            self.switches.append({"version": self.version, "to": stage.name, "rate": change / elapsed,
+                                  "peak_rate": schedule.peak_rate})
+            _log.info("the global model's change slowed to %.3g/s (peak %.3g/s): %s stage, bound %d, period %.3g s",
+                      change / elapsed, schedule.peak_rate, stage.name, stage.bound, stage.period_s)
+            self._cond.notify_all()
 
     def _count(self, group: int, epoch: int, taken: int) -> int | None:
         if epoch < 0:
@@ -251,5 +289,6 @@ class GlobalModel:
                     "gaps": {str(k): v for k, v in sorted(self.gaps.items())}, "exchanges": sum(self.gaps.values()),
                     "wait_p50_s": percentile(waits, 50) if waits else 0.0, "wait_max_s": waits[-1] if waits else 0.0,
                     "resumed_from": self.resumed_from, "start_version": self.start_version,
+                    "stage": self.schedule.stage.name, "switches": list(self.switches),
                     "samples": {str(e): {str(g): n for g, n in sorted(by.items())}
                                 for e, by in sorted(self.taken.items())}}

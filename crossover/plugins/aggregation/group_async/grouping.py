@@ -60,26 +60,38 @@ def static_groups(world: int, count: int) -> Groups:
     return tuple(groups)
 
 
-def _cost(groups: Groups, per_sample_s: Sequence[float]) -> float:
-    """Seconds of waiting inside groups per sample: each rank waits for its group's slowest."""
-    return sum(max(per_sample_s[r] for r in g) - per_sample_s[r] for g in groups for r in g)
+def _waiting(members: Sequence[int], per_sample_s: Sequence[float], stalls: Sequence[float] | None) -> float:
+    """Seconds per sample the ranks of one group wait for each other. With equal shares each waits for the
+    slowest; with shares cut by pace (``stalls`` given) the steady paces are balanced away and what is left is
+    the stalls: each member's stall holds every other member."""
+    if stalls is None:
+        slowest = max(per_sample_s[r] for r in members)
+        return sum(slowest - per_sample_s[r] for r in members)
+    return (len(members) - 1) * sum(max(0.0, stalls[r]) for r in members)
+
+
+def _cost(groups: Groups, per_sample_s: Sequence[float], stalls: Sequence[float] | None = None) -> float:
+    return sum(_waiting(g, per_sample_s, stalls) for g in groups)
 
 
 def speed_groups(per_sample_s: Sequence[float], count: int, current: Groups | None = None,
-                 hysteresis: float = 0.1) -> Groups:
-    """``count`` groups of ranks of similar pace (contiguous in sorted pace), keeping ``current``
-    unless the new grouping cuts the waiting inside groups by more than ``hysteresis`` times the
-    ranks' summed pace (a share of the job's work, so tiny differences never regroup).
+                 hysteresis: float = 0.1, stalls: Sequence[float] | None = None) -> Groups:
+    """``count`` groups of ranks that wait least for each other, keeping ``current`` unless the new grouping
+    cuts that waiting by more than ``hysteresis`` times the ranks' summed pace (a share of the job's work,
+    so tiny differences never regroup).
 
-    Among contiguous splits of the ranks sorted by seconds per sample, the one
-    with the least total waiting for each group's slowest member wins (exact,
-    by dynamic programming over split points; ties go to more even sizes).
+    Without ``stalls`` (equal shares inside a group), ranks of similar pace go together: the contiguous
+    split of the ranks sorted by seconds per sample with the least waiting for each group's slowest member.
+    With ``stalls`` (each rank's mean seconds per sample less its median: groups that cut their batch by
+    pace balance the rest away), ranks that stall go together, away from those that do not: the contiguous
+    split of the ranks sorted by stall. Exact, by dynamic programming over split points; ties go to more
+    even sizes.
     """
     world = len(per_sample_s)
     if not 1 <= count <= world:
         raise GroupingError(f"{count} groups for {world} ranks: use 1..{world}")
-    order = sorted(range(world), key=lambda r: (per_sample_s[r], r))
-    pace = [per_sample_s[r] for r in order]
+    key = per_sample_s if stalls is None else stalls
+    order = sorted(range(world), key=lambda r: (key[r], r))
     inf = float("inf")
     # best[k][i]: least waiting for the first i sorted ranks in k groups; cut[k][i]: where the last group starts
     best = [[inf] * (world + 1) for _ in range(count + 1)]
@@ -90,7 +102,7 @@ def speed_groups(per_sample_s: Sequence[float], count: int, current: Groups | No
             for j in range(k - 1, i):
                 if best[k - 1][j] == inf:
                     continue
-                wait = sum(pace[i - 1] - pace[m] for m in range(j, i))
+                wait = _waiting(order[j:i], per_sample_s, stalls)
                 spread = abs((i - j) - world / count) * 1e-12  # ties: more even sizes
                 value = best[k - 1][j] + wait + spread
                 if value < best[k][i]:
@@ -104,7 +116,7 @@ def speed_groups(per_sample_s: Sequence[float], count: int, current: Groups | No
     proposed = _checked(tuple(groups), world, "speed grouping")
     if current is None or proposed == current:
         return proposed
-    old, new = _cost(current, per_sample_s), _cost(proposed, per_sample_s)
+    old, new = _cost(current, per_sample_s, stalls), _cost(proposed, per_sample_s, stalls)
     return proposed if old - new > hysteresis * sum(per_sample_s) else current
 
 

@@ -113,6 +113,7 @@ class ServiceLink:
         self._base_slot = 0
         self.consumed: Optional[int] = None  # the last answer's count of samples all groups took from the epoch
         self.version = -1  # the global model's version, as the service's last answer gave it
+        self.stage: Optional[str] = None  # the schedule's stage, as the service's last answer named it
         self.lost_since: Optional[float] = None
         self.outages = 0
         self.gaps: list[int] = []
@@ -312,6 +313,7 @@ class ServiceLink:
         self.seq += 1
         self.consumed = reply.get("consumed")
         self.version = int(reply.get("version", self.version))
+        self.stage = reply.get("stage", self.stage)
         if wait:
             self.gaps.append(int(reply["gap"]))
         if self._slots is not None:

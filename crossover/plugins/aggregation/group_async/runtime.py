@@ -1,11 +1,13 @@
 """One job's group-level async state on one rank: its groups, their process sets, the service, the stage.
 
-Decisions that ranks must agree on (groups, stage, steps per group) are taken
-on rank 0 from gathered measurements and broadcast, at global boundaries that
-every rank reaches: the first epoch's start, the end of the staged schedule's
-profiling steps, and later epoch starts only while something may still change
-(``speed`` grouping, or a ``staged`` schedule before its last stage). Every
-other epoch start is local to a group: nobody waits for anybody.
+Decisions that ranks must agree on (groups, steps per group) are taken on
+rank 0 from gathered measurements and broadcast, at global boundaries that
+every rank reaches: the first epoch's start and, under ``speed`` grouping, the
+epoch starts the last decision named (`decisions`: each epoch while groups
+change, then ever fewer). Every other epoch start is local to a group: nobody
+waits for anybody. The staged schedule's stage is switched by the parameter
+service, which sees the whole job's progress, and reaches each leader with its
+next answer: it needs no boundary.
 
 Between boundaries, groups talk only inside their Horovod process set and, through their leaders, to
 the parameter service. What the runtime composes, each pure and tested on its own: the decisions at a
@@ -54,7 +56,7 @@ class GroupRuntime:
         self.configured: Groups = parse_groups(config.groups, self.world)
         self.schedule = Schedule(config.group_schedule, config.exchange_period_s, config.staleness)
         self.stage: Stage = self.schedule.stage
-        self.groups: Groups = ((tuple(range(self.world)),) if self.stage.synchronous else self.configured)
+        self.groups: Groups = self.configured
         self.sets = ProcessSets(hvd, self.world)
         self.params: list[torch.Tensor] = []
         self.service: Optional[ServiceProcess] = None
@@ -73,6 +75,9 @@ class GroupRuntime:
         self.account = EpochAccount()  # the current epoch, as this rank's group walks it
         self._global_before: Optional[torch.Tensor] = None
         self._start_version = 0  # the version a run resumed from a checkpoint continues from
+        self._interval = 1  # epochs between the last two global boundaries
+        self._next_boundary: Optional[int] = None  # the epoch of the next global boundary (None: none)
+        self._met = 0.0  # time.perf_counter() when every rank had reached the last boundary
 
     # ---- who I am ------------------------------------------------------
 
@@ -125,7 +130,7 @@ class GroupRuntime:
 
     def _rebalance(self) -> None:
         """At a group's epoch start: re-split its batch by its members' paces."""
-        if self.stage.synchronous or self.account.samples <= 0:
+        if self.account.samples <= 0:
             return
         split = self.members.rebalance(len(self.group), self._batch)
         if split is not None:
@@ -144,7 +149,7 @@ class GroupRuntime:
         at every step (a call without a model), so a group learns without delay that the epoch is over."""
         acc = self.account
         acc.steps += 1
-        exchange = not self.stage.synchronous and self.link is not None and acc.exchange_due(self.stage.period_s)
+        exchange = self.link is not None and acc.exchange_due(self.stage.period_s)
         over = False
         if self.counted and self.link is not None and acc.near_expected(self.group_index) and not exchange:
             over = acc.used_up(self.link.progress(acc.epoch, acc.taken(self._step_samples)), self.group_index)
@@ -157,7 +162,7 @@ class GroupRuntime:
     @property
     def counted(self) -> bool:
         """Whether the service counts the epoch's samples (every member knows the same)."""
-        return self._address is not None and not self.stage.synchronous and self.account.samples > 0
+        return self._address is not None and self.account.samples > 0
 
     def epoch_done(self, steps: int) -> bool:
         """Whether this rank's group has finished the epoch after ``steps`` steps (`EpochAccount.done`)."""
@@ -178,6 +183,7 @@ class GroupRuntime:
                                        ticks=acc.ticks(self.stage.period_s))
             if model is not None:
                 self.exchanges += 1
+                self._follow_stage()
             over = counted and acc.used_up(self.link.consumed if model is not None else None, self.group_index)
         if len(self.group) > 1:
             numel = sum(p.numel() for p in self.params)
@@ -195,6 +201,23 @@ class GroupRuntime:
             load_flat(self.params, model)
         self.account.exchanged()
 
+    def _follow_stage(self) -> None:
+        """A leader: take the stage the service's last answer named (it switches a staged schedule)."""
+        name = self.link.stage if self.link is not None else None
+        if name is None or name == self.stage.name:
+            return
+        try:
+            stage = self.schedule.named(name)
+        except ValueError:
+            _log.warning("group_async: the service names stage %r, which this schedule lacks; kept %s", name,
+                         self.stage.name)
+            return
+        self.stage = self.schedule.stage = stage
+        self.history.append({"epoch": self.account.epoch, "at": "stage", "group": list(self.group),
+                             "stage": dataclasses.asdict(stage), "version": self.link.version if self.link else None})
+        _log.info("group_async: the service switched the schedule to the %s stage (period %.3g s, bound %d)",
+                  stage.name, stage.period_s, stage.bound)
+
     def _weight(self) -> float:
         """How much of its own progress a group adds to the global model: ``size`` weighs a group by its
         share of the ranks (groups in lockstep then make exactly synchronous SGD's step), ``sum`` adds
@@ -203,7 +226,7 @@ class GroupRuntime:
 
     def park(self) -> None:
         """This group now waits at a global boundary, or has finished: the others must not wait for it."""
-        if self.is_leader and self.link is not None and not self.stage.synchronous:
+        if self.is_leader and self.link is not None:
             self.link.park()
 
     # ---- boundaries ----------------------------------------------------
@@ -214,7 +237,8 @@ class GroupRuntime:
         address: Any = None
         if self.rank == 0:
             self.service, address = start_for_job(int(hvd.local_size()), self.world, self.config.staleness,
-                                                  self.config.param_state, self._start_version)
+                                                  self.config.param_state, self._start_version,
+                                                  self.schedule.kind, self.config.exchange_period_s)
         address = hvd.broadcast_object(address, root_rank=0, name="crossover.group_async.address")
         hold_shutdown(hvd, self, self.finish)
         self._address = address
@@ -238,6 +262,7 @@ class GroupRuntime:
                 self.service.ensure_running()
             self.link.exchange(self.params, wait=False, scale=self._weight())
         hvd.allreduce(torch.zeros(1), name="crossover.group_async.pushed")  # every push is in
+        self._met = time.perf_counter()
         packet = torch.zeros(sum(p.numel() for p in self.params) + 1)
         if self.rank == 0 and self.link is not None:
             model = self.link.pull(level=True)
@@ -256,9 +281,9 @@ class GroupRuntime:
         return change
 
     def begin_epoch(self, epoch: int, samples: int, batch: int) -> list[int]:
-        """The start of ``epoch`` (``samples`` samples, ``batch`` per rank and step): a global boundary
-        while a decision may still change, else a local one. Returns the planned steps per group."""
-        if self.started and not self._decisions_left():
+        """The start of ``epoch`` (``samples`` samples, ``batch`` per rank and step): a global boundary when
+        the last decision named this epoch, else a local one. Returns the planned steps per group."""
+        if self.started and not self._boundary_due(epoch):
             self._batch = batch
             self._enter_epoch(epoch, samples)
             self.boundary_left = time.perf_counter()
@@ -266,24 +291,28 @@ class GroupRuntime:
                 self.history.append({"epoch": epoch, "at": "local", "groups": [list(g) for g in self.groups],
                                      "steps": self.account.nominal, "stage": dataclasses.asdict(self.stage)})
             return list(self.account.nominal)
-        return self.boundary("start", epoch, samples, batch)
+        return self.boundary(epoch, samples, batch)
 
-    def _decisions_left(self) -> bool:
-        """Whether a later epoch start may regroup or change the stage (all ranks know the same)."""
-        return self.config.grouping == "speed" or (self.schedule.kind == "staged" and self.stage.name != "fine")
+    def _boundary_due(self, epoch: int) -> bool:
+        """Whether ``epoch`` starts at a global boundary (every rank knows the same: the last decision said)."""
+        return self._next_boundary is not None and epoch >= self._next_boundary
 
     def _enter_epoch(self, epoch: int, samples: int) -> None:
         """Start the epoch's accounting from the plan for the current groups; re-split the group's batch."""
-        nominal = plan_steps(self.groups, self._paces, samples, self._batch, self.stage.synchronous, self.world,
-                             self.config.group_balance)
+        nominal = plan_steps(self.groups, self._paces, samples, self._batch, self.world, self.config.group_balance)
         self.account.enter(epoch, samples, nominal, self.group_index, self._step_samples)
         self._rebalance()
 
-    def boundary(self, kind: str, epoch: int, samples: int, batch: int) -> list[int]:
-        """A point every rank reaches (``start`` of an epoch, or ``profile`` end): mix, measure, regroup,
-        and return the steps each group takes over the next ``samples`` samples."""
+    def boundary(self, epoch: int, samples: int, batch: int) -> list[int]:
+        """A point every rank reaches at the start of ``epoch``: mix, measure, regroup, and return the steps
+        each group takes over the next ``samples`` samples. What it cost this rank goes into the history:
+        ``wait_s`` (until every rank was there and every push was in), ``mix_s`` (the global model to
+        every rank), ``decide_s`` (gather the paces, decide, hear the decision) and ``sets_s`` (build the new
+        groups' process sets)."""
         hvd = self.hvd
         self._batch = batch
+        arrived = time.perf_counter()
+        self._met = arrived
         if not self.started:
             self._start()
             change: Optional[float] = None
@@ -291,25 +320,33 @@ class GroupRuntime:
         else:
             self.park()  # this group now waits for the others: nobody must wait on it
             change = self._mix()
-        # seconds of compute per sample, stalls included: what sets a rank's share of the work
+        mixed = time.perf_counter()
+        # seconds of compute per sample, stalls included: what sets a rank's share of the work; less the median
+        # (the steady pace a group's shares balance), what a group cannot balance away: its stalls
         pace = statistics.fmean(self._compute) if self._compute else math.nan
+        steady = statistics.median(self._compute) if self._compute else math.nan
         self._compute.clear()
-        paces = hvd.allgather_object(pace, name="crossover.group_async.pace")
+        measured = hvd.allgather(torch.tensor([[pace, steady]], dtype=torch.float64), name="crossover.group_async.pace")
+        paces, steadies = [float(p) for p in measured[:, 0]], [float(m) for m in measured[:, 1]]
         if not any(math.isfinite(p) for p in paces) and len(self._paces) == len(paces):
             paces = list(self._paces)  # nothing measured yet: a resumed run plans from the paces it saved
         decision = None
         if self.rank == 0:
-            decision = decide(Boundary(kind, paces, change, samples, batch),
-                              Standing(self.schedule, self.stage, self.config.grouping, self.config.group_balance,
-                                       self.configured, self.groups, self.boundaries, self.world))
+            stalls = [p - m if math.isfinite(p) and math.isfinite(m) else 0.0 for p, m in zip(paces, steadies)]
+            decision = decide(Boundary(epoch, paces, stalls, change, samples, batch),
+                              Standing(self.stage, self.config.grouping, self.config.group_balance, self.configured,
+                                       self.groups, self.boundaries, self.world, self._interval))
             if self.link is not None:  # before anyone leaves the boundary: only these groups' clocks count
                 self.link.regroup([g[0] for g in decision["groups"]])
         decision = hvd.broadcast_object(decision, root_rank=0, name="crossover.group_async.decision")
+        decided = time.perf_counter()
         before = self.groups
         self.groups = tuple(tuple(g) for g in decision["groups"])
         self.stage = Stage(**decision["stage"])
         self._paces = list(decision["paces"])
+        self._interval, self._next_boundary = int(decision["interval"]), decision["next_boundary"]
         self.sets.ensure(self.groups)
+        built = time.perf_counter()
         if not self.is_leader and self.link is not None:
             self.link.close()
             self.link = None
@@ -318,12 +355,16 @@ class GroupRuntime:
         if self.groups != before:
             self.account.forget_share()
             self.members.reset()
+            if all(math.isfinite(steadies[r]) and steadies[r] > 0 for r in self.group):
+                self.members.note([steadies[r] for r in self.group])  # the new group splits its batch at once
         self._enter_epoch(epoch, samples)
         self.boundaries += 1
         self.boundary_left = time.perf_counter()
-        self.history.append({"epoch": epoch, "at": kind, **decision})
-        _log.info("group_async %s of epoch %d: groups %s, stage %s, steps %s", kind, epoch, self.groups,
-                  self.stage.name, decision["steps"])
+        cost = {"wait_s": self._met - arrived, "mix_s": mixed - self._met, "decide_s": decided - mixed,
+                "sets_s": built - decided}
+        self.history.append({"epoch": epoch, "at": "start", **decision, "cost": cost})
+        _log.info("group_async boundary at epoch %d: groups %s, steps %s, next boundary %s (waited %.3f s)", epoch,
+                  self.groups, decision["steps"], decision["next_boundary"], cost["wait_s"])
         return list(decision["steps"])
 
     # ---- checkpoints ---------------------------------------------------
@@ -355,7 +396,7 @@ class GroupRuntime:
         if saved.paces is not None:
             self._paces = saved.paces
         groups = saved.groups if saved.groups is not None else self.configured
-        self.groups = (tuple(range(self.world)),) if self.stage.synchronous else groups
+        self.groups = groups
         self._start_version, self.boundaries, self.exchanges = saved.version, saved.boundaries, saved.exchanges
         _log.info("group_async: resuming at version %d, stage %s, groups %s", self._start_version, self.stage.name,
                   self.groups)

@@ -10,8 +10,6 @@ members by their shares (equal, or by measured pace: ``balance.py``). A group th
 the parameter service says all groups together have used up the epoch, so a
 fast group runs on past its region (into the next one's, wrapping around)
 while a stalled one takes less; without the service, it stops at its plan.
-Under ``staged``, epoch 0 starts with ``profile_steps`` synchronous steps on
-every rank (ASHL's profiling stage).
 """
 from __future__ import annotations
 
@@ -61,19 +59,8 @@ class GroupSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         rt, b = self.runtime, self.batch
-        order = self._permutation()
-        offset = 0
-        profile = rt.config.profile_steps if not rt.started and rt.schedule.stage is rt.schedule.profile else 0
-        if profile and (profile + 1) * rt.world * b <= self.length:
-            self._steps = rt.begin_epoch(self._epoch, self.length, b)
-            for i in range(profile):
-                start = (i * rt.world + rt.rank) * b
-                yield order[start:start + b]
-            offset = profile * rt.world * b
-            self._steps = rt.boundary("profile", self._epoch, self.length - offset, b)
-        else:
-            self._steps = rt.begin_epoch(self._epoch, self.length, b)
-        rest = order[offset:]
+        rest = self._permutation()
+        self._steps = rt.begin_epoch(self._epoch, self.length, b)
         index = rt.group_index
         shares = rt.shares  # fixed for the epoch: every member laid out the same cut
         mine = rt.group.index(rt.rank)

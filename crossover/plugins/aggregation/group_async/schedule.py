@@ -1,14 +1,17 @@
 """How often groups exchange and how far apart they may drift: fixed, or staged (ASHL).
 
-``fixed``: after the profiling steps, every epoch uses the configured period
-and bound. ``staged``: the profiling steps run fully synchronous (one group
-of every rank), then a coarse stage (4x the period, 2x the bound: infrequent
-exchanges, a loose bound, to get close fast) until the global model's
-progress flattens, then a fine stage (the configured period and bound) to
-converge carefully. The switch criterion is read at epoch boundaries from
-the size of the global model's change over the last epoch: once it falls
-below ``plateau`` times the largest change seen, the coarse stage is over.
-Pure logic: the sampler feeds it and applies what it returns.
+``fixed``: every exchange uses the configured period and bound. ``staged``: a coarse stage (4x the
+period, 2x the bound: infrequent exchanges, a loose bound, to get close fast), then a fine stage (the
+configured period and bound) to converge carefully. Nobody waits to profile: each rank's pace is
+measured while it trains in the coarse stage, and its group's batch is cut by it from the group's
+second epoch on (`member_shares`).
+
+The switch is driven by measured progress, read where the whole job's progress is visible: the
+parameter service, which feeds :meth:`Schedule.observe` the global model's change over each window of
+wall time. Once the rate of change falls below ``plateau`` times the fastest rate seen, the coarse
+stage has done what it is for and the fine stage begins. The service then holds every group to the
+fine bound and tells each leader the fine period with its next answer: no boundary, no barrier.
+Pure logic: the service feeds it and applies what it returns.
 """
 from __future__ import annotations
 
@@ -22,57 +25,59 @@ SCHEDULES = ("fixed", "staged")
 
 @dataclass(frozen=True)
 class Stage:
-    """What the groups do until the next boundary: ``synchronous`` (one group of every rank) or
-    ``period_s`` seconds between exchanges with staleness bound ``bound``."""
+    """What the groups do until the next switch: ``period_s`` seconds between exchanges, with staleness bound
+    ``bound``."""
 
     name: str
     period_s: float
     bound: int
-    synchronous: bool = False
 
 
 class Schedule:
-    """The stage for each epoch, from the kind (``fixed``/``staged``) and the configured period and bound."""
+    """The stage, from the kind (``fixed``/``staged``), the configured period and bound, and the progress the
+    service observes: ``plateau`` is the share of the fastest rate of change below which the coarse stage
+    ends; ``window_s``, the wall time each observation spans (4 coarse periods unless given)."""
 
-    def __init__(self, kind: str, period_s: float, bound: int, plateau: float = 0.5) -> None:
+    def __init__(self, kind: str, period_s: float, bound: int, plateau: float = 0.5,
+                 window_s: float | None = None) -> None:
         if kind not in SCHEDULES:
             raise ValueError(f"unknown group schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
         self.kind = kind
         self.fine = Stage("fine" if kind == "staged" else "fixed", period_s, bound)
         self.coarse = Stage("coarse", 4 * period_s, 2 * bound)
         self.plateau = plateau
-        self._largest = 0.0
-        self.profile = Stage("profile", period_s, bound, synchronous=True)
-        self.stage = self.profile if kind == "staged" else self.fine
+        self.window_s = window_s if window_s is not None else 4 * self.coarse.period_s
+        self.peak_rate = 0.0
+        self.stage = self.coarse if kind == "staged" else self.fine
 
-    def after_profile(self) -> Stage:
-        """The profiling steps are over: the first asynchronous stage."""
-        self.stage = self.coarse if self.kind == "staged" else self.fine
-        return self.stage
+    def named(self, name: str) -> Stage:
+        """This schedule's stage called ``name`` (what a service's answer names)."""
+        stages = {s.name: s for s in (self.coarse, self.fine)} if self.kind == "staged" else {self.fine.name: self.fine}
+        if name not in stages:
+            raise ValueError(f"stage {name!r}: a {self.kind!r} schedule has {', '.join(stages)}")
+        return stages[name]
 
-    def at_epoch(self, global_change: float | None) -> Stage:
-        """An epoch boundary; ``global_change`` is the norm of the global model's change over the last
-        epoch (``None`` when unknown, e.g. the parameter service is away): the stage for the next one."""
-        if self.stage is self.coarse and global_change is not None:
-            self._largest = max(self._largest, global_change)
-            if self._largest > 0 and global_change < self.plateau * self._largest:
+    def observe(self, change: float, elapsed_s: float) -> Stage:
+        """The global model moved by ``change`` (its L2 norm) over the last ``elapsed_s`` seconds: the stage
+        from now on. Only the coarse stage ends, and only once its rate of change has flattened."""
+        if self.stage is self.coarse and elapsed_s > 0:
+            rate = change / elapsed_s
+            self.peak_rate = max(self.peak_rate, rate)
+            if self.peak_rate > 0 and rate < self.plateau * self.peak_rate:
                 self.stage = self.fine
         return self.stage
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the stage reached and the largest change seen (the plateau's reference)."""
-        return {"kind": self.kind, "stage": self.stage.name, "largest_change": self._largest}
+        """What a checkpoint keeps: the stage reached and the fastest rate of change seen (the plateau's reference)."""
+        return {"kind": self.kind, "stage": self.stage.name, "peak_rate": self.peak_rate}
 
     def restore(self, state: dict[str, Any]) -> Stage:
-        """Back to where :meth:`state` was taken, so a resumed run neither profiles again nor returns to
-        the coarse stage. A state from the other kind of schedule is refused (``ValueError``): its stages
-        mean something else."""
+        """Back to where :meth:`state` was taken, so a resumed run does not return to the coarse stage. A state
+        from the other kind of schedule is refused (``ValueError``): its stages mean something else. An older
+        checkpoint's ``profile`` stage resumes in the coarse stage."""
         if state.get("kind") != self.kind:
             raise ValueError(f"a {state.get('kind')!r} schedule's state cannot resume a {self.kind!r} schedule")
-        kept = (self.profile, self.coarse, self.fine) if self.kind == "staged" else (self.fine,)
-        stages = {s.name: s for s in kept}
-        if state.get("stage") not in stages:
-            raise ValueError(f"stage {state.get('stage')!r}: a {self.kind!r} schedule has {', '.join(stages)}")
-        self.stage = stages[state["stage"]]
-        self._largest = float(state.get("largest_change", 0.0))
+        name = state.get("stage")
+        self.stage = self.named("coarse" if name == "profile" and self.kind == "staged" else str(name))
+        self.peak_rate = float(state.get("peak_rate", 0.0))
         return self.stage

@@ -45,6 +45,7 @@ import numpy as np
 
 from crossover.plugins.aggregation.group_async.codec import decode, encode_answer
 from crossover.plugins.aggregation.group_async.global_model import GlobalModel
+from crossover.plugins.aggregation.group_async.schedule import SCHEDULES, Schedule
 from crossover.plugins.aggregation.group_async.wire import Payload, WireError, recv_frame, send_frame
 
 __all__ = ["GlobalModel", "ParameterService", "main"]
@@ -222,6 +223,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for other nodes' leaders)")
     p.add_argument("--port", type=int, default=0, help="0: any free port (written to --port-file)")
     p.add_argument("--bound", type=int, default=4, help="SSP staleness bound, in exchanges")
+    p.add_argument("--schedule", choices=SCHEDULES, default="fixed",
+                   help="staged: start with the coarse stage (2x the bound) and switch to the fine one (--bound) once "
+                        "the global model's rate of change flattens; each answer names the stage")
+    p.add_argument("--period", type=float, default=0.5, help="the leaders' exchange period in seconds (the staged "
+                   "schedule's fine stage; its windows of observation are 16 periods)")
     p.add_argument("--state-dir", default="", help="write the global model here after every exchange and "
                    "resume from it at start")
     p.add_argument("--token-file", required=True, help="file holding the job's token")
@@ -238,14 +244,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s param-service %(levelname)s %(message)s")
     token = Path(args.token_file).read_text().strip()
     state = GlobalModel(args.bound, Path(args.state_dir) if args.state_dir else None,
-                        start_version=args.start_version)
+                        start_version=args.start_version, schedule=Schedule(args.schedule, args.period, args.bound))
     with ParameterService((args.host, args.port), state, token) as server:
         port = server.server_address[1]
         if args.port_file:
             tmp = Path(args.port_file + ".tmp")
             tmp.write_text(str(port))
             os.replace(tmp, args.port_file)
-        _log.info("listening on %s:%d (bound %d, pid %d)", args.host, port, args.bound, os.getpid())
+        _log.info("listening on %s:%d (%s schedule, bound %d, pid %d)", args.host, port, args.schedule,
+                  state.clock.bound, os.getpid())
         if args.parent_pid:
             remove = Path(args.state_dir) if args.remove_state_with_parent and args.state_dir else None
             threading.Thread(target=_exit_with, args=(args.parent_pid, server, remove), daemon=True).start()

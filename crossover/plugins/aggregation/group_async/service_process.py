@@ -30,9 +30,11 @@ def state_root() -> str | None:
 class ServiceProcess:
     """Rank 0's parameter service: started at the first boundary, restarted on the same port if it dies."""
 
-    def __init__(self, host: str, bound: int, state_dir: str = "", port: int = 0, start_version: int = 0) -> None:
+    def __init__(self, host: str, bound: int, state_dir: str = "", port: int = 0, start_version: int = 0,
+                 schedule: str = "fixed", period_s: float = 0.5) -> None:
         self.host = host
         self.bound = bound
+        self.schedule, self.period_s = schedule, period_s  # the service switches a staged schedule's stage
         self.port = port
         self.start_version = start_version  # a resumed run's version (what its state directory holds wins)
         # Without a directory of the user's, the job's own in memory (the model is rewritten every exchange).
@@ -51,7 +53,8 @@ class ServiceProcess:
         port_file.unlink(missing_ok=True)
         log = open(self._dir / "service.log", "ab")
         cmd = [sys.executable, "-m", "crossover.plugins.aggregation.group_async.service", "--host", self.host,
-               "--port", str(self.port), "--bound", str(self.bound), "--state-dir", self.state_dir,
+               "--port", str(self.port), "--bound", str(self.bound),
+               "--schedule", self.schedule, "--period", repr(self.period_s), "--state-dir", self.state_dir,
                "--token-file", str(self._dir / "token"), "--port-file", str(port_file),
                "--parent-pid", str(os.getpid()), "--start-version", str(self.start_version)] + \
             (["--remove-state-with-parent"] if self.owns_state else [])
@@ -92,14 +95,14 @@ class ServiceProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def start_for_job(local_size: int, world: int, bound: int, state_dir: str,
-                  start_version: int) -> tuple[Optional[ServiceProcess], Any]:
+def start_for_job(local_size: int, world: int, bound: int, state_dir: str, start_version: int,
+                  schedule: str = "fixed", period_s: float = 0.5) -> tuple[Optional[ServiceProcess], Any]:
     """Rank 0: start the job's service, on loopback when every rank is on this node. The service and the
     address every leader attaches to, `(host, port, token)`; `(service, None)` when it could not start
     (groups then train synchronously inside and never exchange)."""
     single_host = local_size == world
     service = ServiceProcess("127.0.0.1" if single_host else "0.0.0.0", bound, state_dir,
-                             start_version=start_version)
+                             start_version=start_version, schedule=schedule, period_s=period_s)
     try:
         _, port = service.start()
     except OSError as exc:
