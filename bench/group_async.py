@@ -10,7 +10,8 @@ on the last rank, or the last few. Scenarios:
   proportional sleep). Methods: ``sync``, ``lbbsp`` (weighted), ``ga-static``
   (G = 2 consecutive halves, each group's batch cut by its members' paces),
   ``ga-equal`` (the same with equal shares: CROSSOVER_GROUP_BALANCE=0),
-  ``ga-speed`` (G = 2 from measured paces), ``staged`` (static G = 2,
+  ``ga-speed`` (G = 2 from measured paces), ``ga-speed-equal`` (the same with
+  equal shares, SDPipe's setting), ``staged`` (static G = 2,
   CROSSOVER_GROUP_SCHEDULE=staged), ``async`` (G = ranks: every rank its
   own group) and ``staged-async`` (the staged schedule on one group per rank).
 * ``stall``: the last rank stalls 2 s after a step with probability 5 %.
@@ -92,20 +93,23 @@ def methods(world: int) -> dict[str, tuple[str, dict[str, str]]]:
         "ga-static": ("group_async", {**GA, "CROSSOVER_GROUPS": "2"}),
         "ga-equal": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUP_BALANCE": "0"}),
         "ga-speed": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUPING": "speed"}),
+        "ga-speed-equal": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUPING": "speed",
+                                           "CROSSOVER_GROUP_BALANCE": "0"}),
         "staged": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUP_SCHEDULE": "staged"}),
         "async": ("group_async", {**GA, "CROSSOVER_GROUPS": str(world)}),
         "staged-async": ("group_async", {**GA, "CROSSOVER_GROUPS": str(world), "CROSSOVER_GROUP_SCHEDULE": "staged"}),
     }
 
 
-FIXED = ("ga-static", "ga-equal", "ga-speed", "async")  # the fixed settings a staged schedule must beat
+# the fixed settings a staged schedule must beat, and the staged ones
+FIXED = ("ga-static", "ga-equal", "ga-speed", "ga-speed-equal", "async")
 STAGED = ("staged", "staged-async")
 
 
 def scenarios(world: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
     """Each scenario's fault (on the last rank; drift and mixed: on the last few) and the methods it runs."""
     last = world - 1
-    every = ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "staged", "async", "staged-async"]
+    every = ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "ga-speed-equal", "staged", "async", "staged-async"]
     (f1, a1, b1), (f2, a2, b2) = DRIFT
     drift = f"{max(0, world - 3)}:{f1:g}@{a1:g}-{b1:g},{last}:{f2:g}@{a2:g}-{b2:g}"
     mixed = ",".join(f"{world - len(MIXED) + i}:{f:g}" for i, f in enumerate(MIXED))
@@ -113,8 +117,8 @@ def scenarios(world: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
         "no_straggler": ({}, ["sync"]),
         "straggler": ({"straggler": f"{last}:{SLOWDOWN}", "straggler_work": "sleep"},
                       ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "staged", "async", "staged-async"]),
-        "stall": ({"stall": f"{last}:{STALL[0]}:{STALL[1]}"}, ["sync", "ga-static", "ga-equal", "ga-speed", "lbbsp",
-                                                              "async"]),
+        "stall": ({"stall": f"{last}:{STALL[0]}:{STALL[1]}"}, ["sync", "ga-static", "ga-equal", "ga-speed",
+                                                              "ga-speed-equal", "lbbsp", "async"]),
         "drift": ({"drift": drift, "straggler_work": "sleep"}, every),
         "mixed": ({"straggler": mixed, "straggler_work": "sleep"}, every),
     }
@@ -267,6 +271,7 @@ def targets(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         costs = runs.get(f"{scenario}/ga-speed", {}).get("boundaries") or []
         out[scenario] = {
             "speed_over_static": _ratio(t("ga-speed"), t("ga-static")),
+            "speed_equal_over_equal": _ratio(t("ga-speed-equal"), t("ga-equal")),
             "best_fixed": best_fixed, "best_staged": best_staged,
             "staged_over_best_fixed": _ratio(staged.get(best_staged or ""), fixed.get(best_fixed or "")),
             "staged_over_static": _ratio(t("staged"), t("ga-static")),
@@ -280,14 +285,15 @@ def targets(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def targets_table(dataset: str, repeats: list[dict[str, Any]]) -> Table:
     t = Table(title=f"{dataset}: issue 57's targets (medians over repeats; time to the relative target)")
-    for col in ("scenario", "speed / static", "best staged / best fixed", "staged / ga-static",
-                "staged-async / async", "speed's boundaries", "each (s)", "of which waiting (s)"):
+    for col in ("scenario", "speed / static", "speed / static, equal shares", "best staged / best fixed",
+                "staged / ga-static", "staged-async / async", "speed's boundaries", "each (s)", "of which waiting (s)"):
         t.add_column(col)
     scenarios_seen = sorted({s for d in repeats for s in d.get("targets", {})})
     for scenario in scenarios_seen:
         rows = [d["targets"][scenario] for d in repeats if scenario in d.get("targets", {})]
         best = f"{rows[0]['best_staged']} / {rows[0]['best_fixed']}: " if rows[0]["best_fixed"] else ""
         t.add_row(scenario, _spread([r["speed_over_static"] for r in rows]),
+                  _spread([r["speed_equal_over_equal"] for r in rows]),
                   best + _spread([r["staged_over_best_fixed"] for r in rows]),
                   _spread([r["staged_over_static"] for r in rows]),
                   _spread([r["staged_async_over_async"] for r in rows]),
