@@ -161,7 +161,7 @@ def summarise(run: dict[str, Any], target: float, relative: Optional[float]) -> 
         "exchanges": service.get("exchanges"), "bound": BOUND if stats else None,
         "exchange_s_p50": stats.get("exchange_s_p50"), "groups": stats.get("history"),
         "boundaries": [h["cost"] for h in stats.get("history") or [] if "cost" in h and h["epoch"] > 0],
-        "switches": service.get("switches"),
+        "switches": service.get("switches"), "step_costs_s": stats.get("step_costs_s"),
     }
 
 

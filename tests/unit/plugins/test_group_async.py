@@ -21,6 +21,7 @@ from crossover.plugins.aggregation.group_async.grouping import (
     steps_per_group,
 )
 from crossover.plugins.aggregation.group_async.schedule import Schedule
+from crossover.plugins.aggregation.group_async.stalls import StallMeter
 
 # ---- SSP clock -------------------------------------------------------------
 
@@ -273,3 +274,20 @@ def test_the_services_topk_picks_the_k_largest_entries_even_among_ties(values: s
     index = _largest(magnitude, k)
     assert index.size == k and np.unique(index).size == k
     assert np.array_equal(np.sort(magnitude[index]), np.sort(magnitude)[-k:])
+
+
+# ---- stalls ----------------------------------------------------------------
+
+
+def test_a_stall_is_a_step_above_both_its_neighbours_and_a_lasting_slowdown_is_none():
+    meter = StallMeter()
+    for pace in (1.0, 1.0, 9.0, 1.0, 1.0):  # one step held 8 units too long
+        meter.observe(pace)
+    assert meter.take() == 8.0 / 5
+    for pace in (1.0, 3.0, 3.0, 3.0, 3.0, 3.0):  # slowed 3x, and stays slow
+        meter.observe(pace)
+    assert meter.take() == 0.0
+    assert meter.take() == 0.0  # nothing since
+    meter.observe(5.0)  # after 3, 3: the last 3 is not above 5
+    meter.observe(3.0)  # now 5 is judged: 2 above its higher neighbour
+    assert meter.take() == 2.0 / 2

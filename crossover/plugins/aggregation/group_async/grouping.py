@@ -82,10 +82,10 @@ def speed_groups(per_sample_s: Sequence[float], count: int, current: Groups | No
 
     Without ``stalls`` (equal shares inside a group), ranks of similar pace go together: the contiguous
     split of the ranks sorted by seconds per sample with the least waiting for each group's slowest member.
-    With ``stalls`` (each rank's mean seconds per sample less its median: groups that cut their batch by
-    pace balance the rest away), ranks that stall go together, away from those that do not: the contiguous
-    split of the ranks sorted by stall. Exact, by dynamic programming over split points; ties go to more
-    even sizes.
+    With ``stalls`` (each rank's seconds per sample lost to stalls, `stalls.StallMeter`: groups that cut
+    their batch by pace balance the rest away), ranks that stall go together, away from those that do
+    not: the contiguous split of the ranks sorted by stall. Exact, by dynamic programming over split
+    points; ties go to more even sizes.
     """
     world = len(per_sample_s)
     if not 1 <= count <= world:

@@ -71,8 +71,10 @@ class GroupAsyncOptimizer(ComposedOptimizer):
                     for p in params:
                         assert p.grad is not None
                         p.grad.mul_(scale)
+            started = time.perf_counter()
             reduced = self._hvd.grouped_allreduce([p.grad for p in params] + [extra], op=self._hvd.Average,
                                                   process_set=rt.process_set(), name="crossover.group_async.grads")
+            rt.costs["allreduce"].append(time.perf_counter() - started)
             with torch.no_grad():
                 for p, r in zip(params, reduced):
                     assert p.grad is not None

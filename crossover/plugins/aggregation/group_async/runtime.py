@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from crossover.figures import percentile
 from crossover.plugins.aggregation.group_async.checkpoint import read_record
 from crossover.plugins.aggregation.group_async.codec import Codec
 from crossover.plugins.aggregation.group_async.decisions import Boundary, Standing, decide, plan_steps
@@ -37,6 +38,7 @@ from crossover.plugins.aggregation.group_async.link import ServiceLink
 from crossover.plugins.aggregation.group_async.member_shares import MemberShares
 from crossover.plugins.aggregation.group_async.schedule import Schedule, Stage
 from crossover.plugins.aggregation.group_async.service_process import ServiceProcess, start_for_job
+from crossover.plugins.aggregation.group_async.stalls import StallMeter
 from crossover.plugins.aggregation.selection import AggregationError
 from crossover.settings import AggregationSettings
 
@@ -67,6 +69,11 @@ class GroupRuntime:
         self.history: list[dict[str, Any]] = []
         self.exchanges = 0
         self._compute: deque[float] = deque(maxlen=1000)  # this rank's compute seconds per sample, by step
+        self._stalls = StallMeter()
+        # what a group step costs besides compute, in seconds: the gradients' allreduce (every step), the leader's
+        # exchange with the service and the model's broadcast to the group (each exchange)
+        self.costs: dict[str, deque[float]] = {k: deque(maxlen=4000) for k in ("allreduce", "exchange", "broadcast")}
+        self._packet: Optional[torch.Tensor] = None  # the exchange's broadcast lands here, kept from one to the next
         self._batch = 1
         self.members = MemberShares(config.group_balance)  # inside the group: who takes how much of its batch
         self._address: Any = None
@@ -103,6 +110,7 @@ class GroupRuntime:
     def observe(self, compute_s: float) -> None:
         per_sample = compute_s / self.my_batch
         self._compute.append(per_sample)
+        self._stalls.observe(per_sample)
         self.members.observe(per_sample)
 
     # ---- inside the group: who takes how much of its batch -----------------
@@ -174,6 +182,7 @@ class GroupRuntime:
         """The group's exchange: the leader pushes and pulls, then hands the model to its group."""
         model: Optional[torch.Tensor] = None
         over = False
+        started = time.perf_counter()
         if self.is_leader and self.link is not None:
             if self.service is not None:
                 self.service.ensure_running()
@@ -185,21 +194,30 @@ class GroupRuntime:
                 self.exchanges += 1
                 self._follow_stage()
             over = counted and acc.used_up(self.link.consumed if model is not None else None, self.group_index)
+            self.costs["exchange"].append(time.perf_counter() - started)
         if len(self.group) > 1:
-            numel = sum(p.numel() for p in self.params)
-            packet = torch.zeros(numel + 2)
+            handed = time.perf_counter()
+            packet = self._packet_of(sum(p.numel() for p in self.params) + 2)
             if self.is_leader:
-                packet[1] = 1.0 if over else 0.0
+                packet[0], packet[1] = (1.0 if model is not None else 0.0), (1.0 if over else 0.0)
                 if model is not None:
-                    packet[0], packet[2:] = 1.0, model
-            packet = self.hvd.broadcast(packet, root_rank=self.leader, process_set=self.process_set(),
-                                        name="crossover.group_async.model")
+                    packet[2:].copy_(model)
+            self.hvd.broadcast_(packet, root_rank=self.leader, process_set=self.process_set(),
+                                name="crossover.group_async.model")
             model = packet[2:] if packet[0] > 0 else None
             over = bool(packet[1] > 0)
+            self.costs["broadcast"].append(time.perf_counter() - handed)
         self.account.over = self.account.over or over
         if model is not None:
             load_flat(self.params, model)
         self.account.exchanged()
+
+    def _packet_of(self, numel: int) -> torch.Tensor:
+        """The buffer an exchange's model is broadcast through, kept: a model's worth of fresh memory per
+        exchange costs page faults on every member."""
+        if self._packet is None or self._packet.numel() != numel:
+            self._packet = torch.zeros(numel)
+        return self._packet
 
     def _follow_stage(self) -> None:
         """A leader: take the stage the service's last answer named (it switches a staged schedule)."""
@@ -321,18 +339,21 @@ class GroupRuntime:
             self.park()  # this group now waits for the others: nobody must wait on it
             change = self._mix()
         mixed = time.perf_counter()
-        # seconds of compute per sample, stalls included: what sets a rank's share of the work; less the median
-        # (the steady pace a group's shares balance), what a group cannot balance away: its stalls
+        # seconds of compute per sample, stalls included: what sets a rank's share of the work; its steady pace
+        # (the median of its last steps), which a new group splits its batch by; and its stalls, which a group's
+        # shares cannot balance away (`stalls`)
         pace = statistics.fmean(self._compute) if self._compute else math.nan
-        steady = statistics.median(self._compute) if self._compute else math.nan
+        steady = self.members.pace() or math.nan
+        stall = self._stalls.take()
         self._compute.clear()
-        measured = hvd.allgather(torch.tensor([[pace, steady]], dtype=torch.float64), name="crossover.group_async.pace")
+        measured = hvd.allgather(torch.tensor([[pace, steady, stall]], dtype=torch.float64),
+                                 name="crossover.group_async.pace")
         paces, steadies = [float(p) for p in measured[:, 0]], [float(m) for m in measured[:, 1]]
+        stalls = [float(x) for x in measured[:, 2]]
         if not any(math.isfinite(p) for p in paces) and len(self._paces) == len(paces):
             paces = list(self._paces)  # nothing measured yet: a resumed run plans from the paces it saved
         decision = None
         if self.rank == 0:
-            stalls = [p - m if math.isfinite(p) and math.isfinite(m) else 0.0 for p, m in zip(paces, steadies)]
             decision = decide(Boundary(epoch, paces, stalls, change, samples, batch),
                               Standing(self.stage, self.config.grouping, self.config.group_balance, self.configured,
                                        self.groups, self.boundaries, self.world, self._interval))
@@ -414,6 +435,8 @@ class GroupRuntime:
             "gaps": {str(k): v for k, v in sorted(gaps.items())},
             "exchange_s_p50": statistics.median(link.exchange_s) if link is not None and link.exchange_s else None,
             "outages": link.outages if link is not None else 0,
+            "step_costs_s": {k: {"p50": percentile(v, 50), "p90": percentile(v, 90), "count": len(v)}
+                             for k, v in self.costs.items() if v},
             "service_restarts": self.service.restarts if self.service is not None else 0,
             "service": service, "history": self.history,
         }
