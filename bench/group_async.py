@@ -264,8 +264,8 @@ def targets(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         def t(method: str, scenario: str = scenario) -> Optional[float]:
             return runs.get(f"{scenario}/{method}", {}).get("time_to_relative_s")
 
-        fixed = {m: t(m) for m in FIXED if t(m) is not None}
-        staged = {m: t(m) for m in STAGED if t(m) is not None}
+        fixed: dict[str, float] = {m: v for m in FIXED if (v := t(m)) is not None}
+        staged: dict[str, float] = {m: v for m in STAGED if (v := t(m)) is not None}
         best_fixed = min(fixed, key=fixed.__getitem__) if fixed else None
         best_staged = min(staged, key=staged.__getitem__) if staged else None
         costs = runs.get(f"{scenario}/ga-speed", {}).get("boundaries") or []
