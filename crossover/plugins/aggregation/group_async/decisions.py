@@ -42,9 +42,8 @@ def plan_steps(groups: Groups, paces: list[float], samples: int, batch: int, wor
 class Boundary:
     """What the ranks bring to a boundary: the `epoch` it starts, every rank's pace (mean compute seconds per
     sample, stalls included) and stalls (seconds per sample lost per step, `stalls.StallMeter`: what a group's
-    shares cannot balance), the
-    global model's `change` since the last mix (None: nothing was mixed), and the samples and per-rank batch
-    the next epoch is planned over."""
+    shares cannot balance), the global model's `change` since the last mix (None: nothing was mixed), and the
+    samples and per-rank batch the next epoch is planned over."""
 
     epoch: int
     paces: list[float]
