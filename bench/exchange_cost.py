@@ -4,7 +4,8 @@ A real parameter service process (the one rank 0 starts) and a real leader (`Ser
 figure is the whole call, median of the timed exchanges after three that map fresh pages. Two places:
 
 * loopback (default): the service and the leader on this machine, over TCP with each codec and
-  through shared memory, by model size;
+  through shared memory, by model size; and TCP's own floor: the model's bytes there and back over a
+  bare loopback socket, with nothing computed;
 * ``--link-mbit R``: the service on one node of an emulated cluster and the leader on another,
   across a link shaped to R Mbit/s (network namespaces, veth and tc: needs root), over TCP with
   each codec. Shared memory is not offered: the two are on different nodes.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,7 @@ SIZES_M = (1, 10, 25)
 PATHS = (("tcp fp32", "fp32", False), ("tcp fp16", "fp16", False), ("tcp topk 1%", "topk", False),
          ("shared memory", "fp32", True))
 WARMUP = 3
+FLOOR = "bare tcp"  # the model's bytes there and back over a loopback socket, nothing else: TCP's own floor
 
 
 def time_exchanges(address: tuple[str, int], token: str, group: int, kind: str, shared: bool, numel: int,
@@ -63,6 +66,50 @@ def time_exchanges(address: tuple[str, int], token: str, group: int, kind: str, 
         link.close()
 
 
+def socket_floor(numel: int, repeats: int) -> list[float]:
+    """Seconds to move the model's fp32 bytes over a bare loopback TCP connection and back, as an exchange's
+    push and answer do, between kept buffers and with nothing computed: what TCP alone costs here."""
+    import threading
+
+    import numpy as np
+
+    nbytes = numel * 4
+    listener = socket.create_server(("127.0.0.1", 0))
+    near = socket.create_connection(listener.getsockname())
+    far, _ = listener.accept()
+    listener.close()
+    buffers = [np.ones(nbytes, dtype=np.uint8) for _ in range(3)]
+    views = [b.data for b in buffers]
+
+    def fill(sock: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            chunk = sock.recv_into(view[got:])
+            if not chunk:
+                raise ConnectionError("the floor's peer closed")
+            got += chunk
+
+    def echo() -> None:
+        for _ in range(WARMUP + repeats):
+            fill(far, views[1])
+            far.sendall(views[1])
+
+    peer = threading.Thread(target=echo, daemon=True)
+    peer.start()
+    times = []
+    try:
+        for _ in range(WARMUP + repeats):
+            started = time.perf_counter()
+            near.sendall(views[0])
+            fill(near, views[2])
+            times.append(time.perf_counter() - started)
+    finally:
+        peer.join(60)
+        near.close()
+        far.close()
+    return times[WARMUP:]
+
+
 def _row(numel: int, label: str, kind: str, shared: bool, times: list[float], where: str) -> dict[str, Any]:
     times = sorted(times)
     p50 = percentile(times, 50)
@@ -81,6 +128,8 @@ def loopback(console: Console, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
 
     rows = []
     for numel in sizes:
+        rows.append(_row(numel, FLOOR, "fp32", False, socket_floor(numel, _repeats(numel)), "loopback"))
+        console.print(f"  {numel:>11,} params {FLOOR:>14}: {rows[-1]['exchange_ms_p50']:8.2f} ms")
         for group, (label, kind, shared) in enumerate(PATHS):
             service = ServiceProcess("127.0.0.1", 4)
             try:

@@ -9,7 +9,8 @@ on the last rank, or the last few. Scenarios:
 * ``straggler``: the last rank delayed by 300 % (4x its compute time, a
   proportional sleep). Methods: ``sync``, ``lbbsp`` (weighted), ``ga-static``
   (G = 2 consecutive halves, each group's batch cut by its members' paces),
-  ``ga-equal`` (the same with equal shares: CROSSOVER_GROUP_BALANCE=0),
+  ``ga-static-tcp`` (the same without shared memory, as groups that span nodes: exchanges over TCP and
+  the model broadcast to each group), ``ga-equal`` (the same with equal shares: CROSSOVER_GROUP_BALANCE=0),
   ``ga-speed`` (G = 2 from measured paces), ``ga-speed-equal`` (the same with
   equal shares, SDPipe's setting), ``staged`` (static G = 2,
   CROSSOVER_GROUP_SCHEDULE=staged), ``async`` (G = ranks: every rank its
@@ -91,6 +92,7 @@ def methods(world: int) -> dict[str, tuple[str, dict[str, str]]]:
         "sync": ("average", {}),
         "lbbsp": ("weighted", {"CROSSOVER_LBBSP_WARMUP": "2"}),
         "ga-static": ("group_async", {**GA, "CROSSOVER_GROUPS": "2"}),
+        "ga-static-tcp": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_EXCHANGE_SHM": "0"}),
         "ga-equal": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUP_BALANCE": "0"}),
         "ga-speed": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUPING": "speed"}),
         "ga-speed-equal": ("group_async", {**GA, "CROSSOVER_GROUPS": "2", "CROSSOVER_GROUPING": "speed",
@@ -116,7 +118,8 @@ def scenarios(world: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
     return {
         "no_straggler": ({}, ["sync"]),
         "straggler": ({"straggler": f"{last}:{SLOWDOWN}", "straggler_work": "sleep"},
-                      ["sync", "lbbsp", "ga-static", "ga-equal", "ga-speed", "staged", "async", "staged-async"]),
+                      ["sync", "lbbsp", "ga-static", "ga-static-tcp", "ga-equal", "ga-speed", "staged", "async",
+                       "staged-async"]),
         "stall": ({"stall": f"{last}:{STALL[0]}:{STALL[1]}"}, ["sync", "ga-static", "ga-equal", "ga-speed",
                                                               "ga-speed-equal", "lbbsp", "async"]),
         "drift": ({"drift": drift, "straggler_work": "sleep"}, every),

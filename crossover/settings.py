@@ -136,8 +136,10 @@ class AggregationSettings:
                                   "group_async: how updates travel to the service: fp32, fp16 or topk (largest "
                                   "entries only, the rest kept for later: error feedback).")
     exchange_shared_memory: bool = setting("CROSSOVER_EXCHANGE_SHM", True, boolean,
-                                           "group_async: a leader on the parameter service's node exchanges through "
-                                           "shared memory (/dev/shm) instead of TCP; 0: always TCP.")
+                                           "group_async: shared memory (/dev/shm) between processes on one node: a "
+                                           "leader on the parameter service's node exchanges through it instead of "
+                                           "TCP, and a group on one node gets the model through it instead of a "
+                                           "broadcast; 0: TCP and broadcasts only.")
     group_weight: str = setting("CROSSOVER_GROUP_WEIGHT", "size", choice(GROUP_WEIGHTS),
                                 "group_async: how much of a group's update the global model takes: size (its share "
                                 "of the ranks; groups in lockstep make synchronous SGD's step) or sum (all of it, as "

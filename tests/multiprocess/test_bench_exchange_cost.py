@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from crossover.plugins.aggregation.group_async.link import shared_memory_usable
+from crossover.plugins.aggregation.group_async.shared_buffers import shared_memory_usable
 from testbed.harness.jobs import CHECKOUT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -22,6 +22,7 @@ def test_every_path_exchanges_with_a_real_service(tmp_path: Path) -> None:
                          cwd=CHECKOUT, capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
-    paths = {"tcp fp32", "tcp fp16", "tcp topk 1%"} | ({"shared memory"} if shared_memory_usable() else set())
+    paths = {"bare tcp", "tcp fp32", "tcp fp16", "tcp topk 1%"}
+    paths |= {"shared memory"} if shared_memory_usable() else set()
     assert {r["path"] for r in rows} == paths, rows
     assert all(r["params"] == 50_000 and r["repeats"] == 12 and 0 < r["exchange_ms_p50"] for r in rows), rows

@@ -55,6 +55,8 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
     # The final mix gives every rank the one same model.
     assert len({s["runs"][1]["final_acc"] for s in summaries}) == 1
     stats = grouped["group_async"]
+    # Each group is on one node: its leader hands the model over through shared memory, not a broadcast.
+    assert {s["runs"][1]["group_async"]["handoff"] for s in summaries} == {"shared memory"}
     service = stats["service"]
     # The exchange period is in seconds (0.25 s), so the count follows the run's length: 15 to 16 here.
     assert service["exchanges"] >= 5, service
@@ -84,8 +86,10 @@ def test_group_async_with_a_straggler_trains_like_sync_within_its_staleness_boun
 def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(jobs, tmp_path):
     state = tmp_path / "state"
     runs = [{**COMMON, "name": "group_async", "rule": "group_async", "epochs": 8, "straggler": ""}]
+    # Without shared memory: the leaders exchange over TCP and broadcast the model to their groups, as where a
+    # group spans nodes.
     (job,) = _run(jobs, tmp_path, "kill", runs, {"CROSSOVER_PARAM_STATE": str(state),
-                                                  "CROSSOVER_EXCHANGE_PERIOD": "0.05"})
+                                                  "CROSSOVER_EXCHANGE_PERIOD": "0.05", "CROSSOVER_EXCHANGE_SHM": "0"})
     killed: dict[str, int] = {}
 
     def kill_when_warm() -> None:
@@ -110,6 +114,7 @@ def test_losing_the_parameter_service_mid_run_neither_stops_nor_loses_training(j
     run = summaries[0]["runs"][0]
     stats = run["group_async"]
     assert stats["service_restarts"] >= 1, stats
+    assert {s["runs"][0]["group_async"]["handoff"] for s in summaries} == {"broadcast"}
     assert stats["service"]["resumed_from"] >= killed["version"], (stats["service"], killed)
     assert run["final_acc"] >= 0.85, run["curve"]
     log = job.output()

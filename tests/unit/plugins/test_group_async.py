@@ -291,3 +291,31 @@ def test_a_stall_is_a_step_above_both_its_neighbours_and_a_lasting_slowdown_is_n
     meter.observe(5.0)  # after 3, 3: the last 3 is not above 5
     meter.observe(3.0)  # now 5 is judged: 2 above its higher neighbour
     assert meter.take() == 2.0 / 2
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [0, 5, (1 << 19) * 3 + 7])
+def test_passes_split_across_threads_cover_every_value_once(threads, n):
+    from crossover.plugins.aggregation.group_async.passes import Passes
+
+    passes = Passes(threads)
+    a = np.arange(n, dtype=np.float32)
+    b = np.full(n, 2.0, dtype=np.float32)
+    out = np.zeros(n, dtype=np.float32)
+    assert np.array_equal(passes.add(a, b, out=out), a + 2.0)
+    assert np.array_equal(passes.subtract(out, b, out=out), a)
+    copied = passes.copy(a, out=np.empty(n, dtype=np.float32))
+    assert np.array_equal(copied, a)
+    pieces: list[slice] = []
+    passes.run(pieces.append, n)
+    covered = sorted(i for piece in pieces for i in range(n)[piece])
+    assert covered == list(range(n))
+    if threads > 1 and n >= 2 * (1 << 19):
+        assert len(pieces) > 1
+
+
+def test_passes_refuse_no_threads():
+    from crossover.plugins.aggregation.group_async.passes import Passes
+
+    with pytest.raises(ValueError, match="threads"):
+        Passes(0)

@@ -25,6 +25,7 @@ import numpy as np
 
 from crossover.figures import percentile
 from crossover.plugins.aggregation.group_async.clock import SSPClock
+from crossover.plugins.aggregation.group_async.passes import Passes
 from crossover.plugins.aggregation.group_async.schedule import Schedule
 from crossover.plugins.aggregation.group_async.wire import node_identity
 
@@ -37,7 +38,9 @@ class GlobalModel:
     """The global model, its version, the SSP clocks and what the service has measured; thread-safe."""
 
     def __init__(self, bound: int, state_dir: Path | None = None, silent_after_s: float = 30.0,
-                 wait_limit_s: float = 120.0, start_version: int = 0, schedule: Optional[Schedule] = None) -> None:
+                 wait_limit_s: float = 120.0, start_version: int = 0, schedule: Optional[Schedule] = None,
+                 passes: Optional[Passes] = None) -> None:
+        self.passes = passes if passes is not None else Passes()  # the threads the model's adds and copies use
         self.schedule = schedule if schedule is not None else Schedule("fixed", 0.5, bound)
         self.clock = SSPClock(self.schedule.stage.bound)
         self._mark: np.ndarray | None = None  # the global model at the start of the schedule's current window
@@ -123,9 +126,10 @@ class GlobalModel:
         record then names, so a crash in between leaves the last saved model whole."""
         assert self.model is not None
         if self.state_dir is None:
-            np.add(self.model, update, out=self.model)
+            self.passes.add(self.model, update, out=self.model)
             return
-        np.add(self.model, update, out=self._spare)
+        assert self._spare is not None
+        self.passes.add(self.model, update, out=self._spare)
         self.model, self._spare = self._spare, self.model
         self._current = next(n for n in self._FILES if n != self._current)
 
@@ -203,9 +207,9 @@ class GlobalModel:
         elapsed = now - self._mark_t
         if elapsed < schedule.window_s:
             return
-        np.subtract(self.model, self._mark, out=self._mark)
+        self.passes.subtract(self.model, self._mark, out=self._mark)
         change = float(np.linalg.norm(self._mark))
-        np.copyto(self._mark, self.model)
+        self.passes.copy(self.model, out=self._mark)
         self._mark_t = now
         before = schedule.stage
         stage = schedule.observe(change, elapsed)
@@ -278,9 +282,17 @@ class GlobalModel:
             if into is not None:
                 if into.size != self.model.size:
                     raise ValueError(f"a buffer of {into.size} values for a model of {self.model.size}")
-                np.copyto(into, self.model)
+                self.passes.copy(self.model, out=into)
                 return b""
             return self.model.tobytes()
+
+    def difference(self, held: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out = model - held``: how the global model differs from what a leader holds (one pass, no copy of
+        the model first)."""
+        with self._cond:
+            if self.model is None:
+                raise ValueError("the service holds no model yet")
+            return self.passes.subtract(self.model, held, out=out)
 
     def stats(self) -> dict[str, Any]:
         with self._cond:

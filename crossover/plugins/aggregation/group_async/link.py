@@ -8,7 +8,7 @@ acknowledged exchange left it, so its next update carries every step since.
 
 A leader on the service's node (same kernel, same network namespace) moves
 models through shared memory: three buffers in ``/dev/shm`` that both map
-(:class:`_Slots`), used in turn as the base, the update and the answer, so an
+(`shared_buffers`), used in turn as the base, the update and the answer, so an
 exchange is one pass to write the update, the service's add, and one copy of
 the global model, with nothing on the TCP stream but the headers. The files
 are unlinked once the service has mapped them: nothing is left behind if
@@ -17,12 +17,8 @@ either process dies.
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import socket
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -31,63 +27,14 @@ import torch
 from crossover.errors import CrossoverError
 from crossover.plugins.aggregation.group_async.codec import Codec, as_bytes, decode
 from crossover.plugins.aggregation.group_async.flat_params import Model, flatten, parts
+from crossover.plugins.aggregation.group_async.shared_buffers import SharedBuffers, shared_memory_usable
 from crossover.plugins.aggregation.group_async.wire import Payload, WireError, node_identity, recv_frame, send_frame
 
-__all__ = ["SHM_DIR", "ServiceError", "ServiceLink", "shared_memory_usable"]
+__all__ = ["ServiceError", "ServiceLink"]
 
 _log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-
-
-
-def shared_memory_usable() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
-
-
-class _Slots:
-    """Three float32 buffers of one model in shared memory, mapped by a leader and the service.
-
-    In turn one holds the leader's base (the global model it last received), one the update it
-    pushes, and one the answer the service writes; the answer becomes the next base. Base and update
-    both survive a lost answer, so a retry can settle what the service applied.
-    """
-
-    COUNT = 3
-
-    def __init__(self, numel: int) -> None:
-        self.paths: list[str] = []
-        self.tensors: list[torch.Tensor] = []
-        self._maps: list[mmap.mmap] = []
-        try:
-            for _ in range(self.COUNT):
-                fd, path = tempfile.mkstemp(prefix="crossover-slot-", dir=SHM_DIR)
-                self.paths.append(path)
-                try:
-                    os.ftruncate(fd, max(1, numel * 4))
-                    mm = mmap.mmap(fd, max(1, numel * 4))
-                finally:
-                    os.close(fd)
-                self._maps.append(mm)
-                self.tensors.append(torch.from_numpy(np.frombuffer(mm, dtype=np.float32, count=numel)))
-        except OSError:
-            self.unlink()
-            raise
-
-    def describe(self) -> list[dict[str, Any]]:
-        out = []
-        for path in self.paths:
-            st = os.stat(path)
-            out.append({"path": path, "dev": st.st_dev, "ino": st.st_ino})
-        return out
-
-    def unlink(self) -> None:
-        """Remove the names; the mappings (ours, and the service's once it has them) stay valid."""
-        for path in self.paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+_SLOTS = 3  # in turn the base (the global model last received), the update pushed, and the service's answer
 
 
 class ServiceError(CrossoverError, RuntimeError):
@@ -109,7 +56,7 @@ class ServiceLink:
         self.base: Optional[torch.Tensor] = None
         # (seq, what the service adds for it); over shared memory (seq, None): the update is in its slot
         self.in_flight: Optional[tuple[int, Optional[torch.Tensor]]] = None
-        self._slots: Optional[_Slots] = None
+        self._slots: Optional[list[torch.Tensor]] = None  # the shared buffers, once the service mapped them
         self._base_slot = 0
         self.consumed: Optional[int] = None  # the last answer's count of samples all groups took from the epoch
         self.version = -1  # the global model's version, as the service's last answer gave it
@@ -161,11 +108,11 @@ class ServiceLink:
 
     @property
     def _update_slot(self) -> int:
-        return (self._base_slot + 1) % _Slots.COUNT
+        return (self._base_slot + 1) % _SLOTS
 
     @property
     def _answer_slot(self) -> int:
-        return (self._base_slot + 2) % _Slots.COUNT
+        return (self._base_slot + 2) % _SLOTS
 
     @property
     def local(self) -> bool:
@@ -195,7 +142,7 @@ class ServiceLink:
             # the service applied it before the answer was lost
             applied = self.in_flight[1]
             if applied is None and self._slots is not None:
-                applied = self._slots.tensors[self._update_slot]
+                applied = self._slots[self._update_slot]
             if applied is not None:
                 base = base + applied
             self.seq = self.in_flight[0] + 1
@@ -217,20 +164,21 @@ class ServiceLink:
     def _map_slots(self, base: torch.Tensor) -> None:
         """Offer the service three shared buffers; keep them if it maps them (else stay on TCP)."""
         try:
-            slots = _Slots(base.numel())
+            made = SharedBuffers(base.numel(), _SLOTS, prefix="crossover-slot-")
         except OSError as exc:
             _log.info("group %d: no shared memory for exchanges (%s); using TCP", self.group, exc)
             return
         try:
-            self._call({"op": "slots", "group": self.group, "numel": base.numel(), "slots": slots.describe()})
+            self._call({"op": "slots", "group": self.group, "numel": base.numel(), "slots": made.describe()})
         except ServiceError as exc:
             _log.info("group %d: the service could not map shared memory (%s); using TCP", self.group, exc)
             return
         finally:
-            slots.unlink()
-        slots.tensors[0].copy_(base)
+            made.unlink()
+        slots = [torch.from_numpy(a) for a in made.arrays]
+        slots[0].copy_(base)
         self._slots, self._base_slot = slots, 0
-        self.base = slots.tensors[0]
+        self.base = slots[0]
         _log.info("group %d: exchanging with the parameter service through shared memory", self.group)
 
     def start(self, flat: torch.Tensor) -> None:
@@ -244,8 +192,8 @@ class ServiceLink:
     def rebase(self, model: torch.Tensor) -> None:
         """The group now holds ``model`` (a full mix): later updates count from it."""
         if self._slots is not None:
-            self._slots.tensors[self._base_slot].copy_(model)
-            self.base = self._slots.tensors[self._base_slot]
+            self._slots[self._base_slot].copy_(model)
+            self.base = self._slots[self._base_slot]
         else:
             self.base = model.clone()
 
@@ -290,7 +238,7 @@ class ServiceLink:
                 header["seq"] = self.seq
             if self._slots is not None:
                 update_slot, answer_slot = self._update_slot, self._answer_slot
-                self._update(model, scale, out=self._slots.tensors[update_slot])
+                self._update(model, scale, out=self._slots[update_slot])
                 self.in_flight = (self.seq, None)
                 reply, body = self._call({**header, "codec": "fp32", "slot": update_slot, "answer": answer_slot})
             else:
@@ -318,7 +266,7 @@ class ServiceLink:
             self.gaps.append(int(reply["gap"]))
         if self._slots is not None:
             self._base_slot = answer_slot
-            self.base = self._slots.tensors[answer_slot]
+            self.base = self._slots[answer_slot]
         elif reply.get("answer", "full") == "full":
             self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))  # our inbox until an answer after it
         else:  # how the global model differs from the model this group last received, added where it is held
@@ -365,7 +313,7 @@ class ServiceLink:
                 answer_slot = self._answer_slot
                 reply, _ = self._call({"op": "pull", "level": level, "answer": answer_slot})
                 self._base_slot = answer_slot
-                self.base = self._slots.tensors[answer_slot]
+                self.base = self._slots[answer_slot]
             else:
                 reply, body = self._call({"op": "pull", "level": level})
                 self.base = torch.from_numpy(np.frombuffer(body, dtype=np.float32))

@@ -33,6 +33,7 @@ from crossover.plugins.aggregation.group_async.decisions import Boundary, Standi
 from crossover.plugins.aggregation.group_async.epoch_account import EpochAccount
 from crossover.plugins.aggregation.group_async.flat_params import flatten, load_flat
 from crossover.plugins.aggregation.group_async.grouping import Groups, parse_groups
+from crossover.plugins.aggregation.group_async.handoff import Handoff
 from crossover.plugins.aggregation.group_async.horovod_sets import ProcessSets, hold_shutdown
 from crossover.plugins.aggregation.group_async.link import ServiceLink
 from crossover.plugins.aggregation.group_async.member_shares import MemberShares
@@ -73,7 +74,7 @@ class GroupRuntime:
         # what a group step costs besides compute, in seconds: the gradients' allreduce (every step), the leader's
         # exchange with the service and the model's broadcast to the group (each exchange)
         self.costs: dict[str, deque[float]] = {k: deque(maxlen=4000) for k in ("allreduce", "exchange", "broadcast")}
-        self._packet: Optional[torch.Tensor] = None  # the exchange's broadcast lands here, kept from one to the next
+        self.handoff: Optional[Handoff] = None  # how this rank's group hands the model over after an exchange
         self._batch = 1
         self.members = MemberShares(config.group_balance)  # inside the group: who takes how much of its batch
         self._address: Any = None
@@ -195,29 +196,14 @@ class GroupRuntime:
                 self._follow_stage()
             over = counted and acc.used_up(self.link.consumed if model is not None else None, self.group_index)
             self.costs["exchange"].append(time.perf_counter() - started)
-        if len(self.group) > 1:
+        if self.handoff is not None:
             handed = time.perf_counter()
-            packet = self._packet_of(sum(p.numel() for p in self.params) + 2)
-            if self.is_leader:
-                packet[0], packet[1] = (1.0 if model is not None else 0.0), (1.0 if over else 0.0)
-                if model is not None:
-                    packet[2:].copy_(model)
-            self.hvd.broadcast_(packet, root_rank=self.leader, process_set=self.process_set(),
-                                name="crossover.group_async.model")
-            model = packet[2:] if packet[0] > 0 else None
-            over = bool(packet[1] > 0)
+            model, over = self.handoff.hand(model, over)
             self.costs["broadcast"].append(time.perf_counter() - handed)
         self.account.over = self.account.over or over
         if model is not None:
             load_flat(self.params, model)
         self.account.exchanged()
-
-    def _packet_of(self, numel: int) -> torch.Tensor:
-        """The buffer an exchange's model is broadcast through, kept: a model's worth of fresh memory per
-        exchange costs page faults on every member."""
-        if self._packet is None or self._packet.numel() != numel:
-            self._packet = torch.zeros(numel)
-        return self._packet
 
     def _follow_stage(self) -> None:
         """A leader: take the stage the service's last answer named (it switches a staged schedule)."""
@@ -367,6 +353,12 @@ class GroupRuntime:
         self._paces = list(decision["paces"])
         self._interval, self._next_boundary = int(decision["interval"]), decision["next_boundary"]
         self.sets.ensure(self.groups)
+        if self.groups != before or (self.handoff is None and len(self.group) > 1):
+            if self.handoff is not None:
+                self.handoff.close()
+            self.handoff = None if len(self.group) == 1 else Handoff(
+                self.hvd, self.process_set(), self.group, self.rank, sum(p.numel() for p in self.params),
+                self.config.exchange_shared_memory)
         built = time.perf_counter()
         if not self.is_leader and self.link is not None:
             self.link.close()
@@ -435,6 +427,8 @@ class GroupRuntime:
             "gaps": {str(k): v for k, v in sorted(gaps.items())},
             "exchange_s_p50": statistics.median(link.exchange_s) if link is not None and link.exchange_s else None,
             "outages": link.outages if link is not None else 0,
+            "handoff": None if self.handoff is None else
+            ("shared memory" if self.handoff.through_shared_memory else "broadcast"),
             "step_costs_s": {k: {"p50": percentile(v, 50), "p90": percentile(v, 90), "count": len(v)}
                              for k, v in self.costs.items() if v},
             "service_restarts": self.service.restarts if self.service is not None else 0,
@@ -455,6 +449,8 @@ class GroupRuntime:
         self.stop()
 
     def stop(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
         if self.link is not None:
             self.link.close()
             self.link = None

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
-import mmap
 import os
 import shutil
 import socket
@@ -45,26 +44,14 @@ import numpy as np
 
 from crossover.plugins.aggregation.group_async.codec import decode, encode_answer
 from crossover.plugins.aggregation.group_async.global_model import GlobalModel
+from crossover.plugins.aggregation.group_async.passes import Passes, default_threads
 from crossover.plugins.aggregation.group_async.schedule import SCHEDULES, Schedule
+from crossover.plugins.aggregation.group_async.shared_buffers import map_described
 from crossover.plugins.aggregation.group_async.wire import Payload, WireError, recv_frame, send_frame
 
 __all__ = ["GlobalModel", "ParameterService", "main"]
 
 _log = logging.getLogger(__name__)
-
-
-def _map_slots(slots: list[dict[str, Any]], numel: int) -> list[np.ndarray]:
-    """A leader's shared buffers, each checked to be the very file the leader made (device and inode)."""
-    arrays = []
-    for slot in slots:
-        path = str(slot["path"])
-        with open(path, "r+b") as f:
-            st = os.fstat(f.fileno())
-            if (st.st_dev, st.st_ino) != (int(slot["dev"]), int(slot["ino"])) or st.st_size < numel * 4:
-                raise ValueError(f"{path} is not the leader's buffer")
-            mm = mmap.mmap(f.fileno(), max(1, numel * 4))
-        arrays.append(np.frombuffer(mm, dtype=np.float32, count=numel))
-    return arrays
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -136,22 +123,22 @@ class _Handler(socketserver.BaseRequestHandler):
                     fraction: float) -> tuple[dict[str, Any], bytes | memoryview]:
         """The answer to a leader that pushes with a lossy codec: the whole model the first time on a
         connection, then only how the model differs from what the leader holds, in the same codec."""
-        model = self._copy(state)
-        if self.held is None or self.held.size != model.size:
+        numel = state.numel
+        if self.held is None or self.held.size != numel:
+            model = self._copy(state)
             self.held = model.copy()
             return {**reply, "answer": "full"}, model.data.cast("B")
+        if self.outbox is None or self.outbox.size != numel:
+            self.outbox = np.empty(numel, dtype=np.float32)
+        delta = state.difference(self.held, out=self.outbox)
         if kind != "fp16":
-            np.subtract(model, self.held, out=model)  # the outbox now holds the difference
-            body = encode_answer(kind, model, fraction)
-            self.held += decode(kind, body, model.size)
+            body = encode_answer(kind, delta, fraction)
+            state.passes.add(self.held, decode(kind, body, numel), out=self.held)
             return {**reply, "answer": kind}, body
-        import torch  # loaded for fp16's casts already; its float32 passes take half numpy's time here
-
-        if self.half is None or self.half.size != model.size:
-            self.half = np.empty(model.size, dtype=np.float16)
-        torch.sub(torch.from_numpy(model), torch.from_numpy(self.held), out=torch.from_numpy(model))
-        body = encode_answer(kind, model, fraction, self.half)
-        torch.from_numpy(self.held).add_(torch.from_numpy(decode(kind, body, model.size, out=self._wide(model.size))))
+        if self.half is None or self.half.size != numel:
+            self.half = np.empty(numel, dtype=np.float16)
+        body = encode_answer(kind, delta, fraction, self.half)
+        state.passes.add(self.held, decode(kind, body, numel, out=self._wide(numel)), out=self.held)
         return {**reply, "answer": kind}, body
 
     def _one(self, state: GlobalModel, header: dict[str, Any],
@@ -160,7 +147,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == "hello":
             return state.hello(int(header["group"]), bytes(payload), int(header["numel"])), b""
         if op == "slots":
-            self.slots = tuple(_map_slots(list(header["slots"]), int(header["numel"])))
+            self.slots = tuple(map_described(list(header["slots"]), int(header["numel"])))
             return {"ok": True}, b""
         if op == "exchange":
             numel = int(header["numel"])
@@ -237,22 +224,28 @@ def main(argv: list[str] | None = None) -> None:
                    help="the state directory is the job's temporary one: remove it when --parent-pid is gone")
     p.add_argument("--start-version", type=int, default=0,
                    help="the first model's version when --state-dir holds none (a run resumed from a checkpoint)")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="threads for the adds and copies of the model (default: this node's cores, at most 4); the "
+                        "group being answered waits meanwhile, so they are mostly its own cores")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    # fp16's casts load torch here (`codec.cast`): one thread, beside the job's ranks on this node's cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, not {args.threads}")
+    # fp16's casts load torch here (`codec.cast`), with as many threads as the passes.
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s param-service %(levelname)s %(message)s")
     token = Path(args.token_file).read_text().strip()
     state = GlobalModel(args.bound, Path(args.state_dir) if args.state_dir else None,
-                        start_version=args.start_version, schedule=Schedule(args.schedule, args.period, args.bound))
+                        start_version=args.start_version, schedule=Schedule(args.schedule, args.period, args.bound),
+                        passes=Passes(args.threads))
     with ParameterService((args.host, args.port), state, token) as server:
         port = server.server_address[1]
         if args.port_file:
             tmp = Path(args.port_file + ".tmp")
             tmp.write_text(str(port))
             os.replace(tmp, args.port_file)
-        _log.info("listening on %s:%d (%s schedule, bound %d, pid %d)", args.host, port, args.schedule,
-                  state.clock.bound, os.getpid())
+        _log.info("listening on %s:%d (%s schedule, bound %d, %d threads, pid %d)", args.host, port, args.schedule,
+                  state.clock.bound, args.threads, os.getpid())
         if args.parent_pid:
             remove = Path(args.state_dir) if args.remove_state_with_parent and args.state_dir else None
             threading.Thread(target=_exit_with, args=(args.parent_pid, server, remove), daemon=True).start()

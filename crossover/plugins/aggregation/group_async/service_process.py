@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from crossover.plugins.aggregation.group_async.link import SHM_DIR, ServiceError, shared_memory_usable
+from crossover.plugins.aggregation.group_async.link import ServiceError
+from crossover.plugins.aggregation.group_async.shared_buffers import SHM_DIR, shared_memory_usable
 
 __all__ = ["ServiceProcess", "start_for_job", "state_root"]
 
