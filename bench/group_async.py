@@ -47,6 +47,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -379,6 +381,36 @@ def plot(dataset: str, data: dict[str, Any], stem: Path) -> str:
     return str(path)
 
 
+SERVICE_PORT = 29517  # where the parameter service listens behind a shaped link (CROSSOVER_PARAM_PORT)
+
+
+def behind_a_link(rate_mbit: float, argv: list[str]) -> int:
+    """Run this benchmark again inside a network namespace of its own whose loopback carries the parameter
+    service's port at ``rate_mbit`` each way, every other packet unshaped: every leader's exchange crosses a thin
+    link (TCP, as from another node), while each group's collectives stay local. The namespace and every process
+    in it go at the end."""
+    from testbed.cluster.netns import kill_ns_processes
+    from testbed.cluster.shaping import port_commands
+
+    ns = f"xo-ga-link-{os.getpid()}"
+    rest, skip = [], False
+    for a in argv:  # the same arguments, less the link's
+        if skip or a.startswith("--service-link-mbit"):
+            skip = a == "--service-link-mbit"
+            continue
+        rest.append(a)
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        for cmd in [["ip", "link", "set", "lo", "up"], *port_commands("lo", SERVICE_PORT, rate_mbit)]:
+            subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, capture_output=True)
+        env = {**os.environ, "CROSSOVER_PARAM_PORT": str(SERVICE_PORT), "CROSSOVER_EXCHANGE_SHM": "0"}
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "bench.group_async", *rest,
+                               "--inside-link", repr(rate_mbit)], env=env, check=False).returncode
+    finally:
+        kill_ns_processes(ns, grace_s=5.0)
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="half the epochs (about 10 minutes per dataset)")
@@ -395,14 +427,22 @@ def main() -> None:
                    "its stages")
     p.add_argument("--pace", default="auto", help="device emulation factor, or auto (from the load average)")
     p.add_argument("--out", default="", help="output stem (default results/group_async[_quick])")
+    p.add_argument("--service-link-mbit", type=float, default=0.0,
+                   help="put the parameter service behind a link of this many Mbit/s each way (its port's traffic on "
+                        "the loopback of a network namespace of its own, shaped with tc; needs root): exchanges over "
+                        "TCP, everything else local. 0: no link")
+    p.add_argument("--inside-link", type=float, default=0.0, help=argparse.SUPPRESS)  # the run behind that link
     args = p.parse_args()
+    if args.service_link_mbit > 0:
+        raise SystemExit(behind_a_link(args.service_link_mbit, sys.argv[1:]))
     console = Console()
     out = Path(args.out or ("results/group_async" + ("_quick" if args.quick else "")))
     out.parent.mkdir(parents=True, exist_ok=True)
     unknown = [d for d in args.datasets.split(",") if d not in PAIRS]
     if unknown or args.ranks < 2 or args.repeats < 1:
         p.error(f"workloads must be among {', '.join(PAIRS)}; --ranks >= 2; --repeats >= 1")
-    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}, "ranks": args.ranks, "datasets": {}}
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}, "ranks": args.ranks, "datasets": {},
+                               "service_link_mbit": args.inside_link or None}
     with tempfile.TemporaryDirectory(prefix="crossover-ga-bench-") as tmp:
         for dataset in args.datasets.split(","):
             repeats = []

@@ -153,6 +153,9 @@ class AggregationSettings:
     param_state: str = setting("CROSSOVER_PARAM_STATE", "", text,
                                "group_async: directory where the parameter service keeps the global model (resumed "
                                "from when it restarts); empty: a temporary one.")
+    param_port: int = setting("CROSSOVER_PARAM_PORT", 0, integer(0, 65535),
+                              "group_async: the TCP port rank 0's parameter service listens on; 0: any free one "
+                              "(fix it where a firewall stands between the nodes).")
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> AggregationSettings:

@@ -66,6 +66,22 @@ def _band_commands(dev: str, link: Link) -> list[list[str]]:
     return cmds
 
 
+def port_commands(dev: str, port: int, rate_mbit: float) -> list[list[str]]:
+    """tc calls that give the TCP traffic of one `port` on `dev` (to it and from it, each way its own class) a link
+    of `rate_mbit` and leave every other packet unshaped (htb's direct queue): on a namespace's loopback, a
+    service behind a thin link while everything else stays local."""
+    rate_bps = rate_mbit * 1e6
+    burst, limit = str(_tbf_burst(rate_bps)), str(_tbf_limit(rate_mbit))
+    cmds = [["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"]]
+    for band, match in ((10, "dport"), (20, "sport")):
+        cmds += [["tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{band}", "htb", "rate",
+                  f"{rate_bps:.0f}bit", "ceil", f"{rate_bps:.0f}bit", "burst", burst, "cburst", burst],
+                 ["tc", "qdisc", "add", "dev", dev, "parent", f"1:{band}", "bfifo", "limit", limit],
+                 ["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+                  "ip", match, str(port), "0xffff", "flowid", f"1:{band}"]]
+    return cmds
+
+
 def dscp_filter_command(dev: str, on: bool, dscp: int = LOWER_EFFORT_DSCP) -> list[str]:
     """The tc call that sends packets marked `dscp` to a shaped link's last band (on), or takes it back (off):
     what a node qdisc or a switch that honours DSCP does."""

@@ -318,3 +318,42 @@ def test_bad_input_is_refused_with_a_clear_message():
     res = subprocess.run([sys.executable, "-m", "testbed.cluster", "run", "--cluster", "no-such-cluster", "--",
                           "true"], capture_output=True, text=True, timeout=30)
     assert res.returncode != 0 and "no cluster 'no-such-cluster'" in res.stderr
+
+
+_PORT_PROBE = """
+import socket, sys, threading, time
+def rate(port):
+    srv = socket.create_server(("127.0.0.1", port))
+    def sink():
+        conn, _ = srv.accept()
+        while conn.recv(1 << 20):
+            pass
+    reader = threading.Thread(target=sink)
+    reader.start()
+    sock = socket.create_connection(("127.0.0.1", port))
+    started = time.perf_counter()
+    sock.sendall(b"x" * (4 << 20))
+    sock.close()
+    reader.join()
+    srv.close()
+    return 4 * 8 * 1.048576 / (time.perf_counter() - started)
+print(rate(int(sys.argv[1])), rate(int(sys.argv[1]) + 1))
+"""
+
+
+def test_one_port_on_a_namespaces_loopback_is_shaped_and_every_other_is_not():
+    # bench.group_async --service-link-mbit: the parameter service behind a thin link, the rest local
+    from testbed.cluster.shaping import port_commands
+
+    ns = f"xo-port-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        for cmd in [["ip", "link", "set", "lo", "up"], *port_commands("lo", 29611, 100)]:
+            subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, capture_output=True)
+        done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _PORT_PROBE, "29611"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        shaped, free = map(float, done.stdout.split())
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert 60 < shaped < 130, shaped  # Mbit/s through a 100 Mbit/s class
+    assert free > 5 * shaped, (shaped, free)

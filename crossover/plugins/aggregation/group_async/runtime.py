@@ -242,7 +242,8 @@ class GroupRuntime:
         if self.rank == 0:
             self.service, address = start_for_job(int(hvd.local_size()), self.world, self.config.staleness,
                                                   self.config.param_state, self._start_version,
-                                                  self.schedule.kind, self.config.exchange_period_s)
+                                                  self.schedule.kind, self.config.exchange_period_s,
+                                                  self.config.param_port)
         address = hvd.broadcast_object(address, root_rank=0, name="crossover.group_async.address")
         hold_shutdown(hvd, self, self.finish)
         self._address = address

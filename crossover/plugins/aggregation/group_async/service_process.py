@@ -97,13 +97,13 @@ class ServiceProcess:
 
 
 def start_for_job(local_size: int, world: int, bound: int, state_dir: str, start_version: int,
-                  schedule: str = "fixed", period_s: float = 0.5) -> tuple[Optional[ServiceProcess], Any]:
+                  schedule: str = "fixed", period_s: float = 0.5, port: int = 0) -> tuple[Optional[ServiceProcess], Any]:
     """Rank 0: start the job's service, on loopback when every rank is on this node. The service and the
     address every leader attaches to, `(host, port, token)`; `(service, None)` when it could not start
     (groups then train synchronously inside and never exchange)."""
     single_host = local_size == world
     service = ServiceProcess("127.0.0.1" if single_host else "0.0.0.0", bound, state_dir,
-                             start_version=start_version, schedule=schedule, period_s=period_s)
+                             port=port, start_version=start_version, schedule=schedule, period_s=period_s)
     try:
         _, port = service.start()
     except OSError as exc:
