@@ -161,14 +161,15 @@ def test_a_job_killed_mid_epoch_resumes_from_its_checkpoint_where_group_training
 
 
 def test_speed_groups_meet_only_when_the_last_decision_says_and_the_service_ends_the_coarse_stage(jobs, tmp_path):
-    # Rank 3 stalls now and then: shares cut by pace cannot balance that, so speed grouping sets it apart. The
+    # Rank 0 stalls now and then: shares cut by pace cannot balance that, so speed grouping moves it to a group
+    # where its stalls hold fewer ranks (three groups of 2, 1 and 1: it starts in {0, 1} and ends alone). The
     # staged schedule starts coarse without profiling and the service switches it to fine; neither needs an
     # epoch start of its own where every rank meets.
     epochs = 8
     runs = [{**COMMON, "name": "ga", "rule": "group_async", "epochs": epochs, "straggler": "",
-             "stall": "3:0.5:0.3"}]
+             "stall": "0:0.5:0.3"}]
     (job,) = _run(jobs, tmp_path, "speed", runs, {"CROSSOVER_GROUPING": "speed", "CROSSOVER_GROUP_SCHEDULE": "staged",
-                                                   "CROSSOVER_EXCHANGE_PERIOD": "0.05"})
+                                                   "CROSSOVER_GROUPS": "3", "CROSSOVER_EXCHANGE_PERIOD": "0.05"})
     summaries = _summaries(job)
     run = summaries[0]["runs"][0]
     assert run["aggregation"] == "group_async:speed/staged"
@@ -181,7 +182,9 @@ def test_speed_groups_meet_only_when_the_last_decision_says_and_the_service_ends
     assert [h["epoch"] for h in met] == [h["epoch"] for h in summaries[3]["runs"][0]["group_async"]["history"]
                                          if h["at"] == "start"]
     assert all(set(h["cost"]) == {"wait_s", "mix_s", "decide_s", "sets_s"} for h in met[1:]), met
-    assert any([3] in h["groups"] for h in met), [h["groups"] for h in met]  # set apart by its stalls
+    assert met[0]["groups"] == [[0, 1], [2], [3]], met[0]
+    assert all(sorted(map(len, h["groups"])) == [1, 1, 2] for h in met), [h["groups"] for h in met]  # static sizes
+    assert any([0] in h["groups"] for h in met), [h["groups"] for h in met]  # set apart by its stalls
     service = stats["service"]
     assert [s["to"] for s in service["switches"]] == ["fine"] and service["stage"] == "fine", service
     assert stats["stage"] == "fine"

@@ -125,6 +125,20 @@ def test_speed_grouping_keeps_the_current_groups_unless_the_gain_clears_the_hyst
     assert speed_groups([1.0, 1.0, 1.0, 4.0], 2, current, hysteresis=0.1) == ((0, 1, 2), (3,))
 
 
+def test_speed_grouping_by_stalls_keeps_static_sizes_and_puts_the_stallers_together():
+    paces = [1.0] * 8
+    stalls = [0.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.2, 0.9]
+    assert speed_groups(paces, 2, stalls=stalls) == ((0, 2, 3, 4), (1, 5, 6, 7))
+
+
+@settings(max_examples=60, deadline=None)
+@given(stalls=st.lists(st.floats(0.0, 5.0), min_size=2, max_size=9), data=st.data())
+def test_speed_grouping_by_stalls_always_has_static_sizes(stalls, data):
+    count = data.draw(st.integers(1, len(stalls)))
+    groups = speed_groups([1.0] * len(stalls), count, stalls=stalls)
+    assert sorted(len(g) for g in groups) == sorted(len(g) for g in static_groups(len(stalls), count))
+
+
 def _brute_force_cost(paces: list[float], count: int) -> float:
     best = float("inf")
     n = len(paces)

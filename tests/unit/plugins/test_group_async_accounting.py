@@ -106,9 +106,13 @@ def test_balanced_groups_regroup_only_for_stalls_and_meet_ever_less_often_while_
         intervals.append(kept["interval"])
     assert intervals == [2, 4, 8, 8, 8]
     stalling = [0.001, 0.001, 0.001, 0.003]  # rank 3 loses 2 ms per sample to stalls its shares cannot balance
-    apart = decide(Boundary(9, stalling, [0.0, 0.0, 0.0, 0.002], 0.5, 1280, 32),
-                   _standing("speed", True, configured, 6, 8))
-    assert apart["groups"] == [[0, 1, 2], [3]], "the stalling rank holds nobody up"
+    same = decide(Boundary(9, stalling, [0.0, 0.0, 0.0, 0.002], 0.5, 1280, 32),
+                  _standing("speed", True, configured, 6, 8))
+    assert same["groups"] == [[0, 1], [2, 3]], "groups of one size: a staller holds as many others anywhere"
+    uneven = ((0, 1, 2), (3, 4))
+    apart = decide(Boundary(9, [0.001] * 4 + [0.003], [0.0, 0.002, 0.0, 0.0, 0.0], 0.5, 1600, 32),
+                   Standing(Schedule("fixed", 0.5, 4).stage, "speed", True, uneven, uneven, 6, world=5, interval=8))
+    assert apart["groups"] == [[0, 2, 3], [1, 4]], "the staller moves to the smaller group: it holds one rank"
     assert (apart["interval"], apart["next_boundary"]) == (1, 10)
 
 

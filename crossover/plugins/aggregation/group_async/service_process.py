@@ -97,7 +97,8 @@ class ServiceProcess:
 
 
 def start_for_job(local_size: int, world: int, bound: int, state_dir: str, start_version: int,
-                  schedule: str = "fixed", period_s: float = 0.5, port: int = 0) -> tuple[Optional[ServiceProcess], Any]:
+                  schedule: str = "fixed", period_s: float = 0.5,
+                  port: int = 0) -> tuple[Optional[ServiceProcess], Any]:
     """Rank 0: start the job's service, on loopback when every rank is on this node. The service and the
     address every leader attaches to, `(host, port, token)`; `(service, None)` when it could not start
     (groups then train synchronously inside and never exchange)."""
