@@ -16,7 +16,7 @@ import torch
 from crossover.plugins.aggregation.group_async.codec import Codec
 from crossover.plugins.aggregation.group_async.global_model import GlobalModel
 from crossover.plugins.aggregation.group_async.link import ServiceError, ServiceLink
-from crossover.plugins.aggregation.group_async.schedule import Schedule
+from crossover.plugins.aggregation.group_async.schedule import PRICED_AFTER, Schedule
 from crossover.plugins.aggregation.group_async.service import ParameterService
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,6 +103,16 @@ def test_a_staged_service_switches_to_the_fine_stage_once_the_model_slows_and_a_
         assert [s["to"] for s in state.stats()["switches"]] == ["fine"]
     again = staged()
     assert again.schedule.stage.name == "fine" and again.clock.bound == 2, "a restart does not go back to coarse"
+
+
+def test_a_staged_service_ends_the_coarse_stage_where_the_leaders_exchanges_cost_little():
+    state = GlobalModel(bound=2, schedule=Schedule("staged", 0.5, 2))
+    state.hello(0, np.zeros(3, dtype=np.float32).tobytes(), 3)
+    for seq in range(PRICED_AFTER):
+        assert state.clock.bound == 4
+        state.exchange(0, seq, np.ones(3, dtype=np.float32), wait=False, cost_s=0.004)
+    assert state.clock.bound == 2 and state.schedule.stage.name == "fine"
+    assert state.stats()["switches"] == [{"version": PRICED_AFTER, "to": "fine", "exchange_s": pytest.approx(0.004)}]
 
 
 def test_a_restarted_service_resumes_from_the_newest_model(tmp_path: Path):

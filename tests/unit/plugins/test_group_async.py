@@ -20,7 +20,7 @@ from crossover.plugins.aggregation.group_async.grouping import (
     static_groups,
     steps_per_group,
 )
-from crossover.plugins.aggregation.group_async.schedule import Schedule
+from crossover.plugins.aggregation.group_async.schedule import PRICED_AFTER, Schedule
 from crossover.plugins.aggregation.group_async.stalls import StallMeter
 
 # ---- SSP clock -------------------------------------------------------------
@@ -224,6 +224,20 @@ def test_staged_starts_coarse_without_profiling_and_goes_fine_once_the_rate_of_c
     fine = schedule.observe(39.0, 8.0)  # 4.9 per second
     assert (fine.name, fine.period_s, fine.bound) == ("fine", 0.5, 2)
     assert schedule.observe(800.0, 8.0).name == "fine"  # never back
+
+
+def test_the_coarse_stage_ends_at_once_where_exchanges_cost_too_little_for_it_to_pay():
+    cheap = Schedule("staged", period_s=0.5, bound=2)
+    for _ in range(PRICED_AFTER - 1):
+        assert cheap.priced(0.005).name == "coarse"  # 5 ms against a fine period of 0.5 s: not judged yet
+    assert cheap.priced(0.005).name == "fine" and cheap.exchange_s == pytest.approx(0.005)
+    dear = Schedule("staged", period_s=0.5, bound=2)
+    for _ in range(3 * PRICED_AFTER):
+        assert dear.priced(0.4).name == "coarse"  # across a thin link: the coarse stage pays
+    assert len(dear.costs) == PRICED_AFTER, "judged once, on the first costs"
+    assert dear.observe(10.0, 1.0).name == "coarse" and dear.observe(1.0, 1.0).name == "fine"  # then by progress
+    fixed = Schedule("fixed", period_s=0.5, bound=2)
+    assert all(fixed.priced(0.001).name == "fixed" for _ in range(PRICED_AFTER))
 
 
 def test_fixed_keeps_its_period_and_bound():

@@ -153,11 +153,13 @@ class GlobalModel:
             return {"version": self.version, "last_seq": self.last_seq.get(group, -1), "node": node_identity()}
 
     def exchange(self, group: int, seq: int, update: np.ndarray, wait: bool, epoch: int = -1, taken: int = 0,
-                 ticks: int = 1) -> dict[str, Any]:
+                 ticks: int = 1, cost_s: float = 0.0) -> dict[str, Any]:
         """Apply a group's update (flat float32, decoded: `codec.decode`) once per ``seq``, then wait until the
         group is within the bound.
         ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does; ``ticks``, the
-        exchange periods the group worked since its last exchange (its clock advances by as many)."""
+        exchange periods the group worked since its last exchange (its clock advances by as many);
+        ``cost_s``, what the group's previous exchange cost its leader (0: not known), which tells a staged
+        schedule whether its coarse stage pays."""
         with self._cond:
             if self.model is None:
                 raise ValueError("exchange before hello")
@@ -170,6 +172,8 @@ class GlobalModel:
                 self.version += 1
                 self.last_seq[group] = seq
                 self.clock.tick(group, ticks)
+                if cost_s > 0:
+                    self._price(cost_s)
                 self._observe()
                 self._save()
             self.last_seen[group] = time.monotonic()
@@ -195,8 +199,7 @@ class GlobalModel:
 
     def _observe(self) -> None:
         """A staged schedule's coarse stage: once a window has passed, feed the schedule the global model's
-        change over it; on a switch, hold every group to the new bound (the leaders learn the period from
-        the answers, which name the stage)."""
+        change over it."""
         schedule = self.schedule
         if schedule.kind != "staged" or schedule.stage is not schedule.coarse or self.model is None:
             return
@@ -214,12 +217,28 @@ class GlobalModel:
         before = schedule.stage
         stage = schedule.observe(change, elapsed)
         if stage is not before:
-            self.clock.bound = stage.bound
-            self.switches.append({"version": self.version, "to": stage.name, "rate": change / elapsed,
-                                  "peak_rate": schedule.peak_rate})
-            _log.info("the global model's change slowed to %.3g/s (peak %.3g/s): %s stage, bound %d, period %.3g s",
-                      change / elapsed, schedule.peak_rate, stage.name, stage.bound, stage.period_s)
-            self._cond.notify_all()
+            self._switched({"rate": change / elapsed, "peak_rate": schedule.peak_rate},
+                           f"the global model's change slowed to {change / elapsed:.3g}/s (peak "
+                           f"{schedule.peak_rate:.3g}/s)")
+
+    def _price(self, cost_s: float) -> None:
+        """A staged schedule's coarse stage: end it at once where exchanges cost too little for it to pay."""
+        schedule = self.schedule
+        if schedule.kind != "staged" or schedule.stage is not schedule.coarse:
+            return
+        if schedule.priced(cost_s) is not schedule.coarse:
+            self._switched({"exchange_s": schedule.exchange_s},
+                           f"an exchange costs {schedule.exchange_s:.3g} s, under {schedule.pays:g} of the fine "
+                           f"period: the coarse stage would not pay")
+
+    def _switched(self, why: dict[str, Any], said: str) -> None:
+        """The schedule moved to a new stage: hold every group to its bound (the leaders learn its period from
+        the answers, which name the stage)."""
+        stage = self.schedule.stage
+        self.clock.bound = stage.bound
+        self.switches.append({"version": self.version, "to": stage.name, **why})
+        _log.info("%s: %s stage, bound %d, period %.3g s", said, stage.name, stage.bound, stage.period_s)
+        self._cond.notify_all()
 
     def _count(self, group: int, epoch: int, taken: int) -> int | None:
         if epoch < 0:

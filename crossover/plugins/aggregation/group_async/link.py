@@ -65,6 +65,7 @@ class ServiceLink:
         self.outages = 0
         self.gaps: list[int] = []
         self.exchange_s: list[float] = []
+        self.cost_s = 0.0  # what the last exchange cost, the service's wait for the bound left out (0: none yet)
         self.answer_bytes: list[int] = []  # what each answer carried over TCP
         self._held: Optional[torch.Tensor] = None  # the model as this connection's answers built it
         self._sock: Optional[socket.socket] = None
@@ -231,7 +232,8 @@ class ServiceLink:
         started = time.perf_counter()
         self.consumed = None
         header = {"op": "exchange", "group": self.group, "seq": self.seq, "codec": self.codec.kind,
-                  "numel": self.base.numel(), "wait": wait, "epoch": epoch, "taken": taken, "ticks": ticks}
+                  "numel": self.base.numel(), "wait": wait, "epoch": epoch, "taken": taken, "ticks": ticks,
+                  "cost_s": self.cost_s}
         try:
             if self._sock is None:
                 self._attach(flatten(model))
@@ -280,6 +282,7 @@ class ServiceLink:
         self._held = self.base
         self.answer_bytes.append(len(body))
         self.exchange_s.append(time.perf_counter() - started)
+        self.cost_s = max(0.0, self.exchange_s[-1] - float(reply.get("waited_s", 0.0)))
         return self.base
 
     def progress(self, epoch: int, taken: int) -> Optional[int]:

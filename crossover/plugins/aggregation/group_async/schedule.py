@@ -11,16 +11,24 @@ parameter service, which feeds :meth:`Schedule.observe` the global model's chang
 wall time. Once the rate of change falls below ``plateau`` times the fastest rate seen, the coarse
 stage has done what it is for and the fine stage begins. The service then holds every group to the
 fine bound and tells each leader the fine period with its next answer: no boundary, no barrier.
+A coarse stage pays only where exchanges are dear: it saves three exchanges in four, and costs
+freshness. So the service also feeds :meth:`Schedule.priced` what each exchange cost its leader (the
+wait for the staleness bound left out); once it has heard ``PRICED_AFTER`` of them, a median below
+``pays`` times the fine period (a tenth by default: the coarse stage would save under 7.5 % of a
+leader's time) ends the coarse stage at once. Measured on the 2-core VM: an exchange on loopback
+costs 4-6 ms against a fine period of 0.5 s, and 0.36-0.48 s across a 1 Gbit/s link.
 Pure logic: the service feeds it and applies what it returns.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median
 from typing import Any
 
-__all__ = ["SCHEDULES", "Stage", "Schedule"]
+__all__ = ["PRICED_AFTER", "SCHEDULES", "Stage", "Schedule"]
 
 SCHEDULES = ("fixed", "staged")
+PRICED_AFTER = 8  # exchanges whose cost the coarse stage hears before it judges whether it pays
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,7 @@ class Schedule:
     ends; ``window_s``, the wall time each observation spans (4 coarse periods unless given)."""
 
     def __init__(self, kind: str, period_s: float, bound: int, plateau: float = 0.5,
-                 window_s: float | None = None) -> None:
+                 window_s: float | None = None, pays: float = 0.1) -> None:
         if kind not in SCHEDULES:
             raise ValueError(f"unknown group schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
         self.kind = kind
@@ -48,6 +56,8 @@ class Schedule:
         self.plateau = plateau
         self.window_s = window_s if window_s is not None else 4 * self.coarse.period_s
         self.peak_rate = 0.0
+        self.pays = pays
+        self.costs: list[float] = []  # the coarse stage's first exchanges' costs, seconds
         self.stage = self.coarse if kind == "staged" else self.fine
 
     def named(self, name: str) -> Stage:
@@ -66,6 +76,20 @@ class Schedule:
             if self.peak_rate > 0 and rate < self.plateau * self.peak_rate:
                 self.stage = self.fine
         return self.stage
+
+    def priced(self, cost_s: float) -> Stage:
+        """An exchange cost its leader ``cost_s`` seconds: the stage from now on. The coarse stage ends once
+        ``PRICED_AFTER`` costs are in and their median is under ``pays`` times the fine period."""
+        if self.stage is self.coarse and len(self.costs) < PRICED_AFTER:
+            self.costs.append(cost_s)
+            if len(self.costs) == PRICED_AFTER and median(self.costs) < self.pays * self.fine.period_s:
+                self.stage = self.fine
+        return self.stage
+
+    @property
+    def exchange_s(self) -> float | None:
+        """The median of the costs :meth:`priced` heard (``None`` before any)."""
+        return median(self.costs) if self.costs else None
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the stage reached and the fastest rate of change seen (the plateau's reference)."""

@@ -157,7 +157,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 update = decode(kind, payload, numel, out=self._wide(numel) if kind == "fp16" else None)
             reply = state.exchange(int(header["group"]), int(header["seq"]), update, bool(header.get("wait", True)),
                                    int(header.get("epoch", -1)), int(header.get("taken", 0)),
-                                   int(header.get("ticks", 1)))
+                                   int(header.get("ticks", 1)), float(header.get("cost_s", 0.0)))
             answer = self._slot(header, "answer")
             if reply["duplicate"]:  # the leader discards it: its held model must not move either
                 return reply, b""
