@@ -78,6 +78,8 @@ def socket_floor(numel: int, repeats: int) -> list[float]:
     near = socket.create_connection(listener.getsockname())
     far, _ = listener.accept()
     listener.close()
+    for sock in (near, far):
+        sock.settimeout(60.0)
     buffers = [np.ones(nbytes, dtype=np.uint8) for _ in range(3)]
     views = [b.data for b in buffers]
 

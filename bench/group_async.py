@@ -387,8 +387,9 @@ SERVICE_PORT = 29517  # where the parameter service listens behind a shaped link
 def behind_a_link(rate_mbit: float, argv: list[str]) -> int:
     """Run this benchmark again inside a network namespace of its own whose loopback carries the parameter
     service's port at ``rate_mbit`` each way, every other packet unshaped: every leader's exchange crosses a thin
-    link (TCP, as from another node), while each group's collectives stay local. The namespace and every process
-    in it go at the end."""
+    link (TCP, as from another node), while each group's collectives stay local. Shared memory is off
+    (``CROSSOVER_EXCHANGE_SHM=0``), so each group's hand-over is a broadcast too, as for a group spanning
+    nodes. The namespace and every process in it go at the end."""
     from testbed.cluster.netns import kill_ns_processes
     from testbed.cluster.shaping import port_commands
 
@@ -433,7 +434,7 @@ def main() -> None:
                         "TCP, everything else local. 0: no link")
     p.add_argument("--inside-link", type=float, default=0.0, help=argparse.SUPPRESS)  # the run behind that link
     args = p.parse_args()
-    if args.service_link_mbit > 0:
+    if args.service_link_mbit > 0 and not args.inside_link:
         raise SystemExit(behind_a_link(args.service_link_mbit, sys.argv[1:]))
     console = Console()
     out = Path(args.out or ("results/group_async" + ("_quick" if args.quick else "")))

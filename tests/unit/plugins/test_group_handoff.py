@@ -131,3 +131,23 @@ def test_a_member_whose_leader_is_gone_stops_waiting_with_a_clear_error(monkeypa
     with pytest.raises(AggregationError, match=f"leader \\(rank 0, pid {gone.pid}\\) is gone"):
         member.hand(None, False)
     member.close()
+
+
+def test_a_member_takes_only_the_leaders_note():
+    import socket
+
+    member = Handoff(_Threads(1), None, (0, 1), 1, 6, shared_memory=False)
+    member.shared = torch.zeros(6)
+    member._tag = "t"
+    member._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    member._sock.bind(handoff_module._address("t", 1))
+    leader = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    leader.bind(handoff_module._address("t", 0))
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stranger.sendto(handoff_module._FLAGS.pack(1, True, True), handoff_module._address("t", 1))  # right size
+    stranger.sendto(b"x", handoff_module._address("t", 1))
+    leader.sendto(handoff_module._FLAGS.pack(1, False, True), handoff_module._address("t", 1))
+    assert member.hand(None, False) == (None, True)
+    for s in (leader, stranger):
+        s.close()
+    member.close()

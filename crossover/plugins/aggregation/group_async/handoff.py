@@ -45,6 +45,18 @@ POLL_S = 1.0
 """A member waiting for its datagram checks this often that the leader still lives."""
 
 
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _sent_from(sender: Any) -> bytes:
+    """A datagram's sender address as bytes (Python gives an abstract address as bytes, a path as str)."""
+    return sender if isinstance(sender, bytes) else str(sender).encode()
+
+
 def _address(tag: str, rank: int) -> str:
     """A member's socket, in the abstract namespace (nothing on disk; per network namespace, which the
     group shares by construction)."""
@@ -83,33 +95,36 @@ class Handoff:
             try:
                 made = SharedBuffers(self._numel, 1, prefix="crossover-group-")
                 offer = {"buffer": made.describe(), "node": node_identity(), "tag": secrets.token_hex(8),
-                         "pid": os.getpid()}
+                         "pid": os.getpid(), "pidns": _pid_namespace()}
             except OSError as exc:
                 _log.info("group_async: no shared memory to hand the model over (%s); broadcasting it", exc)
-        offer = hvd.broadcast_object(offer, root_rank=self._leader, process_set=self._set,
-                                     name="crossover.group_async.handoff")
         mapped: Optional[torch.Tensor] = None
         sock: Optional[socket.socket] = None
-        if offer is not None and offer["node"] and offer["node"] == node_identity():
-            try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                if made is not None:
-                    mapped = torch.from_numpy(made.arrays[0])
-                else:
+        try:
+            offer = hvd.broadcast_object(offer, root_rank=self._leader, process_set=self._set,
+                                         name="crossover.group_async.handoff")
+            if offer is not None and offer["node"] and offer["node"] == node_identity():
+                try:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                     sock.bind(_address(offer["tag"], self._rank))
-                    mapped = torch.from_numpy(map_described(offer["buffer"], self._numel)[0])
-            except (OSError, ValueError) as exc:
-                _log.info("group_async: could not share the leader's buffer (%s); the group broadcasts", exc)
-                mapped = None
-        everyone = hvd.allreduce(torch.tensor([1.0 if mapped is not None else 0.0]), op=hvd.Min,
-                                 process_set=self._set, name="crossover.group_async.handoff_mapped")
-        if made is not None:
-            made.unlink()
-        if float(everyone[0]) > 0 and offer is not None:
-            self.shared, self._sock = mapped, sock
-            self._tag, self._leader_pid = str(offer["tag"]), int(offer["pid"])
-        elif sock is not None:
-            sock.close()
+                    mapped = torch.from_numpy(made.arrays[0] if made is not None else
+                                              map_described(offer["buffer"], self._numel)[0])
+                except (OSError, ValueError) as exc:
+                    _log.info("group_async: could not share the leader's buffer (%s); the group broadcasts", exc)
+                    mapped = None
+            everyone = hvd.allreduce(torch.tensor([1.0 if mapped is not None else 0.0]), op=hvd.Min,
+                                     process_set=self._set, name="crossover.group_async.handoff_mapped")
+            if float(everyone[0]) > 0 and offer is not None and sock is not None:
+                self.shared, self._sock = mapped, sock
+                self._tag = str(offer["tag"])
+                # a member can see whether the leader lives only from inside its pid namespace
+                self._leader_pid = int(offer["pid"]) if offer.get("pidns") == _pid_namespace() else 0
+                sock = None
+        finally:
+            if made is not None:
+                made.unlink()
+            if sock is not None:
+                sock.close()
 
     def hand(self, model: Optional[torch.Tensor], over: bool) -> tuple[Optional[torch.Tensor], bool]:
         """The leader passes the model its exchange returned (``None``: none came) and whether the epoch is
@@ -147,20 +162,32 @@ class Handoff:
         return (self.shared if came else None), bool(ended)
 
     def _wait(self) -> tuple[int, bool, bool]:
+        """The leader's next note: only a datagram of the note's size from the leader's own socket counts
+        (any process in the namespace can send to an abstract address)."""
         assert self._sock is not None
         self._sock.settimeout(POLL_S)
+        leader = _address(self._tag, self._leader).encode()
         while True:
             try:
-                count, came, ended = _FLAGS.unpack(self._sock.recv(_FLAGS.size))
-                return count, bool(came), bool(ended)
+                data, sender = self._sock.recvfrom(_FLAGS.size + 1)
             except socket.timeout:
-                try:
-                    os.kill(self._leader_pid, 0)
-                except ProcessLookupError:
-                    raise AggregationError(f"group_async: the group's leader (rank {self._leader}, pid "
-                                           f"{self._leader_pid}) is gone") from None
-                except PermissionError:
-                    pass
+                self._check_leader()
+                continue
+            if len(data) == _FLAGS.size and _sent_from(sender) == leader:
+                count, came, ended = _FLAGS.unpack(data)
+                return count, bool(came), bool(ended)
+            _log.warning("group_async: ignored a datagram of %d bytes that is not the group leader's", len(data))
+
+    def _check_leader(self) -> None:
+        if not self._leader_pid:  # another pid namespace: wait, as a collective would
+            return
+        try:
+            os.kill(self._leader_pid, 0)
+        except ProcessLookupError:
+            raise AggregationError(f"group_async: the group's leader (rank {self._leader}, pid "
+                                   f"{self._leader_pid}) is gone") from None
+        except PermissionError:
+            pass
 
     def close(self) -> None:
         if self._sock is not None:

@@ -66,6 +66,7 @@ class ServiceLink:
         self.gaps: list[int] = []
         self.exchange_s: list[float] = []
         self.cost_s = 0.0  # what the last exchange cost, the service's wait for the bound left out (0: none yet)
+        self._fresh = True  # no exchange yet on this connection
         self.answer_bytes: list[int] = []  # what each answer carried over TCP
         self._held: Optional[torch.Tensor] = None  # the model as this connection's answers built it
         self._sock: Optional[socket.socket] = None
@@ -150,6 +151,7 @@ class ServiceLink:
         else:
             self.seq = max(self.seq, reply["last_seq"] + 1)
         self.in_flight = None
+        self._fresh = True
         if base is not None:
             self.base = base.clone() if self._slots is not None else base  # the old slots go with the connection
         self._slots = None
@@ -282,7 +284,9 @@ class ServiceLink:
         self._held = self.base
         self.answer_bytes.append(len(body))
         self.exchange_s.append(time.perf_counter() - started)
-        self.cost_s = max(0.0, self.exchange_s[-1] - float(reply.get("waited_s", 0.0)))
+        # a connection's first exchange also attached and touched fresh pages: it does not price the others
+        self.cost_s = 0.0 if self._fresh else max(0.0, self.exchange_s[-1] - float(reply.get("waited_s", 0.0)))
+        self._fresh = False
         return self.base
 
     def progress(self, epoch: int, taken: int) -> Optional[int]:

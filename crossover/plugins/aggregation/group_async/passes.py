@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional
 
 import numpy as np
@@ -53,8 +53,9 @@ class Passes:
         try:
             fn(slice(0, step))
         finally:
-            for other in others:
-                other.result()
+            wait(others)  # every piece has stopped writing before any error is raised
+        for other in others:
+            other.result()
 
     def add(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out = a + b`` (``out`` may be ``a``)."""

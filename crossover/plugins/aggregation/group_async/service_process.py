@@ -107,7 +107,7 @@ def start_for_job(local_size: int, world: int, bound: int, state_dir: str, start
                              port=port, start_version=start_version, schedule=schedule, period_s=period_s)
     try:
         _, port = service.start()
-    except OSError as exc:
+    except (OSError, ServiceError) as exc:
         _log.warning("group_async: could not start the parameter service (%s); groups train "
                      "synchronously inside and never exchange", exc)
         return service, None
