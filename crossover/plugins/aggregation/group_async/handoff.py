@@ -58,8 +58,8 @@ def _sent_from(sender: Any) -> bytes:
 
 
 def _address(tag: str, rank: int) -> str:
-    """A member's socket, in the abstract namespace (nothing on disk; per network namespace, which the
-    group shares by construction)."""
+    """Rank ``rank``'s socket in its group, the leader's too (members take notes only from it): in the abstract
+    namespace, so nothing is on disk, and per network namespace, which the group shares by construction."""
     return f"\0crossover-handoff-{tag}-{rank}"
 
 
