@@ -390,8 +390,8 @@ def behind_a_link(rate_mbit: float, argv: list[str]) -> int:
     link (TCP, as from another node), while each group's collectives stay local. Shared memory is off
     (``CROSSOVER_EXCHANGE_SHM=0``), so each group's hand-over is a broadcast too, as for a group spanning
     nodes. The namespace and every process in it go at the end."""
-    from testbed.cluster.netns import kill_ns_processes
-    from testbed.cluster.shaping import port_commands
+    from testbed.cluster.netns import ip, kill_ns_processes
+    from testbed.cluster.shaping import shape_port
 
     ns = f"xo-ga-link-{os.getpid()}"
     rest, skip = [], False
@@ -400,16 +400,15 @@ def behind_a_link(rate_mbit: float, argv: list[str]) -> int:
             skip = a == "--service-link-mbit"
             continue
         rest.append(a)
-    subprocess.run(["ip", "netns", "add", ns], check=True)
+    ip("netns", "add", ns)
     try:
-        for cmd in [["ip", "link", "set", "lo", "up"], *port_commands("lo", SERVICE_PORT, rate_mbit)]:
-            subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, capture_output=True)
+        shape_port(ns, SERVICE_PORT, rate_mbit)
         env = {**os.environ, "CROSSOVER_PARAM_PORT": str(SERVICE_PORT), "CROSSOVER_EXCHANGE_SHM": "0"}
         return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "bench.group_async", *rest,
                                "--inside-link", repr(rate_mbit)], env=env, check=False).returncode
     finally:
         kill_ns_processes(ns, grace_s=5.0)
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+        ip("netns", "del", ns, check=False)
 
 
 def main() -> None:

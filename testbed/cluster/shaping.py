@@ -82,6 +82,13 @@ def port_commands(dev: str, port: int, rate_mbit: float) -> list[list[str]]:
     return cmds
 
 
+def shape_port(ns: str, port: int, rate_mbit: float) -> None:
+    """Bring up namespace `ns`'s loopback and give its TCP port `port` a link of `rate_mbit` each way
+    (`port_commands`); every other packet stays unshaped."""
+    for cmd in [["ip", "link", "set", "lo", "up"], *port_commands("lo", port, rate_mbit)]:
+        in_ns(ns, *cmd)
+
+
 def dscp_filter_command(dev: str, on: bool, dscp: int = LOWER_EFFORT_DSCP) -> list[str]:
     """The tc call that sends packets marked `dscp` to a shaped link's last band (on), or takes it back (off):
     what a node qdisc or a switch that honours DSCP does."""

@@ -343,17 +343,17 @@ print(rate(int(sys.argv[1])), rate(int(sys.argv[1]) + 1))
 
 def test_one_port_on_a_namespaces_loopback_is_shaped_and_every_other_is_not():
     # bench.group_async --service-link-mbit: the parameter service behind a thin link, the rest local
-    from testbed.cluster.shaping import port_commands
+    from testbed.cluster.netns import ip
+    from testbed.cluster.shaping import shape_port
 
     ns = f"xo-port-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
+    ip("netns", "add", ns)
     try:
-        for cmd in [["ip", "link", "set", "lo", "up"], *port_commands("lo", 29611, 100)]:
-            subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, capture_output=True)
+        shape_port(ns, 29611, 100)
         done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _PORT_PROBE, "29611"],
                               capture_output=True, text=True, timeout=60, check=True)
         shaped, free = map(float, done.stdout.split())
     finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+        ip("netns", "del", ns, check=False)
     assert 60 < shaped < 130, shaped  # Mbit/s through a 100 Mbit/s class
     assert free > 5 * shaped, (shaped, free)
