@@ -73,6 +73,8 @@ def socket_floor(numel: int, repeats: int) -> list[float]:
 
     import numpy as np
 
+    from crossover.plugins.aggregation.group_async.wire import fill
+
     nbytes = numel * 4
     listener = socket.create_server(("127.0.0.1", 0))
     near = socket.create_connection(listener.getsockname())
@@ -82,14 +84,6 @@ def socket_floor(numel: int, repeats: int) -> list[float]:
         sock.settimeout(60.0)
     buffers = [np.ones(nbytes, dtype=np.uint8) for _ in range(3)]
     views = [b.data for b in buffers]
-
-    def fill(sock: socket.socket, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            chunk = sock.recv_into(view[got:])
-            if not chunk:
-                raise ConnectionError("the floor's peer closed")
-            got += chunk
 
     def echo() -> None:
         for _ in range(WARMUP + repeats):

@@ -17,7 +17,7 @@ from typing import Any, Union
 
 from crossover.errors import CrossoverError
 
-__all__ = ["MAX_HEADER", "Payload", "WireError", "node_identity", "recv_frame", "send_frame"]
+__all__ = ["MAX_HEADER", "Payload", "WireError", "fill", "node_identity", "recv_frame", "send_frame"]
 
 MAX_HEADER = 1 << 20
 _LEN = struct.Struct(">I")
@@ -37,7 +37,8 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | mem
         sock.sendall(payload)
 
 
-def _fill(sock: socket.socket, view: memoryview) -> None:
+def fill(sock: socket.socket, view: memoryview) -> None:
+    """Receive exactly ``len(view)`` bytes into ``view`` (``WireError`` if the peer closes first)."""
     got, n = 0, len(view)
     while got < n:
         chunk = sock.recv_into(view[got:], n - got)
@@ -48,7 +49,7 @@ def _fill(sock: socket.socket, view: memoryview) -> None:
 
 def _exactly(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    _fill(sock, memoryview(buf))
+    fill(sock, memoryview(buf))
     return buf
 
 
@@ -72,7 +73,7 @@ def recv_frame(sock: socket.socket,
     if into is None:
         return header, _exactly(sock, n)
     view = into(n)
-    _fill(sock, view)
+    fill(sock, view)
     return header, view
 
 
