@@ -71,7 +71,7 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
         # Both run until the scrapes below have seen them together for 2 s, then stop.
         jobs.append(horovodrun(name, script, tmp_path, np=2, args=("--iters", "5000"), env=env, stoppable=True))
 
-    both, later = None, None
+    both, later, after = None, None, None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and all(j.proc.poll() is None for j in jobs):
         s = _scrape(metrics_port)
@@ -79,7 +79,7 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
         if both is None and s["crossover_jobs"][0][1] == 2 and min(grants.get("alpha", 0), grants.get("beta", 0)) > 5:
             both, t_both = s, time.monotonic()
         elif both is not None and time.monotonic() - t_both > 2:
-            later = s
+            later, after = s, _scrape(metrics_port)
             break
         time.sleep(0.2)
     assert both is not None and later is not None, f"never saw both jobs run for 2 s: {jobs[0].output()[-2000:]}"
@@ -96,7 +96,10 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
     assert {labels["job_name"] for labels, _v in both.get("crossover_device_holder", [])} <= {"alpha", "beta"}
     for job in ("alpha", "beta"):  # counters move, and the histograms count what the counters count
         assert _by_job(later, "crossover_grants_total")[job] > _by_job(both, "crossover_grants_total")[job]
-        assert _by_job(later, "crossover_grant_wait_seconds_count") == _by_job(later, "crossover_grants_total")
+        # A scrape reads one family after another while grants go on, the counter first (it is registered first):
+        # so within one scrape the histogram counts at least the counter's grants, and no more than the next has.
+        waits = _by_job(later, "crossover_grant_wait_seconds_count")[job]
+        assert _by_job(later, "crossover_grants_total")[job] <= waits <= _by_job(after, "crossover_grants_total")[job]
         assert _by_job(later, "crossover_compute_seconds_count")[job] > 0
         assert _by_job(later, "crossover_comm_seconds_count")[job] > 0
         mean_compute = _by_job(later, "crossover_compute_seconds_sum")[job] / _by_job(
