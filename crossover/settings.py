@@ -129,10 +129,10 @@ class AggregationSettings:
                             "group_async: static (as CROSSOVER_GROUPS says) or speed (ranks of similar measured pace "
                             "together, revised at epoch boundaries with hysteresis).")
     group_schedule: str = setting("CROSSOVER_GROUP_SCHEDULE", "fixed", choice(GROUP_SCHEDULES),
-                                  "group_async: fixed, or staged (a coarse stage with 4x the period and 2x the bound, "
-                                  "then the configured ones once the parameter service sees the global model's rate "
-                                  "of change halve, or as soon as 8 exchanges cost under a tenth of the period each "
-                                  "at the median).")
+                                  "group_async: fixed, or staged (the configured period and bound while the "
+                                  "parameter service prices 8 exchanges; if they cost a tenth of the period or more "
+                                  "at the median, a coarse stage with 4x the period and 2x the bound until the "
+                                  "global model's rate of change halves; then the configured ones).")
     exchange_codec: str = setting("CROSSOVER_EXCHANGE_CODEC", "fp32", choice(EXCHANGE_CODECS),
                                   "group_async: how updates travel to the service: fp32, fp16 or topk (largest "
                                   "entries only, the rest kept for later: error feedback).")

@@ -163,8 +163,9 @@ def test_a_job_killed_mid_epoch_resumes_from_its_checkpoint_where_group_training
 def test_speed_groups_meet_only_when_the_last_decision_says_and_the_service_ends_the_coarse_stage(jobs, tmp_path):
     # Rank 0 stalls now and then: shares cut by pace cannot balance that, so speed grouping moves it to a group
     # where its stalls hold fewer ranks (three groups of 2, 1 and 1: it starts in {0, 1} and ends alone). The
-    # staged schedule starts coarse without profiling and the service switches it to fine; neither needs an
-    # epoch start of its own where every rank meets.
+    # staged schedule prices exchanges while every rank trains, and the service moves it on (coarse where the
+    # busy machine makes a 50 ms period's exchanges dear, then fine; or fine at once); neither needs an epoch
+    # start of its own where every rank meets.
     epochs = 8
     runs = [{**COMMON, "name": "ga", "rule": "group_async", "epochs": epochs, "straggler": "",
              "stall": "0:0.5:0.3"}]
@@ -175,7 +176,7 @@ def test_speed_groups_meet_only_when_the_last_decision_says_and_the_service_ends
     assert run["aggregation"] == "group_async:speed/staged"
     stats = run["group_async"]
     met = [h for h in stats["history"] if h["at"] == "start"]
-    assert met[0]["epoch"] == 0 and met[0]["stage"]["name"] == "coarse", met[0]
+    assert met[0]["epoch"] == 0 and met[0]["stage"]["name"] == "profile", met[0]
     for before, after in zip(met, met[1:]):  # every rank met exactly where the decision before said
         assert after["epoch"] == before["next_boundary"], [(h["epoch"], h["next_boundary"]) for h in met]
     assert len(met) < epochs, "ranks met at every epoch start"
@@ -186,6 +187,7 @@ def test_speed_groups_meet_only_when_the_last_decision_says_and_the_service_ends
     assert all(sorted(map(len, h["groups"])) == [1, 1, 2] for h in met), [h["groups"] for h in met]  # static sizes
     assert any([0] in h["groups"] for h in met), [h["groups"] for h in met]  # set apart by its stalls
     service = stats["service"]
-    assert [s["to"] for s in service["switches"]] == ["fine"] and service["stage"] == "fine", service
+    assert [s["to"] for s in service["switches"]] in (["fine"], ["coarse", "fine"]), service
+    assert "exchange_s" in service["switches"][0] and service["stage"] == "fine", service
     assert stats["stage"] == "fine"
     assert run["final_acc"] >= 0.85, run["curve"]

@@ -213,10 +213,23 @@ def test_a_split_that_does_not_describe_the_group_is_refused():
 # ---- schedule --------------------------------------------------------------
 
 
-def test_staged_starts_coarse_without_profiling_and_goes_fine_once_the_rate_of_change_halves():
+def test_staged_profiles_at_the_fine_setting_then_goes_coarse_where_exchanges_are_dear():
     schedule = Schedule("staged", period_s=0.5, bound=2)
-    coarse = schedule.stage
+    profile = schedule.stage
+    assert (profile.name, profile.period_s, profile.bound) == ("profile", 0.5, 2)
+    assert schedule.observe(80.0, 8.0).name == "profile"  # progress is not judged before the coarse stage
+    for _ in range(PRICED_AFTER - 1):
+        assert schedule.priced(0.4).name == "profile"  # across a thin link, but not judged yet
+    coarse = schedule.priced(0.05)  # a median of 0.4 s against a period of 0.5 s
     assert (coarse.name, coarse.period_s, coarse.bound) == ("coarse", 2.0, 4)
+    assert schedule.exchange_s == pytest.approx(0.4)
+    assert schedule.priced(0.001).name == "coarse" and len(schedule.costs) == PRICED_AFTER, "judged once"
+
+
+def test_the_coarse_stage_ends_once_the_rate_of_change_halves():
+    schedule = Schedule("staged", period_s=0.5, bound=2)
+    for _ in range(PRICED_AFTER):
+        schedule.priced(0.4)
     assert schedule.window_s == 8.0  # four coarse periods
     assert schedule.observe(80.0, 8.0).name == "coarse"  # 10 per second: the peak so far
     assert schedule.observe(12.0, 2.0).name == "coarse"  # 6 per second: above half the peak
@@ -224,18 +237,18 @@ def test_staged_starts_coarse_without_profiling_and_goes_fine_once_the_rate_of_c
     fine = schedule.observe(39.0, 8.0)  # 4.9 per second
     assert (fine.name, fine.period_s, fine.bound) == ("fine", 0.5, 2)
     assert schedule.observe(800.0, 8.0).name == "fine"  # never back
+    assert schedule.priced(0.4).name == "fine"
 
 
-def test_the_coarse_stage_ends_at_once_where_exchanges_cost_too_little_for_it_to_pay():
+def test_where_exchanges_cost_little_the_profile_stage_goes_straight_to_fine():
     cheap = Schedule("staged", period_s=0.5, bound=2)
     for _ in range(PRICED_AFTER - 1):
-        assert cheap.priced(0.005).name == "coarse"  # 5 ms against a fine period of 0.5 s: not judged yet
+        assert cheap.priced(0.005).name == "profile"  # 5 ms against a period of 0.5 s: not judged yet
     assert cheap.priced(0.005).name == "fine" and cheap.exchange_s == pytest.approx(0.005)
-    dear = Schedule("staged", period_s=0.5, bound=2)
-    for _ in range(3 * PRICED_AFTER):
-        assert dear.priced(0.4).name == "coarse"  # across a thin link: the coarse stage pays
-    assert len(dear.costs) == PRICED_AFTER, "judged once, on the first costs"
-    assert dear.observe(10.0, 1.0).name == "coarse" and dear.observe(1.0, 1.0).name == "fine"  # then by progress
+    edge = Schedule("staged", period_s=0.5, bound=2)
+    for _ in range(PRICED_AFTER):
+        stage = edge.priced(0.05)
+    assert stage.name == "coarse", "a tenth of the period is dear enough"
     fixed = Schedule("fixed", period_s=0.5, bound=2)
     assert all(fixed.priced(0.001).name == "fixed" for _ in range(PRICED_AFTER))
 
@@ -251,14 +264,17 @@ def test_fixed_keeps_its_period_and_bound():
 
 def test_a_restored_schedule_keeps_its_stage_and_the_plateau_it_measured_against():
     schedule = Schedule("staged", period_s=0.5, bound=2)
+    for _ in range(PRICED_AFTER):
+        schedule.priced(0.4)
     schedule.observe(10.0, 1.0)
     saved = schedule.state()
     resumed = Schedule("staged", period_s=0.5, bound=2)
     assert resumed.restore(saved).name == "coarse"
     assert resumed.observe(6.0, 1.0).name == "coarse"  # still against the 10 per second seen before the restart
     assert resumed.observe(4.9, 1.0).name == "fine"
-    older = {"kind": "staged", "stage": "profile", "largest_change": 0.0}  # a checkpoint from before
-    assert Schedule("staged", 0.5, 2).restore(older).name == "coarse"
+    profiling = {"kind": "staged", "stage": "profile", "peak_rate": 0.0}
+    again = Schedule("staged", 0.5, 2)
+    assert again.restore(profiling).name == "profile" and again.costs == [], "prices its exchanges again"
     with pytest.raises(ValueError):
         Schedule("fixed", 0.5, 2).restore(saved)  # another kind's stages mean something else
     with pytest.raises(ValueError):

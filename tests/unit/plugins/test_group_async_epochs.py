@@ -148,14 +148,17 @@ def test_a_leader_takes_the_stage_the_services_answer_names_and_ignores_one_its_
     rt._enter_epoch(0, 0)
     link = _SlowLink(hold_s=0.0)
     rt.link = link  # type: ignore[assignment]
-    assert (rt.stage.name, rt.stage.period_s, rt.stage.bound) == ("coarse", 2.0, 8)
+    assert (rt.stage.name, rt.stage.period_s, rt.stage.bound) == ("profile", 0.5, 4)
+    link.stage = "profile"
+    rt.exchange()
+    assert rt.stage.name == "profile" and not [h for h in rt.history if h["at"] == "stage"]
     link.stage = "coarse"
     rt.exchange()
-    assert rt.stage.name == "coarse" and not [h for h in rt.history if h["at"] == "stage"]
+    assert (rt.stage.name, rt.stage.period_s, rt.stage.bound) == ("coarse", 2.0, 8)
     link.stage = "fine"
     rt.exchange()
     assert (rt.stage.name, rt.stage.period_s, rt.stage.bound) == ("fine", 0.5, 4)
-    assert [h["stage"]["name"] for h in rt.history if h["at"] == "stage"] == ["fine"]
+    assert [h["stage"]["name"] for h in rt.history if h["at"] == "stage"] == ["coarse", "fine"]
     link.stage = "warp"
     rt.exchange()
     assert rt.stage.name == "fine"
@@ -168,7 +171,8 @@ class _Versioned:
 def test_a_checkpointed_state_resumes_the_version_stage_groups_and_paces():
     settings = AggregationSettings(rule="group_async", groups="2", group_schedule="staged", exchange_period_s=1.0)
     rt = GroupRuntime(_Hvd(0), settings)
-    rt.stage, rt.groups, rt._paces = rt.schedule.stage, ((0, 3), (1, 2)), [0.1, 0.2, 0.2, 0.1]
+    rt.stage = rt.schedule.stage = rt.schedule.coarse  # not where a fresh runtime starts
+    rt.groups, rt._paces = ((0, 3), (1, 2)), [0.1, 0.2, 0.2, 0.1]
     rt.link = _Versioned()  # type: ignore[assignment]
     saved = rt.state_dict()
     assert saved["version"] == 37 and saved["schedule"]["stage"] == "coarse"

@@ -35,7 +35,8 @@ def _grouped(hvd: _Hvd) -> tuple[GroupAsyncOptimizer, torch.optim.Optimizer]:
 
 def test_the_wrapped_optimizer_is_broadcast_and_the_roots_group_state_is_loaded_before_training():
     root = GroupRuntime(_Hvd(0, {}), AggregationSettings(rule="group_async", groups="2", group_schedule="staged"))
-    root.stage, root._start_version, root._paces = root.schedule.stage, 12, [1.0, 1.0, 2.0, 2.0]
+    root.stage = root.schedule.stage = root.schedule.coarse  # not where a fresh runtime starts
+    root._start_version, root._paces = 12, [1.0, 1.0, 2.0, 2.0]
     hvd = _Hvd(1, root.state_dict())
     opt, inner = _grouped(hvd)
     called = []
@@ -59,8 +60,8 @@ def test_the_wrapped_optimizer_is_broadcast_and_the_roots_group_state_is_loaded_
 def test_the_optimizers_state_dict_carries_the_group_state_and_a_plain_one_still_loads():
     opt, inner = _grouped(_Hvd(0, {}))
     state = opt.state_dict()
-    assert state["group_async"]["schedule"] == {"kind": "staged", "stage": "coarse", "peak_rate": 0.0}
+    assert state["group_async"]["schedule"] == {"kind": "staged", "stage": "profile", "peak_rate": 0.0}
     plain = inner.state_dict()
     opt.load_state_dict(plain)  # a checkpoint of another rule: the group state starts afresh
     opt.load_state_dict(state)
-    assert opt.runtime.stage.name == "coarse"
+    assert opt.runtime.stage.name == "profile"

@@ -159,7 +159,7 @@ class GlobalModel:
         ``epoch`` and ``taken`` report the group's progress as :meth:`progress` does; ``ticks``, the
         exchange periods the group worked since its last exchange (its clock advances by as many);
         ``cost_s``, what the group's previous exchange cost its leader (0: not known), which tells a staged
-        schedule whether its coarse stage pays."""
+        schedule in its profile stage whether a coarse stage pays."""
         with self._cond:
             if self.model is None:
                 raise ValueError("exchange before hello")
@@ -222,14 +222,19 @@ class GlobalModel:
                            f"{schedule.peak_rate:.3g}/s)")
 
     def _price(self, cost_s: float) -> None:
-        """A staged schedule's coarse stage: end it at once where exchanges cost too little for it to pay."""
+        """A staged schedule's profile stage: once enough exchanges are priced, go coarse where they are dear
+        and straight to fine where the coarse stage would not pay."""
         schedule = self.schedule
-        if schedule.kind != "staged" or schedule.stage is not schedule.coarse:
+        if schedule.kind != "staged" or schedule.stage is not schedule.profile:
             return
-        if schedule.priced(cost_s) is not schedule.coarse:
-            self._switched({"exchange_s": schedule.exchange_s},
-                           f"an exchange costs {schedule.exchange_s:.3g} s, under {schedule.pays:g} of the fine "
-                           f"period: the coarse stage would not pay")
+        stage = schedule.priced(cost_s)
+        if stage is schedule.profile:
+            return
+        share = f"{schedule.pays:g} of the period"
+        said = (f"an exchange costs {schedule.exchange_s:.3g} s, at least {share}: the coarse stage pays"
+                if stage is schedule.coarse else
+                f"an exchange costs {schedule.exchange_s:.3g} s, under {share}: the coarse stage would not pay")
+        self._switched({"exchange_s": schedule.exchange_s}, said)
 
     def _switched(self, why: dict[str, Any], said: str) -> None:
         """The schedule moved to a new stage: hold every group to its bound (the leaders learn its period from

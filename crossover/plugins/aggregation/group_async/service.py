@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0, help="0: any free port (written to --port-file)")
     p.add_argument("--bound", type=int, default=4, help="SSP staleness bound, in exchanges")
     p.add_argument("--schedule", choices=SCHEDULES, default="fixed",
-                   help="staged: start with the coarse stage (2x the bound) and switch to the fine one (--bound) once "
-                        "the global model's rate of change flattens; each answer names the stage")
+                   help="staged: price 8 exchanges at --period and --bound; where they are dear, a coarse stage "
+                        "(4x the period, 2x the bound) until the global model's rate of change flattens; then the "
+                        "fine one (--period, --bound); each answer names the stage")
     p.add_argument("--period", type=float, default=0.5, help="the leaders' exchange period in seconds (the staged "
                    "schedule's fine stage; its windows of observation are 16 periods)")
     p.add_argument("--state-dir", default="", help="write the global model here after every exchange and "
