@@ -13,6 +13,7 @@ from crossover.plugins.aggregation import (
     AdasumOptimizer,
     AggregationError,
     adasum_path,
+    api,
     distributed_optimizer,
     resolve_algorithm,
     set_aggregation,
@@ -209,4 +210,4 @@ def test_a_nested_call_passes_through():
 def test_every_rule_the_setting_accepts_has_a_builder_and_no_other():
     from crossover.settings import AGGREGATION_RULES
 
-    assert sorted(aggregation._RULES) == sorted(AGGREGATION_RULES)  # noqa: SLF001 - the registry itself
+    assert sorted(api._RULES) == sorted(AGGREGATION_RULES)  # noqa: SLF001 - the registry itself

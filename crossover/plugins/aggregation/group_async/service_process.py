@@ -49,7 +49,7 @@ class ServiceProcess:
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.restarts = 0
 
-    def start(self, timeout_s: float = 30.0) -> tuple[str, int]:
+    def start(self, timeout_s: float = 60.0) -> tuple[str, int]:
         port_file = self._dir / "port"
         port_file.unlink(missing_ok=True)
         log = open(self._dir / "service.log", "ab")
@@ -64,13 +64,23 @@ class ServiceProcess:
         (Path(self.state_dir) / "service.pid").write_text(str(self.proc.pid))
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise ServiceError(f"the parameter service did not start; see {self._dir / 'service.log'}")
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                why = f"exited with {code}" if code is not None else f"wrote no port within {timeout_s:g} s"
+                raise ServiceError(f"the parameter service {why}; its log ends: {self._log_tail()!r}")
             time.sleep(0.02)
         self.port = int(port_file.read_text())
         _log.info("parameter service pid %d on %s:%d, state in %s", self.proc.pid, self.host, self.port,
                   self.state_dir)
         return self.host, self.port
+
+    def _log_tail(self, lines: int = 5) -> str:
+        """The last lines of the service's log (the folder holding it is removed when the job ends)."""
+        try:
+            text = (self._dir / "service.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(text.strip().splitlines()[-lines:])
 
     def ensure_running(self) -> None:
         """Restart the service if it died (same port, resuming from its state directory)."""
