@@ -1,6 +1,7 @@
 """What `crossover.plugins.aggregation` exports (the package loads this module on first use, so that the
 parameter service, which needs only numpy, starts without torch): building a job's optimizer by its rule,
-the LB-BSP sampler, and the rules' statistics."""
+the LB-BSP sampler, and the rules' statistics. The package's ``__all__`` is the one list of what it exports;
+names imported here ``as`` themselves are there only to be exported."""
 from __future__ import annotations
 
 import inspect
@@ -10,59 +11,30 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from crossover.plugins.aggregation.adasum.collectives import HorovodCollectives
-from crossover.plugins.aggregation.adasum.decision import AdasumDecision, AdasumFacts, adasum_path, resolve_algorithm
+from crossover.plugins.aggregation.adasum.decision import AdasumDecision as AdasumDecision
+from crossover.plugins.aggregation.adasum.decision import AdasumFacts, adasum_path, resolve_algorithm
 from crossover.plugins.aggregation.adasum.optimizer import AdasumOptimizer
 from crossover.plugins.aggregation.group_async.optimizer import GroupAsyncOptimizer
 from crossover.plugins.aggregation.group_async.runtime import GroupRuntime
 from crossover.plugins.aggregation.group_async.sampler import GroupSampler
-from crossover.plugins.aggregation.lbbsp.adoption import decide
+from crossover.plugins.aggregation.lbbsp.adoption import decide as decide
 from crossover.plugins.aggregation.lbbsp.config import BatchSizeConfig
 from crossover.plugins.aggregation.lbbsp.controller import BatchSizeController
-from crossover.plugins.aggregation.lbbsp.exchange import apply_measurements
-from crossover.plugins.aggregation.lbbsp.replay import replay_decisions
+from crossover.plugins.aggregation.lbbsp.exchange import apply_measurements as apply_measurements
+from crossover.plugins.aggregation.lbbsp.replay import replay_decisions as replay_decisions
 from crossover.plugins.aggregation.lbbsp.sampler import LBBSPSampler
 from crossover.plugins.aggregation.lbbsp.state import LBBSPState
-from crossover.plugins.aggregation.lbbsp.weighting import WeightingHook, weight_scale
+from crossover.plugins.aggregation.lbbsp.weighting import WeightingHook
+from crossover.plugins.aggregation.lbbsp.weighting import weight_scale as weight_scale
 from crossover.plugins.aggregation.process_state import STATE
-from crossover.plugins.aggregation.selection import (
-    AggregationError,
-    Rule,
-    current_rule,
-    set_aggregation,
-    settings,
-    use_settings,
-)
+from crossover.plugins.aggregation.selection import AggregationError, settings
+from crossover.plugins.aggregation.selection import Rule as Rule
+from crossover.plugins.aggregation.selection import current_rule as current_rule
+from crossover.plugins.aggregation.selection import set_aggregation as set_aggregation
+from crossover.plugins.aggregation.selection import use_settings as use_settings
 from crossover.plugins.hook import optimizer_state
 from crossover.plugins.hook.composed_optimizer import ComposedOptimizer
 from crossover.settings import LBBSP_METHODS, AggregationSettings, LBBSPSettings
-
-__all__ = [
-    "AdasumDecision",
-    "AdasumFacts",
-    "AdasumOptimizer",
-    "AggregationError",
-    "DistributedOptimizer",
-    "HorovodCollectives",
-    "LBBSPSampler",
-    "LBBSPSettings",
-    "Rule",
-    "adasum_path",
-    "aggregation_of",
-    "apply_measurements",
-    "batch_sampler",
-    "decide",
-    "current_rule",
-    "distributed_optimizer",
-    "end_group_async",
-    "group_async_stats",
-    "lbbsp_stats",
-    "replay_decisions",
-    "resolve_algorithm",
-    "set_aggregation",
-    "settings",
-    "use_settings",
-    "weight_scale",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -211,3 +211,11 @@ def test_every_rule_the_setting_accepts_has_a_builder_and_no_other():
     from crossover.settings import AGGREGATION_RULES
 
     assert sorted(api._RULES) == sorted(AGGREGATION_RULES)  # noqa: SLF001 - the registry itself
+
+
+def test_every_exported_name_resolves_and_no_other_does():
+    # The package loads its front (`api`) on first use: each name of its one list must be found there.
+    assert all(getattr(aggregation, name) is not None for name in aggregation.__all__)
+    assert sorted(dir(aggregation)) == sorted(aggregation.__all__)
+    with pytest.raises(AttributeError):
+        aggregation.no_such_rule  # noqa: B018 - the lookup is the test
