@@ -21,8 +21,8 @@ the parameter service, which feeds :meth:`Schedule.observe` the global model's c
 wall time. Once the rate of change falls below ``plateau`` times the fastest rate seen, the coarse stage has
 done what it is for and the fine stage begins. The service then holds every group to the stage's bound and
 tells each leader the stage (and so its period) with its next answer: no boundary, no barrier.
-Measured on the 2-core VM: an exchange on loopback costs 4-6 ms against a fine period of 0.5 s, and
-0.36-0.48 s across a 1 Gbit/s link.
+Measured on the 2-core VM: an exchange on loopback costs 2-10 ms against a fine period of 0.5 s, and
+0.36-0.54 s across a 1 Gbit/s link.
 Pure logic: the service feeds it and applies what it returns.
 """
 from __future__ import annotations
