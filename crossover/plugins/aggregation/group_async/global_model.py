@@ -225,10 +225,9 @@ class GlobalModel:
         """A staged schedule's profile stage: once enough exchanges are priced, go coarse where they are dear
         and straight to fine where the coarse stage would not pay."""
         schedule = self.schedule
-        if schedule.kind != "staged" or schedule.stage is not schedule.profile:
-            return
+        before = schedule.stage
         stage = schedule.priced(cost_s)
-        if stage is schedule.profile:
+        if stage is before:
             return
         share = f"{schedule.pays:g} of the period"
         said = (f"an exchange costs {schedule.exchange_s:.3g} s, at least {share}: the coarse stage pays"
