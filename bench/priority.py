@@ -70,6 +70,7 @@ production job at `--protect` 0.97); `classes-open`, the class rules without it 
 `classes` where each device keeps grants only if they pay the production job (`--adapt`)."""
 _ADAPT_WINDOW_S = 3.0  # the emulated beds' daemons' --adapt-window: ten iterations of 300 ms
 SIM_MODES = MODES
+SIM_JITTER = 0.05
 """The simulator's modes, as the emulated beds': `classes-open` is the daemon with `--protect 0`."""
 
 
@@ -110,32 +111,33 @@ def low_ceiling(device_s: float, iter_s: float, lows: int = 1, interference: flo
 
 
 def _sim_jobs(compute_s: float, comm_s: float, lows: int, classes: bool,
-              place: tuple[tuple[int, int], ...] = ((0, 0), (1, 0))) -> list[JobSpec]:
+              place: tuple[tuple[int, int], ...] = ((0, 0), (1, 0)), jitter: float = SIM_JITTER) -> list[JobSpec]:
     """Every job runs until the horizon, so each one's rate is measured over the same stretch."""
-    jobs = [JobSpec("prod", place, compute_s, comm_s, jitter=0.05)]
-    jobs += [JobSpec(f"opp{i}", place, compute_s, comm_s, jitter=0.05, priority="low" if classes else "normal")
+    jobs = [JobSpec("prod", place, compute_s, comm_s, jitter=jitter)]
+    jobs += [JobSpec(f"opp{i}", place, compute_s, comm_s, jitter=jitter, priority="low" if classes else "normal")
              for i in range(lows)]
     return jobs
 
 
 def sim_point(compute_s: float, comm_s: float, lows: int, interference: float, iterations: int = 300,
-              seed: int = 0, modes: tuple[str, ...] = SIM_MODES, classes: ClassSettings | None = None
-              ) -> dict[str, Any]:
+              seed: int = 0, modes: tuple[str, ...] = SIM_MODES, classes: ClassSettings | None = None,
+              jitter: float = SIM_JITTER) -> dict[str, Any]:
     """One scenario in every mode: each job's speed relative to alone (prod's run ends the measurement)."""
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
                     interference=interference, comm_interference=0.0, startup_spread_s=0.2,
                     horizon_s=iterations * (compute_s + comm_s))
     out: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "lows": lows, "interference": interference}
     for mode in modes:
-        res = simulate(_sim_jobs(compute_s, comm_s, lows, mode.startswith("classes")), _sim_policy(mode, classes),
+        res = simulate(_sim_jobs(compute_s, comm_s, lows, mode.startswith("classes"), jitter=jitter),
+                       _sim_policy(mode, classes),
                        n_nodes=2,
                        config=cfg)
         out[mode] = {"speed_vs_alone": {j.name: (1.0 / j.slowdown if j.slowdown else 0.0) for j in res.jobs}}
     return out
 
 
-def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: ClassSettings | None = None
-              ) -> dict[str, Any]:
+def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: ClassSettings | None = None,
+              jitter: float = SIM_JITTER) -> dict[str, Any]:
     """64 nodes x 8 devices: on each device one production job (ranks over 4 nodes) and churning low jobs."""
     import random
 
@@ -147,13 +149,13 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: Class
         for dev in range(8):
             place = tuple((n, dev) for n in nodes)
             c = rng.uniform(0.08, 0.15)
-            jobs.append(JobSpec(f"prod-{group}-{dev}", place, c, c * rng.uniform(0.8, 1.2), jitter=0.05))
+            jobs.append(JobSpec(f"prod-{group}-{dev}", place, c, c * rng.uniform(0.8, 1.2), jitter=jitter))
             t = rng.uniform(0, 20)
             while t < horizon_s:  # opportunistic jobs arrive, run a while, leave
                 stay = rng.uniform(15, 40)
                 c2 = rng.uniform(0.05, 0.15)
                 jobs.append(JobSpec(f"opp-{group}-{dev}-{int(t)}", place, c2, c2 * rng.uniform(0.8, 1.5),
-                                    arrival_s=t, leave_s=min(horizon_s, t + stay), jitter=0.05,
+                                    arrival_s=t, leave_s=min(horizon_s, t + stay), jitter=jitter,
                                     priority="low" if lows_low else "normal"))
                 t += stay + rng.uniform(2, 10)
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
@@ -176,9 +178,10 @@ def run_rules(args: argparse.Namespace) -> dict[str, Any]:
         pts = {}
         for scenario, ratio, interference in _RULE_POINTS:
             pt = sim_point(0.1, 0.1 * ratio, 1, interference, iterations=args.iters, modes=("classes",),
-                           classes=classes)
+                           classes=classes, jitter=args.jitter)
             pts[f"{scenario}, interference {interference:g}"] = pt["classes"]["speed_vs_alone"]
-        out[name] = {"points": pts, "fleet_64x8": sim_fleet("classes", horizon_s=args.fleet_horizon, classes=classes)}
+        out[name] = {"points": pts, "fleet_64x8": sim_fleet("classes", horizon_s=args.fleet_horizon, classes=classes,
+                                                          jitter=args.jitter)}
     return out
 
 
@@ -200,13 +203,14 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     for interference in (0.0, 0.19):
         for ratio, name in ((1.0, "1:1"), (2.0, "comm-bound 2:1")):
             for lows in (1, 2):
-                pt = sim_point(0.1, 0.1 * ratio, lows, interference, iterations=args.iters)
+                pt = sim_point(0.1, 0.1 * ratio, lows, interference, iterations=args.iters, jitter=args.jitter)
                 pt["scenario"] = f"{name}, 1 prod + {lows} low"
                 points.append(pt)
-    gapless = sim_point(0.1, 0.005, 1, 0.19, iterations=args.iters)
+    gapless = sim_point(0.1, 0.005, 1, 0.19, iterations=args.iters, jitter=args.jitter)
     gapless["scenario"] = "no gaps (comm 0.05x compute), 1 prod + 1 low"
     points.append(gapless)
-    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon) for m in SIM_MODES}}
+    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon, jitter=args.jitter)
+                                        for m in SIM_MODES}}
 
 
 def _sim_table(result: dict[str, Any]) -> Table:
@@ -349,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bed", choices=("sim", "model", "core"), default="sim")
     p.add_argument("--iters", type=int, default=300, help="sim: production iterations per run")
     p.add_argument("--fleet-horizon", type=float, default=120.0, help="sim: seconds simulated on 64 x 8")
+    p.add_argument("--jitter", type=float, default=SIM_JITTER,
+                   help="sim: sigma of the lognormal factor (mean 1) on every compute and allreduce "
+                        "(a noisier machine: 0.15)")
     p.add_argument("--rules", action="store_true",
                    help="sim: the controller with each open-loop class rule taken out or set as before (guard, "
                         "gap fitting), instead of the modes")
