@@ -245,7 +245,7 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     args.device_cores = ()
     args.width, args.in_dim = 512, 512
     args.adapt_window = _ADAPT_WINDOW_S
-    args.host_wait, args.nice = "poll", 0
+    args.host_wait, args.nice, args.framework = "poll", 0, "horovod"
     want_c = args.iter_ms / 1000 / (1 + args.ratio)
     # The link is set with the device work in one piece: in the backward each gradient's allreduce overlaps
     # the layers still to compute, so the allreduce measured after the compute would read short and set a link
