@@ -243,8 +243,9 @@ class _StateCollector(Collector):
         yield from (queue, busy, holder, on, draining)
         yield from self._memory(devices)
         kept = GaugeMetricFamily("crossover_protected_speed_ratio", "The protected (highest-class) job's speed "
-                                 "beside the lower ones relative to alone, last shared window (crossoverd "
-                                 "--protect).", labels=["device"])
+                                 "beside the lower ones relative to alone, as the isolation controller last "
+                                 "judged it: its latest shared windows pooled (crossoverd --protect).",
+                                 labels=["device"])
         budget = GaugeMetricFamily("crossover_isolation_budget", "Device seconds per second the lower classes "
                                    "may hold now (0 in a solo window).", labels=["device"])
         for index in sorted(devices):

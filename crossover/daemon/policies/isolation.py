@@ -8,12 +8,18 @@ out of the protected job. This controller measures the outcome instead:
 * **Reference.** The protected job's iteration time with no lower job computing on the device, measured
   in *solo* windows: at start and when the device's jobs change (over up to `max_solo` windows, for a job
   whose iteration outlasts one), and every `solo_every` + 1-th window of the wall clock (`offset` turns the
-  daemon's clock into it), so that every node of a job measures it alone in the same windows; never slower
-  than its pace before any lower job came, where that is known and recent (`AlonePace`).
+  daemon's clock into it), so that every node of a job measures it alone in the same windows; pooled over
+  its latest `reference_windows` solo measurements; never slower than its pace before any lower job came,
+  where that is known and recent (`AlonePace`).
 * **Budget.** How much device time per second the lower classes together may hold. Raised by
-  `increase` after each window in which the protected job kept `target` of its reference, cut after
-  each window in which it did not, by `cut_gain` times the shortfall and at most to `decrease` of itself (AIMD,
-  as TGS's rate control and TCP do; the proportional cut keeps an iteration's jitter from halving it).
+  `increase` after each window in which the protected job kept `target` of its reference (its shared
+  windows since the last cut pooled, up to `smooth_windows`), cut when it did not, by `cut_gain` times the
+  shortfall and at most to `decrease` of itself (AIMD, as TGS's rate control and TCP do; and as TCP,
+  doubled instead of raised until the first cut after the device's jobs change). A judgement knows
+  how sure it is: the spread of the iterations it pooled, and of the reference's, give a standard error.
+  A reading short by more than `confidence` standard errors cuts at once; one short within its noise
+  holds the budget and pools the next window, and cuts once the pool is full and still short. A few
+  iterations' jitter then neither halves the budget nor trims it window after window.
 * **Enforcement** is the policy's: a lower-class phase is granted only while the lower classes' device
   time over the last window, with that phase, stays within the budget (`allows`); in a solo window the
   budget is 0. A lower rank that has waited `starve_windows` windows gets its phase anyway in a shared
@@ -56,8 +62,16 @@ class IsolationSettings:
     the production job under its target, 8 met it with the low jobs at 0.20x); `max_solo`: consecutive solo
     windows a job without a reference is measured over (a job whose iteration outlasts a window needs
     several); `alone_keep_s`: how long the job's pace before any lower job came caps its reference;
-    `smooth_windows`: the shared windows a judgement pools (the iterations of the last this many since the
-    last cut), so that one window's jitter of a few iterations does not read as a shortfall."""
+    `smooth_windows`: the most shared windows a judgement pools (the iterations of the last this many since
+    the last cut); `confidence`: a pooled pace short of the target cuts at once only where it is short by
+    more than this many standard errors (its iterations' spread, and the reference's), and otherwise once
+    `smooth_windows` windows are pooled and it still reads short, so that a few iterations' jitter does not
+    read as a shortfall and a true one is still cut within `smooth_windows` windows; `reference_windows`:
+    the solo windows the reference pools, each the latest of its run (one window of a few iterations read
+    the model bed's job 0.87-1.07x of another); `slow_start`: until the first cut after the device's jobs
+    change, a window within the target doubles the budget instead of adding `increase` (TCP's slow start:
+    from 0.1 the budget reaches 0.8 in three windows, not fourteen; low jobs that stay half a minute spent
+    it climbing)."""
 
     target: float = 0.97
     window_s: float = 2.0
@@ -71,7 +85,10 @@ class IsolationSettings:
     cut_gain: float = 8.0
     max_solo: int = 3
     alone_keep_s: float = 600.0
-    smooth_windows: int = 2
+    smooth_windows: int = 4
+    confidence: float = 1.0
+    reference_windows: int = 3
+    slow_start: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.target <= 1.0:
@@ -79,8 +96,10 @@ class IsolationSettings:
         if not self.window_s > 0 or not 0.0 <= self.settle_share < 1.0:
             raise ValueError(f"window {self.window_s}s with settle share {self.settle_share}: need a window > 0 "
                              "and 0 <= settle share < 1")
-        if min(self.solo_every, self.starve_windows, self.max_solo, self.smooth_windows) < 1:
-            raise ValueError("solo_every, starve_windows, max_solo and smooth_windows must be >= 1")
+        if min(self.solo_every, self.starve_windows, self.max_solo, self.smooth_windows, self.reference_windows) < 1:
+            raise ValueError("solo_every, starve_windows, max_solo, smooth_windows and reference_windows must be >= 1")
+        if self.confidence < 0:
+            raise ValueError(f"confidence {self.confidence}: must be >= 0 (standard errors)")
         if not 0.0 < self.decrease < 1.0 or self.increase <= 0 or not 0.0 <= self.initial <= self.ceiling <= 1.0:
             raise ValueError("need 0 < decrease < 1, increase > 0 and 0 <= initial <= ceiling <= 1")
         if self.cut_gain <= 0:
@@ -113,32 +132,67 @@ class IsolationView:
     reference_s: float | None
     current_s: float | None
     lower_share: dict[str, float]
-    kept: float | None = None  # the protected jobs' speed in the last shared window against alone, the least
+    kept: float | None = None  # the protected jobs' speed last judged (the windows pooled) against alone, the least
+
+
+@dataclass(frozen=True)
+class _Evidence:
+    """Iterations measured and what they took: `seconds` in all, `squares` the sum of each step's squared
+    time per iteration weighted by its iterations, `steps` the boundaries' gaps they came in."""
+
+    iterations: int = 0
+    seconds: float = 0.0
+    squares: float = 0.0
+    steps: int = 0
+
+    def __add__(self, other: _Evidence) -> _Evidence:
+        return _Evidence(self.iterations + other.iterations, self.seconds + other.seconds,
+                         self.squares + other.squares, self.steps + other.steps)
+
+    @property
+    def iteration_s(self) -> float:
+        return self.seconds / self.iterations
+
+    def relative_error(self) -> float | None:
+        """The standard error of `iteration_s` over itself, from the steps' spread (None: under 3 steps).
+        Steps are taken as independent, which overstates the error where one slow iteration is followed by
+        a fast one (the usual case): a cut it holds back comes at the latest when the pool is full."""
+        if self.steps < 3:
+            return None
+        mean = self.iteration_s
+        variance = max(0.0, self.squares / self.iterations - mean * mean)
+        return math.sqrt(variance / self.iterations) / mean
+
+
+def _pool(evidence: deque[_Evidence]) -> _Evidence:
+    return sum(evidence, _Evidence())
 
 
 @dataclass
 class _Pace:
-    """One job's iteration boundaries seen in the window being measured: the first and the latest."""
+    """One job's iteration boundaries seen in the window being measured: the first, the latest, and the
+    spread of the steps between them."""
 
     first: tuple[float, int] | None = None
     last: tuple[float, int] | None = None
+    _squares: float = 0.0
+    _steps: int = 0
 
     def seen(self, now: float, iteration: int) -> None:
         if self.last is None or iteration > self.last[1]:
             if self.first is None:
                 self.first = (now, iteration)
+            elif self.last is not None:
+                seconds, iterations = now - self.last[0], iteration - self.last[1]
+                self._squares += seconds * seconds / iterations
+                self._steps += 1
             self.last = (now, iteration)
 
-    def iteration_s(self) -> float | None:
+    def evidence(self) -> _Evidence | None:
+        """What the window measured (None: under one whole iteration)."""
         if self.first is None or self.last is None or self.last[1] <= self.first[1]:
             return None
-        iterations, seconds = self.span()
-        return seconds / iterations
-
-    def span(self) -> tuple[int, float]:
-        """The iterations measured and the seconds they took (after `iteration_s` gave a figure)."""
-        assert self.first is not None and self.last is not None
-        return self.last[1] - self.first[1], self.last[0] - self.first[0]
+        return _Evidence(self.last[1] - self.first[1], self.last[0] - self.first[0], self._squares, self._steps)
 
 
 class AlonePace:
@@ -184,7 +238,7 @@ class IsolationController:
     budget: float = -1.0  # device seconds per second the lower classes may hold (-1: not set yet)
     reference_s: dict[str, float] = field(default_factory=dict)  # job -> its iteration time alone
     alone_s: dict[str, float] = field(default_factory=dict)  # job -> its pace before any lower job came (`AlonePace`)
-    current_s: dict[str, float] = field(default_factory=dict)  # job -> its iteration time in the last window
+    current_s: dict[str, float] = field(default_factory=dict)  # job -> its iteration time last judged (pooled)
     window: Window = Window.SOLO
     _index: int | None = None  # the window being measured
     _unmeasured: int = 0  # consecutive solo windows that measured no job still without a reference
@@ -192,11 +246,14 @@ class IsolationController:
     _jobs: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # protected, lower
     _paces: dict[str, _Pace] = field(default_factory=dict)
     _furthest: dict[str, int] = field(default_factory=dict)  # job -> the furthest iteration asked for
-    _pooled: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)  # job -> (iterations, s) per window
+    _pooled: dict[str, deque[_Evidence]] = field(default_factory=dict)  # job -> its shared windows since the last cut
+    _solos: dict[str, deque[_Evidence]] = field(default_factory=dict)  # job -> its latest solo measurements
+    _starting: bool = True  # slow start: no cut yet since the device's jobs last changed
 
     def __post_init__(self) -> None:
         if self.budget < 0:
             self.budget = self.settings.initial
+        self._starting = self.settings.slow_start
 
     @property
     def protected(self) -> frozenset[str]:
@@ -252,6 +309,8 @@ class IsolationController:
             self._furthest = {j: i for j, i in self._furthest.items() if j in protected}
             self.reference_s = {j: t for j, t in self.reference_s.items() if j in protected}
             self._pooled.clear()
+            self._solos.clear()
+            self._starting = self.settings.slow_start
             self._unmeasured = 0
             return self._begin(index, Window.SOLO, "the device's jobs changed: measuring the protected job alone")
         if index == self._index:
@@ -274,38 +333,29 @@ class IsolationController:
         return self._change(reason)
 
     def _judge(self, index: int, now: float) -> Change | None:
-        paces = {j: t for j, p in self._paces.items() if j in self._jobs[0] and (t := p.iteration_s()) is not None}
+        measured = {j: e for j, p in self._paces.items() if j in self._jobs[0] and (e := p.evidence()) is not None}
         s = self.settings
         if self.window is Window.SOLO:
             cap = self.alone_s if self._alone_until is not None and now <= self._alone_until else {}
-            self.reference_s.update({j: min(t, cap.get(j, t)) for j, t in paces.items()})
-            self._unmeasured = 0 if paces else self._unmeasured + 1
+            for j, e in measured.items():
+                solos = self._solos.setdefault(j, deque(maxlen=s.reference_windows))
+                solos.append(e)
+                t = _pool(solos).iteration_s
+                self.reference_s[j] = min(t, cap.get(j, t))
+            self._unmeasured = 0 if measured else self._unmeasured + 1
             if self._unreferenced() and self._unmeasured < s.max_solo and index == self._index + 1:  # type: ignore[operator]
                 self._begin(index, Window.SOLO)
                 return None
             kind = Window.SOLO if self._solo_slot(index) else Window.SHARED
             self._begin(index, kind)
-            if paces:
+            if measured:
                 return self._change("the protected job measured alone")
             return self._change("the protected job did not run alone: sharing until the next solo window")
         change = None
-        common = [j for j in paces if j in self.reference_s and paces[j] > 0]
+        common = [j for j, e in measured.items() if j in self.reference_s and e.seconds > 0]
         if common:
-            self.current_s = paces
-            for j in common:
-                self._pooled.setdefault(j, deque(maxlen=s.smooth_windows)).append(self._paces[j].span())
-            kept = min(self.reference_s[j] * sum(n for n, _ in self._pooled[j]) / sum(t for _, t in self._pooled[j])
-                       for j in common)
-            within = kept >= s.target
-            cut = max(s.decrease, 1.0 - s.cut_gain * (s.target - kept) / s.target)
-            budget = min(s.ceiling, self.budget + s.increase) if within else self.budget * cut
-            if not within:
-                self._pooled.clear()  # one cut per shortfall: the next judgement pools windows after it
-            why = (f"the protected job keeps {kept:.2f}x of its speed alone (target {s.target:g}): "
-                   f"{'more' if within else 'less'} for the lower classes")
-            if budget != self.budget:
-                self.budget = budget
-                change = why
+            self.current_s = {j: e.iteration_s for j, e in measured.items()}
+            change = self._budget(common, measured)
         if self._solo_slot(index):
             self._unmeasured = 0
             self._begin(index, Window.SOLO)
@@ -313,8 +363,39 @@ class IsolationController:
         self._begin(index, Window.SHARED)
         return None if change is None else self._change(change)
 
+    def _budget(self, common: list[str], measured: dict[str, _Evidence]) -> str | None:
+        """Judge a shared window: raise the budget if every protected job kept the target over the windows
+        pooled, cut it if the slowest one is surely short of it (or still short with the pool full), else
+        hold it. Returns why the budget changed, or None."""
+        s = self.settings
+        readings = []
+        for j in common:
+            pool = self._pooled.setdefault(j, deque(maxlen=s.smooth_windows))
+            pool.append(measured[j])
+            now = _pool(pool)
+            self.current_s[j] = now.iteration_s  # what was judged, as the queue, the gauge and the event show
+            solos = self._solos.get(j)
+            errors = [now.relative_error(), _pool(solos).relative_error() if solos else 0.0]
+            error = None if None in errors else math.hypot(*errors)  # type: ignore[arg-type]
+            readings.append((self.reference_s[j] / now.iteration_s, error, len(pool)))
+        kept, error, pooled = min(readings, key=lambda r: r[0])
+        if kept >= s.target:
+            step = max(s.increase, self.budget) if self._starting else s.increase
+            budget, verdict = min(s.ceiling, self.budget + step), "more"
+        elif error is None or kept * (1.0 + s.confidence * error) < s.target or pooled >= s.smooth_windows:
+            budget, verdict = self.budget * max(s.decrease, 1.0 - s.cut_gain * (s.target - kept) / s.target), "less"
+            self._pooled.clear()  # one cut per shortfall: the next judgement pools windows after it
+            self._starting = False
+        else:
+            return None  # short, but within its noise: pool another window before cutting
+        if budget == self.budget:
+            return None
+        self.budget = budget
+        return (f"the protected job keeps {kept:.2f}x of its speed alone (target {s.target:g}): "
+                f"{verdict} for the lower classes")
+
     def _shown(self) -> tuple[float | None, float | None]:
-        """The protected jobs' iteration time alone and in the last shared window (the longest of each)."""
+        """The protected jobs' iteration time alone and as last judged (the longest of each)."""
         protected = self._jobs[0]
         ref = [self.reference_s[j] for j in protected if j in self.reference_s]
         cur = [self.current_s[j] for j in protected if j in self.current_s]
@@ -330,6 +411,6 @@ class IsolationController:
                              {job: held / w for job, held in lower_held_s.items()}, self.kept())
 
     def kept(self) -> float | None:
-        """The protected jobs' speed in the last shared window relative to alone (the least of them)."""
+        """The protected jobs' speed as last judged (the shared windows pooled) relative to alone, the least."""
         common = [j for j in self.current_s if j in self.reference_s]
         return min((self.reference_s[j] / self.current_s[j] for j in common), default=None)

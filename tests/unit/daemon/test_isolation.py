@@ -50,7 +50,8 @@ def test_the_first_window_is_solo_and_measures_the_reference():
 
 
 def test_the_budget_rises_while_the_protected_job_keeps_its_pace_and_halves_when_it_does_not():
-    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, decrease=0.5, solo_every=100, smooth_windows=1)
+    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, decrease=0.5, solo_every=100, smooth_windows=1,
+                          slow_start=False)
     ctl = IsolationController(s)
     i = _run(ctl, 0.0, 1.0, 0.1)  # solo
     i = _run(ctl, 1.0, 2.0, 0.1, i)  # shared, as fast as alone
@@ -66,7 +67,8 @@ def test_the_budget_rises_while_the_protected_job_keeps_its_pace_and_halves_when
 
 
 def test_a_judgement_pools_the_last_windows_so_one_slow_window_of_jitter_does_not_cut():
-    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, solo_every=100, smooth_windows=2)
+    s = IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, solo_every=100, smooth_windows=2,
+                          slow_start=False)
     ctl = IsolationController(s)
     i = _run(ctl, 0.0, 1.0, 0.1)  # solo
     i = _run(ctl, 1.0, 2.0, 0.095, i)  # shared: a little faster than alone
@@ -81,6 +83,85 @@ def test_a_judgement_pools_the_last_windows_so_one_slow_window_of_jitter_does_no
     i = _run(ctl, 4.0, 5.0, 0.1, i)  # the pool starts after the cut: this window alone, at its reference
     ctl.step(PROD, LOW, 5.0)
     assert ctl.budget == pytest.approx(cut + 0.05)
+
+
+def _run_steps(ctl: IsolationController, t0: float, t1: float, steps: tuple[float, ...], start: int = 0) -> int:
+    """As `_run`, the iterations taking `steps` in turn (a jittery job)."""
+    i, t = start, t0
+    while t < t1:
+        ctl.step(PROD, LOW, t)
+        ctl.request("prod", i, t)
+        t += steps[i % len(steps)]
+        i += 1
+    return i
+
+
+def test_the_budget_doubles_until_the_first_cut_and_again_after_the_jobs_change():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, initial=0.1, increase=0.05, solo_every=100))
+    i = _run(ctl, 0.0, 1.0, 0.1)  # solo
+    budgets = []
+    for w in range(1, 4):  # as fast as alone
+        i = _run(ctl, float(w), w + 1.0, 0.1, i)
+        ctl.step(PROD, LOW, w + 1.0)
+        budgets.append(ctl.budget)
+    assert budgets == pytest.approx([0.2, 0.4, 0.8])
+    i = _run(ctl, 4.0, 5.0, 0.2, i)  # half its speed: short even pooled with the three windows before
+    ctl.step(PROD, LOW, 5.0)
+    cut = ctl.budget
+    assert cut < 0.8
+    i = _run(ctl, 5.0, 6.0, 0.1, i)  # past the first cut: additive again
+    ctl.step(PROD, LOW, 6.0)
+    assert ctl.budget == pytest.approx(cut + 0.05)
+    ctl.step(PROD, frozenset({"sweep", "other"}), 6.5)  # a new lower job: measured alone, then slow start
+    i = _run(ctl, 6.5, 7.0, 0.1, i)
+    for w in range(7, 9):
+        i = _run(ctl, float(w), w + 1.0, 0.1, i)
+    ctl.step(PROD, frozenset({"sweep", "other"}), 9.0)
+    assert ctl.budget == pytest.approx(min(1.0, 2 * (cut + 0.05)))
+
+
+def test_a_reading_short_within_its_jitter_holds_the_budget_until_the_pool_is_full_then_cuts():
+    s = IsolationSettings(window_s=1.0, initial=0.2, solo_every=100, smooth_windows=3)
+    ctl = IsolationController(s)
+    jitter = (0.08, 0.12)  # 0.1 s on average, each iteration 20 % off it
+    i = _run_steps(ctl, 0.0, 1.0, jitter)  # solo
+    ctl.step(PROD, LOW, 1.0)
+    assert ctl.reference_s["prod"] == pytest.approx(0.1, rel=0.05)
+    slow = tuple(x * 1.04 for x in jitter)  # 0.96x alone, within a few iterations' jitter
+    budgets = []
+    for w in range(1, 4):
+        i = _run_steps(ctl, float(w), w + 1.0, slow, i)
+        ctl.step(PROD, LOW, w + 1.0)
+        budgets.append(ctl.budget)
+    assert budgets[:2] == [0.2, 0.2]  # held: not raised, not cut
+    assert budgets[2] < 0.2  # the pool full and still short: cut, by the shortfall
+    assert budgets[2] > 0.2 * s.decrease
+
+
+def test_a_reading_short_beyond_its_jitter_cuts_at_once():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, initial=0.2, solo_every=100, smooth_windows=4))
+    i = _run(ctl, 0.0, 1.0, 0.1)  # solo, steady
+    i = _run(ctl, 1.0, 2.0, 0.11, i)  # 0.91x alone, every iteration alike: surely short
+    ctl.step(PROD, LOW, 2.0)
+    assert ctl.budget < 0.2
+    jittery = IsolationController(IsolationSettings(window_s=1.0, initial=0.2, solo_every=100, smooth_windows=4))
+    i = _run_steps(jittery, 0.0, 1.0, (0.05, 0.15))  # the same mean, each iteration 50 % off it
+    i = _run_steps(jittery, 1.0, 2.0, (0.055, 0.165), i)
+    jittery.step(PROD, LOW, 2.0)
+    assert jittery.budget == 0.2  # the same shortfall within so much jitter: one window is not enough
+
+
+def test_the_reference_pools_the_latest_solo_windows():
+    def reference(windows: int) -> float:
+        ctl = IsolationController(IsolationSettings(window_s=1.0, solo_every=1, reference_windows=windows))
+        i = _run(ctl, 0.0, 1.0, 0.1)  # solo
+        i = _run(ctl, 1.0, 2.0, 0.1, i)  # shared
+        _run(ctl, 2.0, 3.0, 0.125, i)  # solo again, slower
+        ctl.step(PROD, LOW, 3.0)
+        return ctl.reference_s["prod"]
+
+    assert reference(1) == pytest.approx(0.125)
+    assert 0.105 < reference(3) < 0.12  # both solo windows, by their iterations
 
 
 def test_a_solo_window_comes_back_every_solo_every_windows_and_when_the_jobs_change():
