@@ -47,9 +47,9 @@ class Isolation:
     target: float                   # the share of its speed alone the protected job is held at
     budget: float                   # device seconds per second the lower classes may hold now
     reference_s: float              # the protected job's iteration time alone (0: not measured yet)
-    current_s: float                # its iteration time in the last shared window (0: not measured yet)
+    current_s: float                # its iteration time as last judged: latest shared windows pooled (0: not yet)
     lower_share: dict[str, float]   # lower job name -> device seconds per second it held, last window
-    kept: float                     # the protected jobs' speed in the last shared window against alone (0: not yet)
+    kept: float                     # the protected jobs' speed as last judged against alone, the least (0: not yet)
 
     @classmethod
     def from_pb(cls, msg: pb.Isolation) -> Isolation:

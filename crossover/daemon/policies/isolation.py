@@ -17,9 +17,10 @@ out of the protected job. This controller measures the outcome instead:
   shortfall and at most to `decrease` of itself (AIMD, as TGS's rate control and TCP do; and as TCP,
   doubled instead of raised until the first cut after the device's jobs change). A judgement knows
   how sure it is: the spread of the iterations it pooled, and of the reference's, give a standard error.
-  A reading short by more than `confidence` standard errors cuts at once; one short within its noise
-  holds the budget and pools the next window, and cuts once the pool is full and still short. A few
-  iterations' jitter then neither halves the budget nor trims it window after window.
+  A reading short by more than `confidence` standard errors cuts at once; one short within its noise (or
+  of too few iterations to know it) holds the budget and pools the next window, and cuts once the pool is
+  full and still short. A few iterations' jitter then neither halves the budget nor trims it window after
+  window. In slow start each doubled budget is judged on its own windows.
 * **Enforcement** is the policy's: a lower-class phase is granted only while the lower classes' device
   time over the last window, with that phase, stays within the budget (`allows`); in a solo window the
   budget is 0. A lower rank that has waited `starve_windows` windows gets its phase anyway in a shared
@@ -154,12 +155,13 @@ class _Evidence:
         return self.seconds / self.iterations
 
     def relative_error(self) -> float | None:
-        """The standard error of `iteration_s` over itself, from the steps' spread (None: under 3 steps).
+        """The standard error of `iteration_s` over itself, from the steps' spread (None: under 3 steps, not
+        known; a judgement then waits for a full pool).
         Steps are taken as independent, which overstates the error where one slow iteration is followed by
         a fast one (the usual case): a cut it holds back comes at the latest when the pool is full."""
-        if self.steps < 3:
-            return None
         mean = self.iteration_s
+        if self.steps < 3 or mean <= 0:
+            return None
         variance = max(0.0, self.squares / self.iterations - mean * mean)
         return math.sqrt(variance / self.iterations) / mean
 
@@ -249,6 +251,7 @@ class IsolationController:
     _pooled: dict[str, deque[_Evidence]] = field(default_factory=dict)  # job -> its shared windows since the last cut
     _solos: dict[str, deque[_Evidence]] = field(default_factory=dict)  # job -> its latest solo measurements
     _starting: bool = True  # slow start: no cut yet since the device's jobs last changed
+    _solo_run: set[str] = field(default_factory=set)  # jobs whose measurement in this solo run is in `_solos`
 
     def __post_init__(self) -> None:
         if self.budget < 0:
@@ -327,6 +330,7 @@ class IsolationController:
         if not (window is Window.SOLO and self.window is Window.SOLO and self._index is not None
                 and index == self._index + 1 and not reason):
             self._paces = {}  # a solo window that goes on keeps measuring: a slow job needs several
+            self._solo_run = set()
         self._index, self.window = index, window
         if not reason:
             return None
@@ -339,7 +343,11 @@ class IsolationController:
             cap = self.alone_s if self._alone_until is not None and now <= self._alone_until else {}
             for j, e in measured.items():
                 solos = self._solos.setdefault(j, deque(maxlen=s.reference_windows))
-                solos.append(e)
+                if j in self._solo_run:
+                    solos[-1] = e  # the same run, measured further: one measurement, not two
+                else:
+                    solos.append(e)
+                    self._solo_run.add(j)
                 t = _pool(solos).iteration_s
                 self.reference_s[j] = min(t, cap.get(j, t))
             self._unmeasured = 0 if measured else self._unmeasured + 1
@@ -382,7 +390,7 @@ class IsolationController:
         if kept >= s.target:
             step = max(s.increase, self.budget) if self._starting else s.increase
             budget, verdict = min(s.ceiling, self.budget + step), "more"
-        elif error is None or kept * (1.0 + s.confidence * error) < s.target or pooled >= s.smooth_windows:
+        elif (error is not None and kept * (1.0 + s.confidence * error) < s.target) or pooled >= s.smooth_windows:
             budget, verdict = self.budget * max(s.decrease, 1.0 - s.cut_gain * (s.target - kept) / s.target), "less"
             self._pooled.clear()  # one cut per shortfall: the next judgement pools windows after it
             self._starting = False
@@ -390,6 +398,8 @@ class IsolationController:
             return None  # short, but within its noise: pool another window before cutting
         if budget == self.budget:
             return None
+        if self._starting and verdict == "more":
+            self._pooled.clear()  # a doubled budget is judged on its own windows: older ones would hide its cost
         self.budget = budget
         return (f"the protected job keeps {kept:.2f}x of its speed alone (target {s.target:g}): "
                 f"{verdict} for the lower classes")

@@ -105,19 +105,25 @@ def test_the_budget_doubles_until_the_first_cut_and_again_after_the_jobs_change(
         ctl.step(PROD, LOW, w + 1.0)
         budgets.append(ctl.budget)
     assert budgets == pytest.approx([0.2, 0.4, 0.8])
-    i = _run(ctl, 4.0, 5.0, 0.2, i)  # half its speed: short even pooled with the three windows before
+    i = _run(ctl, 4.0, 5.0, 0.11, i)  # 0.91x alone, every iteration alike: surely short, cut
     ctl.step(PROD, LOW, 5.0)
     cut = ctl.budget
     assert cut < 0.8
     i = _run(ctl, 5.0, 6.0, 0.1, i)  # past the first cut: additive again
     ctl.step(PROD, LOW, 6.0)
     assert ctl.budget == pytest.approx(cut + 0.05)
-    ctl.step(PROD, frozenset({"sweep", "other"}), 6.5)  # a new lower job: measured alone, then slow start
-    i = _run(ctl, 6.5, 7.0, 0.1, i)
-    for w in range(7, 9):
-        i = _run(ctl, float(w), w + 1.0, 0.1, i)
-    ctl.step(PROD, frozenset({"sweep", "other"}), 9.0)
-    assert ctl.budget == pytest.approx(min(1.0, 2 * (cut + 0.05)))
+    both = frozenset({"sweep", "other"})  # a second lower job: measured alone, then slow start again
+    budgets = []
+    for w in range(6, 10):
+        t = float(w)
+        while t < w + 1.0:
+            ctl.step(PROD, both, t)
+            ctl.request("prod", i, t)
+            i, t = i + 1, t + 0.1
+        ctl.step(PROD, both, w + 1.0)
+        budgets.append(ctl.budget)
+    assert budgets[0] == pytest.approx(cut + 0.05)  # the solo window
+    assert budgets[1:] == pytest.approx([min(1.0, 2 ** k * (cut + 0.05)) for k in (1, 2, 3)])
 
 
 def test_a_reading_short_within_its_jitter_holds_the_budget_until_the_pool_is_full_then_cuts():
@@ -149,6 +155,20 @@ def test_a_reading_short_beyond_its_jitter_cuts_at_once():
     i = _run_steps(jittery, 1.0, 2.0, (0.055, 0.165), i)
     jittery.step(PROD, LOW, 2.0)
     assert jittery.budget == 0.2  # the same shortfall within so much jitter: one window is not enough
+
+
+def test_a_solo_run_over_several_windows_is_one_measurement_of_the_reference():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, settle_share=0.0, max_solo=3, reference_windows=3))
+    two = frozenset({"prod", "slow"})
+    for k in range(40):  # prod every 0.1 s; `slow`, also protected, every 1.3 s keeps the solo run going
+        t = 0.1 * k
+        ctl.step(two, LOW, t)
+        ctl.request("prod", k, t)
+        if k % 13 == 0:
+            ctl.request("slow", k // 13, t)
+    ctl.step(two, LOW, 4.0)
+    assert ctl.window is Window.SHARED and len(ctl._solos["prod"]) == 1
+    assert ctl._solos["prod"][0].steps == ctl._solos["prod"][0].iterations
 
 
 def test_the_reference_pools_the_latest_solo_windows():
