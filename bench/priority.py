@@ -70,8 +70,9 @@ production job at `--protect` 0.97); `classes-open`, the class rules without it 
 `classes` where each device keeps grants only if they pay the production job (`--adapt`)."""
 _ADAPT_WINDOW_S = 3.0  # the emulated beds' daemons' --adapt-window: ten iterations of 300 ms
 SIM_MODES = MODES
-SIM_JITTER = 0.05
 """The simulator's modes, as the emulated beds': `classes-open` is the daemon with `--protect 0`."""
+SIM_JITTER = 0.05
+"""The simulator's lognormal sigma on every phase (`--jitter`)."""
 
 
 RULES = {
@@ -232,7 +233,7 @@ def _sim_table(result: dict[str, Any]) -> Table:
 
 def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Two nodes, one production job and `--lows` low jobs; modes interleaved per cycle; solo runs for 'alone'."""
-    from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, run_solo, wait_warm
+    from bench.emulated.cli import ClusterAdmin, _job_cmd, _script, calibrate, job_ids, parser, run_solo, wait_warm
     from bench.emulated.scenarios import ADAPTS, CLASSES, DSCP, OPEN_LOOP, settle_s
     from crossover.protos.event_file import EventName, read_events
     from crossover.protos.event_records import Sharing
@@ -245,7 +246,10 @@ def run_emulated(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     args.device_cores = ()
     args.width, args.in_dim = 512, 512
     args.adapt_window = _ADAPT_WINDOW_S
-    args.host_wait, args.nice, args.framework = "poll", 0, "horovod"
+    args.host_wait, args.nice = "poll", 0
+    for name, default in vars(parser().parse_args([])).items():  # every other option of the bed, as it defaults
+        if not hasattr(args, name):
+            setattr(args, name, default)
     want_c = args.iter_ms / 1000 / (1 + args.ratio)
     # The link is set with the device work in one piece: in the backward each gradient's allreduce overlaps
     # the layers still to compute, so the allreduce measured after the compute would read short and set a link

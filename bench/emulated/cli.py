@@ -385,7 +385,8 @@ def wait_warm(cluster: Cluster, jobs: list[Any], names: list[str], warmup: int, 
     raise RuntimeError(f"jobs did not reach {warmup} iterations in {timeout:.0f}s")
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bed's options; `bench.priority` starts its own beds from their defaults."""
     p = argparse.ArgumentParser(prog="python -m bench.emulated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1:1 with two jobs only")
@@ -447,7 +448,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("results/emulated.json"))
     p.add_argument("--timeline", type=Path, default=Path("results/crossover_timeline.png"))
     p.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir, removed)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
     reasons = preflight()
     if reasons:
         console.print(f"[red]cannot build the emulated cluster:[/] {'; '.join(reasons)}")

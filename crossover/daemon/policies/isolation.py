@@ -383,8 +383,8 @@ class IsolationController:
             now = _pool(pool)
             self.current_s[j] = now.iteration_s  # what was judged, as the queue, the gauge and the event show
             solos = self._solos.get(j)
-            errors = [now.relative_error(), _pool(solos).relative_error() if solos else 0.0]
-            error = None if None in errors else math.hypot(*errors)  # type: ignore[arg-type]
+            now_error, reference_error = now.relative_error(), _pool(solos).relative_error() if solos else 0.0
+            error = None if now_error is None or reference_error is None else math.hypot(now_error, reference_error)
             readings.append((self.reference_s[j] / now.iteration_s, error, len(pool)))
         kept, error, pooled = min(readings, key=lambda r: r[0])
         if kept >= s.target:
