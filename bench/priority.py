@@ -31,11 +31,11 @@ Beds:
                interleaved over --cycles. Minutes.
   --bed core   the same with each node's device a CPU core.
 
-The simulator does not model the plugin's yield at a gradient (a low holder hands
-the device back when a high rank asks): its figures are without it. The device
-model's compute phase is one piece, so a yield waits for its end there too, unless
---device-in-backward runs it layer by layer in the backward, as a GPU whose queue
-the plugin bounds does (docs/priorities.md, rule 3).
+The simulator models the plugin's yield at a gradient as a fixed delay (`--yield-ms`,
+5 ms: a layer's backward and the message; 0: not modelled, a low holder keeps the device
+to its phase's end, as before 2026-11-29). The device model's compute phase is one piece,
+so a yield waits for its end there, unless --device-in-backward runs it layer by layer in
+the backward, as a GPU whose queue the plugin bounds does (docs/priorities.md, rule 3).
 
     python -m bench.priority --bed sim [--out results/priority_sim.json]
     python -m bench.priority --bed model --cycles 3 [--out results/priority_model.json]
@@ -73,6 +73,8 @@ SIM_MODES = MODES
 """The simulator's modes, as the emulated beds': `classes-open` is the daemon with `--protect 0`."""
 SIM_JITTER = 0.05
 """The simulator's lognormal sigma on every phase (`--jitter`)."""
+SIM_YIELD_S: float | None = 0.005
+"""How long after the policy asks a simulated rank hands its device back (`--yield-ms`; None: never)."""
 
 
 RULES = {
@@ -80,6 +82,7 @@ RULES = {
     "guard 0.05 (the old default)": ClassSettings(guard_share=0.05),
     "no guard": ClassSettings(guard_share=0.0),
     "no gap fitting": ClassSettings(fit_margin=math.inf),
+    "no cut turns": ClassSettings(cut_turns=False),
 }
 """`--rules`: the open-loop class rules each taken out (or set as before) under the isolation controller."""
 
@@ -122,11 +125,11 @@ def _sim_jobs(compute_s: float, comm_s: float, lows: int, classes: bool,
 
 def sim_point(compute_s: float, comm_s: float, lows: int, interference: float, iterations: int = 300,
               seed: int = 0, modes: tuple[str, ...] = SIM_MODES, classes: ClassSettings | None = None,
-              jitter: float = SIM_JITTER) -> dict[str, Any]:
+              jitter: float = SIM_JITTER, yield_s: float | None = SIM_YIELD_S) -> dict[str, Any]:
     """One scenario in every mode: each job's speed relative to alone (prod's run ends the measurement)."""
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
                     interference=interference, comm_interference=0.0, startup_spread_s=0.2,
-                    horizon_s=iterations * (compute_s + comm_s))
+                    horizon_s=iterations * (compute_s + comm_s), yield_s=yield_s)
     out: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "lows": lows, "interference": interference}
     for mode in modes:
         res = simulate(_sim_jobs(compute_s, comm_s, lows, mode.startswith("classes"), jitter=jitter),
@@ -138,7 +141,7 @@ def sim_point(compute_s: float, comm_s: float, lows: int, interference: float, i
 
 
 def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: ClassSettings | None = None,
-              jitter: float = SIM_JITTER) -> dict[str, Any]:
+              jitter: float = SIM_JITTER, yield_s: float | None = SIM_YIELD_S) -> dict[str, Any]:
     """64 nodes x 8 devices: on each device one production job (ranks over 4 nodes) and churning low jobs."""
     import random
 
@@ -160,7 +163,7 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: Class
                                     priority="low" if lows_low else "normal"))
                 t += stay + rng.uniform(2, 10)
     cfg = SimConfig(seed=seed, switch_penalty=0.04, tick_s=0.1, grant_latency_s=0.0003, link_sharing="fifo",
-                    interference=0.19, comm_interference=0.0, horizon_s=horizon_s)
+                    interference=0.19, comm_interference=0.0, horizon_s=horizon_s, yield_s=yield_s)
     res = simulate(jobs, _sim_policy(mode, classes), n_nodes=64, devices_per_node=8, config=cfg)
     prod = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("prod") and j.slowdown]
     opp = [1.0 / j.slowdown for j in res.jobs if j.name.startswith("opp") and j.slowdown]
@@ -179,10 +182,10 @@ def run_rules(args: argparse.Namespace) -> dict[str, Any]:
         pts = {}
         for scenario, ratio, interference in _RULE_POINTS:
             pt = sim_point(0.1, 0.1 * ratio, 1, interference, iterations=args.iters, modes=("classes",),
-                           classes=classes, jitter=args.jitter)
+                           classes=classes, jitter=args.jitter, yield_s=args.yield_s)
             pts[f"{scenario}, interference {interference:g}"] = pt["classes"]["speed_vs_alone"]
         out[name] = {"points": pts, "fleet_64x8": sim_fleet("classes", horizon_s=args.fleet_horizon, classes=classes,
-                                                          jitter=args.jitter)}
+                                                          jitter=args.jitter, yield_s=args.yield_s)}
     return out
 
 
@@ -204,13 +207,15 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     for interference in (0.0, 0.19):
         for ratio, name in ((1.0, "1:1"), (2.0, "comm-bound 2:1")):
             for lows in (1, 2):
-                pt = sim_point(0.1, 0.1 * ratio, lows, interference, iterations=args.iters, jitter=args.jitter)
+                pt = sim_point(0.1, 0.1 * ratio, lows, interference, iterations=args.iters, jitter=args.jitter,
+                               yield_s=args.yield_s)
                 pt["scenario"] = f"{name}, 1 prod + {lows} low"
                 points.append(pt)
-    gapless = sim_point(0.1, 0.005, 1, 0.19, iterations=args.iters, jitter=args.jitter)
+    gapless = sim_point(0.1, 0.005, 1, 0.19, iterations=args.iters, jitter=args.jitter, yield_s=args.yield_s)
     gapless["scenario"] = "no gaps (comm 0.05x compute), 1 prod + 1 low"
     points.append(gapless)
-    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon, jitter=args.jitter)
+    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon, jitter=args.jitter,
+                                                          yield_s=args.yield_s)
                                         for m in SIM_MODES}}
 
 
@@ -360,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jitter", type=float, default=SIM_JITTER,
                    help="sim: sigma of the lognormal factor (mean 1) on every compute and allreduce "
                         "(a noisier machine: 0.15)")
+    p.add_argument("--yield-ms", type=float, default=1e3 * (SIM_YIELD_S or 0.0),
+                   help="sim: how long after the policy asks a rank hands its device back (a layer's backward and "
+                        "the message; 0: never, the phase runs to its end)")
     p.add_argument("--rules", action="store_true",
                    help="sim: the controller with each open-loop class rule taken out or set as before (guard, "
                         "gap fitting), instead of the modes")
@@ -388,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"model/core: the modes to cycle through, of {', '.join(EMULATED_MODES)}")
     args = p.parse_args(argv)
+    if args.yield_ms < 0:
+        p.error(f"--yield-ms {args.yield_ms:g}: must be >= 0 (0: a rank never yields)")
+    args.yield_s = args.yield_ms / 1e3 or None
     t0 = time.monotonic()
     if args.bed == "sim" and args.rules:
         result = {"rules": run_rules(args)}

@@ -105,3 +105,5 @@ class SimConfig:
     warmup_iterations: int = 3  # excluded from per-job rates
     record_trace: bool = False  # keep every compute span (node, device, job, start, end)
     check_exclusive: bool = True  # fail if a blocking policy lets two ranks compute on one device
+    yield_s: float | None = None  # a rank the policy asks to yield hands its device back this long after (the
+    # message, the rest of a layer), and asks again for the rest of its phase; None: never (work in one piece)

@@ -26,7 +26,7 @@ class RankState:
     """One rank: where it runs, its phase (`state`) and the compute work it has left."""
 
     __slots__ = ("key", "ref", "job", "node", "device", "mean_c", "state", "work", "rate", "since",
-                 "version", "granted_at", "requested_at", "comm_began", "iteration")
+                 "version", "granted_at", "requested_at", "comm_began", "iteration", "grants", "left", "held")
 
     def __init__(self, key: RankKey, ref: RankRef, job: JobState, node: int, mean_c: float) -> None:
         self.key, self.ref, self.job, self.node, self.device, self.mean_c = key, ref, job, node, ref.device, mean_c
@@ -35,6 +35,9 @@ class RankState:
         self.version = 0
         self.granted_at = self.requested_at = self.comm_began = 0.0
         self.iteration = 0
+        self.grants = 0  # grants so far: a yield asked during one is not honoured in the next
+        self.left: float | None = None  # work its phase has left after a yield (None: a new phase)
+        self.held = 0.0  # device time its phase held before its latest grant (its yields)
 
 
 class JobState:

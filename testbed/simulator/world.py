@@ -31,7 +31,7 @@ from .state import (
     RankState,
 )
 
-_ARRIVE, _JOIN, _LEAVE, _COMPUTE_DONE, _COMM_DONE, _TICK, _REQUEST = range(7)  # event kinds
+_ARRIVE, _JOIN, _LEAVE, _COMPUTE_DONE, _COMM_DONE, _TICK, _REQUEST, _YIELD = range(8)  # event kinds
 
 
 class World:
@@ -93,7 +93,7 @@ class World:
         handlers: dict[int, Callable[[Any, int], None]] = {
             _ARRIVE: self.on_arrive, _JOIN: self.on_join, _LEAVE: self.on_leave,
             _COMPUTE_DONE: self.on_compute_done, _COMM_DONE: self.on_comm_done, _TICK: self.on_tick,
-            _REQUEST: self.on_skewed_request}
+            _REQUEST: self.on_skewed_request, _YIELD: self.on_yield}
         heap = self.heap
         while heap:
             t, _, kind, obj, version = heapq.heappop(heap)
@@ -127,7 +127,7 @@ class World:
         rank.state = IDLE
         self.call(node, node.policy.join(rank.ref, self.now))
         cls = JobClass(Priority.parse(job.spec.priority), job.spec.weight)
-        if cls != JobClass():  # the class rules (the plugin's yields are not simulated)
+        if cls != JobClass():  # the class rules (a yield asked of a rank: `SimConfig.yield_s`)
             self.call(node, node.policy.classify(rank.ref.key.job_id, cls, self.now))
         job.joined += 1
         if job.joined == len(job.ranks):  # Horovod's init is a barrier: iteration 0 starts together
@@ -187,6 +187,10 @@ class World:
             rank.job.waits.append(self.now - rank.requested_at)
             self.compute_start(dev, rank)
             self.mark(dev)
+        for key in node.policy.take_preemptions():
+            rank = self.by_key[key]
+            if self.cfg.yield_s is not None and rank.state == COMPUTE:
+                self.push(self.now + self.cfg.yield_s, _YIELD, rank, rank.grants)
         self.arm_tick(node)
 
     def request(self, rank: RankState) -> None:
@@ -210,11 +214,12 @@ class World:
                 dev.hungry_total += self.now - dev.hungry_since
 
     def arm_tick(self, node: NodeState) -> None:
-        if not node.hungry:
-            return  # a tick only matters to a device whose waiting ranks nobody serves
+        yields = self.cfg.yield_s is not None
+        if not node.hungry and not yields:
+            return  # a tick only matters to a device whose waiting ranks nobody serves (or, with yields, a cut turn)
         now = self.now
-        if node.deadline is not None:
-            t = node.deadline()
+        if node.deadline is not None or (yields and not node.hungry):
+            t = node.policy.next_deadline()
             if t is None or t <= now:
                 return
         else:
@@ -223,6 +228,9 @@ class World:
             t = node.phase + (math.floor((now - node.phase) / period) + 1) * period
             if t <= now:  # `now` sits on the grid up to rounding
                 t += period
+            d = node.policy.next_deadline() if yields else None  # a cut turn's end is kept on time
+            if d is not None and now < d < t:
+                t = d
         if node.tick_at is None or node.tick_at <= now or t < node.tick_at:
             node.tick_at = t
             self.push(t, _TICK, node)
@@ -231,7 +239,7 @@ class World:
         if node.tick_at != self.now:
             return  # superseded by an earlier deadline
         node.tick_at = None
-        if not node.hungry:
+        if not node.hungry and self.cfg.yield_s is None:
             return  # the wait it was armed for has ended
         if node.deadline is not None:
             t = node.deadline()
@@ -245,7 +253,12 @@ class World:
     def compute_start(self, dev: DeviceState, rank: RankState) -> None:
         rank.state = COMPUTE
         rank.granted_at = self.now
-        rank.work = rank.mean_c * self.jitter(rank.job.spec.jitter)
+        rank.grants += 1
+        if rank.left is None:
+            rank.work = rank.mean_c * self.jitter(rank.job.spec.jitter)
+            rank.held = 0.0
+        else:
+            rank.work, rank.left = rank.left, None
         if self.blocks:
             rank.work += self.cfg.grant_latency_s
         rank.since = self.now
@@ -295,12 +308,28 @@ class World:
         self.compute_stop(node.devices[rank.device], rank)
         rank.state = COMM
         rank.comm_began = self.now
-        node.policy.observe(rank.key, "compute", self.now - rank.granted_at, self.now)
+        node.policy.observe(rank.key, "compute", rank.held + self.now - rank.granted_at, self.now)
         self.call(node, node.policy.release(rank.key, self.now))
         job = rank.job
         job.pending -= 1
         if job.pending == 0 and job.active:
             self.comm_start(job)
+
+    def on_yield(self, rank: RankState, grant: int) -> None:
+        """The rank asked to yield (`SimConfig.yield_s` ago, in its grant `grant`) hands its device back with
+        the work its phase has left, and asks again for the same iteration."""
+        if rank.state != COMPUTE or rank.grants != grant:
+            return
+        left = rank.work - (self.now - rank.since) * rank.rate
+        if left <= 1e-9:
+            return  # done at this instant: its completion event ends the phase
+        node = self.nodes[rank.node]
+        self.compute_stop(node.devices[rank.device], rank)
+        rank.left = left
+        rank.held += self.now - rank.granted_at
+        rank.state = IDLE
+        self.call(node, node.policy.release(rank.key, self.now))
+        self.request(rank)
 
     # ---- allreduce: link sharing ----
 

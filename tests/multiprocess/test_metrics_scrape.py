@@ -109,7 +109,7 @@ def test_a_scrape_during_two_jobs_shows_what_the_daemon_does(daemon_factory, job
     assert later["crossover_event_log_dropped_total"][0][1] == 0
     assert {labels["code"]: v for labels, v in later["crossover_rpc_errors_total"]}.get("FAILED_PRECONDITION", 0) >= 1
     assert {labels["decision"] for labels, _v in later["crossover_policy_decisions_total"]} == {
-        "overtake", "preempt", "held_back", "guard", "budget", "floor"}
+        "overtake", "preempt", "held_back", "guard", "budget", "floor", "cut"}
     assert not later.get("crossover_isolation_budget")  # equal classes: no device has a controller
 
     for j in jobs:

@@ -11,8 +11,12 @@ while its jobs differ in class or weight (equal classes: today's order, exactly)
   and the gap is the lower quartile of its latest allreduces; the lower phase,
   the upper quartile of its latest phases. Without a measure yet, or once a higher job is
   overdue by more than its own allreduce (it paused: evaluation, a checkpoint),
-  the gap counts as open. A phase that does not fit is held back until the gap
-  closes or the guard below serves it.
+  the gap counts as open. A phase that does not fit is cut to the gap (a *cut turn*):
+  granted, and its rank asked to yield when the gap is due to close, early by
+  how long the job's latest yields took to come back; for a job whose asks mostly
+  end in its phase's end rather than a yield (work without gradients in between),
+  or where the gap left is not worth a hand-over, it is held back instead until the
+  gap closes or the guard below serves it.
 * **Yield on demand.** When a higher-class rank asks for a device that a
   lower-class job holds, the holders are asked to yield (`take_preemptions`);
   the plugin hands the device back at its next gradient hook, so the higher job
@@ -97,12 +101,15 @@ class ClassSettings:
     `fit_margin`: a lower phase fits a gap up to this many times the gap's length (1.2: its slower
     quartile may overrun the gap's shorter quartile by a fifth, which the higher job then waits; with
     yields at gradients it waits less; `math.inf`: any gap, the rule off, as `bench.priority --rules` measures it);
+    `cut_turns`: a lower phase that does not fit a gap is granted it and asked to yield as it closes, where
+    its job yields when asked (False: held back instead until the gap closes, as before 2026-11-29);
     `window_s`: how far back recent device time counts, for weights;
     `isolation`: the closed loop that holds the highest class at its target pace (`policies.isolation`)."""
 
     guard_share: float = 0.02
     guard_window_s: float = 10.0
     fit_margin: float = 1.2
+    cut_turns: bool = True
     window_s: float = 10.0
     isolation: IsolationSettings = field(default_factory=IsolationSettings)
 
@@ -127,12 +134,15 @@ class ClassBook:
         self.comm: dict[str, float] = {}  # job -> EMA of its allreduce
         self._comms: dict[str, deque[float]] = {}  # job -> its latest allreduces
         self._computes: dict[str, deque[float]] = {}  # job -> its latest compute phases
+        self._answers: dict[str, deque[float]] = {}  # job -> how long its latest yields came after the ask
+        self._yielding: dict[str, float] = {}  # job -> how often an ask ended in a yield (EMA; unknown: 1)
 
     def of(self, job: str) -> JobClass:
         return self.classes.get(job, JobClass())
 
     def forget(self, job: str) -> None:
-        for d in (self.classes, self._credit, self.left_at, self.comm, self._comms, self._computes):
+        for d in (self.classes, self._credit, self.left_at, self.comm, self._comms, self._computes, self._answers,
+                  self._yielding):
             d.pop(job, None)  # type: ignore[attr-defined]
 
     @property
@@ -175,6 +185,22 @@ class ClassBook:
         latest allreduces. An allreduce slowed by another job's on the link must not widen the gap a lower
         phase is fitted into."""
         return _quantile(self._comms.get(job), 0.25)
+
+    def answered(self, job: str, after_s: float, yielded: bool) -> None:
+        """A rank of the job asked to yield handed its device back `after_s` later: in a yield (`yielded`), or
+        at its phase's end (it had no gradient to yield at before it)."""
+        self._yielding[job] = 0.7 * self._yielding.get(job, 1.0) + 0.3 * float(yielded)
+        if yielded:
+            self._answers.setdefault(job, deque(maxlen=_RECENT)).append(after_s)
+
+    def yield_lead(self, job: str) -> float:
+        """How long before a gap closes the job's rank must be asked to yield for the device to be back in
+        time about three times in four (upper quartile of its latest yields; 0 before any)."""
+        return _quantile(self._answers.get(job), 0.75) or 0.0
+
+    def yields_promptly(self, job: str) -> bool:
+        """Whether asking the job to yield mostly ends in a yield (assumed, until asks say otherwise)."""
+        return self._yielding.get(job, 1.0) >= 0.5
 
     def long_phase(self, job: str) -> float | None:
         """How long the job's compute phase takes at most about three times in four (upper quartile)."""

@@ -38,7 +38,8 @@ for the device and gets it as soon as A releases (CrossoverScheduler, Luo et al.
 
 Jobs of different priority classes or weights on one device are served by the
 class rules instead (`policies.classes`): higher classes first, lower ones only
-into gaps they fit, a yield asked of a lower holder when a higher rank asks,
+into gaps they fit (or cut to the gap: asked to yield when it closes), a yield asked of a lower holder
+when a higher rank asks,
 weights within a class and a guaranteed share for every lower job, all within the
 budget that the device's isolation controller sets from the highest class's own pace
 (`policies.isolation`). While a device's jobs are all of one class and weight,
@@ -104,16 +105,20 @@ class CrossoverPolicy(DispatchPolicy):
         self._asked: set[RankKey] = set()  # holders asked during their current grant
         self._floored: set[RankKey] = set()  # holders the floor served: their phase is not asked to yield
         self._held_until: dict[int, float] = {}  # device -> when a held-back lower phase is looked at again
+        self._cut_at: dict[int, float] = {}  # device -> when its lower holders, in a cut turn, are asked to yield
+        self._asked_at: dict[RankKey, float] = {}  # holder -> when it was asked to yield
+        self._answered: dict[RankKey, float] = {}  # rank -> how long after the ask it released (yield or end?)
         self.overtakes = 0
         self.preemptions = 0
         self.held_back = 0
         self.guarded = 0
         self.budgeted = 0  # lower phases held back by the isolation budget
         self.starved = 0  # lower phases served by the isolation controller's floor
+        self.cut = 0  # lower phases granted a gap they do not fit, cut to it
 
     def decisions(self) -> dict[str, int]:
         return {"overtake": self.overtakes, "preempt": self.preemptions, "held_back": self.held_back,
-                "guard": self.guarded, "budget": self.budgeted, "floor": self.starved}
+                "guard": self.guarded, "budget": self.budgeted, "floor": self.starved, "cut": self.cut}
 
     # ---- classes ---------------------------------------------------------
 
@@ -162,6 +167,8 @@ class CrossoverPolicy(DispatchPolicy):
         self._granted_at.pop(key, None)
         self._asked.discard(key)
         self._floored.discard(key)
+        self._asked_at.pop(key, None)
+        self._answered.pop(key, None)
         self._preempt = [k for k in self._preempt if k != key]
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
@@ -170,6 +177,9 @@ class CrossoverPolicy(DispatchPolicy):
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._now = now
+        after = self._answered.pop(key, None)
+        if after is not None:  # asking again for the iteration it held: it yielded
+            self.book.answered(key.job_id, after, yielded=self._q.iteration.get(key) == iteration)
         ref = self._q.ranks.get(key)
         if ref is not None and self.book.settings.isolation.on:
             jobs = self._jobs_on(ref.device)
@@ -185,11 +195,16 @@ class CrossoverPolicy(DispatchPolicy):
         mine = self.book.of(key.job_id).priority
         if key in dev.waiting and any(self.book.of(h.job_id).priority < mine and self._long_left(h, now)
                                       for h in dev.holders):
-            fresh = [h for h in dev.holders if h not in self._asked and h not in self._floored]
-            self._asked.update(fresh)
-            self._preempt += fresh
-            self.preemptions += bool(fresh)
+            self._ask(dev.holders)
         return granted
+
+    def _ask(self, holders: list[RankKey]) -> None:
+        """Ask each holder not yet asked in its grant (and not served by the floor) to yield."""
+        fresh = [h for h in holders if h not in self._asked and h not in self._floored]
+        self._asked.update(fresh)
+        self._asked_at.update(dict.fromkeys(fresh, self._now))
+        self._preempt += fresh
+        self.preemptions += bool(fresh)
 
     def _long_left(self, holder: RankKey, now: float) -> bool:
         """Whether the holder is expected to hold on for long enough that a yield is worth its hand-over:
@@ -214,6 +229,9 @@ class CrossoverPolicy(DispatchPolicy):
             self.book.served(key.job_id, now - began, now, -1 if ref is None else ref.device)
         self._asked.discard(key)
         self._floored.discard(key)
+        asked = self._asked_at.pop(key, None)
+        if asked is not None:
+            self._answered[key] = now - asked
         return super().release(key, now)
 
     def cancel(self, key: RankKey, now: float) -> list[RankKey]:
@@ -222,8 +240,13 @@ class CrossoverPolicy(DispatchPolicy):
         return super().cancel(key, now)
 
     def tick(self, now: float) -> list[RankKey]:
-        """Look again at devices whose lower-class phase was held back until now."""
+        """Ask the holders of cut turns whose gap closes now to yield; look again at devices whose lower-class
+        phase was held back until now."""
         self._now = now
+        for index, at in sorted(self._cut_at.items()):
+            if at <= now:
+                del self._cut_at[index]
+                self._ask(self._q.devices[index].holders)
         granted: list[RankKey] = []
         for index, until in sorted(self._held_until.items()):
             if until <= now:
@@ -232,7 +255,7 @@ class CrossoverPolicy(DispatchPolicy):
         return granted
 
     def next_deadline(self) -> float | None:
-        return min(self._held_until.values(), default=None)
+        return min([*self._held_until.values(), *self._cut_at.values()], default=None)
 
     def _joined(self, key: RankKey) -> None:
         self._passed.pop(key, None)
@@ -316,6 +339,7 @@ class CrossoverPolicy(DispatchPolicy):
         if dev.holders or not dev.waiting:
             return []
         self._held_until.pop(dev.index, None)
+        self._cut_at.pop(dev.index, None)
         waiting = list(dev.waiting)
         jobs = self._jobs_on(dev.index)
         if not self.book.uniform(jobs):
@@ -355,6 +379,20 @@ class CrossoverPolicy(DispatchPolicy):
                 self.guarded += 1
                 return k
             due.append(self._now + (need - credit) / max(book.settings.guard_share, 1e-9))
+        return None
+
+    def _cut_turn(self, dev: _Device, ranks: list[RankKey], closes_at: float) -> RankKey | None:
+        """The earliest of `ranks` (lower phases that do not fit the gap that closes at `closes_at`) whose job
+        yields when asked and for which the gap left, less its lead, is worth a hand-over (`_long_left`'s bound);
+        it is granted the gap, and its device's holders asked to yield `yield_lead` before the gap closes."""
+        book, at = self.book, self._q.requested_at
+        for k in sorted(ranks, key=lambda k: (at[k], k.job_id, k.rank)):
+            cut_at = closes_at - book.yield_lead(k.job_id)
+            if book.yields_promptly(k.job_id) and \
+                    cut_at - self._now > max(0.005, 0.1 * self._compute.get(k.job_id, 0.0)):
+                self._cut_at[dev.index] = cut_at
+                self.cut += 1
+                return k
         return None
 
     def _isolate(self, index: int, jobs: set[str]) -> IsolationController | None:
@@ -424,6 +462,9 @@ class CrossoverPolicy(DispatchPolicy):
                 owed = self._guard(cands, due)
                 if owed is not None:
                     return owed, []
+                cut = self._cut_turn(dev, cands, min(backs)) if book.settings.cut_turns else None
+                if cut is not None:
+                    return cut, []
                 self.held_back += 1
                 opens = [t for j in higher if (t := book.opens_at(j)) is not None]
                 self._held_until[dev.index] = min([max(opens, default=now) + 1e-3, *(t for t in due if t > now)])

@@ -60,7 +60,7 @@ def test_the_gap_margin_takes_a_bounded_share_or_inf_for_any_gap() -> None:
     with pytest.raises(ValueError, match="0.5..2"):
         ClassSettings(fit_margin=3.0)
     for margin, granted in ((1.2, []), (math.inf, [K("lo")])):  # inf: `bench.priority --rules`, the rule off
-        p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001, fit_margin=margin)
+        p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001, fit_margin=margin, cut_turns=False)
         phase(p, "lo", 0.0, compute=0.3, comm=0.1)
         phase(p, "hi", 1.0, compute=0.1, comm=0.2)
         assert p.request(K("lo"), 1, 1.15) == granted  # 0.3 s into a gap of 0.15 s
@@ -123,7 +123,7 @@ def test_equal_class_requests_ask_nobody_to_yield() -> None:
 
 
 def test_a_low_phase_waits_for_a_gap_it_fits_and_the_deadline_looks_again() -> None:
-    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001, cut_turns=False)
     phase(p, "lo", 0.0, compute=0.3, comm=0.1)  # lo's phase is 0.3 s
     phase(p, "hi", 1.0, compute=0.1, comm=0.2)  # hi left at 1.1 and is due back at 1.3
     assert p.request(K("lo"), 1, 1.15) == []  # 0.15 s left: 0.3 s does not fit
@@ -141,11 +141,80 @@ def test_a_low_phase_that_fits_the_gap_is_granted_at_once() -> None:
 
 
 def test_the_high_job_back_in_time_is_served_and_the_low_one_waits() -> None:
-    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001, cut_turns=False)
     phase(p, "lo", 0.0, compute=0.3, comm=0.1)
     phase(p, "hi", 1.0, compute=0.1, comm=0.2)
     p.request(K("lo"), 1, 1.15)
     assert p.request(K("hi"), 1, 1.3) == [K("hi")]
+
+
+def cut_turn(p: CrossoverPolicy, iteration: int, t: float) -> tuple[float, list[RankKey]]:
+    """hi leaves for its 0.2 s allreduce at t + 0.1; lo (0.3 s phases) asks 50 ms into the gap. Returns when
+    the policy asks lo to yield, and what it asks."""
+    assert p.request(K("hi"), iteration, t) == [K("hi")]
+    p.observe(K("hi"), "compute", 0.1, t + 0.1)
+    p.release(K("hi"), t + 0.1)
+    p.observe(K("hi"), "comm", 0.2, t + 0.3)
+    assert p.request(K("lo"), iteration, t + 0.15) == [K("lo")]  # 0.3 s into 0.15 s left: cut to it
+    cut_at = p.next_deadline()
+    assert cut_at is not None
+    assert p.tick(cut_at - 1e-4) == [] and p.take_preemptions() == []
+    p.tick(cut_at)
+    return cut_at, p.take_preemptions()
+
+
+def test_a_low_phase_that_does_not_fit_is_cut_to_the_gap_and_asked_to_yield_as_it_closes() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
+    phase(p, "hi", 1.0, compute=0.1, comm=0.2)
+    cut_at, asked = cut_turn(p, 2, 1.3)
+    assert asked == [K("lo")] and cut_at == pytest.approx(1.6)  # hi back at 1.4 + 0.2: no lead measured yet
+    assert p.decisions()["cut"] == 1 and p.decisions()["held_back"] == 0
+    assert p.request(K("hi"), 3, 1.6) == []  # back as asked: it waits for the yield, not the phase
+    assert p.release(K("lo"), 1.61) == [K("hi")]
+    assert p.request(K("lo"), 2, 1.61) == []  # the rest of its phase waits for the next gap
+    assert p.take_preemptions() == []  # asked once a grant
+
+
+def test_the_cut_comes_earlier_by_how_long_the_job_took_to_yield() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
+    t = 1.0
+    for i in range(1, 4):
+        cut_at, asked = cut_turn(p, i, t)
+        assert asked == [K("lo")]
+        assert cut_at == pytest.approx(t + 0.3 - (0.0 if i == 1 else 0.02))
+        p.release(K("lo"), cut_at + 0.02)  # 20 ms after the ask
+        p.request(K("lo"), i, cut_at + 0.02)  # the same iteration again: a yield
+        p.cancel(K("lo"), cut_at + 0.021)
+        t = cut_at + 0.1
+
+
+def test_a_job_that_finishes_its_phase_instead_of_yielding_is_held_back_instead() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
+    t = 1.0
+    for i in range(1, 3):  # asked twice, it answers each time at its phase's end (work without gradients)
+        cut_at, asked = cut_turn(p, i, t)
+        assert asked == [K("lo")]
+        p.release(K("lo"), t + 0.45)
+        p.request(K("lo"), i + 10, t + 0.45)  # its next iteration: it did not yield
+        p.cancel(K("lo"), t + 0.451)
+        t += 1.0
+    assert p.request(K("hi"), 3, t) == [K("hi")]
+    p.observe(K("hi"), "compute", 0.1, t + 0.1)
+    p.release(K("hi"), t + 0.1)
+    held_back = p.decisions()["held_back"]
+    assert p.request(K("lo"), 13, t + 0.15) == []
+    assert p.decisions()["held_back"] == held_back + 1 and p.decisions()["cut"] == 2
+
+
+def test_a_gap_too_short_for_a_hand_over_is_not_cut() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
+    phase(p, "hi", 1.0, compute=0.1, comm=0.2)
+    assert p.request(K("lo"), 1, 1.275) == []  # 25 ms left, under a tenth of lo's 0.3 s phase
+    assert p.decisions()["held_back"] == 1 and p.decisions()["cut"] == 0
 
 
 def test_the_guard_serves_a_low_job_before_high_ones_at_its_guaranteed_share() -> None:
@@ -277,7 +346,7 @@ def test_the_queue_shows_higher_classes_first() -> None:
 
 
 def test_the_queue_order_puts_a_higher_job_away_before_a_lower_one_held_back_as_the_policy_serves() -> None:
-    p = policy({"prod": NORMAL, "sweep": LOW}, guard_share=0.0001)
+    p = policy({"prod": NORMAL, "sweep": LOW}, guard_share=0.0001, cut_turns=False)
     phase(p, "sweep", 0.0, compute=0.3, comm=0.1)
     phase(p, "prod", 1.0, compute=0.1, comm=0.2)
     assert p.request(K("prod"), 1, 1.3) == [K("prod")]  # prod holds; sweep asks and is held back

@@ -346,3 +346,22 @@ def test_interference_stretches_only_the_overlapped_parts_of_phases(x):
     # their compute with an allreduce under fair links).
     pt = [simulate(jobs, "passthrough", n_nodes=2, config=SimConfig(seed=2, interference=v)) for v in (0.0, x)]
     assert pt[1].throughput_iter_s == pytest.approx(pt[0].throughput_iter_s, rel=0.05)
+
+
+def test_a_rank_asked_to_yield_hands_its_device_back_after_yield_s_and_finishes_its_phase_later():
+    """A low job whose 0.2 s phases fit no 50 ms gap of a high job: with yields modelled, its phases are cut
+    into the gaps (`ClassSettings.cut_turns`) and the high job waits at most about `yield_s` for the device;
+    without, the policy learns that asks end at the phase's end and the high job waits for whole phases."""
+    jobs = [job("hi", iters=None, priority="high"), job("lo", c=0.2, m=0.01, iters=None, priority="low")]
+    waits, spans = {}, {}
+    for ys in (None, 0.002):
+        res = simulate(jobs, "crossover", n_nodes=2, config=SimConfig(yield_s=ys, record_trace=True, horizon_s=30.0))
+        no_overlap(res.trace)
+        waits[ys] = next(j for j in res.jobs if j.name == "hi").grant_wait_max_s
+        lo = [s for s in res.trace if s.job == "lo" and s.node == 0]
+        spans[ys] = (len(lo), len({s.iteration for s in lo}), sum(s.end - s.start for s in lo))
+    count, iterations, held = spans[0.002]
+    assert count > 2 * iterations > 0  # each phase in several gaps
+    assert held == pytest.approx(0.2 * iterations, rel=0.1)  # no work lost to a yield
+    assert waits[0.002] < 0.01 < 0.1 < waits[None]
+    assert spans[None][0] == spans[None][1]  # never cut: a span per phase

@@ -46,7 +46,7 @@ def test_the_simulator_has_it_and_the_daemon_does_not():
     assert isinstance(p, LinkPolicy) and p.name == "crossover-link" and p.blocks is True
     assert (p.link.link_ranks, p.settings.max_overtakes) == (8, 3)
     assert p.decisions() == {"overtake": 0, "preempt": 0, "held_back": 0, "guard": 0, "budget": 0, "floor": 0,
-                             "link": 0}
+                             "cut": 0, "link": 0}
     assert "crossover-link" not in policies.available() and create("crossover").decisions()["overtake"] == 0
 
 
