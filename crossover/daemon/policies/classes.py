@@ -30,9 +30,10 @@ while its jobs differ in class or weight (equal classes: today's order, exactly)
 * **Starvation guard.** Each lower-class job earns `guard_share` seconds of
   device time per second (capped at `guard_window_s` of it) and spends what it
   holds. A waiting job whose credit covers its next phase is served before any
-  higher class, within the isolation budget: every job keeps progressing at its
-  guaranteed share. Under the controller a lower rank that has waited its
-  `starve_windows` gets its phase whatever the budget, the gaps and its credit (the floor).
+  higher class, within the isolation budget, and is not asked to yield it: every job keeps
+  progressing at its guaranteed share. Under the controller a lower rank that has waited its
+  `starve_windows` since it first asked for its iteration (its yields do not restart the wait)
+  gets its phase whatever the budget, the gaps and its credit (the floor).
 
 Pure: time comes only through `now`; the policy feeds it what it observes.
 """

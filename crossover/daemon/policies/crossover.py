@@ -103,11 +103,12 @@ class CrossoverPolicy(DispatchPolicy):
         self._granted_at: dict[RankKey, float] = {}
         self._preempt: list[RankKey] = []  # holders to ask for a yield, not yet taken
         self._asked: set[RankKey] = set()  # holders asked during their current grant
-        self._floored: set[RankKey] = set()  # holders the floor served: their phase is not asked to yield
+        self._paid: set[RankKey] = set()  # holders the floor or the guard served: not asked to yield that phase
         self._held_until: dict[int, float] = {}  # device -> when a held-back lower phase is looked at again
         self._cut_at: dict[int, float] = {}  # device -> when its lower holders, in a cut turn, are asked to yield
         self._asked_at: dict[RankKey, float] = {}  # holder -> when it was asked to yield
         self._answered: dict[RankKey, float] = {}  # rank -> how long after the ask it released (yield or end?)
+        self._since: dict[RankKey, float] = {}  # rank -> when it first asked for its iteration (before any yield)
         self.overtakes = 0
         self.preemptions = 0
         self.held_back = 0
@@ -166,9 +167,10 @@ class CrossoverPolicy(DispatchPolicy):
         self._passed.pop(key, None)
         self._granted_at.pop(key, None)
         self._asked.discard(key)
-        self._floored.discard(key)
+        self._paid.discard(key)
         self._asked_at.pop(key, None)
         self._answered.pop(key, None)
+        self._since.pop(key, None)
         self._preempt = [k for k in self._preempt if k != key]
         if not any(k.job_id == key.job_id for k in self._q.ranks if k != key):
             self._compute.pop(key.job_id, None)
@@ -177,9 +179,12 @@ class CrossoverPolicy(DispatchPolicy):
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._now = now
+        again = self._q.iteration.get(key) == iteration and key in self._since  # after a yield
         after = self._answered.pop(key, None)
-        if after is not None:  # asking again for the iteration it held: it yielded
-            self.book.answered(key.job_id, after, yielded=self._q.iteration.get(key) == iteration)
+        if after is not None:
+            self.book.answered(key.job_id, after, yielded=again)
+        if not again:
+            self._since[key] = now
         ref = self._q.ranks.get(key)
         if ref is not None and self.book.settings.isolation.on:
             jobs = self._jobs_on(ref.device)
@@ -200,7 +205,7 @@ class CrossoverPolicy(DispatchPolicy):
 
     def _ask(self, holders: list[RankKey]) -> None:
         """Ask each holder not yet asked in its grant (and not served by the floor) to yield."""
-        fresh = [h for h in holders if h not in self._asked and h not in self._floored]
+        fresh = [h for h in holders if h not in self._asked and h not in self._paid]
         self._asked.update(fresh)
         self._asked_at.update(dict.fromkeys(fresh, self._now))
         self._preempt += fresh
@@ -228,7 +233,7 @@ class CrossoverPolicy(DispatchPolicy):
             ref = self._q.ranks.get(key)
             self.book.served(key.job_id, now - began, now, -1 if ref is None else ref.device)
         self._asked.discard(key)
-        self._floored.discard(key)
+        self._paid.discard(key)
         asked = self._asked_at.pop(key, None)
         if asked is not None:
             self._answered[key] = now - asked
@@ -369,14 +374,16 @@ class CrossoverPolicy(DispatchPolicy):
         return {k.job_id for k, r in self._q.ranks.items() if r.device == device and k != without}
 
     def _guard(self, ranks: list[RankKey], due: list[float]) -> RankKey | None:
-        """The earliest of `ranks` whose guaranteed share covers its next phase (the guard serves it);
-        None, after adding to `due` when each will be owed one."""
+        """The earliest of `ranks` whose guaranteed share covers its next phase (the guard serves it, and the
+        phase is not asked to yield: a guaranteed phase cut at each return of the higher job would never end
+        where it leaves no gaps); None, after adding to `due` when each will be owed one."""
         book, at = self.book, self._q.requested_at
         for k in sorted(ranks, key=lambda k: (at[k], k.job_id, k.rank)):
             need = self._guard_need(k.job_id)
             credit = book.credit(k.job_id, self._now)
             if credit >= need:
                 self.guarded += 1
+                self._paid.add(k)  # its credit pays for the whole phase: a higher rank back meanwhile waits
                 return k
             due.append(self._now + (need - credit) / max(book.settings.guard_share, 1e-9))
         return None
@@ -427,10 +434,10 @@ class CrossoverPolicy(DispatchPolicy):
             w = ctl.settings.window_s
             held = book.held_since(ctl.lower, now - w, dev.index)
             starve_s = ctl.settings.starve_windows * w
-            asked = [at[k] for k in dev.waiting if k.job_id in ctl.lower]
-            if asked:  # the floor falls due for the lower rank that has waited longest
-                due.append(min(asked) + starve_s)
-            starving = {k for k in waiting if k.job_id in ctl.lower and at[k] + starve_s <= now}
+            since = {k: self._since.get(k, at[k]) for k in dev.waiting if k.job_id in ctl.lower}
+            if since:  # the floor falls due for the lower rank that has waited longest (its yields do not restart it)
+                due.append(min(since.values()) + starve_s)
+            starving = {k for k in waiting if k in since and since[k] + starve_s <= now}
             kept_out = [k for k in waiting if k.job_id in ctl.lower
                         and not ctl.allows(held, self._compute.get(k.job_id, 0.0), k in starving)]
             if kept_out:
@@ -444,7 +451,7 @@ class CrossoverPolicy(DispatchPolicy):
             if starving:  # the floor: its whole phase now, gap or not, so that it never waits past its grant timeout
                 self.starved += 1
                 chosen = min(starving, key=lambda k: (at[k], k.job_id, k.rank))
-                self._floored.add(chosen)
+                self._paid.add(chosen)
                 return chosen, []
         top = max(book.of(k.job_id).priority for k in waiting)
         owed = self._guard([k for k in waiting if book.of(k.job_id).priority < top], due)

@@ -381,3 +381,28 @@ def test_the_floor_serves_a_starving_lower_rank_even_where_no_gap_fits_it():
     assert p.decisions()["floor"] == 1
     assert p.request(RankKey("prod", 0), i, t) == []  # prod back: it waits out the floor's whole phase
     assert p.take_preemptions() == []
+
+
+
+def test_the_floor_counts_from_the_first_ask_of_an_iteration_whatever_asks_came_between():
+    """A lower rank that asks again for the iteration it waits for (after a yield, or a withdrawn request) is
+    owed its floor 4 s after it first asked for it: asking again does not restart the wait."""
+    p, sweep = _sweep_after_a_solo_window()
+    assert p.request(sweep, 0, 1.0) == [sweep]
+    p.observe(sweep, "compute", 0.3, 1.3)
+    p.release(sweep, 1.3)
+    assert p.request(sweep, 1, 1.3) == []  # iteration 1, first asked at 1.3
+    t, i, granted = 1.3, 10, []
+    while t < 8.0 and not granted:
+        assert p.request(RankKey("prod", 0), i, t) == [RankKey("prod", 0)]
+        p.observe(RankKey("prod", 0), "compute", 0.095, t + 0.095)
+        if 2.0 <= t < 2.1:  # it stops waiting and asks again for the same iteration
+            p.cancel(sweep, t + 0.09)
+            assert p.request(sweep, 1, t + 0.09) == []
+        granted = p.release(RankKey("prod", 0), t + 0.095)
+        if i > 10:
+            p.observe(RankKey("prod", 0), "comm", 0.005, t)
+        granted += p.tick(t + 0.097)
+        t, i = t + 0.1, i + 1
+    assert granted == [sweep] and 1.3 + 4.0 <= t < 1.3 + 4.3, f"granted at {t:.1f}"
+    assert p.decisions()["floor"] == 1

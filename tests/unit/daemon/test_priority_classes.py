@@ -358,6 +358,17 @@ def test_the_queue_order_puts_a_higher_job_away_before_a_lower_one_held_back_as_
     assert served_next == [K("prod")] and p.view(0).order[0] == "prod"
 
 
+def test_a_phase_the_guard_serves_is_not_asked_to_yield() -> None:
+    p = policy({"prod": NORMAL, "sweep": LOW}, guard_share=0.5)
+    phase(p, "sweep", 0.0, compute=0.3, comm=0.1)
+    phase(p, "prod", 1.0, compute=0.1, comm=0.2)  # its gaps: 0.2 s, which sweep's 0.3 s does not fit
+    assert p.request(K("prod"), 1, 5.0) == [K("prod")]
+    assert p.request(K("sweep"), 1, 5.01) == []
+    assert p.release(K("prod"), 5.02) == [K("sweep")] and p.decisions()["guard"] == 1  # its credit is due
+    assert p.request(K("prod"), 2, 5.03) == []  # prod waits out the guaranteed phase
+    assert p.take_preemptions() == []
+
+
 def test_the_queue_order_puts_a_lower_job_whose_guard_is_due_first() -> None:
     p = policy({"prod": NORMAL, "sweep": LOW}, guard_share=0.5)
     phase(p, "sweep", 0.0, compute=0.01, comm=0.1)
