@@ -33,7 +33,8 @@ Beds:
 
 The simulator models the plugin's yield at a gradient as a fixed delay (`--yield-ms`,
 5 ms: a layer's backward and the message; 0: not modelled, a low holder keeps the device
-to its phase's end, as before 2026-11-29). The device model's compute phase is one piece,
+to its phase's end, as the simulator did before 2026-11-29, and the policy learns within a
+few asks that the job does not yield). The device model's compute phase is one piece,
 so a yield waits for its end there, unless --device-in-backward runs it layer by layer in
 the backward, as a GPU whose queue the plugin bounds does (docs/priorities.md, rule 3).
 

@@ -167,11 +167,15 @@ class DispatchPolicy(QueuePolicy):
     def _decide(self, dev: _Device) -> list[RankKey]:
         """The policy's grant on `dev`, then the granted job's other ranks there (`DeviceQueues.mates`)."""
         granted = self._dispatch(dev)
-        for key in self._q.mates(dev):
+        for key in self._mates(dev):
             self._q.grant(dev, key)
             self._joined(key)
             granted.append(key)
         return granted
+
+    def _mates(self, dev: _Device) -> list[RankKey]:
+        """The waiting ranks that join the device's holders now (`DeviceQueues.mates`)."""
+        return self._q.mates(dev)
 
     def _joined(self, key: RankKey) -> None:
         """`key` was granted beside its job's holders (policies forget what they kept on its request)."""

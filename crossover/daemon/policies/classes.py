@@ -49,6 +49,7 @@ from crossover.daemon.policies.isolation import IsolationSettings
 __all__ = ["ClassBook", "ClassSettings", "JobClass", "Priority"]
 
 _RECENT = 8  # phases a job's gap and phase estimates look back on
+_YIELD_MEMORY_S = 60.0  # how long what a job's asks said of its yields lasts (e-folding time)
 
 
 def _quantile(xs: deque[float] | None, q: float) -> float | None:
@@ -136,7 +137,7 @@ class ClassBook:
         self._comms: dict[str, deque[float]] = {}  # job -> its latest allreduces
         self._computes: dict[str, deque[float]] = {}  # job -> its latest compute phases
         self._answers: dict[str, deque[float]] = {}  # job -> how long its latest yields came after the ask
-        self._yielding: dict[str, float] = {}  # job -> how often an ask ended in a yield (EMA; unknown: 1)
+        self._yielding: dict[str, tuple[float, float]] = {}  # job -> (how often an ask ended in a yield, as of)
 
     def of(self, job: str) -> JobClass:
         return self.classes.get(job, JobClass())
@@ -187,10 +188,11 @@ class ClassBook:
         phase is fitted into."""
         return _quantile(self._comms.get(job), 0.25)
 
-    def answered(self, job: str, after_s: float, yielded: bool) -> None:
+    def answered(self, job: str, after_s: float, yielded: bool, now: float) -> None:
         """A rank of the job asked to yield handed its device back `after_s` later: in a yield (`yielded`), or
         at its phase's end (it had no gradient to yield at before it)."""
-        self._yielding[job] = 0.7 * self._yielding.get(job, 1.0) + 0.3 * float(yielded)
+        score = self._yields(job, now)
+        self._yielding[job] = (0.7 * score + 0.3 if yielded else 0.5 * score, now)
         if yielded:
             self._answers.setdefault(job, deque(maxlen=_RECENT)).append(after_s)
 
@@ -199,9 +201,16 @@ class ClassBook:
         time about three times in four (upper quartile of its latest yields; 0 before any)."""
         return _quantile(self._answers.get(job), 0.75) or 0.0
 
-    def yields_promptly(self, job: str) -> bool:
-        """Whether asking the job to yield mostly ends in a yield (assumed, until asks say otherwise)."""
-        return self._yielding.get(job, 1.0) >= 0.5
+    def yields_promptly(self, job: str, now: float) -> bool:
+        """Whether asking the job to yield mostly ends in a yield: assumed until asks say otherwise (each ask
+        that ends at the phase's end halves the score, each yield raises it), and again as what they said
+        ages, so that a job judged on two unlucky asks is tried again, and one that never yields costs a
+        phase's overrun about every 25 s."""
+        return self._yields(job, now) >= 0.5
+
+    def _yields(self, job: str, now: float) -> float:
+        score, at = self._yielding.get(job, (1.0, now))
+        return 1.0 - (1.0 - score) * math.exp(-max(0.0, now - at) / _YIELD_MEMORY_S)
 
     def long_phase(self, job: str) -> float | None:
         """How long the job's compute phase takes at most about three times in four (upper quartile)."""

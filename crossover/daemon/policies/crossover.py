@@ -108,7 +108,7 @@ class CrossoverPolicy(DispatchPolicy):
         self._cut_at: dict[int, float] = {}  # device -> when its lower holders, in a cut turn, are asked to yield
         self._asked_at: dict[RankKey, float] = {}  # holder -> when it was asked to yield
         self._answered: dict[RankKey, float] = {}  # rank -> how long after the ask it released (yield or end?)
-        self._since: dict[RankKey, float] = {}  # rank -> when it first asked for its iteration (before any yield)
+        self._since: dict[RankKey, tuple[int, float]] = {}  # rank -> (its iteration, when it first asked for it)
         self.overtakes = 0
         self.preemptions = 0
         self.held_back = 0
@@ -179,12 +179,13 @@ class CrossoverPolicy(DispatchPolicy):
 
     def request(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._now = now
-        again = self._q.iteration.get(key) == iteration and key in self._since  # after a yield
+        again = key in self._since and self._since[key][0] == iteration  # after a yield
         after = self._answered.pop(key, None)
-        if after is not None:
-            self.book.answered(key.job_id, after, yielded=again)
+        # A phase that ended about as soon after the ask as a yield would have says nothing either way.
+        if after is not None and (again or after > 2 * self.book.yield_lead(key.job_id) + 0.005):
+            self.book.answered(key.job_id, after, yielded=again, now=now)
         if not again:
-            self._since[key] = now
+            self._since[key] = (iteration, now)
         ref = self._q.ranks.get(key)
         if ref is not None and self.book.settings.isolation.on:
             jobs = self._jobs_on(ref.device)
@@ -224,6 +225,7 @@ class CrossoverPolicy(DispatchPolicy):
     def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._now = now
         self._granted_at[key] = now
+        self._since[key] = (iteration, now)
         return super().occupy(key, iteration, now)
 
     def release(self, key: RankKey, now: float) -> list[RankKey]:
@@ -251,7 +253,9 @@ class CrossoverPolicy(DispatchPolicy):
         for index, at in sorted(self._cut_at.items()):
             if at <= now:
                 del self._cut_at[index]
-                self._ask(self._q.devices[index].holders)
+                top = max((self.book.of(j).priority for j in self._jobs_on(index)), default=0)
+                self._ask([h for h in self._q.devices[index].holders
+                           if self.book.of(h.job_id).priority < top and self._long_left(h, now)])
         granted: list[RankKey] = []
         for index, until in sorted(self._held_until.items()):
             if until <= now:
@@ -261,6 +265,16 @@ class CrossoverPolicy(DispatchPolicy):
 
     def next_deadline(self) -> float | None:
         return min([*self._held_until.values(), *self._cut_at.values()], default=None)
+
+    def _mates(self, dev: _Device) -> list[RankKey]:
+        """None while a holder is asked to yield or a rank of a higher class than the holders' waits: a rank
+        that yielded and asks again would otherwise be granted back beside its job's other rank at once."""
+        if any(h in self._asked for h in dev.holders):
+            return []
+        held = max((self.book.of(h.job_id).priority for h in dev.holders), default=None)
+        if held is not None and any(self.book.of(k.job_id).priority > held for k in dev.waiting):
+            return []
+        return super()._mates(dev)
 
     def _joined(self, key: RankKey) -> None:
         self._passed.pop(key, None)
@@ -395,7 +409,7 @@ class CrossoverPolicy(DispatchPolicy):
         book, at = self.book, self._q.requested_at
         for k in sorted(ranks, key=lambda k: (at[k], k.job_id, k.rank)):
             cut_at = closes_at - book.yield_lead(k.job_id)
-            if book.yields_promptly(k.job_id) and \
+            if book.yields_promptly(k.job_id, self._now) and \
                     cut_at - self._now > max(0.005, 0.1 * self._compute.get(k.job_id, 0.0)):
                 self._cut_at[dev.index] = cut_at
                 self.cut += 1
@@ -434,7 +448,8 @@ class CrossoverPolicy(DispatchPolicy):
             w = ctl.settings.window_s
             held = book.held_since(ctl.lower, now - w, dev.index)
             starve_s = ctl.settings.starve_windows * w
-            since = {k: self._since.get(k, at[k]) for k in dev.waiting if k.job_id in ctl.lower}
+            since = {k: self._since[k][1] if k in self._since else at[k]
+                     for k in dev.waiting if k.job_id in ctl.lower}
             if since:  # the floor falls due for the lower rank that has waited longest (its yields do not restart it)
                 due.append(min(since.values()) + starve_s)
             starving = {k for k in waiting if k in since and since[k] + starve_s <= now}

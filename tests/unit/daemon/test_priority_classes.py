@@ -207,6 +207,37 @@ def test_a_job_that_finishes_its_phase_instead_of_yielding_is_held_back_instead(
     held_back = p.decisions()["held_back"]
     assert p.request(K("lo"), 13, t + 0.15) == []
     assert p.decisions()["held_back"] == held_back + 1 and p.decisions()["cut"] == 2
+    p.cancel(K("lo"), t + 0.2)
+    t += 30.0  # what two asks said has aged: it is tried again
+    cut_at, asked = cut_turn(p, 4, t)
+    assert asked == [K("lo")] and p.decisions()["cut"] == 3
+
+
+def test_a_rank_that_yielded_is_not_granted_back_beside_its_jobs_other_rank_while_a_higher_one_waits() -> None:
+    p = policy({"hi": HIGH}, guard_share=0.0001)
+    for r in (0, 1):
+        p.join(ref("lo", r), 0.0)
+    p.classify("lo", LOW, 0.0)
+    assert p.request(K("lo", 0), 0, 0.0) == [K("lo", 0)]
+    assert p.request(K("lo", 1), 0, 0.0) == [K("lo", 1)]  # its mate, beside it
+    assert p.request(K("hi"), 0, 0.01) == []
+    assert sorted(p.take_preemptions()) == [K("lo", 0), K("lo", 1)]
+    assert p.release(K("lo", 0), 0.02) == []
+    assert p.request(K("lo", 0), 0, 0.02) == []  # asks again for the same iteration: waits behind hi
+    assert p.release(K("lo", 1), 0.03) == [K("hi")]
+
+
+def test_a_cut_turn_whose_higher_job_left_is_not_asked_to_yield() -> None:
+    p = policy({"hi": HIGH, "lo": LOW}, guard_share=0.0001)
+    phase(p, "lo", 0.0, compute=0.3, comm=0.1)
+    phase(p, "hi", 1.0, compute=0.1, comm=0.2)
+    assert p.request(K("hi"), 1, 1.3) == [K("hi")]
+    p.observe(K("hi"), "compute", 0.1, 1.4)
+    p.release(K("hi"), 1.4)
+    assert p.request(K("lo"), 1, 1.45) == [K("lo")] and p.decisions()["cut"] == 1
+    p.leave(K("hi"), 1.5)
+    p.tick(1.6)
+    assert p.take_preemptions() == []
 
 
 def test_a_gap_too_short_for_a_hand_over_is_not_cut() -> None:
