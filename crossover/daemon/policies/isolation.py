@@ -17,10 +17,13 @@ out of the protected job. This controller measures the outcome instead:
   shortfall and at most to `decrease` of itself (AIMD, as TGS's rate control and TCP do; and as TCP,
   doubled instead of raised until the first cut after the device's jobs change). A judgement knows
   how sure it is: the spread of the iterations it pooled, and of the reference's, give a standard error.
-  A reading short by more than `confidence` standard errors cuts at once; one short within its noise (or
-  of too few iterations to know it) holds the budget and pools the next window, and cuts once the pool is
-  full and still short. A few iterations' jitter then neither halves the budget nor trims it window after
-  window. In slow start each doubled budget is judged on its own windows.
+  A reading short by more than `confidence` standard errors cuts at once, and one above the target by
+  more than that raises at once; one within its noise of the target (or of too few iterations to know it)
+  holds the budget and pools the next window, and cuts or raises once the pool is full. A few iterations'
+  jitter then neither halves the budget nor trims it window after window, and a budget is not raised on
+  a reading that only jitter put above the target (raised on every such reading, the budget saw-toothed
+  around the target and the protected job's pace averaged a percent or more below it). Each cut and each
+  raise is judged on the windows after it.
 * **Enforcement** is the policy's: a lower-class phase is granted only while the lower classes' device
   time over the last window, with that phase, stays within the budget (`allows`); in a solo window the
   budget is 0. A lower rank that has waited `starve_windows` windows gets its phase anyway in a shared
@@ -64,10 +67,11 @@ class IsolationSettings:
     windows a job without a reference is measured over (a job whose iteration outlasts a window needs
     several); `alone_keep_s`: how long the job's pace before any lower job came caps its reference;
     `smooth_windows`: the most shared windows a judgement pools (the iterations of the last this many since
-    the last cut); `confidence`: a pooled pace short of the target cuts at once only where it is short by
-    more than this many standard errors (its iterations' spread, and the reference's), and otherwise once
-    `smooth_windows` windows are pooled and it still reads short, so that a few iterations' jitter does not
-    read as a shortfall and a true one is still cut within `smooth_windows` windows; `reference_windows`:
+    the last cut); `confidence`: a pooled pace short of the target cuts at once (above it, raises at once) only where it
+    is off by more than this many standard errors (its iterations' spread, and the reference's), and
+    otherwise once `smooth_windows` windows are pooled and it still reads so, so that a few iterations'
+    jitter does not read as a shortfall or a margin and a true one is still acted on within
+    `smooth_windows` windows; `reference_windows`:
     the solo windows the reference pools, each the latest of its run (one window of a few iterations read
     the model bed's job 0.87-1.07x of another); `slow_start`: until the first cut after the device's jobs
     change, a window within the target doubles the budget instead of adding `increase` (TCP's slow start:
@@ -387,19 +391,19 @@ class IsolationController:
             error = None if now_error is None or reference_error is None else math.hypot(now_error, reference_error)
             readings.append((self.reference_s[j] / now.iteration_s, error, len(pool)))
         kept, error, pooled = min(readings, key=lambda r: r[0])
-        if kept >= s.target:
+        full = pooled >= s.smooth_windows
+        if kept >= s.target and (full or error is not None and kept * (1.0 - s.confidence * error) >= s.target):
             step = max(s.increase, self.budget) if self._starting else s.increase
             budget, verdict = min(s.ceiling, self.budget + step), "more"
-        elif (error is not None and kept * (1.0 + s.confidence * error) < s.target) or pooled >= s.smooth_windows:
+            self._pooled.clear()  # each raise is judged on the windows after it
+        elif kept < s.target and (full or error is not None and kept * (1.0 + s.confidence * error) < s.target):
             budget, verdict = self.budget * max(s.decrease, 1.0 - s.cut_gain * (s.target - kept) / s.target), "less"
             self._pooled.clear()  # one cut per shortfall: the next judgement pools windows after it
             self._starting = False
         else:
-            return None  # short, but within its noise: pool another window before cutting
+            return None  # within its noise of the target: pool another window before cutting or raising
         if budget == self.budget:
             return None
-        if self._starting and verdict == "more":
-            self._pooled.clear()  # a doubled budget is judged on its own windows: older ones would hide its cost
         self.budget = budget
         return (f"the protected job keeps {kept:.2f}x of its speed alone (target {s.target:g}): "
                 f"{verdict} for the lower classes")
