@@ -49,7 +49,7 @@ from crossover.daemon.policies.isolation import IsolationSettings
 __all__ = ["ClassBook", "ClassSettings", "JobClass", "Priority"]
 
 _RECENT = 8  # phases a job's gap and phase estimates look back on
-_YIELD_MEMORY_S = 60.0  # how long what a job's asks said of its yields lasts (e-folding time)
+_PROBE_S = 30.0  # a job whose asks mostly end at its phase's end is given a cut turn again after this long
 
 
 def _quantile(xs: deque[float] | None, q: float) -> float | None:
@@ -137,14 +137,15 @@ class ClassBook:
         self._comms: dict[str, deque[float]] = {}  # job -> its latest allreduces
         self._computes: dict[str, deque[float]] = {}  # job -> its latest compute phases
         self._answers: dict[str, deque[float]] = {}  # job -> how long its latest yields came after the ask
-        self._yielding: dict[str, tuple[float, float]] = {}  # job -> (how often an ask ended in a yield, as of)
+        self._yielding: dict[str, deque[bool]] = {}  # job -> whether its latest answered asks ended in a yield
+        self._answered_at: dict[str, float] = {}  # job -> when its latest ask was answered
 
     def of(self, job: str) -> JobClass:
         return self.classes.get(job, JobClass())
 
     def forget(self, job: str) -> None:
         for d in (self.classes, self._credit, self.left_at, self.comm, self._comms, self._computes, self._answers,
-                  self._yielding):
+                  self._yielding, self._answered_at):
             d.pop(job, None)  # type: ignore[attr-defined]
 
     @property
@@ -191,8 +192,8 @@ class ClassBook:
     def answered(self, job: str, after_s: float, yielded: bool, now: float) -> None:
         """A rank of the job asked to yield handed its device back `after_s` later: in a yield (`yielded`), or
         at its phase's end (it had no gradient to yield at before it)."""
-        score = self._yields(job, now)
-        self._yielding[job] = (0.7 * score + 0.3 if yielded else 0.5 * score, now)
+        self._yielding.setdefault(job, deque(maxlen=_RECENT)).append(yielded)
+        self._answered_at[job] = now
         if yielded:
             self._answers.setdefault(job, deque(maxlen=_RECENT)).append(after_s)
 
@@ -202,15 +203,14 @@ class ClassBook:
         return _quantile(self._answers.get(job), 0.75) or 0.0
 
     def yields_promptly(self, job: str, now: float) -> bool:
-        """Whether asking the job to yield mostly ends in a yield: assumed until asks say otherwise (each ask
-        that ends at the phase's end halves the score, each yield raises it), and again as what they said
-        ages, so that a job judged on two unlucky asks is tried again, and one that never yields costs a
-        phase's overrun about every 25 s."""
-        return self._yields(job, now) >= 0.5
-
-    def _yields(self, job: str, now: float) -> float:
-        score, at = self._yielding.get(job, (1.0, now))
-        return 1.0 - (1.0 - score) * math.exp(-max(0.0, now - at) / _YIELD_MEMORY_S)
+        """Whether asking the job to yield mostly ends in a yield: at least half of its latest answered asks
+        (assumed before two are); otherwise once `_PROBE_S` has passed since the last answer, so that a job
+        judged on unlucky asks (in its last layer) is tried again, and one that never yields costs a phase's
+        overrun every 30 s."""
+        answers = self._yielding.get(job, ())
+        if len(answers) < 2 or 2 * sum(answers) >= len(answers):
+            return True
+        return now >= self._answered_at[job] + _PROBE_S
 
     def long_phase(self, job: str) -> float | None:
         """How long the job's compute phase takes at most about three times in four (upper quartile)."""
