@@ -183,7 +183,7 @@ class CrossoverPolicy(DispatchPolicy):
         after = self._answered.pop(key, None)
         # A phase that ended about as soon after the ask as a yield would have says nothing either way.
         if after is not None and (again or after > 2 * self.book.yield_lead(key.job_id) + 0.005):
-            self.book.answered(key.job_id, after, yielded=again, now=now)
+            self.book.answered(key.job_id, after, yielded=again)
         if not again:
             self._since[key] = (iteration, now)
         ref = self._q.ranks.get(key)
@@ -409,7 +409,7 @@ class CrossoverPolicy(DispatchPolicy):
         book, at = self.book, self._q.requested_at
         for k in sorted(ranks, key=lambda k: (at[k], k.job_id, k.rank)):
             cut_at = closes_at - book.yield_lead(k.job_id)
-            if book.yields_promptly(k.job_id, self._now) and \
+            if book.yields_promptly(k.job_id) and \
                     cut_at - self._now > max(0.005, 0.1 * self._compute.get(k.job_id, 0.0)):
                 self._cut_at[dev.index] = cut_at
                 self.cut += 1

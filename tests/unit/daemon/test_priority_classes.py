@@ -208,9 +208,10 @@ def test_a_job_that_finishes_its_phase_instead_of_yielding_is_held_back_instead(
     assert p.request(K("lo"), 13, t + 0.15) == []
     assert p.decisions()["held_back"] == held_back + 1 and p.decisions()["cut"] == 2
     p.cancel(K("lo"), t + 0.2)
-    t += 30.0  # what two asks said has aged: it is tried again
-    cut_at, asked = cut_turn(p, 4, t)
-    assert asked == [K("lo")] and p.decisions()["cut"] == 3
+    t += 60.0  # and stays so: each ask would cost the higher job an overrun
+    assert p.request(K("hi"), 4, t) == [K("hi")]
+    p.release(K("hi"), t + 0.1)
+    assert p.request(K("lo"), 14, t + 0.15) == [] and p.decisions()["cut"] == 2
 
 
 def test_a_rank_that_yielded_is_not_granted_back_beside_its_jobs_other_rank_while_a_higher_one_waits() -> None:
