@@ -201,10 +201,8 @@ class ClassBook:
 
     def yields_promptly(self, job: str) -> bool:
         """Whether asking the job to yield mostly ends in a yield: at least half of its latest answered asks
-        (assumed before two are). A job judged not to is not asked again, so it stays judged: each ask
-        costs the production job a phase's overrun, which the isolation controller answers with a cut
-        (given one every 30 s, a one-piece job on the device-model bed got 0.20x at 1:1 where it had
-        0.8x)."""
+        (assumed before two are). A job judged not to is not given a cut turn again, so it stays judged:
+        each would cost the higher job a phase's overrun, which the isolation controller answers with a cut."""
         answers = self._yielding.get(job, ())
         return len(answers) < 2 or 2 * sum(answers) >= len(answers)
 
