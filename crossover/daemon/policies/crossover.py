@@ -205,7 +205,7 @@ class CrossoverPolicy(DispatchPolicy):
         return granted
 
     def _ask(self, holders: list[RankKey]) -> None:
-        """Ask each holder not yet asked in its grant (and not served by the floor) to yield."""
+        """Ask each holder not yet asked in its grant (and not paid for by the floor or the guard) to yield."""
         fresh = [h for h in holders if h not in self._asked and h not in self._paid]
         self._asked.update(fresh)
         self._asked_at.update(dict.fromkeys(fresh, self._now))
@@ -220,7 +220,12 @@ class CrossoverPolicy(DispatchPolicy):
         began = self._granted_at.get(holder)
         if c is None or began is None:
             return True
-        return c - (now - began) > max(0.005, 0.1 * c)
+        return self._worth_a_handover(holder.job_id, c - (now - began))
+
+    def _worth_a_handover(self, job: str, left_s: float) -> bool:
+        """Whether `left_s` of the job's device time is worth a hand-over: more than a tenth of its measured
+        phase, and at least 5 ms."""
+        return left_s > max(0.005, 0.1 * self._compute.get(job, 0.0))
 
     def occupy(self, key: RankKey, iteration: int, now: float) -> list[RankKey]:
         self._now = now
@@ -404,13 +409,12 @@ class CrossoverPolicy(DispatchPolicy):
 
     def _cut_turn(self, dev: _Device, ranks: list[RankKey], closes_at: float) -> RankKey | None:
         """The earliest of `ranks` (lower phases that do not fit the gap that closes at `closes_at`) whose job
-        yields when asked and for which the gap left, less its lead, is worth a hand-over (`_long_left`'s bound);
+        yields when asked and for which the gap left, less its lead, is worth a hand-over;
         it is granted the gap, and its device's holders asked to yield `yield_lead` before the gap closes."""
         book, at = self.book, self._q.requested_at
         for k in sorted(ranks, key=lambda k: (at[k], k.job_id, k.rank)):
             cut_at = closes_at - book.yield_lead(k.job_id)
-            if book.yields_promptly(k.job_id) and \
-                    cut_at - self._now > max(0.005, 0.1 * self._compute.get(k.job_id, 0.0)):
+            if book.yields_promptly(k.job_id) and self._worth_a_handover(k.job_id, cut_at - self._now):
                 self._cut_at[dev.index] = cut_at
                 self.cut += 1
                 return k

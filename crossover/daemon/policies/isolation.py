@@ -395,13 +395,12 @@ class IsolationController:
         if kept >= s.target and (full or error is not None and kept * (1.0 - s.confidence * error) >= s.target):
             step = max(s.increase, self.budget) if self._starting else s.increase
             budget, verdict = min(s.ceiling, self.budget + step), "more"
-            self._pooled.clear()  # each raise is judged on the windows after it
         elif kept < s.target and (full or error is not None and kept * (1.0 + s.confidence * error) < s.target):
             budget, verdict = self.budget * max(s.decrease, 1.0 - s.cut_gain * (s.target - kept) / s.target), "less"
-            self._pooled.clear()  # one cut per shortfall: the next judgement pools windows after it
             self._starting = False
         else:
             return None  # within its noise of the target: pool another window before cutting or raising
+        self._pooled.clear()  # each raise and each cut is judged on the windows after it
         if budget == self.budget:
             return None
         self.budget = budget
