@@ -22,7 +22,10 @@ out of the protected job. This controller measures the outcome instead:
   holds the budget and pools the next window, and cuts or raises once the pool is full. A few iterations'
   jitter then neither halves the budget nor trims it window after window, and a budget is not raised on
   a reading that only jitter put above the target (raised on every such reading, the budget saw-toothed
-  around the target and the protected job's pace averaged a percent or more below it). Each cut and each
+  around the target and the protected job's pace averaged a percent or more below it). Slow start is the
+  exception: until its first cut a window within the target doubles the budget, sure or not, so that a low
+  job gets its share within seconds of coming (a raise that waited for a sure margin doubled once per full
+  pool, and on a noisy node the budget was still climbing when a short-lived low job left). Each cut and each
   raise is judged on the windows after it.
 * **Enforcement** is the policy's: a lower-class phase is granted only while the lower classes' device
   time over the last window, with that phase, stays within the budget (`allows`); in a solo window the
@@ -74,9 +77,9 @@ class IsolationSettings:
     `smooth_windows` windows; `reference_windows`:
     the solo windows the reference pools, each the latest of its run (one window of a few iterations read
     the model bed's job 0.87-1.07x of another); `slow_start`: until the first cut after the device's jobs
-    change, a window within the target doubles the budget instead of adding `increase` (TCP's slow start:
-    from 0.1 the budget reaches 0.8 in three windows, not fourteen; low jobs that stay half a minute spent
-    it climbing)."""
+    change, a window within the target, sure of it or not, doubles the budget instead of adding `increase`
+    (TCP's slow start: from 0.1 the budget reaches 0.8 in three windows, not fourteen; low jobs that stay
+    half a minute spent it climbing)."""
 
     target: float = 0.97
     window_s: float = 2.0
@@ -392,7 +395,8 @@ class IsolationController:
             readings.append((self.reference_s[j] / now.iteration_s, error, len(pool)))
         kept, error, pooled = min(readings, key=lambda r: r[0])
         full = pooled >= s.smooth_windows
-        if kept >= s.target and (full or error is not None and kept * (1.0 - s.confidence * error) >= s.target):
+        sure_above = error is not None and kept * (1.0 - s.confidence * error) >= s.target
+        if kept >= s.target and (self._starting or full or sure_above):
             step = max(s.increase, self.budget) if self._starting else s.increase
             budget, verdict = min(s.ceiling, self.budget + step), "more"
         elif kept < s.target and (full or error is not None and kept * (1.0 + s.confidence * error) < s.target):

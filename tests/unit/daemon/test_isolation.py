@@ -130,6 +130,29 @@ def test_the_budget_doubles_until_the_first_cut_and_again_after_the_jobs_change(
     assert budgets[1:] == pytest.approx([min(1.0, 2 ** k * (cut + 0.05)) for k in (1, 2, 3)])
 
 
+def test_slow_start_doubles_on_a_window_within_the_target_and_only_a_sure_margin_raises_after_the_first_cut():
+    ctl = IsolationController(IsolationSettings(window_s=1.0, initial=0.1, solo_every=100, smooth_windows=4))
+    jitter = (0.08, 0.12)  # as fast as alone on average, too jittery for one window to be sure of a margin
+    i = _run_steps(ctl, 0.0, 1.0, jitter)  # solo
+    budgets = []
+    for w in range(1, 3):
+        i = _run_steps(ctl, float(w), w + 1.0, jitter, i)
+        ctl.step(PROD, LOW, w + 1.0)
+        budgets.append(ctl.budget)
+    assert budgets == pytest.approx([0.2, 0.4])  # slow start: each window within the target doubles it
+    i = _run(ctl, 3.0, 4.0, 0.125, i)  # 0.8x, surely short: cut, and slow start ends
+    ctl.step(PROD, LOW, 4.0)
+    cut = ctl.budget
+    assert cut < 0.4
+    for w in range(4, 7):
+        i = _run_steps(ctl, float(w), w + 1.0, jitter, i)
+        ctl.step(PROD, LOW, w + 1.0)
+        assert ctl.budget == pytest.approx(cut)  # within its noise: held while the pool fills
+    i = _run_steps(ctl, 7.0, 8.0, jitter, i)
+    ctl.step(PROD, LOW, 8.0)
+    assert ctl.budget == pytest.approx(cut + 0.05)  # the pool full and within the target: raised by a step
+
+
 def test_a_reading_short_within_its_jitter_holds_the_budget_until_the_pool_is_full_then_cuts():
     s = IsolationSettings(window_s=1.0, initial=0.2, solo_every=100, smooth_windows=3)
     ctl = IsolationController(s)
