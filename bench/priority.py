@@ -39,6 +39,7 @@ so a yield waits for its end there, unless --device-in-backward runs it layer by
 the backward, as a GPU whose queue the plugin bounds does (docs/priorities.md, rule 3).
 
     python -m bench.priority --bed sim [--out results/priority_sim.json]
+    python -m bench.priority --bed sim --frontier   # what any fixed budget gives, beside the controller
     python -m bench.priority --bed model --cycles 3 [--out results/priority_model.json]
 """
 from __future__ import annotations
@@ -200,6 +201,87 @@ def _rules_table(result: dict[str, Any]) -> Table:
         f = r["fleet_64x8"]
         t.add_row(rules, *(f"{r['points'][n]['prod']:.3f} / {r['points'][n]['opp0']:.3f}" for n in names),
                   f"{f['prod_speed_median']:.3f} / {f['prod_speed_p10']:.3f} / {f['opp_speed_median']:.3f}")
+    return t
+
+
+FRONTIER_BUDGETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0)
+"""`--frontier`'s pinned budgets (device seconds per second the low class may hold)."""
+_FRONTIER_POINTS = (("1:1", 1.0, 0.0), ("1:1", 1.0, 0.19), ("comm-bound 2:1", 2.0, 0.0), ("comm-bound 2:1", 2.0, 0.19))
+
+
+def pinned(budget: float) -> ClassSettings:
+    """The class rules with the lower classes' budget held at `budget`: the controller still measures (its solo
+    windows, budget 0, come as they do) but never moves it (a target it always meets, a ceiling at the start)."""
+    return ClassSettings(isolation=IsolationSettings(target=1e-3, initial=budget, ceiling=budget))
+
+
+def best_within(points: list[tuple[float, float]], target: float) -> float | None:
+    """The most a low job gets while the production job keeps `target`, along a frontier of (production, low)
+    speeds measured at rising budgets: the low speed where the production speed crosses the target, interpolated
+    between the two budgets around the crossing; the last point's, if it never does; None if no point keeps the
+    target."""
+    best = None
+    for (p0, l0), (p1, l1) in zip([(math.inf, 0.0), *points], points):
+        if p1 >= target:
+            best = l1 if best is None else max(best, l1)
+        elif p0 >= target and p0 > p1 and not math.isinf(p0):
+            crossing = l0 + (l1 - l0) * (p0 - target) / (p0 - p1)
+            best = crossing if best is None else max(best, crossing)
+    return best
+
+
+def run_frontier(args: argparse.Namespace) -> dict[str, Any]:
+    """Two nodes beside one low job: the class rules at each of `FRONTIER_BUDGETS` held fixed, and the controller
+    (mode `classes`), in each scenario of `_FRONTIER_POINTS`; and the fleet likewise (its production jobs' median
+    against the target, where their 10th percentile keeps 0.93). The budgets' frontier says what a budget can give
+    the low job at all while the production job keeps its target, which a device-time bound (`low_ceiling`)
+    does not: the link the jobs share and the interference of a low phase with an allreduce cost the production
+    job whatever the device time left free."""
+    target = IsolationSettings.target
+    out: dict[str, Any] = {}
+    for scenario, ratio, interference in _FRONTIER_POINTS:
+        def run(classes: ClassSettings | None, ratio: float = ratio, interference: float = interference
+                ) -> dict[str, float]:
+            pt = sim_point(0.1, 0.1 * ratio, 1, interference, iterations=args.iters, modes=("classes",),
+                           classes=classes, jitter=args.jitter, yield_s=args.yield_s)
+            return pt["classes"]["speed_vs_alone"]  # type: ignore[no-any-return]
+        budgets = {b: run(pinned(b)) for b in FRONTIER_BUDGETS}
+        controller = run(None)
+        best = best_within([(r["prod"], r["opp0"]) for r in budgets.values()], target)
+        out[f"{scenario}, interference {interference:g}"] = {
+            "budgets": {f"{b:g}": r for b, r in budgets.items()}, "controller": controller,
+            "best_within_target": best, "controller_share_of_best": controller["opp0"] / best if best else None,
+            "low_ceiling": low_ceiling(0.1, 0.1 * (1 + ratio), 1, interference)}
+        print(f"{scenario}, interference {interference:g}: best within {target:g} {best}, controller {controller}",
+              flush=True)
+    fleet = {f"{b:g}": sim_fleet("classes", horizon_s=args.fleet_horizon, classes=pinned(b), jitter=args.jitter,
+                                 yield_s=args.yield_s) for b in FRONTIER_BUDGETS}
+    shipped = sim_fleet("classes", horizon_s=args.fleet_horizon, jitter=args.jitter, yield_s=args.yield_s)
+    kept = [(f["prod_speed_median"], f["opp_speed_median"]) for f in fleet.values() if f["prod_speed_p10"] >= 0.93]
+    best = best_within(kept, target)
+    out["fleet 64x8, median (p10 >= 0.93)"] = {
+        "budgets": fleet, "controller": shipped, "best_within_target": best,
+        "controller_share_of_best": shipped["opp_speed_median"] / best if best else None}
+    print(f"fleet: best within {target:g} {best}, controller {shipped}", flush=True)
+    return out
+
+
+def _frontier_table(result: dict[str, Any]) -> Table:
+    t = Table(title=f"prod / low at a pinned low-class budget (s/s) and under the controller, simulator, "
+                    f"target {IsolationSettings.target:g}", title_justify="left")
+    for col in ("scenario", *(f"{b:g}" for b in FRONTIER_BUDGETS), "controller", "best within target",
+                "low_ceiling"):
+        t.add_column(col, justify="left" if col == "scenario" else "right")
+    def cell(x: dict[str, Any]) -> str:
+        if "prod" in x:
+            return f"{x['prod']:.3f} / {x['opp0']:.3f}"
+        return f"{x['prod_speed_median']:.3f} ({x['prod_speed_p10']:.3f}) / {x['opp_speed_median']:.3f}"
+
+    for name, r in result.items():
+        best = r["best_within_target"]
+        t.add_row(name, *(cell(x) for x in r["budgets"].values()), cell(r["controller"]),
+                  "none" if best is None else f"{best:.3f}",
+                  f"{r['low_ceiling']:.2f}" if "low_ceiling" in r else "")
     return t
 
 
@@ -372,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", action="store_true",
                    help="sim: the controller with each open-loop class rule taken out or set as before (guard, "
                         "gap fitting), instead of the modes")
+    p.add_argument("--frontier", action="store_true",
+                   help="sim: the class rules at each of a row of pinned low-class budgets beside the controller, "
+                        "and the most any of them gives the low job while the production job keeps its target")
     p.add_argument("--lows", type=int, default=1, help="model/core: low jobs beside the production job")
     p.add_argument("--low-nodes", type=int, default=2, choices=(1, 2),
                    help="model/core: the nodes each low job runs on (1: a one-rank low job on node 0 only, "
@@ -401,7 +486,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--yield-ms {args.yield_ms:g}: must be >= 0 (0: a rank never yields)")
     args.yield_s = args.yield_ms / 1e3 or None
     t0 = time.monotonic()
-    if args.bed == "sim" and args.rules:
+    if args.rules and args.frontier:
+        p.error("--rules and --frontier are two runs: ask for one")
+    if args.bed != "sim" and (args.rules or args.frontier):
+        p.error("--rules and --frontier run on --bed sim")
+    if args.bed == "sim" and args.frontier:
+        result = {"frontier": run_frontier(args)}
+        Console(width=None if sys.stdout.isatty() else 260).print(_frontier_table(result["frontier"]))
+    elif args.bed == "sim" and args.rules:
         result = {"rules": run_rules(args)}
         Console(width=None if sys.stdout.isatty() else 200).print(_rules_table(result["rules"]))
     elif args.bed == "sim":
@@ -419,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.bed} bed, 1 prod + {args.lows} low, comm:compute {args.ratio:g}: medians of speed vs alone "
               f"over {args.cycles} cycles: {result['medians']}; the most a low job could get with the production "
               f"job whole: {result['low_ceiling']:.2f}")
-    out = args.out or Path(f"results/priority_{args.bed}{'_rules' if args.rules else ''}.json")
+    kind = "_rules" if args.rules else "_frontier" if args.frontier else ""
+    out = args.out or Path(f"results/priority_{args.bed}{kind}.json")
     write_json(out, {"benchmark": "priority", "bed": args.bed, "time": time.time(), "machine": machine(),
                      "elapsed_s": time.monotonic() - t0,
                      "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
