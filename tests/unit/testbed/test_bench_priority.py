@@ -42,3 +42,14 @@ def test_a_pinned_budget_neither_rises_nor_falls_whatever_the_production_job_kee
 
     assert budget_after(IsolationSettings(initial=0.3)) < 0.3  # the controller cuts it
     assert budget_after(pinned(0.3).isolation) == pytest.approx(0.3)
+
+
+def test_the_frontier_and_the_rules_are_simulator_runs_asked_one_at_a_time(capsys):
+    from bench.priority import main
+
+    for argv in (["--bed", "model", "--frontier"], ["--bed", "sim", "--frontier", "--rules"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "run on --bed sim" in err and "ask for one" in err
