@@ -176,19 +176,27 @@ def sim_fleet(mode: str, seed: int = 0, horizon_s: float = 120.0, classes: Class
 _RULE_POINTS = (("1:1", 1.0, 0.0), ("1:1", 1.0, 0.19), ("comm-bound 2:1", 2.0, 0.19), ("no gaps", 0.05, 0.19))
 
 
+def _beside_one_low(args: argparse.Namespace, ratio: float, interference: float,
+                    classes: ClassSettings | None) -> dict[str, float]:
+    """Mode `classes` with `classes` (None: as shipped) on two nodes beside one low job: each job's speed."""
+    pt = sim_point(0.1, 0.1 * ratio, 1, interference, iterations=args.iters, modes=("classes",), classes=classes,
+                   jitter=args.jitter, yield_s=args.yield_s)
+    return pt["classes"]["speed_vs_alone"]  # type: ignore[no-any-return]
+
+
+def _fleet(args: argparse.Namespace, mode: str = "classes", classes: ClassSettings | None = None) -> dict[str, Any]:
+    """`sim_fleet` at the run's horizon, jitter and yield."""
+    return sim_fleet(mode, horizon_s=args.fleet_horizon, classes=classes, jitter=args.jitter, yield_s=args.yield_s)
+
+
 def run_rules(args: argparse.Namespace) -> dict[str, Any]:
     """Mode `classes` (the controller on) with each variant of `RULES`: two nodes beside one low job, and the
     fleet."""
-    out: dict[str, Any] = {}
-    for name, classes in RULES.items():
-        pts = {}
-        for scenario, ratio, interference in _RULE_POINTS:
-            pt = sim_point(0.1, 0.1 * ratio, 1, interference, iterations=args.iters, modes=("classes",),
-                           classes=classes, jitter=args.jitter, yield_s=args.yield_s)
-            pts[f"{scenario}, interference {interference:g}"] = pt["classes"]["speed_vs_alone"]
-        out[name] = {"points": pts, "fleet_64x8": sim_fleet("classes", horizon_s=args.fleet_horizon, classes=classes,
-                                                          jitter=args.jitter, yield_s=args.yield_s)}
-    return out
+    return {name: {"points": {f"{scenario}, interference {interference:g}": _beside_one_low(args, ratio, interference,
+                                                                                          classes)
+                              for scenario, ratio, interference in _RULE_POINTS},
+                   "fleet_64x8": _fleet(args, classes=classes)}
+            for name, classes in RULES.items()}
 
 
 def _rules_table(result: dict[str, Any]) -> Table:
@@ -204,6 +212,8 @@ def _rules_table(result: dict[str, Any]) -> Table:
     return t
 
 
+FLEET_P10_TARGET = 0.93
+"""The issue's floor for the fleet's production jobs: their 10th percentile of speed relative to alone."""
 FRONTIER_BUDGETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0)
 """`--frontier`'s pinned budgets (device seconds per second the low class may hold)."""
 _FRONTIER_POINTS = (("1:1", 1.0, 0.0), ("1:1", 1.0, 0.19), ("comm-bound 2:1", 2.0, 0.0), ("comm-bound 2:1", 2.0, 0.19))
@@ -220,33 +230,24 @@ def best_within(points: list[tuple[float, float]], target: float) -> float | Non
     speeds measured at rising budgets: the low speed where the production speed crosses the target, interpolated
     between the two budgets around the crossing; the last point's, if it never does; None if no point keeps the
     target."""
-    best = None
-    for (p0, l0), (p1, l1) in zip([(math.inf, 0.0), *points], points):
-        if p1 >= target:
-            best = l1 if best is None else max(best, l1)
-        elif p0 >= target and p0 > p1 and not math.isinf(p0):
-            crossing = l0 + (l1 - l0) * (p0 - target) / (p0 - p1)
-            best = crossing if best is None else max(best, crossing)
-    return best
+    kept = [low for prod, low in points if prod >= target]
+    crossings = [l0 + (l1 - l0) * (p0 - target) / (p0 - p1)
+                 for (p0, l0), (p1, l1) in zip(points, points[1:]) if p0 >= target > p1]
+    return max(kept + crossings, default=None)
 
 
 def run_frontier(args: argparse.Namespace) -> dict[str, Any]:
     """Two nodes beside one low job: the class rules at each of `FRONTIER_BUDGETS` held fixed, and the controller
     (mode `classes`), in each scenario of `_FRONTIER_POINTS`; and the fleet likewise (its production jobs' median
-    against the target, where their 10th percentile keeps 0.93). The budgets' frontier says what a budget can give
-    the low job at all while the production job keeps its target, which a device-time bound (`low_ceiling`)
-    does not: the link the jobs share and the interference of a low phase with an allreduce cost the production
-    job whatever the device time left free."""
+    against the target, where their 10th percentile keeps `FLEET_P10_TARGET`). The budgets' frontier says what a
+    budget can give the low job at all while the production job keeps its target, which a device-time bound
+    (`low_ceiling`) does not: the link the jobs share and the interference of a low phase with an allreduce cost
+    the production job whatever the device time left free."""
     target = IsolationSettings.target
     out: dict[str, Any] = {}
     for scenario, ratio, interference in _FRONTIER_POINTS:
-        def run(classes: ClassSettings | None, ratio: float = ratio, interference: float = interference
-                ) -> dict[str, float]:
-            pt = sim_point(0.1, 0.1 * ratio, 1, interference, iterations=args.iters, modes=("classes",),
-                           classes=classes, jitter=args.jitter, yield_s=args.yield_s)
-            return pt["classes"]["speed_vs_alone"]  # type: ignore[no-any-return]
-        budgets = {b: run(pinned(b)) for b in FRONTIER_BUDGETS}
-        controller = run(None)
+        budgets = {b: _beside_one_low(args, ratio, interference, pinned(b)) for b in FRONTIER_BUDGETS}
+        controller = _beside_one_low(args, ratio, interference, None)
         best = best_within([(r["prod"], r["opp0"]) for r in budgets.values()], target)
         out[f"{scenario}, interference {interference:g}"] = {
             "budgets": {f"{b:g}": r for b, r in budgets.items()}, "controller": controller,
@@ -254,12 +255,12 @@ def run_frontier(args: argparse.Namespace) -> dict[str, Any]:
             "low_ceiling": low_ceiling(0.1, 0.1 * (1 + ratio), 1, interference)}
         print(f"{scenario}, interference {interference:g}: best within {target:g} {best}, controller {controller}",
               flush=True)
-    fleet = {f"{b:g}": sim_fleet("classes", horizon_s=args.fleet_horizon, classes=pinned(b), jitter=args.jitter,
-                                 yield_s=args.yield_s) for b in FRONTIER_BUDGETS}
-    shipped = sim_fleet("classes", horizon_s=args.fleet_horizon, jitter=args.jitter, yield_s=args.yield_s)
-    kept = [(f["prod_speed_median"], f["opp_speed_median"]) for f in fleet.values() if f["prod_speed_p10"] >= 0.93]
+    fleet = {f"{b:g}": _fleet(args, classes=pinned(b)) for b in FRONTIER_BUDGETS}
+    shipped = _fleet(args)
+    kept = [(f["prod_speed_median"], f["opp_speed_median"]) for f in fleet.values()
+            if f["prod_speed_p10"] >= FLEET_P10_TARGET]
     best = best_within(kept, target)
-    out["fleet 64x8, median (p10 >= 0.93)"] = {
+    out[f"fleet 64x8, median (p10 >= {FLEET_P10_TARGET:g})"] = {
         "budgets": fleet, "controller": shipped, "best_within_target": best,
         "controller_share_of_best": shipped["opp_speed_median"] / best if best else None}
     print(f"fleet: best within {target:g} {best}, controller {shipped}", flush=True)
@@ -297,8 +298,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     gapless = sim_point(0.1, 0.005, 1, 0.19, iterations=args.iters, jitter=args.jitter, yield_s=args.yield_s)
     gapless["scenario"] = "no gaps (comm 0.05x compute), 1 prod + 1 low"
     points.append(gapless)
-    return {"points": points, "fleet_64x8": {m: sim_fleet(m, horizon_s=args.fleet_horizon, jitter=args.jitter,
-                                                          yield_s=args.yield_s)
+    return {"points": points, "fleet_64x8": {m: _fleet(args, m)
                                         for m in SIM_MODES}}
 
 
