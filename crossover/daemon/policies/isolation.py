@@ -396,10 +396,11 @@ class IsolationController:
         kept, error, pooled = min(readings, key=lambda r: r[0])
         full = pooled >= s.smooth_windows
         sure_above = error is not None and kept * (1.0 - s.confidence * error) >= s.target
+        sure_below = error is not None and kept * (1.0 + s.confidence * error) < s.target
         if kept >= s.target and (self._starting or full or sure_above):
             step = max(s.increase, self.budget) if self._starting else s.increase
             budget, verdict = min(s.ceiling, self.budget + step), "more"
-        elif kept < s.target and (full or error is not None and kept * (1.0 + s.confidence * error) < s.target):
+        elif kept < s.target and (full or sure_below):
             budget, verdict = self.budget * max(s.decrease, 1.0 - s.cut_gain * (s.target - kept) / s.target), "less"
             self._starting = False
         else:
